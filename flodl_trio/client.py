@@ -1,0 +1,275 @@
+"""The rank client: what a trio trainer awaits to average with the cluster.
+
+A :class:`ReduceClient` holds one loopback connection to its host's data
+relay. Every call is one round: send this rank's frame, wait for the
+consensus. That wait has no deadline on purpose (a slow host must not make
+Local SGD silently drop a round); death detection ends it instead - the
+relay closes a dead rank's connection, and the control client (another task
+in the trainer's nursery) raises when the coordinator is lost. Pass
+``reply_timeout`` to bound it anyway when running without a control channel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from .errors import ConfigError, FlodlError, FramingError, PeerClosedMidFrame, PeerTimeout, RankDeadError
+from .realized_work import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
+from .wire.constants import DTYPE_BF16, DTYPE_F32
+from .wire.handshake import DATA_ACK_LEN, decode_data_ack, encode_data_handshake
+from .wire.netenv import CONNECT_RETRY_ATTEMPTS, handshake_timeout
+from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame, encode_round_frame_chunks
+from .wire.salt import SessionSalt
+from .wire.stream import MessageStream, connect_with_retry
+
+if TYPE_CHECKING:
+    import torch
+
+Address = tuple[str, int] | str
+
+
+def parse_address(address: Address) -> tuple[str, int]:
+    """``(host, port)`` or ``"host:port"`` (IPv6 as ``[::1]:port``)."""
+    if isinstance(address, tuple):
+        host, port = address
+        return str(host), int(port)
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def max_reply_len(frame: RoundFrame) -> int:
+    """Largest consensus frame a reply to ``frame`` can be: same schema, nothing elided."""
+    total = 25
+    for t in frame.tensors:
+        total += 10 + 4 * len(t.shape) + t.numel * (2 if t.dtype == DTYPE_BF16 else 4)
+    return total
+
+
+class ReduceClient:
+    """One rank's connection to its relay. Not safe for concurrent rounds."""
+
+    def __init__(self, conn: MessageStream, rank: int, world_size: int, salt: SessionSalt, *, reply_timeout: float | None) -> None:
+        self._conn = conn
+        self.rank = rank
+        self.world_size = world_size
+        self._salt = salt
+        self.reply_timeout = reply_timeout
+        self.bf16_wire = False
+        self.pinned_decode = False
+        self._armed_slot: int | None = None
+        self._staging: dict[int, list[torch.Tensor]] = {}
+        self._busy = False
+        self._broken: str | None = None
+        self.rounds = 0
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Leave the cluster: the relay sees EOF and folds the survivors without us."""
+        self._broken = self._broken or "client closed"
+        await self._conn.aclose()
+
+    async def __aenter__(self) -> ReduceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- frame level ---------------------------------------------------------
+
+    async def all_reduce(self, frame: RoundFrame) -> RoundFrame:
+        """Contribute ``frame`` and return the round's consensus (owning its bytes)."""
+        if self._busy:
+            raise trio.BusyResourceError(f"rank {self.rank}: another round is already in flight on this client")
+        if self._broken is not None:
+            raise FlodlError(f"rank {self.rank}: client unusable ({self._broken})")
+        self._busy = True
+        try:
+            reply = await self._round_trip(frame)
+        except BaseException as exc:
+            # A round interrupted half-way leaves the ping-pong out of step for good.
+            self._broken = f"a round ended abnormally: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._busy = False
+        self.rounds += 1
+        return reply
+
+    async def _round_trip(self, frame: RoundFrame) -> RoundFrame:
+        encoded = encode_round_frame_chunks(frame, self._salt)
+        await self._conn.send_len_framed(encoded.chunks, encoded.nbytes)
+        bound = max_reply_len(frame)
+        with trio.fail_after(math.inf if self.reply_timeout is None else self.reply_timeout):
+            try:
+                length = await self._conn.receive_length_prefix(ceiling=bound)
+            except FramingError as exc:
+                raise FramingError(
+                    f"rank {self.rank}: consensus is larger than this round's schema allows "
+                    f"({bound} bytes): {exc}"
+                ) from None
+        if length is None:
+            raise RankDeadError(
+                f"rank {self.rank}: the relay closed the connection while this rank waited for "
+                f"round {self.rounds}'s consensus (relay or controller gone, or this rank was declared dead)"
+            )
+        # The bound is our own schema, so this allocation is trusted; the reply owns it.
+        body = np.empty(length, dtype=np.uint8)
+        await self._conn.receive_into(memoryview(body), "the consensus frame")
+        return decode_round_frame(body, self._salt, source=f"relay (rank {self.rank}'s consensus)")
+
+    # -- tensor level --------------------------------------------------------
+
+    def arm_pinned_decode(self, slot: int) -> None:
+        """Decode the next reply into ``slot``'s reusable staging (when pinned_decode is on).
+
+        The returned tensors alias the staging: the next decode into the same
+        slot overwrites them. Slots are caller-tagged so a buffers frame with
+        the params frame's exact schema never lands in the params staging.
+        """
+        if slot not in (DECODE_SLOT_PARAMS, DECODE_SLOT_BUFFERS):
+            raise ConfigError(f"unknown decode slot {slot}")
+        self._armed_slot = slot
+
+    def _wire_dtype(self, kind: RoundKind) -> int:
+        # Control rounds carry counts and sums: always f32 (bf16 is exact only to 256).
+        return DTYPE_BF16 if self.bf16_wire and kind == RoundKind.MODEL else DTYPE_F32
+
+    def _decode(self, reply: RoundFrame) -> list[torch.Tensor]:
+        from .tensors import round_frame_to_tensors, staging_like
+
+        slot, self._armed_slot = self._armed_slot, None
+        if not self.pinned_decode or slot is None:
+            return round_frame_to_tensors(reply)
+        staging = self._staging.get(slot)
+        if staging is None or [list(t.shape) for t in staging] != [list(p.shape) for p in reply.tensors]:
+            staging = self._staging[slot] = staging_like(reply)
+        return round_frame_to_tensors(reply, out=staging)
+
+    async def all_reduce_scaled(
+        self, tensors: Sequence[torch.Tensor], scale: float, kind: RoundKind, weight: float
+    ) -> tuple[list[torch.Tensor], float]:
+        """Send ``scale * tensors`` with mass ``weight`` (scaled on the wire bytes, no
+        caller-visible copy); return (consensus, accepted mass)."""
+        from .tensors import tensors_to_round_frame
+
+        frame = tensors_to_round_frame(tensors, self._wire_dtype(kind), kind=kind, weight=weight, scale=scale)
+        reply = await self.all_reduce(frame)
+        return self._decode(reply), reply.weight
+
+    async def all_reduce_weighted(
+        self, tensors: Sequence[torch.Tensor], kind: RoundKind, weight: float
+    ) -> tuple[list[torch.Tensor], float]:
+        """Send already-scaled ``tensors`` with mass ``weight``; return (consensus, accepted mass)."""
+        return await self.all_reduce_scaled(tensors, 1.0, kind, weight)
+
+    async def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Plain mean over the live ranks (every rank counts 1)."""
+        result, _mass = await self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)
+        return result
+
+    async def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]:
+        """Gather one number per rank: this rank's ``values[rank]`` lands in its slot.
+
+        Dead ranks' slots come back 0. Carried as f32 (flodl's wire format):
+        exact for integers up to 2**24.
+        """
+        if len(values) != self.world_size:
+            raise ConfigError(f"rank {self.rank}: per-rank gather needs {self.world_size} values, got {len(values)}")
+        slots = np.zeros(self.world_size, dtype="<f4")
+        slots[self.rank] = values[self.rank]
+        frame = RoundFrame([TensorPayload(DTYPE_F32, (self.world_size,), slots)], RoundKind.CONTROL, 0.0)
+        reply = await self.all_reduce(frame)
+        payload = reply.tensors[0]
+        if payload.elided:
+            return [0.0] * self.world_size
+        return [float(v) for v in np.frombuffer(payload.data, dtype="<f4")]
+
+    async def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int) -> list[torch.Tensor]:
+        """Every rank gets ``root``'s tensors; the others send only shapes (elided zeros)."""
+        from .tensors import elided_like, tensors_to_round_frame
+
+        if not 0 <= root < self.world_size:
+            raise ConfigError(f"broadcast root {root} must be < world_size {self.world_size}")
+        if self.rank == root:
+            frame = tensors_to_round_frame(tensors, DTYPE_F32, kind=RoundKind.CONTROL, weight=0.0)
+        else:
+            frame = RoundFrame(elided_like(tensors), RoundKind.CONTROL, 0.0)
+        return self._decode(await self.all_reduce(frame))
+
+
+class _Connect:
+    """``await connect_reduce_client(...)`` or ``async with connect_reduce_client(...) as c``."""
+
+    def __init__(self, coro_factory: Any) -> None:
+        self._factory = coro_factory
+        self._client: ReduceClient | None = None
+
+    def __await__(self) -> Generator[Any, None, ReduceClient]:
+        return self._factory().__await__()
+
+    async def __aenter__(self) -> ReduceClient:
+        self._client = await self._factory()
+        return self._client
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        assert self._client is not None
+        await self._client.aclose()
+
+
+def connect_reduce_client(
+    address: Address,
+    rank: int,
+    world_size: int,
+    salt: SessionSalt | bytes,
+    *,
+    connect_attempts: int = CONNECT_RETRY_ATTEMPTS,
+    connect_interval: float | None = None,
+    reply_timeout: float | None = None,
+) -> _Connect:
+    """Connect rank ``rank`` to its host's data relay at ``address``.
+
+    Argument errors are raised before any network traffic. The relay refuses a
+    wrong world size, a rank outside its host set or a duplicate rank by
+    closing before the ack; that surfaces here as a handshake error.
+    """
+    if world_size <= 0:
+        raise ConfigError(f"world_size must be > 0, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank_id {rank} must be < world_size {world_size}")
+    session = SessionSalt.coerce(salt)
+    host, port = parse_address(address)
+
+    async def connect() -> ReduceClient:
+        stream = await connect_with_retry(
+            host, port, f"rank {rank} -> data relay", attempts=connect_attempts, interval=connect_interval
+        )
+        conn = MessageStream(stream, f"data relay {host}:{port}")
+        try:
+            await conn.send_chunks([encode_data_handshake(rank, world_size)])
+            with trio.fail_after(handshake_timeout()):
+                ack = await conn.receive_exactly(DATA_ACK_LEN, "the data handshake ack")
+            decode_data_ack(ack)
+        except PeerClosedMidFrame:
+            await conn.aclose()
+            raise FramingError(
+                f"rank {rank}: data relay {host}:{port} closed the connection before the handshake ack "
+                f"(it refused rank {rank} / world_size {world_size}: wrong world size, rank not on this "
+                "host, or rank already connected - see the relay's log)"
+            ) from None
+        except trio.TooSlowError:
+            await conn.aclose()
+            raise PeerTimeout(f"rank {rank}: no handshake ack from data relay {host}:{port} within {handshake_timeout():.0f} s") from None
+        except BaseException:
+            await conn.aclose()
+            raise
+        return ReduceClient(conn, rank, world_size, session, reply_timeout=reply_timeout)
+
+    return _Connect(connect)

@@ -1,0 +1,537 @@
+"""The controller: one port, one connection per host relay, one consensus per round.
+
+Task structure::
+
+    accept loop --> route(conn) --peek channel magic--> data: relay session
+                                                     \\-> control: coordinator (if attached)
+                                                      \\-> "GET ": a plain-text status page
+
+    relay session (one per host):  link_reader  --HostFrame--> round fold (shared state)
+                                   link_writer  <--Broadcast / DeclareDead-- outbox channel
+    death_watcher: DeadRanks --> DeclareDead to the owning relay, re-check the round
+
+A round completes when every rank is dead or carried by a relay that has
+delivered; the sum is divided once by the accepted mass, serialized once and
+queued to every relay that still has a live rank. A bad connection is refused
+and logged while the controller keeps serving; a malformed or wrongly-salted
+frame from an accepted relay is fatal (``wait_finished`` raises, naming it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from .dead_ranks import DeadRanks
+from .errors import (
+    ConfigError,
+    DesyncError,
+    FlodlError,
+    HandshakeError,
+    MacError,
+    PeerClosedMidFrame,
+    PeerTimeout,
+    ProtocolError,
+)
+from .wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_FRAME_CEILING
+from .wire.fold import FoldAccumulator, finish_consensus
+from .wire.mux import (
+    DeclareDead,
+    Hello,
+    HelloAck,
+    MuxKind,
+    RankExit,
+    RelayControlMsg,
+    decode_control_msg,
+    encode_control_msg,
+    encode_mux_record,
+)
+from .wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
+from .wire.round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame, encode_round_frame_chunks
+from .wire.salt import SessionSalt
+from .wire.stream import BufferPool, MessageStream, ReceiveBuffer, peer_host, tune_socket
+from .wire.tasks import service_nursery
+
+log = logging.getLogger("flodl_trio.controller")
+
+SMALL_RECORD = 64 << 10
+_DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerClosedMidFrame, PeerTimeout)
+
+
+def _naming(exc: FlodlError, who: str) -> FlodlError:
+    """The same error type, its message prefixed with the peer it came from."""
+    if who in str(exc):
+        return exc
+    try:
+        return type(exc)(f"{who}: {exc}")
+    except TypeError:
+        return FlodlError(f"{who}: {exc}")
+
+
+class OuterOptimizer(Protocol):
+    """Transforms the params consensus of each window (DiLoCo, SlowMo, ...)."""
+
+    def __call__(self, consensus: RoundFrame) -> RoundFrame: ...
+
+
+class CheckpointSink(Protocol):
+    """Receives each Model round's consensus; must return quickly (write elsewhere)."""
+
+    def __call__(self, round_index: int, consensus: RoundFrame) -> None: ...
+
+
+ControlHandler = Callable[[MessageStream], Awaitable[None]]
+
+
+@attrs.define
+class ControllerStats:
+    rounds: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    last_mass: float = 0.0
+    relays: int = 0
+    rejected: int = 0
+    mac_failures: int = 0
+
+
+@attrs.frozen
+class ControllerConfig:
+    host: str
+    port: int
+    world_size: int
+    salt: SessionSalt
+    ceiling: int = DEFAULT_FRAME_CEILING
+
+
+class ControllerHandle:
+    """A running controller: its port, the dead-rank ledger, counters, and how it ended."""
+
+    def __init__(self, port: int, dead_ranks: DeadRanks, stats: ControllerStats) -> None:
+        self.port = port
+        self.dead_ranks = dead_ranks
+        self.stats = stats
+        self.rejections: list[str] = []
+        self._finished = trio.Event()
+        self._error: BaseException | None = None
+        self._error_seen = False
+        self.control_handler: ControlHandler | None = None
+
+    async def wait_finished(self) -> None:
+        """Return once every rank is dead or exited; raise the error that stopped it."""
+        await self._finished.wait()
+        if self._error is not None:
+            self._error_seen = True
+            raise self._error
+
+
+@asynccontextmanager
+async def open_controller(
+    host: str,
+    port: int,
+    *,
+    world_size: int,
+    salt: SessionSalt | bytes,
+    dead_ranks: DeadRanks | None = None,
+    outer_optimizer: OuterOptimizer | None = None,
+    checkpoint: CheckpointSink | None = None,
+    ceiling: int = DEFAULT_FRAME_CEILING,
+) -> AsyncIterator[ControllerHandle]:
+    """Serve the cluster's controller on ``host:port`` (0 = any free port) for the block."""
+    if world_size <= 0:
+        raise ConfigError(f"world_size must be > 0, got {world_size}")
+    ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
+    if ledger.world_size != world_size:
+        raise ConfigError(f"dead_ranks covers world_size {ledger.world_size}, controller has {world_size}")
+    config = ControllerConfig(host, port, world_size, SessionSalt.coerce(salt), ceiling)
+    async with service_nursery() as nursery:
+        handle: ControllerHandle = await nursery.start(_serve_controller, config, ledger, outer_optimizer, checkpoint)
+        yield handle
+    if handle._error is not None and not handle._error_seen:
+        raise handle._error
+
+
+async def _serve_controller(
+    config: ControllerConfig,
+    ledger: DeadRanks,
+    outer_optimizer: OuterOptimizer | None,
+    checkpoint: CheckpointSink | None,
+    *,
+    task_status: trio.TaskStatus[ControllerHandle],
+) -> None:
+    listeners = await trio.open_tcp_listeners(config.port, host=config.host)
+    handle = ControllerHandle(listeners[0].socket.getsockname()[1], ledger, ControllerStats())
+    controller = _Controller(config, handle, outer_optimizer, checkpoint)
+    task_status.started(handle)
+    try:
+        await controller.run(listeners)
+    except Exception as exc:
+        handle._error = exc
+        log.error("controller: %s", exc)
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+        handle._finished.set()
+
+
+@attrs.define(eq=False)
+class RelayLink:
+    """One accepted relay connection and the ranks it carries."""
+
+    id: int
+    host: str
+    ranks: tuple[int, ...]
+    conn: MessageStream
+    outbox: trio.MemorySendChannel[EncodedFrame]
+    inbox: trio.MemoryReceiveChannel[EncodedFrame]
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    closed: bool = False
+    small: ReceiveBuffer = attrs.field(factory=ReceiveBuffer)
+
+    @property
+    def name(self) -> str:
+        return f"relay {self.host} (ranks {list(self.ranks)})"
+
+
+class _Round:
+    """State of the round in progress: the fold so far and who delivered it."""
+
+    def __init__(self) -> None:
+        self.acc = FoldAccumulator()
+        self.delivered: set[int] = set()
+
+
+class _Controller:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        handle: ControllerHandle,
+        outer_optimizer: OuterOptimizer | None,
+        checkpoint: CheckpointSink | None,
+    ) -> None:
+        self.config = config
+        self.handle = handle
+        self.stats = handle.stats
+        self.dead = handle.dead_ranks
+        self.outer_optimizer = outer_optimizer
+        self.checkpoint = checkpoint
+        self.links: dict[int, RelayLink] = {}
+        self.owner: dict[int, RelayLink] = {}
+        self.round = _Round()
+        self.previous_kind: RoundKind | None = None
+        self.pool = BufferPool(2)
+        self._ids = itertools.count()
+        self._scope = trio.CancelScope()
+        self._deaths_send, self._deaths_receive = trio.open_memory_channel[int](2 * config.world_size + 1)
+        self._forwarded: set[int] = set()
+
+    def _on_death(self, rank: int) -> None:
+        """DeadRanks callback (runs outside any task: must never raise)."""
+        try:
+            self._deaths_send.send_nowait(rank)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def run(self, listeners: list[trio.SocketListener]) -> None:
+        unsubscribe = self.dead.subscribe(self._on_death)
+        error: Exception | None = None
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._death_watcher)
+                    for listener in listeners:
+                        nursery.start_soon(self._accept_loop, listener, nursery)
+                    for rank in sorted(self.dead.snapshot()):
+                        self._on_death(rank)
+        except Exception as exc:
+            error = exc
+        finally:
+            unsubscribe()
+        if self.handle._error is None and error is not None:
+            raise error
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.handle._error is None:
+            self.handle._error = exc
+            log.error("controller stopping: %s", exc)
+        self._scope.cancel()
+
+    # -- connections ---------------------------------------------------------
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                log.warning("controller: accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            tune_socket(stream)
+            nursery.start_soon(self._route, stream)
+
+    def _refuse(self, message: str) -> None:
+        log.warning("controller: %s", message)
+        self.handle.rejections.append(message)
+        self.stats.rejected += 1
+
+    async def _route(self, stream: trio.SocketStream) -> None:
+        """Peek the channel magic and hand the connection to its subsystem."""
+        host = peer_host(stream)
+        conn = MessageStream(stream, f"connection from {host}")
+        try:
+            with trio.fail_after(channel_magic_timeout()):
+                magic = await conn.receive_exactly(4, "the channel-select magic")
+        except (trio.TooSlowError, *_DISCONNECTS) as exc:
+            self._refuse(f"{conn.peer}: no channel magic ({'timed out' if isinstance(exc, trio.TooSlowError) else exc})")
+            await conn.aclose()
+            return
+        warn_if_public_peer("controller", host)
+        value = int.from_bytes(magic, "little")
+        if value == CHANNEL_MAGIC_DATA:
+            await self._serve_relay(conn)
+        elif value == CHANNEL_MAGIC_CONTROL and self.handle.control_handler is not None:
+            await self.handle.control_handler(conn)
+        elif magic in (b"GET ", b"POST"):
+            await self._serve_status(conn)
+        else:
+            self._refuse(f"{conn.peer}: unknown channel magic {magic.hex()}; closed")
+            await conn.aclose()
+
+    async def _serve_relay(self, conn: MessageStream) -> None:
+        link = await self._accept_relay(conn)
+        if link is None:
+            return
+        try:
+            with link.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._link_writer, link)
+                    try:
+                        await self._link_reader(link)
+                    except FlodlError as exc:
+                        self._fail(_naming(exc, link.name))
+                    nursery.cancel_scope.cancel()
+        finally:
+            await self._drop_link(link, "connection closed")
+
+    async def _accept_relay(self, conn: MessageStream) -> RelayLink | None:
+        """Read and check the Hello; register the relay or refuse it (logged, not fatal)."""
+        try:
+            with trio.fail_after(handshake_timeout()):
+                header = await conn.receive_mux_header(SMALL_RECORD)
+                if header is None:
+                    raise HandshakeError("closed before sending Hello")
+                kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), self.config.salt)
+            hello = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
+            if not isinstance(hello, Hello):
+                raise HandshakeError(f"first record must be Control(Hello), got {kind.name} {hello or ''}")
+            self._check_hello(hello)
+        except (ProtocolError, trio.TooSlowError, *_DISCONNECTS) as exc:
+            if isinstance(exc, MacError):
+                self.stats.mac_failures += 1
+            reason = "no Hello within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._refuse(f"data relay {conn.peer} refused: {reason}")
+            await conn.aclose()
+            return None
+        outbox, inbox = trio.open_memory_channel[EncodedFrame](self.config.world_size + 8)
+        link = RelayLink(next(self._ids), hello.host, hello.ranks, conn, outbox, inbox)
+        conn.peer = link.name
+        self.links[link.id] = link
+        for rank in link.ranks:
+            self.owner[rank] = link
+        self.stats.relays += 1
+        outbox.send_nowait(encode_mux_record(MuxKind.CONTROL, encode_control_msg(HelloAck()), self.config.salt))
+        for rank in link.ranks:
+            if self.dead.is_dead(rank):
+                self._send_control(link, DeclareDead(rank))
+        log.info("controller: accepted %s", link.name)
+        return link
+
+    def _check_hello(self, hello: Hello) -> None:
+        if not hello.ranks:
+            raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
+        if list(hello.ranks) != sorted(set(hello.ranks)):
+            raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
+        for rank in hello.ranks:
+            if rank >= self.config.world_size:
+                raise HandshakeError(
+                    f"Hello from host {hello.host!r} announces rank {rank} >= world_size {self.config.world_size}"
+                )
+            if rank in self.owner:
+                raise HandshakeError(
+                    f"Hello from host {hello.host!r} announces rank {rank}, already carried by {self.owner[rank].name}"
+                )
+
+    async def _drop_link(self, link: RelayLink, why: str) -> None:
+        """A relay is gone: its live ranks are dead, the survivors carry on."""
+        if link.closed:
+            return
+        link.closed = True
+        link.scope.cancel()
+        await link.conn.aclose()
+        for rank in link.ranks:
+            if self.dead.declare_dead(rank):
+                log.info("controller: rank %d dead: %s %s", rank, link.name, why)
+
+    # -- per relay tasks -----------------------------------------------------
+
+    async def _link_writer(self, link: RelayLink) -> None:
+        """Sole writer of a relay's socket; a failed write makes its ranks dead."""
+        async with link.inbox:
+            async for record in link.inbox:
+                try:
+                    await link.conn.send_chunks(record.chunks)
+                except _DISCONNECTS as exc:
+                    await self._drop_link(link, f"write failed: {exc}")
+                    return
+                self.stats.bytes_out += record.nbytes
+
+    async def _link_reader(self, link: RelayLink) -> None:
+        while True:
+            try:
+                header = await link.conn.receive_mux_header(self.config.ceiling)
+            except _DISCONNECTS as exc:
+                return await self._drop_link(link, f"read failed: {exc}")
+            if header is None:
+                return await self._drop_link(link, "closed by the relay")
+            big = header.length > SMALL_RECORD
+            buf = await self.pool.acquire() if big else link.small
+            try:
+                try:
+                    kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt)
+                except _DISCONNECTS as exc:
+                    return await self._drop_link(link, f"read failed: {exc}")
+                except MacError:
+                    self.stats.mac_failures += 1
+                    raise
+                self.stats.bytes_in += 25 + header.length
+                if kind is MuxKind.HOST_FRAME:
+                    self._on_host_frame(link, payload)
+                elif kind is MuxKind.CONTROL:
+                    self._on_relay_control(link, decode_control_msg(payload))
+                else:
+                    raise ProtocolError(f"unexpected {kind.name} record on the data channel")
+            finally:
+                if big:
+                    self.pool.release(buf)
+
+    def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
+        if not isinstance(msg, RankExit):
+            raise ProtocolError(f"unexpected {type(msg).__name__} mid-session")
+        if msg.rank not in link.ranks:
+            raise ProtocolError(f"RankExit for rank {msg.rank}, which this relay does not carry")
+        if self.dead.declare_dead(msg.rank):
+            log.info("controller: rank %d exited (%s)", msg.rank, link.name)
+
+    def _on_host_frame(self, link: RelayLink, payload: memoryview) -> None:
+        if all(self.dead.is_dead(r) for r in link.ranks):
+            log.info("controller: dropped a late frame from %s (all its ranks are dead)", link.name)
+            return
+        if link.id in self.round.delivered:
+            raise DesyncError("sent two HostFrames in one round (ping-pong violated)")
+        frame = decode_round_frame(payload, self.config.salt, ceiling=self.config.ceiling, source=link.name)
+        self.round.acc.add(frame, link.name)
+        self.round.delivered.add(link.id)
+        self._maybe_complete()
+
+    # -- rounds and deaths ---------------------------------------------------
+
+    def _round_ready(self) -> bool:
+        if self.round.acc.count == 0:
+            return False
+        for rank in range(self.config.world_size):
+            if self.dead.is_dead(rank):
+                continue
+            link = self.owner.get(rank)
+            if link is None or link.id not in self.round.delivered:
+                return False
+        return True
+
+    def _maybe_complete(self) -> None:
+        if not self._round_ready():
+            return
+        finished, self.round = self.round, _Round()
+        consensus = finish_consensus(finished.acc)
+        self.stats.rounds += 1
+        self.stats.last_mass = consensus.weight
+        consensus = self._apply_hooks(consensus)
+        record = encode_mux_record(MuxKind.BROADCAST, encode_round_frame_chunks(consensus, self.config.salt), self.config.salt)
+        for link in self.links.values():
+            if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
+                self._queue(link, record)
+
+    def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
+        is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL
+        self.previous_kind = consensus.kind
+        if is_params_round and self.outer_optimizer is not None and consensus.weight > 0:
+            consensus = self.outer_optimizer(consensus)
+        if consensus.kind == RoundKind.MODEL and self.checkpoint is not None:
+            self.checkpoint(self.stats.rounds, consensus)
+        return consensus
+
+    def _queue(self, link: RelayLink, record: EncodedFrame) -> None:
+        try:
+            link.outbox.send_nowait(record)
+        except trio.WouldBlock:
+            # A relay this far behind is not reading: it cannot be part of the cluster.
+            link.scope.cancel()
+        except trio.BrokenResourceError:
+            pass
+
+    def _send_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
+        self._queue(link, encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.config.salt))
+
+    async def _death_watcher(self) -> None:
+        """Each new death: one DeclareDead to the relay carrying it, then re-check the round."""
+        async for rank in self._deaths_receive:
+            if rank in self._forwarded:
+                continue
+            self._forwarded.add(rank)
+            link = self.owner.get(rank)
+            if link is not None and not link.closed:
+                self._send_control(link, DeclareDead(rank))
+            try:
+                self._maybe_complete()
+            except FlodlError as exc:
+                self._fail(exc)
+                return
+            if self.dead.all_dead() and not self.handle._finished.is_set():
+                log.info("controller: every rank is dead or has exited; finished after %d rounds", self.stats.rounds)
+                self.handle._finished.set()
+
+    # -- status page ---------------------------------------------------------
+
+    async def _serve_status(self, conn: MessageStream) -> None:
+        """A plain JSON status for operators who curl the controller port."""
+        request = bytearray()
+        with trio.move_on_after(handshake_timeout()):
+            while b"\r\n\r\n" not in request and len(request) < 8192:
+                try:
+                    chunk = await conn.stream.receive_some(4096)
+                except _DISCONNECTS:
+                    break
+                if not chunk:
+                    break
+                request += chunk
+        body = json.dumps(
+            {
+                "world_size": self.config.world_size,
+                "dead_ranks": sorted(self.dead.snapshot()),
+                "relays": [{"host": l.host, "ranks": list(l.ranks)} for l in self.links.values() if not l.closed],
+                "stats": attrs.asdict(self.stats),
+            }
+        ).encode()
+        head = f"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        try:
+            await conn.send_chunks([head, body])
+        except _DISCONNECTS:
+            pass
+        await conn.aclose()
+
+
+__all__ = ["CheckpointSink", "ControllerHandle", "ControllerStats", "OuterOptimizer", "open_controller"]

@@ -1,0 +1,97 @@
+"""Realized-work weighting: how much each rank's contribution counts in a round.
+
+Local SGD ranks do unequal work between averaging rounds (uneven data,
+stragglers, a rank that died mid-window). Weighting each contribution by the
+work it realized - and dividing once by the total the controller actually
+accepted - keeps the consensus unbiased. Parameters are weighted by
+``gamma_mass(steps, gamma)``; float buffers (BatchNorm running stats) by
+``mover_mass`` so a rank that did no steps does not drag them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from .wire.round_frame import RoundKind
+
+if TYPE_CHECKING:
+    import torch
+
+DECODE_SLOT_PARAMS = 0
+DECODE_SLOT_BUFFERS = 1
+
+
+def gamma_mass(steps: float, gamma: float) -> float:
+    """Mass of a rank that did ``steps`` local steps: 0 if none, else steps ** gamma."""
+    if steps <= 0:
+        return 0.0
+    if gamma == 1.0:
+        return float(steps)
+    return float(steps) ** gamma
+
+
+def mover_mass(steps: float) -> float:
+    """1 for a rank that moved at all this window, else 0."""
+    return 1.0 if steps > 0 else 0.0
+
+
+class _ReduceClientLike(Protocol):
+    pinned_decode: bool
+
+    def arm_pinned_decode(self, slot: int) -> None: ...
+
+    async def all_reduce_scaled(
+        self, tensors: Sequence[Any], scale: float, kind: RoundKind, weight: float
+    ) -> tuple[list[Any], float]: ...
+
+    async def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]: ...
+
+
+async def sumcount_reduce(
+    client: _ReduceClientLike, tensors: Sequence[torch.Tensor], weight: float, slot: int
+) -> list[torch.Tensor]:
+    """Weighted mean of ``tensors`` over the cluster, each rank counting ``weight``.
+
+    Returns the local tensors unchanged when the accepted mass is 0 (nobody
+    realized any work: there is nothing better to adopt).
+    """
+    if client.pinned_decode:
+        client.arm_pinned_decode(slot)
+    consensus, mass = await client.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight)
+    if mass <= 0:
+        return list(tensors)
+    return consensus
+
+
+@attrs.frozen
+class WindowResult:
+    """What one averaging window produced."""
+
+    counts: list[float]
+    params: list[Any]
+    buffers: list[Any]
+
+
+async def average_window(
+    client: _ReduceClientLike,
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    steps: int,
+    *,
+    rank: int,
+    world_size: int,
+    gamma: float = 1.0,
+) -> WindowResult:
+    """One Local-SGD window: gather step counts, average params by gamma mass,
+    then float buffers by mover mass. Dead ranks' counts come back 0."""
+    counts = [0.0] * world_size
+    counts[rank] = float(steps)
+    gathered = await client.all_reduce_per_rank_f64(counts)
+    new_params = await sumcount_reduce(client, params, gamma_mass(steps, gamma), DECODE_SLOT_PARAMS)
+    new_buffers = list(buffers)
+    if buffers:
+        new_buffers = await sumcount_reduce(client, buffers, mover_mass(steps), DECODE_SLOT_BUFFERS)
+    return WindowResult(gathered, new_params, new_buffers)

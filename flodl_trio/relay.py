@@ -1,0 +1,521 @@
+"""The per-host relay: K local ranks in, one upstream connection out, per channel.
+
+Task structure of one data channel (all in one nursery)::
+
+    rank socket r0 --> rank_reader(r0) --\\
+    rank socket r1 --> rank_reader(r1) ---+--[outbound channel]--> outbound_writer --> controller
+    rank socket rk --> rank_reader(rk) --/                          (sole upstream writer)
+
+    controller --> upstream_reader --> fan-out to every rank socket (sole rank-socket writer)
+
+Rank readers verify each frame's MAC and fold it straight into one f32
+accumulator (the fold never divides). The deposit, exit or controller-declared
+death that completes the round ships one HostFrame. A host with a single rank
+forwards that rank's frame byte for byte. Shutdown - upstream EOF, a fatal
+error, or the last local rank leaving - cancels the nursery; writes in flight
+are shielded so no frame is left half-written.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .errors import ConfigError, DesyncError, FlodlError, FramingError, HandshakeError, PeerTimeout, ProtocolError, SchemaError
+from .wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_FRAME_CEILING
+from .wire.fold import FoldAccumulator
+from .wire.handshake import DATA_HANDSHAKE_LEN, decode_data_handshake, encode_data_ack
+from .wire.mux import (
+    DeclareDead,
+    Hello,
+    HelloAck,
+    MuxKind,
+    RankExit,
+    RelayControlMsg,
+    decode_control_msg,
+    encode_control_msg,
+    encode_mux_record,
+)
+from .wire.netenv import handshake_timeout, warn_if_public_peer
+from .wire.round_frame import RoundFrame, decode_round_frame, encode_round_frame_chunks
+from .wire.salt import SessionSalt
+from .wire.tasks import service_nursery
+from .wire.stream import BufferPool, MessageStream, ReceiveBuffer, connect_with_retry, peer_host, tune_socket
+
+log = logging.getLogger("flodl_trio.relay")
+
+# Records queued toward the controller; a full queue back-pressures rank readers.
+OUTBOUND_DEPTH = 16
+# Upstream records up to this size use a private buffer, not the shared pool.
+SMALL_RECORD = 64 << 10
+_DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerTimeout, FramingError)
+
+
+class ChannelKind(enum.Enum):
+    """Which protocol a relay channel terminates toward its local ranks."""
+
+    DATA = "data"
+    CONTROL = "control"
+
+    @property
+    def magic(self) -> int:
+        return CHANNEL_MAGIC_DATA if self is ChannelKind.DATA else CHANNEL_MAGIC_CONTROL
+
+
+@attrs.define
+class RelayStats:
+    """Counters a relay keeps; the fold ratio is local bytes over uplink bytes."""
+
+    rounds: int = 0
+    bytes_local: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    rejected: int = 0
+
+    @property
+    def fold_ratio(self) -> float:
+        return self.bytes_local / self.bytes_up if self.bytes_up else 0.0
+
+
+@attrs.frozen
+class RelayConfig:
+    kind: ChannelKind
+    listen: tuple[str, int]
+    upstream: tuple[str, int]
+    host_name: str
+    ranks: tuple[int, ...]
+    world_size: int
+    salt: SessionSalt
+    ceiling: int = DEFAULT_FRAME_CEILING
+    connect_attempts: int = 60
+    connect_interval: float | None = None
+
+
+class RelayHandle:
+    """A running relay: its bound port, counters, and how it ended."""
+
+    def __init__(self, config: RelayConfig, port: int) -> None:
+        self.config = config
+        self.port = port
+        self.stats = RelayStats()
+        self.rejections: list[str] = []
+        self._finished = trio.Event()
+        self._error: BaseException | None = None
+        self._error_seen = False
+
+    @property
+    def host_name(self) -> str:
+        return self.config.host_name
+
+    async def wait_finished(self) -> None:
+        """Wait until the relay ends on its own (last rank gone, controller closed);
+        raise the error that stopped it, if one did."""
+        await self._finished.wait()
+        if self._error is not None:
+            self._error_seen = True
+            raise self._error
+
+
+def _validate(config: RelayConfig) -> None:
+    if config.world_size <= 0:
+        raise ConfigError(f"world_size must be > 0, got {config.world_size}")
+    if not config.ranks:
+        raise ConfigError(f"relay {config.host_name}: the host's rank set is empty")
+    if len(set(config.ranks)) != len(config.ranks):
+        raise ConfigError(f"relay {config.host_name}: duplicate ranks in {list(config.ranks)}")
+    outside = [r for r in config.ranks if not 0 <= r < config.world_size]
+    if outside:
+        raise ConfigError(f"relay {config.host_name}: ranks {outside} are outside world_size {config.world_size}")
+
+
+@asynccontextmanager
+async def open_relay(
+    kind: ChannelKind,
+    *,
+    listen: tuple[str, int],
+    upstream: tuple[str, int],
+    host_name: str,
+    ranks: Sequence[int],
+    world_size: int,
+    salt: SessionSalt | bytes,
+    ceiling: int = DEFAULT_FRAME_CEILING,
+    connect_attempts: int = 60,
+    connect_interval: float | None = None,
+) -> AsyncIterator[RelayHandle]:
+    """Run a relay channel for one host while the block runs.
+
+    ``handle.port`` is bound on entry (port 0 picks a free one). Leaving the
+    block shuts the relay down; an error it hit that nobody awaited through
+    ``wait_finished()`` is raised on exit.
+    """
+    if kind is not ChannelKind.DATA:
+        raise ConfigError("this relay build serves the data channel; the control channel needs the coordinator")
+    config = RelayConfig(
+        kind, listen, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt),
+        ceiling, connect_attempts, connect_interval,
+    )
+    _validate(config)
+    async with service_nursery() as nursery:
+        handle: RelayHandle = await nursery.start(_serve_relay, config)
+        yield handle
+    if handle._error is not None and not handle._error_seen:
+        raise handle._error
+
+
+async def _serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[RelayHandle]) -> None:
+    listeners = await trio.open_tcp_listeners(config.listen[1], host=config.listen[0])
+    handle = RelayHandle(config, listeners[0].socket.getsockname()[1])
+    task_status.started(handle)
+    relay = _Relay(config, handle, listeners)
+    try:
+        await relay.run()
+    except Exception as exc:
+        handle._error = exc
+        log.error("relay %s: %s", config.host_name, exc)
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+        relay.log_summary()
+        handle._finished.set()
+
+
+class _Relay:
+    """Formation (accept the host's ranks, dial the controller) then the channel."""
+
+    def __init__(self, config: RelayConfig, handle: RelayHandle, listeners: list[trio.SocketListener]) -> None:
+        self.config = config
+        self.handle = handle
+        self.listeners = listeners
+        self.joined: dict[int, MessageStream] = {}
+        self.all_joined = trio.Event()
+        self.channel: DataChannel | None = None
+
+    async def run(self) -> None:
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            for listener in self.listeners:
+                nursery.start_soon(self._accept_loop, listener, nursery)
+            try:
+                await self.all_joined.wait()
+                upstream = await self._dial_controller()
+                self.channel = DataChannel(self.config, self.joined, upstream, self.handle.stats)
+                await self.channel.run()
+            except Exception as exc:  # raised below, outside the nursery, unwrapped
+                error = exc
+            finally:
+                nursery.cancel_scope.cancel()
+                await self._close_all()
+        if error is not None:
+            raise error
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                log.warning("relay %s: accept failed: %s", self.config.host_name, exc)
+                await trio.sleep(0.1)
+                continue
+            tune_socket(stream)
+            nursery.start_soon(self._admit, stream)
+
+    async def _admit(self, stream: trio.SocketStream) -> None:
+        """Terminate one rank's handshake, refusing (and logging) anything wrong."""
+        conn = MessageStream(stream, f"rank connection from {peer_host(stream)}")
+        try:
+            with trio.fail_after(handshake_timeout()):
+                rank = await self._handshake(conn)
+                await conn.send_chunks([encode_data_ack()])
+        except (ProtocolError, OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+            reason = "no complete handshake within the deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._refuse(f"relay {self.config.host_name}: refused {conn.peer}: {reason}")
+            await conn.aclose()
+            return
+        conn.peer = f"rank {rank}"
+        self.joined[rank] = conn
+        if len(self.joined) == len(self.config.ranks):
+            self.all_joined.set()
+
+    async def _handshake(self, conn: MessageStream) -> int:
+        raw = await conn.receive_exactly(DATA_HANDSHAKE_LEN, "the data handshake")
+        hello = decode_data_handshake(raw, self.config.world_size)
+        if hello.rank not in self.config.ranks:
+            raise HandshakeError(
+                f"rank {hello.rank} is not in host {self.config.host_name}'s rank set {list(self.config.ranks)}"
+            )
+        if hello.rank in self.joined:
+            state = "already connected" if not self.all_joined.is_set() else "already joined; rejoin is not supported"
+            raise HandshakeError(f"duplicate rank {hello.rank}: {state}")
+        return hello.rank
+
+    def _refuse(self, message: str) -> None:
+        log.warning("%s", message)
+        self.handle.rejections.append(message)
+        self.handle.stats.rejected += 1
+
+    async def _dial_controller(self) -> MessageStream:
+        host, port = self.config.upstream
+        stream = await connect_with_retry(
+            host, port, f"relay {self.config.host_name} upstream",
+            attempts=self.config.connect_attempts, interval=self.config.connect_interval,
+        )
+        upstream = MessageStream(stream, f"controller {host}:{port}")
+        salt = self.config.salt
+        hello = Hello(self.config.host_name, self.config.ranks, ())
+        magic = self.config.kind.magic.to_bytes(4, "little")
+        await upstream.send_chunks([magic, *encode_mux_record(MuxKind.CONTROL, encode_control_msg(hello), salt).chunks])
+        with trio.fail_after(handshake_timeout()):
+            header = await upstream.receive_mux_header(SMALL_RECORD)
+            if header is None:
+                raise HandshakeError(f"relay {self.config.host_name}: controller {host}:{port} closed before HelloAck")
+            kind, payload = await upstream.receive_mux_payload(header, ReceiveBuffer(), salt)
+        reply = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
+        if not isinstance(reply, HelloAck):
+            raise HandshakeError(f"relay {self.config.host_name}: expected HelloAck from controller, got {kind.name} {reply}")
+        log.info("relay %s: joined controller %s:%d with ranks %s", self.config.host_name, host, port, list(self.config.ranks))
+        return upstream
+
+    async def _close_all(self) -> None:
+        for conn in self.joined.values():
+            await conn.aclose()
+
+    def log_summary(self) -> None:
+        s = self.handle.stats
+        log.info(
+            "relay %s summary: ranks=%d rounds=%d local=%.2fMB uplink=%.2fMB fold-ratio=%.2fx",
+            self.config.host_name, len(self.config.ranks), s.rounds,
+            s.bytes_local / 1e6, s.bytes_up / 1e6, s.fold_ratio,
+        )
+
+
+@attrs.frozen
+class _RawHostFrame:
+    """A single rank's verified frame, forwarded upstream byte for byte."""
+
+    body: memoryview
+    buffer: ReceiveBuffer
+
+
+_Outbound = RoundFrame | _RawHostFrame | RelayControlMsg
+
+
+class HostFold:
+    """The host's fold barrier: every live local rank deposits, then one frame ships."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = frozenset(ranks)
+        self.dead: set[int] = set()
+        self.deposited: set[int] = set()
+        self.acc = FoldAccumulator()
+
+    @property
+    def live(self) -> frozenset[int]:
+        return self.ranks - self.dead
+
+    def deposit(self, rank: int, frame: RoundFrame) -> RoundFrame | None:
+        """Fold one verified frame; the folded round when this deposit completes it."""
+        self.acc.add(frame, f"rank {rank}")
+        self.deposited.add(rank)
+        return self._take_if_complete()
+
+    def mark_dead(self, rank: int) -> RoundFrame | None:
+        """Drop ``rank`` from the barrier (a frame it already folded stays: realized work)."""
+        self.dead.add(rank)
+        return self._take_if_complete()
+
+    def _take_if_complete(self) -> RoundFrame | None:
+        if not self.deposited or not self.live <= self.deposited:
+            return None
+        folded = self.acc.result()
+        self.acc = FoldAccumulator()
+        self.deposited.clear()
+        return folded
+
+
+class DataChannel:
+    """The mux phase of a data relay: fold up, fan out, absorb local deaths."""
+
+    def __init__(self, config: RelayConfig, conns: dict[int, MessageStream], upstream: MessageStream, stats: RelayStats) -> None:
+        self.config = config
+        self.conns = conns
+        self.upstream = upstream
+        self.stats = stats
+        self.fold = HostFold(list(conns))
+        self.single = len(config.ranks) == 1
+        self.awaiting_reply: set[int] = set()
+        self.reader_scopes = {rank: trio.CancelScope() for rank in conns}
+        self.pool = BufferPool(1)
+        self._small = ReceiveBuffer()
+        self._scope = trio.CancelScope()
+        self._error: BaseException | None = None
+
+    async def run(self) -> None:
+        """Run until upstream EOF or the last rank leaves; raise a fatal error if one happened."""
+        send, receive = trio.open_memory_channel[_Outbound](OUTBOUND_DEPTH)
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._guard, self._outbound_writer, receive)
+                nursery.start_soon(self._guard, self._upstream_reader, send.clone())
+                for rank in self.conns:
+                    nursery.start_soon(self._guard, self._rank_reader, rank, send.clone())
+                await send.aclose()
+        await self.upstream.aclose()
+        if self._error is not None:
+            raise self._error
+
+    async def _guard(self, task: Callable[..., Awaitable[None]], *args: Any) -> None:
+        try:
+            await task(*args)
+        except FlodlError as exc:
+            self._fail(exc)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._fail(FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {exc}"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._scope.cancel()
+
+    def _shutdown(self, why: str) -> None:
+        if not self._scope.cancel_called:
+            log.info("relay %s: shutting down: %s", self.config.host_name, why)
+        self._scope.cancel()
+
+    # -- rank side -----------------------------------------------------------
+
+    async def _rank_reader(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        async with out:
+            reason = "closed its connection"
+            with self.reader_scopes[rank]:
+                try:
+                    await self._read_frames(rank, out)
+                except (ProtocolError, *_DISCONNECTS) as exc:
+                    if isinstance(exc, (SchemaError, DesyncError)):
+                        raise
+                    reason = f"dropped: {exc}"
+                    log.warning("relay %s: rank %d %s", self.config.host_name, rank, reason)
+            await self._rank_gone(rank, out, reason)
+
+    async def _read_frames(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        conn = self.conns[rank]
+        source = f"rank {rank} on host {self.config.host_name}"
+        while True:
+            length = await conn.receive_length_prefix(self.config.ceiling)
+            if length is None:
+                return
+            buf = await self.pool.acquire()
+            handed_off = False
+            try:
+                body = await conn.receive_into_buffer(buf, length, f"rank {rank}'s {length}-byte frame")
+                frame = decode_round_frame(body, self.config.salt, ceiling=self.config.ceiling, source=source)
+                if rank in self.awaiting_reply:
+                    raise DesyncError(
+                        f"relay {self.config.host_name}: rank {rank} deposited twice in one round "
+                        "(sent a frame before receiving the last consensus; stream desynced)"
+                    )
+                self.awaiting_reply.add(rank)
+                self.stats.bytes_local += length + 4
+                if self.single:
+                    await out.send(_RawHostFrame(body, buf))
+                    handed_off = True
+                    continue
+                folded = self.fold.deposit(rank, frame)
+                if folded is not None:
+                    await out.send(folded)
+            finally:
+                if not handed_off:
+                    self.pool.release(buf)
+
+    async def _rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound], reason: str, *, report: bool = True) -> None:
+        """A local rank left (EOF, error, write failure, or declared dead): shrink the barrier."""
+        if rank in self.fold.dead:
+            return
+        log.info("relay %s: rank %d %s", self.config.host_name, rank, reason)
+        self.awaiting_reply.discard(rank)
+        folded = self.fold.mark_dead(rank)
+        self.reader_scopes[rank].cancel()
+        if folded is not None:
+            await out.send(folded)
+        if report:
+            await out.send(RankExit(rank))
+        await self.conns[rank].aclose()
+        if not self.fold.live:
+            self._shutdown("every local rank has left")
+
+    # -- upstream side -------------------------------------------------------
+
+    async def _outbound_writer(self, inbox: trio.MemoryReceiveChannel[_Outbound]) -> None:
+        salt = self.config.salt
+        async with inbox:
+            async for item in inbox:
+                if isinstance(item, _RawHostFrame):
+                    try:
+                        record = encode_mux_record(MuxKind.HOST_FRAME, item.body, salt)
+                        await self.upstream.send_chunks(record.chunks)
+                    finally:
+                        self.pool.release(item.buffer)
+                    self._count_round(record.nbytes)
+                elif isinstance(item, RoundFrame):
+                    record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame_chunks(item, salt), salt)
+                    await self.upstream.send_chunks(record.chunks)
+                    self._count_round(record.nbytes)
+                else:
+                    await self.upstream.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(item), salt).chunks)
+
+    def _count_round(self, nbytes: int) -> None:
+        self.stats.rounds += 1
+        self.stats.bytes_up += nbytes
+
+    async def _upstream_reader(self, out: trio.MemorySendChannel[_Outbound]) -> None:
+        async with out:
+            while True:
+                header = await self.upstream.receive_mux_header(self.config.ceiling)
+                if header is None:
+                    self._shutdown("the controller closed the upstream connection")
+                    return
+                big = header.length > SMALL_RECORD
+                buf = await self.pool.acquire() if big else self._small
+                try:
+                    kind, payload = await self.upstream.receive_mux_payload(header, buf, self.config.salt)
+                    if kind is MuxKind.BROADCAST:
+                        self.stats.bytes_down += header.length
+                        await self._fan_out(payload, out)
+                    elif kind is MuxKind.CONTROL:
+                        await self._on_control(decode_control_msg(payload), out)
+                    else:
+                        raise ProtocolError(
+                            f"relay {self.config.host_name}: controller sent a {kind.name} record on the data channel"
+                        )
+                finally:
+                    if big:
+                        self.pool.release(buf)
+
+    async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
+        if isinstance(msg, DeclareDead):
+            if msg.rank in self.fold.ranks:
+                await self._rank_gone(msg.rank, out, "declared dead by the controller; connection closed", report=False)
+            return
+        raise ProtocolError(f"relay {self.config.host_name}: unexpected {type(msg).__name__} from the controller mid-session")
+
+    async def _fan_out(self, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Send the consensus to every rank that is waiting for it, concurrently."""
+        targets = sorted(self.awaiting_reply)
+        self.awaiting_reply.clear()
+        async with trio.open_nursery() as nursery:
+            for rank in targets:
+                nursery.start_soon(self._send_consensus, rank, payload, out)
+
+    async def _send_consensus(self, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
+        try:
+            await self.conns[rank].send_len_framed([payload], len(payload))
+        except _DISCONNECTS as exc:
+            await self._rank_gone(rank, out, f"could not take the consensus: {exc}")
+
+
+__all__ = ["ChannelKind", "DataChannel", "HostFold", "RelayHandle", "RelayStats", "open_relay"]

@@ -1,0 +1,151 @@
+"""The tensor bridge: torch tensors <-> RoundFrames. The only module that imports torch.
+
+Encoding avoids copies where it can: a contiguous f32 CPU tensor on an f32
+wire is sent straight from its storage. Decoding always returns f32 tensors
+(the bf16 wire widens exactly); it can decode into caller-owned staging
+tensors (the pinned-decode slots) so steady-state rounds allocate nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .errors import SchemaError
+from .wire.bf16 import F32, bf16_to_f32, scale_payload
+from .wire.constants import DTYPE_BF16, DTYPE_F32
+from .wire.fold import check_payload
+from .wire.round_frame import RoundFrame, RoundKind, TensorPayload
+
+_TORCH_NAMES = {
+    torch.float32: "Float32",
+    torch.float64: "Float64",
+    torch.float16: "Float16",
+    torch.bfloat16: "BFloat16",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """flodl's dtype spelling (Float32, BFloat16, ...) so messages match across stacks."""
+    return _TORCH_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _wire_array(t: torch.Tensor, index: int, wire_dtype: int, scale: float | None) -> np.ndarray:
+    """A tensor's (scaled) values in the wire dtype as a flat array; a view when unscaled f32."""
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise SchemaError(
+            f"tensor {index} is {dtype_name(t.dtype)}; the reduce wire takes Float32 tensors "
+            f"(or BFloat16 staging) - convert it to Float32 first"
+        )
+    if wire_dtype not in (DTYPE_F32, DTYPE_BF16):
+        raise SchemaError(f"unknown wire dtype tag {wire_dtype} (0 = f32, 1 = bf16)")
+    flat = t.detach().reshape(-1).cpu()
+    if scale is not None and scale != 1.0:
+        if flat.dtype == torch.bfloat16 and wire_dtype == DTYPE_BF16:
+            # bf16 staging on a bf16 wire: scale the bits exactly as torch's bf16 mul would.
+            owned = flat.view(torch.int16).numpy().copy()
+            scale_payload(owned.view(np.uint8), DTYPE_BF16, scale)
+            return owned
+        # f32 math with the scalar rounded to f32 (torch's rule), then one rounding to the wire.
+        flat = flat.float() * float(np.float32(scale))
+    if wire_dtype == DTYPE_F32:
+        return flat.float().contiguous().numpy()
+    # torch's own f32 -> bf16 is the reference rounding; a bf16 tensor goes verbatim.
+    return flat.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+
+
+def tensors_to_round_frame(
+    tensors: Sequence[torch.Tensor],
+    wire_dtype: int = DTYPE_F32,
+    *,
+    kind: RoundKind = RoundKind.MODEL,
+    weight: float = 1.0,
+    scale: float | None = None,
+) -> RoundFrame:
+    """Serialize tensors for one round; ``scale`` multiplies them first (f32 math).
+
+    Without ``scale`` an f32 CPU tensor is not copied: do not modify it until
+    the round's send has completed.
+    """
+    payloads = [
+        TensorPayload(wire_dtype, tuple(t.shape), _wire_array(t, i, wire_dtype, scale))
+        for i, t in enumerate(tensors)
+    ]
+    return RoundFrame(payloads, kind, weight)
+
+
+def elided_like(tensors: Sequence[torch.Tensor], wire_dtype: int = DTYPE_F32) -> list[TensorPayload]:
+    """Zero-elided payloads with the same shapes (what non-root ranks send in a broadcast)."""
+    return [TensorPayload(wire_dtype, tuple(t.shape)) for t in tensors]
+
+
+def round_frame_to_tensors(
+    frame: RoundFrame, out: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """Decode a frame into f32 tensors; into ``out`` (staging) when given.
+
+    Without ``out``, an f32 payload becomes a tensor over the frame's own
+    buffer (no copy): the frame must own that buffer (replies from a client do).
+    """
+    if out is not None and len(out) != len(frame.tensors):
+        raise SchemaError(f"staging holds {len(out)} tensors, the frame carries {len(frame.tensors)}")
+    result = []
+    for i, payload in enumerate(frame.tensors):
+        check_payload(payload, i, "RoundFrame")
+        dest = None if out is None else out[i]
+        result.append(_decode_one(payload, dest, i))
+    return result
+
+
+def _decode_one(p: TensorPayload, dest: torch.Tensor | None, index: int) -> torch.Tensor:
+    shape = list(p.shape)
+    if dest is not None and (list(dest.shape) != shape or dest.dtype != torch.float32):
+        raise SchemaError(
+            f"tensor {index}: staging is {dtype_name(dest.dtype)}{list(dest.shape)}, "
+            f"the frame carries Float32{shape}"
+        )
+    if p.elided:
+        return dest.zero_() if dest is not None else torch.zeros(shape, dtype=torch.float32)
+    if p.dtype == DTYPE_F32:
+        values = np.frombuffer(p.data, dtype=F32)
+        if dest is not None:
+            dest.numpy().reshape(-1)[:] = values
+            return dest
+        if p.data.readonly:
+            return torch.from_numpy(values.copy()).reshape(shape)
+        return torch.from_numpy(values).reshape(shape)
+    target = dest if dest is not None else torch.empty(shape, dtype=torch.float32)
+    bf16_to_f32(np.frombuffer(p.data, dtype="<u2"), out=target.numpy().reshape(-1))
+    return target
+
+
+def staging_like(frame: RoundFrame) -> list[torch.Tensor]:
+    """Fresh f32 staging tensors matching a frame's shapes (a pinned-decode slot)."""
+    return [torch.empty(list(p.shape), dtype=torch.float32) for p in frame.tensors]
+
+
+def numel_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """f32 bytes of a tensor list: the staging one decode slot needs."""
+    return sum(t.numel() * 4 for t in tensors)
+
+
+__all__ = [
+    "DTYPE_BF16",
+    "DTYPE_F32",
+    "dtype_name",
+    "elided_like",
+    "numel_bytes",
+    "round_frame_to_tensors",
+    "staging_like",
+    "tensors_to_round_frame",
+]
+
+
+def pinned_decode_affordable(staging_bytes: int, local_ranks: int, available_bytes: int) -> bool:
+    """Whether reusable decode staging fits: the whole host's ranks budget
+    ``staging x max(local_ranks, 1) x 6`` (two slots, transfer copies, headroom)
+    and it must stay under what the host has available."""
+    need = staging_bytes * max(local_ranks, 1) * 6
+    return available_bytes > need

@@ -1,0 +1,88 @@
+"""Test helpers: a whole cluster (controller + one relay per host) in one trio nursery.
+
+Usage in a pytest-trio test::
+
+    async with open_local_cluster(world_size=4, hosts=[[0, 1], [2, 3]], salt=salt) as cluster:
+        async with connect_reduce_client(cluster.relay_address(rank), rank, 4, salt) as client:
+            ...
+
+Every address is exposed so a test can put a fault proxy on any leg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import attrs
+
+from .controller import ControllerHandle, open_controller
+from .dead_ranks import DeadRanks
+from .relay import ChannelKind, RelayHandle, open_relay
+from .wire.salt import SessionSalt
+
+LOOPBACK = "127.0.0.1"
+
+
+@attrs.define
+class LocalCluster:
+    """Handles of a running in-process cluster."""
+
+    controller: ControllerHandle
+    relays: list[RelayHandle]
+    hosts: list[list[int]]
+    world_size: int
+    salt: SessionSalt
+
+    @property
+    def controller_address(self) -> tuple[str, int]:
+        return (LOOPBACK, self.controller.port)
+
+    def relay_for(self, rank: int) -> RelayHandle:
+        for relay, ranks in zip(self.relays, self.hosts):
+            if rank in ranks:
+                return relay
+        raise KeyError(f"rank {rank} is on no host of this cluster")
+
+    def relay_address(self, rank: int) -> tuple[str, int]:
+        """The loopback address rank ``rank`` connects to."""
+        return (LOOPBACK, self.relay_for(rank).port)
+
+
+@asynccontextmanager
+async def open_local_cluster(
+    *,
+    world_size: int,
+    hosts: Sequence[Sequence[int]],
+    salt: SessionSalt | bytes,
+    dead_ranks: DeadRanks | None = None,
+    upstream: tuple[str, int] | None = None,
+    **controller_options: object,
+) -> AsyncIterator[LocalCluster]:
+    """Controller on a free loopback port, then one data relay per host.
+
+    ``upstream`` points the relays somewhere else than the controller (a
+    fault proxy in front of it, say).
+    """
+    session = SessionSalt.coerce(salt)
+    async with AsyncExitStack() as stack:
+        controller = await stack.enter_async_context(
+            open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, **controller_options)  # type: ignore[arg-type]
+        )
+        target = upstream or (LOOPBACK, controller.port)
+        relays = []
+        for index, ranks in enumerate(hosts):
+            relays.append(
+                await stack.enter_async_context(
+                    open_relay(
+                        ChannelKind.DATA,
+                        listen=(LOOPBACK, 0),
+                        upstream=target,
+                        host_name=f"host{index}",
+                        ranks=list(ranks),
+                        world_size=world_size,
+                        salt=session,
+                    )
+                )
+            )
+        yield LocalCluster(controller, relays, [list(r) for r in hosts], world_size, session)

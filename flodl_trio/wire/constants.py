@@ -1,0 +1,45 @@
+"""Magic numbers, versions and limits of flodl's wire protocol (PROTOCOL.md)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Rank <-> relay handshakes (section 2).
+DATA_HANDSHAKE_MAGIC: Final = 0xF10D17C0
+DATA_ACK_MAGIC: Final = 0xF10D17C1
+DATA_PROTOCOL_VERSION: Final = 3
+CONTROL_HANDSHAKE_MAGIC: Final = 0xF10D17C2
+CONTROL_ACK_MAGIC: Final = 0xF10D17C3
+CONTROL_PROTOCOL_VERSION: Final = 4
+
+# Relay -> controller channel-select magic (section 3.1).
+CHANNEL_MAGIC_RENDEZVOUS: Final = 0xF10D17E0
+CHANNEL_MAGIC_DATA: Final = 0xF10D17E1
+CHANNEL_MAGIC_CONTROL: Final = 0xF10D17E2
+CHANNEL_MAGIC_JOIN: Final = 0xF10D17E3
+
+# MuxRecord (section 3.2).
+MUX_MAGIC: Final = 0xF10D17D0
+MUX_VERSION: Final = 1
+MUX_HEADER_LEN: Final = 25
+
+# RoundFrame (section 4).
+ROUND_FRAME_MAGIC: Final = 0xF10D17F1
+MAX_TENSORS: Final = 65_536
+DTYPE_F32: Final = 0
+DTYPE_BF16: Final = 1
+
+# ControlFrame (section 5).
+CONTROL_FRAME_MAGIC: Final = 0xF10D17C4
+CONTROL_FRAME_VERSION: Final = 4
+CONTROL_FRAME_HEADER_LEN: Final = 24
+CONTROL_FRAME_MAX_PAYLOAD: Final = 16 << 20
+
+MAC_LEN: Final = 8
+SALT_LEN: Final = 16
+MODEL_SIGNATURE_LEN: Final = 32
+
+# Default ceiling for one length-framed message or MuxRecord payload.
+DEFAULT_FRAME_CEILING: Final = 1 << 30
+# Receive buffers grow at most this much per step, as bytes actually arrive.
+RECEIVE_GROWTH_STEP: Final = 64 << 20

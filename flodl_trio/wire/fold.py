@@ -1,0 +1,169 @@
+"""The realized-work fold: sum frames in f32, sum masses, divide exactly once.
+
+Relays fold their local ranks' frames and controllers fold hosts' frames with
+the same :class:`FoldAccumulator`; only the controller calls
+:func:`finish_consensus`, which divides by the accepted mass. Folding is
+streaming: each verified frame is added into one f32 image and can then be
+released, so memory does not grow with the number of contributors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import SchemaError
+from .bf16 import DTYPE_NAMES, F32, bf16_to_f32, encode_f32_as, itemsize
+from .constants import DTYPE_BF16, DTYPE_F32
+from .round_frame import RoundFrame, RoundKind, TensorPayload
+
+
+def _describe(dtype: int) -> str:
+    return DTYPE_NAMES.get(dtype, f"dtype tag {dtype}")
+
+
+def check_payload(t: TensorPayload, index: int, source: str) -> None:
+    """A payload's byte length must match numel x itemsize (or be the elision marker)."""
+    size = itemsize(t.dtype) if t.dtype in DTYPE_NAMES else None
+    if size is None:
+        raise SchemaError(f"{source} tensor {index}: unknown dtype tag {t.dtype} (0 = f32, 1 = bf16)")
+    expected = t.numel * size
+    if t.nbytes not in (0, expected):
+        raise SchemaError(
+            f"{source} tensor {index}: {t.nbytes} payload bytes, expected {expected} "
+            f"(numel {t.numel} x {size} bytes of {_describe(t.dtype)})"
+        )
+
+
+class _Slot:
+    """Running f32 sum of one tensor position; None until a non-elided payload lands."""
+
+    __slots__ = ("dtype", "shape", "sum")
+
+    def __init__(self, dtype: int, shape: tuple[int, ...]) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.sum: npt.NDArray[np.float32] | None = None
+
+    def add(self, t: TensorPayload) -> None:
+        if t.nbytes == 0:
+            return  # elided: all zeros
+        if self.sum is None:
+            if t.dtype == DTYPE_F32:
+                self.sum = np.frombuffer(t.data, dtype=F32).copy()
+            else:
+                self.sum = bf16_to_f32(np.frombuffer(t.data, dtype="<u2"))
+        elif t.dtype == DTYPE_F32:
+            np.add(self.sum, np.frombuffer(t.data, dtype=F32), out=self.sum)
+        else:
+            np.add(self.sum, bf16_to_f32(np.frombuffer(t.data, dtype="<u2")), out=self.sum)
+
+
+class FoldAccumulator:
+    """Streaming element-wise sum of one round's frames; never divides."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = 0
+        self.weight = 0.0
+        self.kind: RoundKind | None = None
+        self._slots: list[_Slot] = []
+        self._first_source = ""
+
+    def add(self, frame: RoundFrame, source: str) -> None:
+        """Fold one verified frame; ``source`` ("rank 3", "host h1 ranks [2, 3]") names it in errors.
+
+        On a schema error nothing of ``frame`` has been added.
+        """
+        self._check_schema(frame, source)
+        if self.count == 0:
+            self.kind = frame.kind
+            self._first_source = source
+            self._slots = [_Slot(t.dtype, t.shape) for t in frame.tensors]
+        for slot, t in zip(self._slots, frame.tensors):
+            slot.add(t)
+        self.weight += frame.weight
+        self.count += 1
+
+    def _check_schema(self, frame: RoundFrame, source: str) -> None:
+        for i, t in enumerate(frame.tensors):
+            check_payload(t, i, source)
+        if self.count == 0:
+            return
+        first = self._first_source
+        if frame.kind != self.kind:
+            raise SchemaError(
+                f"round fold: {source} sent a {frame.kind.name} frame, {first} sent {self.kind.name}"  # type: ignore[union-attr]
+            )
+        if len(frame.tensors) != len(self._slots):
+            raise SchemaError(
+                f"round fold: {source} sent {len(frame.tensors)} tensors, {first} sent {len(self._slots)}"
+            )
+        for i, (slot, t) in enumerate(zip(self._slots, frame.tensors)):
+            if t.dtype != slot.dtype:
+                raise SchemaError(
+                    f"round fold: {source} tensor {i} is {_describe(t.dtype)}, "
+                    f"{first} sent {_describe(slot.dtype)}"
+                )
+            if t.shape != slot.shape:
+                raise SchemaError(
+                    f"round fold: {source} tensor {i} has shape {list(t.shape)}, "
+                    f"{first} sent {list(slot.shape)}"
+                )
+
+    def sums(self) -> list[npt.NDArray[np.float32] | None]:
+        """The f32 running sums (None = every contribution was elided)."""
+        return [slot.sum for slot in self._slots]
+
+    def result(self) -> RoundFrame:
+        """The folded frame, re-encoded in the input dtypes, mass = summed weights."""
+        if self.count == 0 or self.kind is None:
+            raise SchemaError("round fold: no frame was folded")
+        return _frame_from_sums(self._slots, self.kind, self.weight)
+
+
+def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float) -> RoundFrame:
+    tensors = [
+        TensorPayload(s.dtype, s.shape, b"" if s.sum is None else encode_f32_as(s.sum, s.dtype))
+        for s in slots
+    ]
+    return RoundFrame(tensors, kind, weight)
+
+
+def sum_frames(frames: Iterable[tuple[str, RoundFrame]]) -> RoundFrame:
+    """Fold ``(source, frame)`` pairs; masses summed, values summed, nothing divided."""
+    acc = FoldAccumulator()
+    for source, frame in frames:
+        acc.add(frame, source)
+    return acc.result()
+
+
+def finish_consensus(acc: FoldAccumulator) -> RoundFrame:
+    """The controller's divide-once reduce over the accepted contributions.
+
+    Model rounds with accepted mass > 0 are multiplied by the f32-rounded
+    reciprocal of the mass; Control rounds and zero-mass rounds are returned
+    as sums. The weight sent back is the accepted mass.
+    """
+    if acc.count == 0 or acc.kind is None:
+        raise SchemaError("consensus: no contribution was accepted this round")
+    if acc.kind == RoundKind.MODEL and acc.weight > 0:
+        reciprocal = np.float32(1.0 / acc.weight)
+        for s in acc.sums():
+            if s is not None:
+                np.multiply(s, reciprocal, out=s)
+    return acc.result()
+
+
+__all__ = [
+    "DTYPE_BF16",
+    "DTYPE_F32",
+    "FoldAccumulator",
+    "check_payload",
+    "finish_consensus",
+    "sum_frames",
+]

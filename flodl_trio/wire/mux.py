@@ -1,0 +1,282 @@
+"""MuxRecord and RelayControlMsg: everything on a relay <-> controller connection.
+
+A MuxRecord is a 25-byte header then a payload::
+
+    u32 magic | u32 version | u8 kind | u32 rank | u32 len | MAC8(header[0:17] + payload)
+
+The MAC sits before the payload, so a sender hashes the payload before the
+header goes out; :func:`encode_mux_record` does that without joining buffers.
+RelayControlMsg is bincode-2 "standard" (varint) encoded.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+
+import attrs
+
+from ..errors import FramingError
+from .constants import (
+    DEFAULT_FRAME_CEILING,
+    MAC_LEN,
+    MODEL_SIGNATURE_LEN,
+    MUX_HEADER_LEN,
+    MUX_MAGIC,
+    MUX_VERSION,
+)
+from .round_frame import EncodedFrame
+from .salt import Buffer, SessionSalt, verify_mac
+
+_MUX_SIGNED_HEADER = struct.Struct("<IIBII")  # magic, version, kind, rank, len
+MUX_SIGNED_HEADER_LEN = _MUX_SIGNED_HEADER.size  # 17
+
+
+class MuxKind(enum.IntEnum):
+    DATA = 0x01
+    CONTROL = 0x02
+    HOST_FRAME = 0x03
+    BROADCAST = 0x04
+
+
+# ---------------------------------------------------------------------------
+# RelayControlMsg (bincode 2, varint)
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Hello:
+    """First record of a relay: which host, which global ranks (sorted)."""
+
+    host: str
+    ranks: tuple[int, ...] = attrs.field(converter=tuple)
+    model_sigs: tuple[bytes, ...] = attrs.field(converter=tuple, default=())
+
+
+@attrs.frozen
+class HelloAck:
+    """Controller accepted the relay's Hello."""
+
+
+@attrs.frozen
+class RankExit:
+    """A local rank's loopback socket closed or failed."""
+
+    rank: int
+
+
+@attrs.frozen
+class DeclareDead:
+    """The controller declared the rank dead: drop it from the fold barrier."""
+
+    rank: int
+
+
+RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead
+_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3}
+
+
+def _varint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError(f"varint cannot encode negative {value}")
+    if value <= 250:
+        return bytes((value,))
+    if value <= 0xFFFF:
+        return b"\xfb" + struct.pack("<H", value)
+    if value <= 0xFFFFFFFF:
+        return b"\xfc" + struct.pack("<I", value)
+    return b"\xfd" + struct.pack("<Q", value)
+
+
+def encode_control_msg(msg: RelayControlMsg) -> bytes:
+    out = bytearray(_varint(_VARIANT[type(msg)]))
+    match msg:
+        case Hello(host=host, ranks=ranks, model_sigs=sigs):
+            raw = host.encode("utf-8")
+            out += _varint(len(raw)) + raw
+            out += _varint(len(ranks))
+            for r in ranks:
+                out += _varint(r)
+            out += _varint(len(sigs))
+            for sig in sigs:
+                if len(sig) != MODEL_SIGNATURE_LEN:
+                    raise ValueError(f"model signature must be {MODEL_SIGNATURE_LEN} bytes, got {len(sig)}")
+                out += sig
+        case RankExit(rank=r) | DeclareDead(rank=r):
+            out += _varint(r)
+        case HelloAck():
+            pass
+    return bytes(out)
+
+
+class _BincodeReader:
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: Buffer) -> None:
+        self.data = bytes(data)
+        self.pos = 0
+
+    def _take(self, n: int, what: str) -> bytes:
+        if self.pos + n > len(self.data):
+            raise FramingError(
+                f"RelayControlMsg ended inside {what}: needs {n} bytes at offset {self.pos}, "
+                f"message is {len(self.data)} bytes"
+            )
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def varint(self, what: str, limit: int = 0xFFFFFFFF) -> int:
+        lead = self._take(1, what)[0]
+        if lead <= 250:
+            value = lead
+        elif lead == 251:
+            (value,) = struct.unpack("<H", self._take(2, what))
+        elif lead == 252:
+            (value,) = struct.unpack("<I", self._take(4, what))
+        elif lead == 253:
+            (value,) = struct.unpack("<Q", self._take(8, what))
+        else:
+            raise FramingError(f"RelayControlMsg: invalid varint tag {lead} in {what}")
+        if value > limit:
+            raise FramingError(f"RelayControlMsg: {what} = {value} exceeds {limit}")
+        return value
+
+    def count(self, what: str, min_item_len: int) -> int:
+        """A list/string length, refused if the remaining bytes cannot hold it."""
+        n = self.varint(what)
+        remaining = len(self.data) - self.pos
+        if n * min_item_len > remaining:
+            raise FramingError(
+                f"RelayControlMsg: {what} claims {n} items but only {remaining} bytes remain"
+            )
+        return n
+
+
+def decode_control_msg(payload: Buffer) -> RelayControlMsg:
+    reader = _BincodeReader(payload)
+    variant = reader.varint("variant index")
+    msg: RelayControlMsg
+    if variant == 0:
+        raw = reader._take(reader.count("host length", 1), "host name")
+        try:
+            host = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FramingError(f"RelayControlMsg Hello: host name is not UTF-8: {raw!r}") from None
+        ranks = [reader.varint(f"rank {i}") for i in range(reader.count("rank count", 1))]
+        n_sigs = reader.count("model signature count", MODEL_SIGNATURE_LEN)
+        sigs = [reader._take(MODEL_SIGNATURE_LEN, f"model signature {i}") for i in range(n_sigs)]
+        msg = Hello(host, ranks, sigs)
+    elif variant == 1:
+        msg = HelloAck()
+    elif variant == 2:
+        msg = RankExit(reader.varint("RankExit rank"))
+    elif variant == 3:
+        msg = DeclareDead(reader.varint("DeclareDead rank"))
+    else:
+        raise FramingError(f"RelayControlMsg: unknown variant index {variant}")
+    if reader.pos != len(reader.data):
+        raise FramingError(
+            f"RelayControlMsg {type(msg).__name__}: {len(reader.data) - reader.pos} trailing bytes"
+        )
+    return msg
+
+
+# ---------------------------------------------------------------------------
+# MuxRecord
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class MuxHeader:
+    """A verified-shape (not yet MAC-checked) MuxRecord header."""
+
+    kind: int
+    rank: int
+    length: int
+    signed: bytes  # header bytes 0..17, the MAC's prefix
+    tag: bytes
+
+
+def encode_mux_record(
+    kind: MuxKind,
+    payload: Buffer | EncodedFrame,
+    salt: SessionSalt,
+    *,
+    rank: int = 0,
+) -> EncodedFrame:
+    """Sign and frame ``payload``; large payload buffers are not copied."""
+    chunks: Sequence[Buffer]
+    if isinstance(payload, EncodedFrame):
+        chunks, length = payload.chunks, payload.nbytes
+    else:
+        chunks, length = [payload], memoryview(payload).nbytes
+    signed = _MUX_SIGNED_HEADER.pack(MUX_MAGIC, MUX_VERSION, int(kind), rank, length)
+    mac = salt.hmac()
+    mac.update(signed)
+    for chunk in chunks:
+        mac.update(chunk)
+    header = signed + mac.digest()[:MAC_LEN]
+    if length < 4096:
+        return EncodedFrame([header + b"".join(chunks)], MUX_HEADER_LEN + length)
+    return EncodedFrame([header, *chunks], MUX_HEADER_LEN + length)
+
+
+def encode_control_record(msg: RelayControlMsg, salt: SessionSalt) -> bytes:
+    return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), salt).tobytes()
+
+
+def parse_mux_header(
+    header: Buffer, *, ceiling: int = DEFAULT_FRAME_CEILING, source: str = "peer"
+) -> MuxHeader:
+    """Check magic, version and length (before any payload is buffered)."""
+    raw = bytes(header)
+    if len(raw) != MUX_HEADER_LEN:
+        raise FramingError(f"MuxRecord header from {source} is {len(raw)} bytes, want {MUX_HEADER_LEN}")
+    magic, version, kind, rank, length = _MUX_SIGNED_HEADER.unpack_from(raw)
+    if magic != MUX_MAGIC:
+        raise FramingError(f"MuxRecord from {source}: bad magic 0x{magic:08X} (want 0x{MUX_MAGIC:08X})")
+    if version != MUX_VERSION:
+        raise FramingError(f"MuxRecord from {source}: unsupported version {version} (want {MUX_VERSION})")
+    if length > ceiling:
+        raise FramingError(
+            f"MuxRecord from {source}: payload length {length} exceeds the frame ceiling {ceiling}"
+        )
+    return MuxHeader(kind, rank, length, raw[:MUX_SIGNED_HEADER_LEN], raw[MUX_SIGNED_HEADER_LEN:])
+
+
+def verify_mux_payload(header: MuxHeader, payload: Buffer, salt: SessionSalt, *, source: str = "peer") -> MuxKind:
+    """Check the record's MAC, then its kind (unknown kinds only after the MAC passed)."""
+    verify_mac(salt.mac8(header.signed, payload), header.tag, f"MuxRecord from {source}")
+    try:
+        return MuxKind(header.kind)
+    except ValueError:
+        raise FramingError(f"MuxRecord from {source}: unknown kind 0x{header.kind:02X}") from None
+
+
+@attrs.frozen
+class MuxRecord:
+    """A decoded record (used for small records and tests; big payloads stay views)."""
+
+    kind: MuxKind
+    payload: Buffer
+    rank: int = 0
+
+    def control(self) -> RelayControlMsg:
+        return decode_control_msg(self.payload)
+
+
+def decode_mux_record(data: Buffer, salt: SessionSalt, *, ceiling: int = DEFAULT_FRAME_CEILING) -> MuxRecord:
+    """Decode one whole record held in memory (sans-IO; streams use the reader)."""
+    view = memoryview(data)
+    if len(view) < MUX_HEADER_LEN:
+        raise FramingError(f"MuxRecord is {len(view)} bytes, shorter than its {MUX_HEADER_LEN}-byte header")
+    header = parse_mux_header(view[:MUX_HEADER_LEN], ceiling=ceiling)
+    payload = view[MUX_HEADER_LEN:]
+    if len(payload) != header.length:
+        raise FramingError(
+            f"MuxRecord declares a {header.length}-byte payload but {len(payload)} bytes follow its header"
+        )
+    kind = verify_mux_payload(header, payload, salt)
+    return MuxRecord(kind, payload, header.rank)

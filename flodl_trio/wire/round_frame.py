@@ -1,0 +1,263 @@
+"""RoundFrame: one rank's (or one host's) contribution to a round, or its consensus.
+
+Layout (PROTOCOL.md section 4), little-endian::
+
+    u32 magic | u32 count | u8 kind | f64 weight
+    count x ( u8 dtype | u8 ndim | ndim x u32 dim | u64 nbytes | nbytes payload )
+    MAC8(every preceding byte)
+
+Encoding is streaming: :func:`encode_round_frame_chunks` returns the frame as
+a list of buffers whose payload pieces are zero-copy views of the caller's
+arrays, with the MAC computed incrementally over them. Decoding is zero-copy
+over a buffer that already holds the whole frame (a receive buffer filled with
+``recv_into``): payloads come back as memoryviews into that buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import FramingError, SchemaError
+from .bf16 import DTYPE_NAMES, itemsize
+from .constants import DEFAULT_FRAME_CEILING, MAC_LEN, MAX_TENSORS, ROUND_FRAME_MAGIC
+from .salt import Buffer, SessionSalt, verify_mac
+
+_FRAME_HEADER = struct.Struct("<IIBd")  # magic, count, kind, weight
+_TENSOR_HEAD = struct.Struct("<BB")  # dtype, ndim
+_U64 = struct.Struct("<Q")
+FRAME_HEADER_LEN = _FRAME_HEADER.size  # 17
+# Payloads smaller than this are copied into the surrounding header chunk so
+# a model with hundreds of small tensors is not sent as hundreds of writes.
+COALESCE_BELOW = 64 << 10
+
+
+class RoundKind(enum.IntEnum):
+    """Model rounds are weighted means; Control rounds are plain sums."""
+
+    MODEL = 0
+    CONTROL = 1
+
+
+def _as_bytes_view(data: Any) -> memoryview:
+    """A flat byte view of any buffer (bytes, bytearray, memoryview, ndarray)."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B") if view.c_contiguous else memoryview(bytes(view))
+    return view
+
+
+@attrs.frozen(eq=False)
+class TensorPayload:
+    """One tensor on the wire: dtype tag, shape, and its raw little-endian bytes.
+
+    ``data`` may be empty for a non-empty shape: the tensor is all zeros
+    ("zero elision"), which costs 10 + 4 x ndim bytes whatever its size.
+    """
+
+    dtype: int
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    data: memoryview = attrs.field(converter=_as_bytes_view, default=b"")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def elided(self) -> bool:
+        """True when the payload is the zero-elision marker (no bytes, numel > 0)."""
+        return self.data.nbytes == 0 and self.numel > 0
+
+    def expected_nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorPayload):
+            return NotImplemented
+        return (
+            self.dtype == other.dtype
+            and self.shape == other.shape
+            and self.data == other.data
+        )
+
+    def __repr__(self) -> str:
+        name = DTYPE_NAMES.get(self.dtype, f"dtype{self.dtype}")
+        body = "elided" if self.elided else f"{self.nbytes} bytes"
+        return f"TensorPayload({name}{list(self.shape)}, {body})"
+
+
+@attrs.frozen(eq=False)
+class RoundFrame:
+    """A list of tensors plus the realized-work mass they carry.
+
+    For a Model round each rank sends ``w * T`` and ``weight = w``; sums never
+    divide, the controller divides once by the total accepted mass.
+    """
+
+    tensors: list[TensorPayload] = attrs.field(factory=list, converter=list)
+    kind: RoundKind = attrs.field(default=RoundKind.MODEL, converter=RoundKind)
+    weight: float = 1.0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoundFrame):
+            return NotImplemented
+        return (
+            self.kind == other.kind
+            and self.weight == other.weight
+            and self.tensors == other.tensors
+        )
+
+    @property
+    def encoded_len(self) -> int:
+        """Bytes this frame occupies on the wire, MAC included."""
+        return round_frame_len(self.tensors)
+
+
+def round_frame_len(tensors: Sequence[TensorPayload]) -> int:
+    return FRAME_HEADER_LEN + MAC_LEN + sum(10 + 4 * len(t.shape) + t.nbytes for t in tensors)
+
+
+@attrs.frozen
+class EncodedFrame:
+    """A frame ready for the socket: buffers to write in order, and their total."""
+
+    chunks: list[Buffer]
+    nbytes: int
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def _validate_for_encode(frame: RoundFrame) -> None:
+    if len(frame.tensors) > MAX_TENSORS:
+        raise SchemaError(
+            f"RoundFrame has {len(frame.tensors)} tensors; the protocol allows at most {MAX_TENSORS}"
+        )
+    if not (math.isfinite(frame.weight) and frame.weight >= 0):
+        raise SchemaError(f"RoundFrame weight must be finite and >= 0, got {frame.weight!r}")
+    for i, t in enumerate(frame.tensors):
+        if len(t.shape) > 255:
+            raise SchemaError(f"tensor {i}: {len(t.shape)} dims; the protocol allows at most 255")
+        if any(not 0 <= d <= 0xFFFFFFFF for d in t.shape):
+            raise SchemaError(f"tensor {i}: dim out of u32 range in shape {list(t.shape)}")
+
+
+def encode_round_frame_chunks(frame: RoundFrame, salt: SessionSalt) -> EncodedFrame:
+    """Serialize and sign ``frame`` without copying its large payloads."""
+    _validate_for_encode(frame)
+    mac = salt.hmac()
+    chunks: list[Buffer] = []
+    pending = bytearray(
+        _FRAME_HEADER.pack(ROUND_FRAME_MAGIC, len(frame.tensors), int(frame.kind), frame.weight)
+    )
+    total = 0
+
+    def flush() -> None:
+        nonlocal pending, total
+        if pending:
+            mac.update(pending)
+            chunks.append(bytes(pending))
+            total += len(pending)
+            pending = bytearray()
+
+    for t in frame.tensors:
+        pending += _TENSOR_HEAD.pack(t.dtype, len(t.shape))
+        pending += struct.pack(f"<{len(t.shape)}I", *t.shape)
+        pending += _U64.pack(t.nbytes)
+        if t.nbytes < COALESCE_BELOW:
+            pending += t.data
+        else:
+            flush()
+            mac.update(t.data)
+            chunks.append(t.data)
+            total += t.nbytes
+    flush()
+    tag = mac.digest()[:MAC_LEN]
+    chunks.append(tag)
+    return EncodedFrame(chunks, total + MAC_LEN)
+
+
+def encode_round_frame(frame: RoundFrame, salt: SessionSalt) -> bytes:
+    """The frame as one bytes object (tests, golden vectors, small frames)."""
+    return encode_round_frame_chunks(frame, salt).tobytes()
+
+
+class _Cursor:
+    """Bounds-checked reader over a frame body, naming what ran out."""
+
+    __slots__ = ("view", "pos")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        end = self.pos + n
+        if end > len(self.view):
+            raise FramingError(
+                f"RoundFrame ended inside {what}: it needs {n} bytes at offset {self.pos} "
+                f"but the message holds only {len(self.view)} bytes (length prefix smaller than the frame?)"
+            )
+        out = self.view[self.pos:end]
+        self.pos = end
+        return out
+
+
+def decode_round_frame(
+    body: Buffer | np.ndarray,
+    salt: SessionSalt,
+    *,
+    ceiling: int = DEFAULT_FRAME_CEILING,
+    source: str = "peer",
+) -> RoundFrame:
+    """Parse and verify one RoundFrame that fills ``body`` exactly.
+
+    Checks, in PROTOCOL.md's order: magic, count, kind, weight, the running
+    payload total against ``ceiling``, then the MAC; then that the frame used
+    the whole message. Payloads are zero-copy views into ``body``. dtype and
+    shape-vs-bytes are left to the fold/decode, which name the tensor.
+    """
+    view = _as_bytes_view(body)
+    cur = _Cursor(view)
+    magic, count, kind, weight = _FRAME_HEADER.unpack(cur.take(FRAME_HEADER_LEN, "the frame header"))
+    if magic != ROUND_FRAME_MAGIC:
+        raise FramingError(f"RoundFrame from {source}: bad magic 0x{magic:08X} (want 0x{ROUND_FRAME_MAGIC:08X})")
+    if count > MAX_TENSORS:
+        raise FramingError(f"RoundFrame from {source}: tensor count {count} exceeds {MAX_TENSORS}")
+    if kind not in (RoundKind.MODEL, RoundKind.CONTROL):
+        raise FramingError(f"RoundFrame from {source}: unknown kind byte {kind} (0 Model, 1 Control)")
+    if not (math.isfinite(weight) and weight >= 0):
+        raise FramingError(f"RoundFrame from {source}: weight {weight!r} is not finite and >= 0")
+    headers: list[tuple[int, tuple[int, ...], memoryview]] = []
+    payload_total = 0
+    for i in range(count):
+        dtype, ndim = _TENSOR_HEAD.unpack(cur.take(2, f"tensor {i}'s dtype/ndim"))
+        shape = struct.unpack(f"<{ndim}I", cur.take(4 * ndim, f"tensor {i}'s dims"))
+        (nbytes,) = _U64.unpack(cur.take(8, f"tensor {i}'s byte length"))
+        payload_total += nbytes
+        if payload_total > ceiling:
+            raise FramingError(
+                f"RoundFrame from {source}: tensor {i} brings the payload total to "
+                f"{payload_total} bytes, over the frame ceiling of {ceiling}"
+            )
+        headers.append((dtype, shape, cur.take(nbytes, f"tensor {i}'s {nbytes}-byte payload")))
+    signed_end = cur.pos
+    tag = cur.take(MAC_LEN, "the MAC")
+    if cur.pos != len(view):
+        raise FramingError(
+            f"RoundFrame from {source} used {cur.pos} bytes, {len(view) - cur.pos} fewer than "
+            f"its length prefix declared ({len(view)}): the stream is desynced"
+        )
+    verify_mac(salt.mac8(view[:signed_end]), tag, f"RoundFrame from {source}")
+    tensors = [TensorPayload(d, s, p) for d, s, p in headers]
+    return RoundFrame(tensors, RoundKind(kind), weight)

@@ -1,0 +1,278 @@
+"""Moving protocol messages over trio streams, fast and with bounds.
+
+* Reads go straight into reusable buffers (``recv_into`` on real sockets), grown
+  only as bytes actually arrive, so a lying length prefix costs nothing.
+* A message that stops making progress after its first byte is an error after
+  :data:`MID_FRAME_STARVATION_S`; waiting for the *first* byte has no bound
+  here (a round has no deadline), callers add one where they need it.
+* Writes are shielded per message (a frame is never half-written by a
+  cancellation) and each piece has the write-stall bound.
+
+This module knows bytes and streams, not roles: relay, controller and client
+all build on it.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import trio
+
+from ..errors import ConnectFailed, FramingError, PeerClosedMidFrame, PeerTimeout
+from .constants import DEFAULT_FRAME_CEILING, MUX_HEADER_LEN, RECEIVE_GROWTH_STEP
+from .mux import MuxHeader, MuxKind, parse_mux_header, verify_mux_payload
+from .netenv import (
+    CONNECT_RETRY_ATTEMPTS,
+    MID_FRAME_STARVATION_S,
+    connect_retry_interval,
+    warn_if_public_peer,
+    write_stall_timeout,
+)
+from .salt import Buffer, SessionSalt
+
+_U32 = struct.Struct("<I")
+# Pieces a write is split into, so "no progress" can be told from "slow".
+WRITE_PIECE = 4 << 20
+# Consecutive chunks smaller than this are joined into one send.
+SMALL_CHUNK = 64 << 10
+
+
+class ReceiveBuffer:
+    """A reusable receive buffer that grows as bytes arrive, never ahead of them.
+
+    Capacity is kept between messages, so steady-state rounds allocate nothing.
+    Growth is geometric (the filled part is copied at most ~once overall) and
+    never reserves more than ``max(filled, RECEIVE_GROWTH_STEP)`` bytes beyond
+    what the peer has actually sent.
+    """
+
+    def __init__(self) -> None:
+        self._array = np.empty(0, dtype=np.uint8)
+
+    @property
+    def capacity(self) -> int:
+        return self._array.size
+
+    def writable(self, filled: int, total: int) -> memoryview:
+        """A view of ``[filled, cap)`` where ``cap <= total``, growing if full."""
+        if filled >= self._array.size:
+            new_cap = min(total, max(filled + RECEIVE_GROWTH_STEP, 2 * filled))
+            grown = np.empty(new_cap, dtype=np.uint8)
+            grown[:filled] = self._array[:filled]
+            self._array = grown
+        end = min(total, self._array.size)
+        return memoryview(self._array)[filled:end]
+
+    def view(self, n: int) -> memoryview:
+        return memoryview(self._array)[:n]
+
+
+class BufferPool:
+    """A fixed set of receive buffers shared by many readers.
+
+    Taking a buffer before receiving a payload bounds memory by the pool size,
+    whatever the number of peers; peers beyond it wait in TCP backpressure.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._send, self._receive = trio.open_memory_channel[ReceiveBuffer](size)
+        for _ in range(size):
+            self._send.send_nowait(ReceiveBuffer())
+
+    async def acquire(self) -> ReceiveBuffer:
+        return await self._receive.receive()
+
+    def release(self, buf: ReceiveBuffer) -> None:
+        self._send.send_nowait(buf)
+
+
+class MessageStream:
+    """A trio stream plus the protocol's framing, bounds and fast paths."""
+
+    def __init__(self, stream: trio.abc.Stream, peer: str = "peer") -> None:
+        self.stream = stream
+        self.peer = peer
+        sock = getattr(stream, "socket", None)
+        self._sock: trio.socket.SocketType | None = sock if isinstance(stream, trio.SocketStream) else None
+        self._small = bytearray(8)
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # -- receiving -----------------------------------------------------------
+
+    async def _recv_into(self, view: memoryview) -> int:
+        if self._sock is not None:
+            n = await self._sock.recv_into(view)
+        else:
+            data = await self.stream.receive_some(len(view))
+            n = len(data)
+            view[:n] = data
+        self.bytes_received += n
+        return n
+
+    async def _fill(self, view: memoryview, filled: int, what: str, total: int) -> int:
+        """Receive into ``view`` until full; EOF or starvation here is mid-message."""
+        pos = 0
+        while pos < len(view):
+            with trio.move_on_after(MID_FRAME_STARVATION_S) as scope:
+                n = await self._recv_into(view[pos:])
+            if scope.cancelled_caught:
+                raise PeerTimeout(
+                    f"{self.peer}: no progress for {MID_FRAME_STARVATION_S:.0f} s inside {what} "
+                    f"after {filled + pos} of {total} bytes"
+                )
+            if n == 0:
+                raise PeerClosedMidFrame(
+                    f"{self.peer} closed the connection mid-frame: {what} ended after "
+                    f"{filled + pos} of {total} bytes"
+                )
+            pos += n
+        return filled + pos
+
+    async def receive_into(self, view: memoryview, what: str) -> None:
+        """Fill a caller-owned view completely; EOF or starvation is a mid-message error."""
+        await self._fill(view, 0, what, len(view))
+
+    async def receive_exactly(self, n: int, what: str) -> bytes:
+        """Small fixed-size reads (headers, handshakes): EOF anywhere is an error."""
+        view = memoryview(bytearray(n))
+        await self._fill(view, 0, what, n)
+        return bytes(view)
+
+    async def receive_first(self, view: memoryview, what: str) -> bool:
+        """Fill ``view``; False on a clean EOF before its first byte (no bound on the wait)."""
+        n = await self._recv_into(view)
+        if n == 0:
+            return False
+        if n < len(view):
+            await self._fill(view[n:], n, what, len(view))
+        return True
+
+    async def receive_into_buffer(self, buf: ReceiveBuffer, length: int, what: str) -> memoryview:
+        """Receive ``length`` bytes into ``buf`` (growing it as they arrive)."""
+        filled = 0
+        while filled < length:
+            filled = await self._fill(buf.writable(filled, length), filled, what, length)
+        return buf.view(length)
+
+    async def receive_length_prefix(self, ceiling: int = DEFAULT_FRAME_CEILING) -> int | None:
+        """The next length prefix, or None on a clean EOF; oversize refused before buffering."""
+        head = memoryview(self._small)[:4]
+        if not await self.receive_first(head, "a length prefix"):
+            return None
+        (length,) = _U32.unpack(head)
+        if length > ceiling:
+            raise FramingError(
+                f"{self.peer}: length prefix {length} exceeds the frame ceiling {ceiling}; "
+                "refused before buffering"
+            )
+        return length
+
+    async def receive_len_framed(self, buf: ReceiveBuffer, ceiling: int = DEFAULT_FRAME_CEILING) -> memoryview | None:
+        """One length-framed message into ``buf``; None on clean EOF."""
+        length = await self.receive_length_prefix(ceiling)
+        if length is None:
+            return None
+        return await self.receive_into_buffer(buf, length, f"a {length}-byte message")
+
+    async def receive_mux_header(self, ceiling: int = DEFAULT_FRAME_CEILING) -> MuxHeader | None:
+        head = memoryview(bytearray(MUX_HEADER_LEN))
+        if not await self.receive_first(head, "a MuxRecord header"):
+            return None
+        return parse_mux_header(head, ceiling=ceiling, source=self.peer)
+
+    async def receive_mux_payload(
+        self, header: MuxHeader, buf: ReceiveBuffer, salt: SessionSalt
+    ) -> tuple[MuxKind, memoryview]:
+        """The record's payload into ``buf``, MAC-verified, kind checked after the MAC."""
+        payload = await self.receive_into_buffer(buf, header.length, f"a {header.length}-byte MuxRecord payload")
+        kind = verify_mux_payload(header, payload, salt, source=self.peer)
+        return kind, payload
+
+    # -- sending -------------------------------------------------------------
+
+    async def send_chunks(self, chunks: Sequence[Buffer]) -> None:
+        """Write one message; shielded so it is never half-written, each piece stall-bounded."""
+        stall = write_stall_timeout()
+        with trio.CancelScope(shield=True):
+            for piece in _pieces(chunks):
+                with trio.move_on_after(stall) as scope:
+                    await self.stream.send_all(piece)
+                if scope.cancelled_caught:
+                    raise PeerTimeout(
+                        f"{self.peer}: write stalled for {stall:.0f} s (peer not reading); "
+                        f"{self.bytes_sent} bytes sent on this connection so far"
+                    )
+                self.bytes_sent += len(piece)
+
+    async def send_len_framed(self, chunks: Sequence[Buffer], nbytes: int) -> None:
+        await self.send_chunks([_U32.pack(nbytes), *chunks])
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+def _pieces(chunks: Sequence[Buffer]) -> list[Buffer]:
+    """Join small neighbours, split big ones into WRITE_PIECE views."""
+    out: list[Buffer] = []
+    small = bytearray()
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B") if not isinstance(chunk, memoryview) or chunk.format != "B" else chunk
+        if len(view) < SMALL_CHUNK:
+            small += view
+            continue
+        if small:
+            out.append(bytes(small))
+            small = bytearray()
+        out.extend(view[i:i + WRITE_PIECE] for i in range(0, len(view), WRITE_PIECE))
+    if small:
+        out.append(bytes(small))
+    return out
+
+
+def tune_socket(stream: trio.abc.Stream) -> None:
+    """TCP_NODELAY (ping-pong latency) and keepalive (find partitioned peers)."""
+    if isinstance(stream, trio.SocketStream):
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, True)
+
+
+def peer_host(stream: trio.abc.Stream) -> str:
+    if isinstance(stream, trio.SocketStream):
+        try:
+            return str(stream.socket.getpeername()[0])
+        except OSError:
+            return "?"
+    return "in-memory"
+
+
+async def connect_with_retry(
+    host: str,
+    port: int,
+    what: str,
+    *,
+    attempts: int = CONNECT_RETRY_ATTEMPTS,
+    interval: float | None = None,
+) -> trio.SocketStream:
+    """Dial ``host:port``, retrying while the peer is not up yet; ConnectFailed after the budget."""
+    delay = connect_retry_interval() if interval is None else interval
+    last: OSError | None = None
+    for attempt in range(max(attempts, 1)):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError as exc:
+            last = exc
+            if attempt + 1 < attempts:
+                await trio.sleep(delay)
+            continue
+        tune_socket(stream)
+        warn_if_public_peer(what, peer_host(stream))
+        return stream
+    raise ConnectFailed(
+        f"{what}: connect to {host}:{port} failed after {attempts} attempts "
+        f"{delay:.2f} s apart: {last}"
+    )
