@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+
 import pytest
 import trio
 
@@ -17,14 +21,26 @@ def salt() -> SessionSalt:
     return TEST_SALT
 
 
-@pytest.fixture(autouse=True)
-async def deadline(request: pytest.FixtureRequest):
-    """Fail any async test that runs longer than its deadline instead of hanging."""
-    marker = request.node.get_closest_marker("deadline")
-    seconds = marker.args[0] if marker else DEFAULT_DEADLINE_S
-    with trio.fail_after(seconds):
-        yield
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "deadline(seconds): trio deadline for this test")
+    config.addinivalue_line("markers", "deadline(seconds): trio deadline for this async test")
+
+
+def _under_deadline(test: Callable[..., Awaitable[None]], seconds: float) -> Callable[..., Awaitable[None]]:
+    @functools.wraps(test)
+    async def wrapper(**kwargs: object) -> None:
+        with trio.fail_after(seconds):
+            await test(**kwargs)
+
+    return wrapper
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run every coroutine test inside ``trio.fail_after`` (a hang fails, it never blocks CI).
+
+    ``@pytest.mark.deadline(seconds)`` overrides the default.
+    """
+    for item in items:
+        func = getattr(item, "obj", None)
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(func):
+            marker = item.get_closest_marker("deadline")
+            item.obj = _under_deadline(func, marker.args[0] if marker else DEFAULT_DEADLINE_S)

@@ -31,33 +31,67 @@ def itemsize(dtype: int) -> int:
         raise SchemaError(f"unknown wire dtype tag {dtype} (0 = f32, 1 = bf16)") from None
 
 
+def _round_block(
+    bits: npt.NDArray[np.uint32],
+    values: npt.NDArray[np.float32],
+    out: npt.NDArray[np.uint16],
+    tmp: npt.NDArray[np.uint32],
+    nan: npt.NDArray[np.bool_],
+) -> None:
+    """Round one block of f32 bit patterns to bf16 into ``out`` (same length).
+
+    ``bits`` and ``values`` are the same memory seen as u32 and f32; ``tmp``
+    and ``nan`` are scratch of at least the block's length. Four in-cache
+    passes for the rounding, one for the narrowing store, and a max()
+    reduction (NaN-propagating, SIMD) that keeps the exact NaN fix-up off the
+    common path.
+    """
+    # (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, in wrapping u32 math. No
+    # non-NaN pattern overflows: the largest, 0xFF800000 (-inf), stays far
+    # below 2**32 - 0x8000.
+    np.right_shift(bits, 16, out=tmp)
+    np.bitwise_and(tmp, 1, out=tmp)
+    np.add(tmp, bits, out=tmp)
+    np.add(tmp, 0x7FFF, out=tmp)
+    np.right_shift(tmp, 16, out=out, casting="unsafe")
+    if not np.isnan(values.max()):
+        return
+    # Rare path: a NaN keeps its top 16 bits with the quiet bit forced.
+    np.isnan(values, out=nan)
+    np.right_shift(bits, 16, out=tmp)
+    np.bitwise_or(tmp, 0x0040, out=tmp)
+    np.copyto(out, tmp, where=nan, casting="unsafe")
+
+
+class _Scratch:
+    """Per-call scratch for blocked conversions (two small arrays, reused per block)."""
+
+    __slots__ = ("nan", "tmp", "wide")
+
+    def __init__(self, n: int) -> None:
+        width = max(1, min(BLOCK, n))
+        self.tmp = np.empty(width, dtype=U32)
+        self.wide = np.empty(width, dtype=U32)
+        self.nan = np.empty(width, dtype=bool)
+
+
 def f32_to_bf16(
     src: npt.NDArray[np.float32], out: npt.NDArray[np.uint16] | None = None
 ) -> npt.NDArray[np.uint16]:
     """Round f32 values to bf16 bit patterns exactly as ``Tensor.to(torch.bfloat16)``."""
-    bits = np.ascontiguousarray(src).reshape(-1).view(U32)
+    values = np.ascontiguousarray(src).reshape(-1)
+    bits = values.view(U32)
+    values = bits.view(F32)
     if out is None:
         out = np.empty(bits.size, dtype=U16)
     flat_out = out.reshape(-1)
-    width = min(BLOCK, bits.size)
-    rounded = np.empty(width, dtype=U32)
-    magnitude = np.empty(width, dtype=U32)
-    is_nan = np.empty(width, dtype=bool)
+    scratch = _Scratch(bits.size)
     for start in range(0, bits.size, BLOCK):
-        block = bits[start:start + BLOCK]
-        n = block.size
-        tmp, mag, nan = rounded[:n], magnitude[:n], is_nan[:n]
-        # tmp = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, in wrapping u32 math
-        np.right_shift(block, 16, out=tmp)
-        np.bitwise_and(tmp, 1, out=tmp)
-        np.add(tmp, 0x7FFF, out=tmp)
-        np.add(tmp, block, out=tmp)
-        np.right_shift(tmp, 16, out=tmp)
-        np.bitwise_and(block, 0x7FFFFFFF, out=mag)
-        np.greater(mag, 0x7F800000, out=nan)
-        if nan.any():
-            np.copyto(tmp, (block >> 16) | 0x0040, where=nan)
-        flat_out[start:start + n] = tmp
+        stop = min(start + BLOCK, bits.size)
+        n = stop - start
+        _round_block(
+            bits[start:stop], values[start:stop], flat_out[start:stop], scratch.tmp[:n], scratch.nan[:n]
+        )
     return out
 
 
@@ -69,6 +103,21 @@ def bf16_to_f32(src: npt.NDArray[np.uint16], out: npt.NDArray[np.float32] | None
     wide = out.reshape(-1).view(U32)
     np.left_shift(flat, 16, out=wide, dtype=U32, casting="unsafe")
     return out
+
+
+def add_bf16_into(acc: npt.NDArray[np.float32], src: npt.NDArray[np.uint16]) -> None:
+    """``acc += widen(src)`` in f32, blockwise, without a full-size widened copy."""
+    acc_flat = acc.reshape(-1)
+    src_flat = np.ascontiguousarray(src).reshape(-1)
+    if acc_flat.size != src_flat.size:
+        raise SchemaError(f"bf16 add: {src_flat.size} elements into an accumulator of {acc_flat.size}")
+    wide = np.empty(max(1, min(BLOCK, src_flat.size)), dtype=U32)
+    wide_f = wide.view(F32)
+    for start in range(0, src_flat.size, BLOCK):
+        stop = min(start + BLOCK, src_flat.size)
+        n = stop - start
+        np.left_shift(src_flat[start:stop], 16, out=wide[:n], dtype=U32, casting="unsafe")
+        np.add(acc_flat[start:stop], wide_f[:n], out=acc_flat[start:stop])
 
 
 def payload_as_f32(data: memoryview | bytes | bytearray | np.ndarray, dtype: int) -> npt.NDArray[np.float32]:
@@ -98,16 +147,25 @@ def scale_payload(data: bytearray | memoryview | np.ndarray, dtype: int, factor:
     rounded to f32, then rounds to the tensor dtype; so does this.
     """
     f = np.float32(factor)
+    with np.errstate(over="ignore", invalid="ignore"):
+        _scale_in_place(data, dtype, f)
+
+
+def _scale_in_place(data: bytearray | memoryview | np.ndarray, dtype: int, f: np.float32) -> None:
     if dtype == DTYPE_F32:
         view = np.frombuffer(data, dtype=F32)
         np.multiply(view, f, out=view)
         return
     if dtype == DTYPE_BF16:
         view16 = np.frombuffer(data, dtype=U16)
+        scratch = _Scratch(view16.size)
+        wide_f = scratch.wide.view(F32)
         for start in range(0, view16.size, BLOCK):
-            block = view16[start:start + BLOCK]
-            wide = bf16_to_f32(block)
-            np.multiply(wide, f, out=wide)
-            f32_to_bf16(wide, out=block)
+            stop = min(start + BLOCK, view16.size)
+            n = stop - start
+            bits, values = scratch.wide[:n], wide_f[:n]
+            np.left_shift(view16[start:stop], 16, out=bits, dtype=U32, casting="unsafe")
+            np.multiply(values, f, out=values)
+            _round_block(bits, values, view16[start:stop], scratch.tmp[:n], scratch.nan[:n])
         return
     itemsize(dtype)

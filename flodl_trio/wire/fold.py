@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import SchemaError
-from .bf16 import DTYPE_NAMES, F32, bf16_to_f32, encode_f32_as, itemsize
+from .bf16 import DTYPE_NAMES, F32, U16, add_bf16_into, bf16_to_f32, encode_f32_as, itemsize
 from .constants import DTYPE_BF16, DTYPE_F32
 from .round_frame import RoundFrame, RoundKind, TensorPayload
 
@@ -50,15 +50,20 @@ class _Slot:
     def add(self, t: TensorPayload) -> None:
         if t.nbytes == 0:
             return  # elided: all zeros
-        if self.sum is None:
-            if t.dtype == DTYPE_F32:
-                self.sum = np.frombuffer(t.data, dtype=F32).copy()
+        # Overflow to inf and inf - inf = NaN are the defined f32 results
+        # (torch gives the same without a warning); keep numpy quiet about them.
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self.sum is None:
+                # The one required copy: the payload lives in a reused receive buffer.
+                if t.dtype == DTYPE_F32:
+                    self.sum = np.frombuffer(t.data, dtype=F32).copy()
+                else:
+                    self.sum = bf16_to_f32(np.frombuffer(t.data, dtype=U16))
+            elif t.dtype == DTYPE_F32:
+                np.add(self.sum, np.frombuffer(t.data, dtype=F32), out=self.sum)
             else:
-                self.sum = bf16_to_f32(np.frombuffer(t.data, dtype="<u2"))
-        elif t.dtype == DTYPE_F32:
-            np.add(self.sum, np.frombuffer(t.data, dtype=F32), out=self.sum)
-        else:
-            np.add(self.sum, bf16_to_f32(np.frombuffer(t.data, dtype="<u2")), out=self.sum)
+                # Widened block by block in cache, no full-size f32 temporary.
+                add_bf16_into(self.sum, np.frombuffer(t.data, dtype=U16))
 
 
 class FoldAccumulator:
@@ -153,9 +158,10 @@ def finish_consensus(acc: FoldAccumulator) -> RoundFrame:
         raise SchemaError("consensus: no contribution was accepted this round")
     if acc.kind == RoundKind.MODEL and acc.weight > 0:
         reciprocal = np.float32(1.0 / acc.weight)
-        for s in acc.sums():
-            if s is not None:
-                np.multiply(s, reciprocal, out=s)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for s in acc.sums():
+                if s is not None:
+                    np.multiply(s, reciprocal, out=s)
     return acc.result()
 
 

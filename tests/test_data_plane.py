@@ -1,0 +1,363 @@
+"""Data-plane behaviour beyond the seed: several hosts, deaths, refusals, fatal errors.
+
+Every expected value is computed independently with numpy in the test.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from flodl_trio import (
+    DTYPE_F32,
+    DeadRanks,
+    DesyncError,
+    FlodlError,
+    MacError,
+    RankDeadError,
+    RoundFrame,
+    RoundKind,
+    SessionSalt,
+    TensorPayload,
+    connect_reduce_client,
+    open_controller,
+    open_relay,
+    ChannelKind,
+)
+from flodl_trio.testing import open_local_cluster
+from flodl_trio.wire import encode_round_frame, encode_data_handshake
+from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
+from flodl_trio.wire.mux import Hello, HelloAck, MuxKind, decode_mux_record, encode_control_record, encode_mux_record
+from flodl_trio.wire.stream import MessageStream, ReceiveBuffer
+
+LOOP = "127.0.0.1"
+
+
+def expected_mean(values: dict[int, np.ndarray], masses: dict[int, float]) -> np.ndarray:
+    """Independent reference: f32 sum of w*T, times f32(1/sum w)."""
+    total = sum((np.float32(masses[r]) * values[r]).astype(np.float32) for r in values)
+    return (total * np.float32(1.0 / sum(masses.values()))).astype(np.float32)
+
+
+@pytest.mark.parametrize("hosts", [[[0, 1], [2]], [[0], [1, 2, 3], [4, 5]]], ids=["2hosts-uneven", "3hosts-uneven"])
+async def test_uneven_hosts_weighted_rounds(salt, hosts):
+    world = sum(len(h) for h in hosts)
+    rng = np.random.default_rng(7)
+    rounds = 5
+    values = {(k, r): rng.standard_normal(33).astype(np.float32) for k in range(rounds) for r in range(world)}
+    masses = {(k, r): float(rng.integers(1, 9)) for k in range(rounds) for r in range(world)}
+    results: dict[tuple[int, int], np.ndarray] = {}
+    got_mass: dict[tuple[int, int], float] = {}
+
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                for k in range(rounds):
+                    t = torch.from_numpy(values[k, rank].copy())
+                    out, mass = await client.all_reduce_scaled([t], masses[k, rank], RoundKind.MODEL, masses[k, rank])
+                    results[k, rank] = out[0].numpy()
+                    got_mass[k, rank] = mass
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(world):
+                nursery.start_soon(rank_main, rank)
+        await cluster.controller.wait_finished()
+        assert cluster.controller.stats.rounds == rounds
+
+    for k in range(rounds):
+        want = expected_mean({r: values[k, r] for r in range(world)}, {r: masses[k, r] for r in range(world)})
+        for rank in range(world):
+            np.testing.assert_allclose(results[k, rank], want, rtol=2e-6, atol=1e-6, err_msg=f"round {k} rank {rank}")
+            assert got_mass[k, rank] == sum(masses[k, r] for r in range(world))
+
+
+async def test_fifty_rounds_random_masses_against_numpy(salt):
+    """50 rounds, 2 hosts x 2 ranks, random masses (some zero), vs an independent numpy reduce."""
+    world, hosts, rounds = 4, [[0, 1], [2, 3]], 50
+    rng = np.random.default_rng(2026)
+    values = rng.standard_normal((rounds, world, 64)).astype(np.float32)
+    masses = rng.choice([0.0, 0.5, 1.0, 2.0, 3.25], size=(rounds, world))
+    masses[10] = 0.0  # one round where nobody realized work: everyone keeps local values
+    results = np.zeros((rounds, world, 64), np.float32)
+
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                from flodl_trio import DECODE_SLOT_PARAMS, sumcount_reduce
+
+                for k in range(rounds):
+                    t = torch.from_numpy(values[k, rank].copy())
+                    out = await sumcount_reduce(client, [t], float(masses[k, rank]), DECODE_SLOT_PARAMS)
+                    results[k, rank] = out[0].numpy()
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(world):
+                nursery.start_soon(rank_main, rank)
+
+    for k in range(rounds):
+        total = masses[k].sum()
+        for rank in range(world):
+            if total == 0:
+                want = values[k, rank]
+            else:
+                # Reference computed in f64 then compared with an f32 tolerance.
+                want = (masses[k][:, None] * values[k].astype(np.float64)).sum(0) / total
+            np.testing.assert_allclose(results[k, rank], want, rtol=1e-5, atol=1e-5, err_msg=f"round {k} rank {rank}")
+
+
+async def test_bf16_wire_across_hosts(salt):
+    """bf16-exact values: (1*[2,8] + 1*[4,16] + 2*[1,2]) / 4 = [2, 7] on the bf16 wire."""
+    inputs = {0: ([2.0, 8.0], 1.0), 1: ([4.0, 16.0], 1.0), 2: ([1.0, 2.0], 2.0)}
+    out = {}
+    async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt) as cluster:
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 3, salt) as client:
+                client.bf16_wire = True
+                vals, w = inputs[rank]
+                out[rank] = await client.all_reduce_scaled([torch.tensor(vals)], w, RoundKind.MODEL, w)
+
+        async with trio.open_nursery() as nursery:
+            for rank in inputs:
+                nursery.start_soon(rank_main, rank)
+        # The uplink frames really were bf16: half the f32 payload bytes.
+        assert cluster.relays[1].stats.bytes_up == 25 + 25 + 10 + 4 + 4
+    for rank, (tensors, mass) in out.items():
+        assert tensors[0].tolist() == [2.0, 7.0] and tensors[0].dtype == torch.float32
+        assert mass == 4.0
+
+
+async def test_death_declared_mid_window(salt):
+    """Rank 3 (host 1) stops answering after round 1; it is declared dead while the
+    others wait in round 2, which then completes without it."""
+    dead = DeadRanks(4)
+    values = {r: float(r + 1) for r in range(4)}
+    round2 = {}
+    waiting, evicted = trio.Event(), trio.Event()
+    async with open_local_cluster(world_size=4, hosts=[[0, 1], [2, 3]], salt=salt, dead_ranks=dead) as cluster:
+        async def live(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 4, salt) as client:
+                await client.all_reduce_tensors([torch.tensor([values[rank]])])
+                round2[rank] = (await client.all_reduce_tensors([torch.tensor([values[rank] * 10])]))[0].item()
+
+        async def wedged(rank: int) -> None:
+            client = await connect_reduce_client(cluster.relay_address(rank), rank, 4, salt)
+            await client.all_reduce_tensors([torch.tensor([values[rank]])])
+            waiting.set()
+            # Frozen from here on: it sends nothing. Once the controller declares it
+            # dead, its relay closes the connection (the rank would read EOF).
+            assert await client._conn.receive_length_prefix() is None
+            evicted.set()
+
+        async with trio.open_nursery() as nursery:
+            for rank in (0, 1, 2):
+                nursery.start_soon(live, rank)
+            nursery.start_soon(wedged, 3)
+            await waiting.wait()
+            await trio.sleep(0.2)  # the live ranks are now parked in round 2
+            assert not round2
+            dead.declare_dead(3)
+    assert evicted.is_set()
+    assert round2 == {r: pytest.approx((10 + 20 + 30) / 3) for r in (0, 1, 2)}
+
+
+async def test_whole_host_dies_other_host_continues(salt):
+    results: dict[int, list[float]] = {0: [], 1: []}
+    async with open_local_cluster(world_size=4, hosts=[[0, 1], [2, 3]], salt=salt) as cluster:
+        async def survivor(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 4, salt) as client:
+                for k in range(4):
+                    out = await client.all_reduce_tensors([torch.tensor([float(rank + 10 * k)])])
+                    results[rank].append(out[0].item())
+
+        async def short_lived(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 4, salt) as client:
+                await client.all_reduce_tensors([torch.tensor([float(rank)])])
+
+        async with trio.open_nursery() as nursery:
+            for rank in (0, 1):
+                nursery.start_soon(survivor, rank)
+            for rank in (2, 3):
+                nursery.start_soon(short_lived, rank)
+        await cluster.relays[1].wait_finished()  # host 1 shut itself down cleanly
+        await cluster.controller.wait_finished()
+    want = [1.5, 10.5, 20.5, 30.5]
+    want[0] = (0 + 1 + 2 + 3) / 4
+    assert results[0] == results[1] == want
+
+
+async def test_relay_refuses_bad_ranks_with_distinct_reasons(salt):
+    async with open_local_cluster(world_size=4, hosts=[[0, 1], [2, 3]], salt=salt) as cluster:
+        relay = cluster.relays[0]
+        addr = cluster.relay_address(0)
+        with pytest.raises(FlodlError, match="handshake ack"):
+            await connect_reduce_client(addr, 2, 4, salt)  # rank of the other host
+        with pytest.raises(FlodlError, match="handshake ack"):
+            await connect_reduce_client(addr, 0, 5, salt)  # wrong world size
+        async with connect_reduce_client(addr, 0, 4, salt):
+            with pytest.raises(FlodlError, match="handshake ack"):
+                await connect_reduce_client(addr, 0, 4, salt)  # duplicate
+        reasons = relay.rejections
+        assert any("not in host host0's rank set [0, 1]" in r for r in reasons), reasons
+        assert any("world_size 5" in r for r in reasons), reasons
+        assert any("duplicate rank 0" in r for r in reasons), reasons
+
+
+async def test_relay_handshake_deadline_refuses_silent_connection(salt, monkeypatch):
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.1")  # 1 s handshake deadline
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
+        silent = await trio.open_tcp_stream(*cluster.relay_address(0))
+        await silent.send_all(b"\xc0\x17")  # half a header, then nothing
+        with trio.fail_after(5):
+            assert await silent.receive_some(16) == b""  # the relay hung up on it
+        assert any("deadline" in r for r in cluster.relays[0].rejections)
+        # ...and real ranks still get in and average.
+        async with trio.open_nursery() as nursery:
+            out = {}
+
+            async def rank_main(r: int) -> None:
+                async with connect_reduce_client(cluster.relay_address(r), r, 2, salt) as c:
+                    out[r] = (await c.all_reduce_tensors([torch.tensor([float(r)])]))[0].item()
+
+            nursery.start_soon(rank_main, 0)
+            nursery.start_soon(rank_main, 1)
+        assert out == {0: 0.5, 1: 0.5}
+
+
+async def _fake_relay(port: int, salt: SessionSalt, host: str, ranks: list[int], *, magic: int = CHANNEL_MAGIC_DATA) -> MessageStream:
+    stream = await trio.open_tcp_stream(LOOP, port)
+    conn = MessageStream(stream, "controller")
+    await conn.send_chunks([magic.to_bytes(4, "little"), encode_control_record(Hello(host, ranks), salt)])
+    return conn
+
+
+async def _expect_ack(conn: MessageStream, salt: SessionSalt) -> None:
+    header = await conn.receive_mux_header()
+    assert header is not None
+    kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+    assert kind is MuxKind.CONTROL
+
+
+async def _expect_closed(conn: MessageStream) -> None:
+    """The peer hung up: EOF, or a reset when it closed with our bytes unread."""
+    with trio.fail_after(5):
+        try:
+            assert await conn.stream.receive_some(64) == b""
+        except trio.BrokenResourceError:
+            pass
+
+
+async def test_controller_refuses_bad_connections_and_keeps_serving(salt):
+    other = SessionSalt(b"\x07" * 16)
+    async with open_controller(LOOP, 0, world_size=2, salt=salt) as ctl:
+        # garbage magic / a port scanner
+        scanner = await trio.open_tcp_stream(LOOP, ctl.port)
+        await scanner.send_all(b"\x00\x01\x02\x03junk")
+        await _expect_closed(MessageStream(scanner))
+        # wrong salt on the Hello
+        await _expect_closed(await _fake_relay(ctl.port, other, "evil", [0]))
+        # rank >= world size
+        await _expect_closed(await _fake_relay(ctl.port, salt, "big", [5]))
+        # first record not a Hello
+        conn = MessageStream(await trio.open_tcp_stream(LOOP, ctl.port))
+        rf = encode_round_frame(RoundFrame([TensorPayload(DTYPE_F32, (1,), np.ones(1, "<f4"))]), salt)
+        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), *encode_mux_record(MuxKind.HOST_FRAME, rf, salt).chunks])
+        await _expect_closed(conn)
+        # a good relay gets in; a second relay announcing its rank is refused
+        good = await _fake_relay(ctl.port, salt, "good", [0])
+        await _expect_ack(good, salt)
+        await _expect_closed(await _fake_relay(ctl.port, salt, "dup", [0, 1]))
+        reasons = "\n".join(ctl.rejections)
+        for needle in ("unknown channel magic", "MAC mismatch", "rank 5 >= world_size 2", "Control(Hello)", "already carried by relay good"):
+            assert needle in reasons, f"{needle!r} not in:\n{reasons}"
+        assert ctl.stats.mac_failures == 1
+        # the status page answers plain HTTP on the same port
+        http = await trio.open_tcp_stream(LOOP, ctl.port)
+        await http.send_all(b"GET / HTTP/1.0\r\n\r\n")
+        reply = b""
+        with trio.fail_after(5):
+            while chunk := await http.receive_some(4096):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.0 200") and b'"world_size": 2' in reply
+        await good.aclose()
+
+
+async def test_wrongly_salted_frame_from_live_relay_is_fatal_and_named(salt):
+    other = SessionSalt(b"\x07" * 16)
+    async with open_controller(LOOP, 0, world_size=2, salt=salt) as ctl:
+        relay = await _fake_relay(ctl.port, salt, "h-bad", [0, 1])
+        await _expect_ack(relay, salt)
+        rf = encode_round_frame(RoundFrame([TensorPayload(DTYPE_F32, (1,), np.ones(1, "<f4"))]), other)
+        await relay.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, rf, salt).chunks)  # mux ok, frame MAC wrong
+        with pytest.raises(MacError, match=r"relay h-bad \(ranks \[0, 1\]\)"):
+            await ctl.wait_finished()
+
+
+async def test_single_rank_host_forwards_frame_byte_identical(salt):
+    """A fake controller receives the relay's HostFrame: it is the rank's frame, byte for byte."""
+    seen: dict[str, bytes] = {}
+    listeners = await trio.open_tcp_listeners(0, host=LOOP)
+    port = listeners[0].socket.getsockname()[1]
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (3,), np.array([1.5, -2.0, 3.25], "<f4")), TensorPayload(DTYPE_F32, (8, 8))], RoundKind.MODEL, 2.5)
+    rank_bytes = encode_round_frame(frame, salt)
+
+    async def fake_controller() -> None:
+        stream = await listeners[0].accept()
+        conn = MessageStream(stream, "relay")
+        await conn.receive_exactly(4, "magic")
+        header = await conn.receive_mux_header()
+        await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+        await conn.send_chunks([encode_control_record(HelloAck(), salt)])
+        header = await conn.receive_mux_header()
+        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+        seen["kind"], seen["payload"] = kind, bytes(payload)
+        await conn.send_chunks(encode_mux_record(MuxKind.BROADCAST, payload, salt).chunks)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fake_controller)
+        async with open_relay(ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, port), host_name="solo",
+                              ranks=[0], world_size=1, salt=salt) as relay:
+            async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
+                reply = await client.all_reduce(frame)
+    assert seen["kind"] is MuxKind.HOST_FRAME
+    assert seen["payload"] == rank_bytes
+    assert reply == frame
+
+
+async def test_double_deposit_tears_the_channel_down(salt):
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
+        addr = cluster.relay_address(0)
+        honest = await connect_reduce_client(addr, 1, 2, salt)
+        raw = MessageStream(await trio.open_tcp_stream(*addr), "relay")
+        await raw.send_chunks([encode_data_handshake(0, 2)])
+        await raw.receive_exactly(8, "ack")
+        body = encode_round_frame(RoundFrame([TensorPayload(DTYPE_F32, (1,), np.ones(1, "<f4"))]), salt)
+        await raw.send_len_framed([body], len(body))
+        await raw.send_len_framed([body], len(body))  # second frame, same round: desync
+        with pytest.raises(DesyncError, match="rank 0 deposited twice"):
+            await cluster.relays[0].wait_finished()
+        with pytest.raises(RankDeadError):
+            await honest.all_reduce_tensors([torch.ones(1)])
+
+
+async def test_relay_logs_one_summary_line(salt, caplog):
+    caplog.set_level(logging.INFO, logger="flodl_trio.relay")
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
+        async def rank_main(r: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(r), r, 2, salt) as c:
+                for _ in range(3):
+                    await c.all_reduce_tensors([torch.ones(1000)])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rank_main, 0)
+            nursery.start_soon(rank_main, 1)
+        await cluster.relays[0].wait_finished()
+    lines = [r.getMessage() for r in caplog.records if "summary" in r.getMessage()]
+    assert len(lines) == 1
+    assert "ranks=2 rounds=3" in lines[0], lines[0]
+    ratio = float(re.search(r"fold-ratio=([0-9.]+)x", lines[0]).group(1))
+    assert 1.95 <= ratio <= 2.0, lines[0]  # two ranks in, one frame (plus a mux header) up
