@@ -175,9 +175,9 @@ def main() -> int:
         ("encode+sign >= 70% of raw HMAC", enc_ratio >= HMAC_RATIO_TARGET, f"{enc_ratio:.0%}"),
         ("decode+verify >= 70% of raw HMAC", dec_ratio >= HMAC_RATIO_TARGET, f"{dec_ratio:.0%}"),
         (
-            "bf16 encode >= 1000 MB/s",
-            nbytes / t_bf16 / MB >= BF16_TARGET_MBPS,
-            f"{nbytes / t_bf16 / MB:,.0f} MB/s",
+            "bf16 encode >= 1000 MB/s (allocating call, the slower of the two)",
+            nbytes / t_bf16_alloc / MB >= BF16_TARGET_MBPS,
+            f"{nbytes / t_bf16_alloc / MB:,.0f} MB/s",
         ),
         (
             "fold (f32) >= 1000 MB/s",

@@ -19,16 +19,16 @@ frame from an accepted relay is fatal (``wait_finished`` raises, naming it).
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
 import trio
 
+from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .errors import (
     ConfigError,
@@ -40,6 +40,7 @@ from .errors import (
     PeerTimeout,
     ProtocolError,
 )
+from .links import DISCONNECTS, SMALL_RECORD, RelayLink, check_hello_ranks, receive_hello
 from .wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_FRAME_CEILING
 from .wire.fold import FoldAccumulator, finish_consensus
 from .wire.mux import (
@@ -61,8 +62,7 @@ from .wire.tasks import service_nursery
 
 log = logging.getLogger("flodl_trio.controller")
 
-SMALL_RECORD = 64 << 10
-_DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerClosedMidFrame, PeerTimeout)
+_DISCONNECTS = DISCONNECTS
 
 
 def _naming(exc: FlodlError, who: str) -> FlodlError:
@@ -85,9 +85,6 @@ class CheckpointSink(Protocol):
     """Receives each Model round's consensus; must return quickly (write elsewhere)."""
 
     def __call__(self, round_index: int, consensus: RoundFrame) -> None: ...
-
-
-ControlHandler = Callable[[MessageStream], Awaitable[None]]
 
 
 @attrs.define
@@ -121,7 +118,7 @@ class ControllerHandle:
         self._finished = trio.Event()
         self._error: BaseException | None = None
         self._error_seen = False
-        self.control_handler: ControlHandler | None = None
+        self.coordinator: Coordinator | None = None
 
     async def wait_finished(self) -> None:
         """Return once every rank is dead or exited; raise the error that stopped it."""
@@ -142,16 +139,27 @@ async def open_controller(
     outer_optimizer: OuterOptimizer | None = None,
     checkpoint: CheckpointSink | None = None,
     ceiling: int = DEFAULT_FRAME_CEILING,
+    heartbeat_timeout: float | None = None,
+    beacon_interval: float | None = None,
 ) -> AsyncIterator[ControllerHandle]:
-    """Serve the cluster's controller on ``host:port`` (0 = any free port) for the block."""
+    """Serve the cluster's controller on ``host:port`` (0 = any free port) for the block.
+
+    The same port serves the coordinator (control channel): a rank silent for
+    ``heartbeat_timeout`` (default 30 s x FLODL_NET_TIMEOUT_SCALE) is declared dead.
+    """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
         raise ConfigError(f"dead_ranks covers world_size {ledger.world_size}, controller has {world_size}")
     config = ControllerConfig(host, port, world_size, SessionSalt.coerce(salt), ceiling)
+    coordinator = Coordinator(
+        world_size, config.salt, ledger, heartbeat_timeout=heartbeat_timeout, beacon_interval=beacon_interval
+    )
     async with service_nursery() as nursery:
-        handle: ControllerHandle = await nursery.start(_serve_controller, config, ledger, outer_optimizer, checkpoint)
+        handle: ControllerHandle = await nursery.start(
+            _serve_controller, config, ledger, coordinator, outer_optimizer, checkpoint
+        )
         yield handle
     if handle._error is not None and not handle._error_seen:
         raise handle._error
@@ -160,6 +168,7 @@ async def open_controller(
 async def _serve_controller(
     config: ControllerConfig,
     ledger: DeadRanks,
+    coordinator: Coordinator,
     outer_optimizer: OuterOptimizer | None,
     checkpoint: CheckpointSink | None,
     *,
@@ -167,36 +176,18 @@ async def _serve_controller(
 ) -> None:
     listeners = await trio.open_tcp_listeners(config.port, host=config.host)
     handle = ControllerHandle(listeners[0].socket.getsockname()[1], ledger, ControllerStats())
+    handle.coordinator = coordinator
     controller = _Controller(config, handle, outer_optimizer, checkpoint)
     task_status.started(handle)
     try:
         await controller.run(listeners)
     except Exception as exc:
         handle._error = exc
-        log.error("controller: %s", exc)
+        log.error("controller: %s", exc, exc_info=isinstance(exc, BaseExceptionGroup))
     finally:
         for listener in listeners:
             await listener.aclose()
         handle._finished.set()
-
-
-@attrs.define(eq=False)
-class RelayLink:
-    """One accepted relay connection and the ranks it carries."""
-
-    id: int
-    host: str
-    ranks: tuple[int, ...]
-    conn: MessageStream
-    outbox: trio.MemorySendChannel[EncodedFrame]
-    inbox: trio.MemoryReceiveChannel[EncodedFrame]
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    closed: bool = False
-    small: ReceiveBuffer = attrs.field(factory=ReceiveBuffer)
-
-    @property
-    def name(self) -> str:
-        return f"relay {self.host} (ranks {list(self.ranks)})"
 
 
 class _Round:
@@ -226,7 +217,6 @@ class _Controller:
         self.round = _Round()
         self.previous_kind: RoundKind | None = None
         self.pool = BufferPool(2)
-        self._ids = itertools.count()
         self._scope = trio.CancelScope()
         self._deaths_send, self._deaths_receive = trio.open_memory_channel[int](2 * config.world_size + 1)
         self._forwarded: set[int] = set()
@@ -245,6 +235,8 @@ class _Controller:
             with self._scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._death_watcher)
+                    if self.handle.coordinator is not None:
+                        nursery.start_soon(self.handle.coordinator.run)
                     for listener in listeners:
                         nursery.start_soon(self._accept_loop, listener, nursery)
                     for rank in sorted(self.dead.snapshot()):
@@ -295,8 +287,8 @@ class _Controller:
         value = int.from_bytes(magic, "little")
         if value == CHANNEL_MAGIC_DATA:
             await self._serve_relay(conn)
-        elif value == CHANNEL_MAGIC_CONTROL and self.handle.control_handler is not None:
-            await self.handle.control_handler(conn)
+        elif value == CHANNEL_MAGIC_CONTROL and self.handle.coordinator is not None:
+            await self.handle.coordinator.serve_connection(conn)
         elif magic in (b"GET ", b"POST"):
             await self._serve_status(conn)
         else:
@@ -322,15 +314,8 @@ class _Controller:
     async def _accept_relay(self, conn: MessageStream) -> RelayLink | None:
         """Read and check the Hello; register the relay or refuse it (logged, not fatal)."""
         try:
-            with trio.fail_after(handshake_timeout()):
-                header = await conn.receive_mux_header(SMALL_RECORD)
-                if header is None:
-                    raise HandshakeError("closed before sending Hello")
-                kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), self.config.salt)
-            hello = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
-            if not isinstance(hello, Hello):
-                raise HandshakeError(f"first record must be Control(Hello), got {kind.name} {hello or ''}")
-            self._check_hello(hello)
+            hello = await receive_hello(conn, self.config.salt)
+            check_hello_ranks(hello, self.config.world_size, self.owner)
         except (ProtocolError, trio.TooSlowError, *_DISCONNECTS) as exc:
             if isinstance(exc, MacError):
                 self.stats.mac_failures += 1
@@ -338,34 +323,17 @@ class _Controller:
             self._refuse(f"data relay {conn.peer} refused: {reason}")
             await conn.aclose()
             return None
-        outbox, inbox = trio.open_memory_channel[EncodedFrame](self.config.world_size + 8)
-        link = RelayLink(next(self._ids), hello.host, hello.ranks, conn, outbox, inbox)
-        conn.peer = link.name
+        link = RelayLink.accept(hello, conn, self.config.world_size + 8)
         self.links[link.id] = link
         for rank in link.ranks:
             self.owner[rank] = link
         self.stats.relays += 1
-        outbox.send_nowait(encode_mux_record(MuxKind.CONTROL, encode_control_msg(HelloAck()), self.config.salt))
+        link.queue_control(HelloAck(), self.config.salt)
         for rank in link.ranks:
             if self.dead.is_dead(rank):
-                self._send_control(link, DeclareDead(rank))
+                link.queue_control(DeclareDead(rank), self.config.salt)
         log.info("controller: accepted %s", link.name)
         return link
-
-    def _check_hello(self, hello: Hello) -> None:
-        if not hello.ranks:
-            raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
-        if list(hello.ranks) != sorted(set(hello.ranks)):
-            raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
-        for rank in hello.ranks:
-            if rank >= self.config.world_size:
-                raise HandshakeError(
-                    f"Hello from host {hello.host!r} announces rank {rank} >= world_size {self.config.world_size}"
-                )
-            if rank in self.owner:
-                raise HandshakeError(
-                    f"Hello from host {hello.host!r} announces rank {rank}, already carried by {self.owner[rank].name}"
-                )
 
     async def _drop_link(self, link: RelayLink, why: str) -> None:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
@@ -382,14 +350,11 @@ class _Controller:
 
     async def _link_writer(self, link: RelayLink) -> None:
         """Sole writer of a relay's socket; a failed write makes its ranks dead."""
-        async with link.inbox:
-            async for record in link.inbox:
-                try:
-                    await link.conn.send_chunks(record.chunks)
-                except _DISCONNECTS as exc:
-                    await self._drop_link(link, f"write failed: {exc}")
-                    return
-                self.stats.bytes_out += record.nbytes
+
+        async def write_failed(why: str) -> None:
+            await self._drop_link(link, why)
+
+        self.stats.bytes_out += await link.drain_outbox(write_failed)
 
     async def _link_reader(self, link: RelayLink) -> None:
         while True:
@@ -463,7 +428,7 @@ class _Controller:
         record = encode_mux_record(MuxKind.BROADCAST, encode_round_frame_chunks(consensus, self.config.salt), self.config.salt)
         for link in self.links.values():
             if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
-                self._queue(link, record)
+                link.queue(record)
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL
@@ -474,18 +439,6 @@ class _Controller:
             self.checkpoint(self.stats.rounds, consensus)
         return consensus
 
-    def _queue(self, link: RelayLink, record: EncodedFrame) -> None:
-        try:
-            link.outbox.send_nowait(record)
-        except trio.WouldBlock:
-            # A relay this far behind is not reading: it cannot be part of the cluster.
-            link.scope.cancel()
-        except trio.BrokenResourceError:
-            pass
-
-    def _send_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
-        self._queue(link, encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.config.salt))
-
     async def _death_watcher(self) -> None:
         """Each new death: one DeclareDead to the relay carrying it, then re-check the round."""
         async for rank in self._deaths_receive:
@@ -494,7 +447,7 @@ class _Controller:
             self._forwarded.add(rank)
             link = self.owner.get(rank)
             if link is not None and not link.closed:
-                self._send_control(link, DeclareDead(rank))
+                link.queue_control(DeclareDead(rank), self.config.salt)
             try:
                 self._maybe_complete()
             except FlodlError as exc:

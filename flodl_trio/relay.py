@@ -28,9 +28,22 @@ import attrs
 import trio
 
 from .errors import ConfigError, DesyncError, FlodlError, FramingError, HandshakeError, PeerTimeout, ProtocolError, SchemaError
-from .wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_FRAME_CEILING
+from .wire.constants import (
+    CHANNEL_MAGIC_CONTROL,
+    CHANNEL_MAGIC_DATA,
+    CONTROL_FRAME_HEADER_LEN,
+    CONTROL_FRAME_MAX_PAYLOAD,
+    DEFAULT_FRAME_CEILING,
+)
 from .wire.fold import FoldAccumulator
-from .wire.handshake import DATA_HANDSHAKE_LEN, decode_data_handshake, encode_data_ack
+from .wire.handshake import (
+    CONTROL_HANDSHAKE_LEN,
+    DATA_HANDSHAKE_LEN,
+    decode_control_handshake,
+    decode_data_handshake,
+    encode_control_ack,
+    encode_data_ack,
+)
 from .wire.mux import (
     DeclareDead,
     Hello,
@@ -44,7 +57,7 @@ from .wire.mux import (
 )
 from .wire.netenv import handshake_timeout, warn_if_public_peer
 from .wire.round_frame import RoundFrame, decode_round_frame, encode_round_frame_chunks
-from .wire.salt import SessionSalt
+from .wire.salt import Buffer, SessionSalt
 from .wire.tasks import service_nursery
 from .wire.stream import BufferPool, MessageStream, ReceiveBuffer, connect_with_retry, peer_host, tune_socket
 
@@ -54,6 +67,8 @@ log = logging.getLogger("flodl_trio.relay")
 OUTBOUND_DEPTH = 16
 # Upstream records up to this size use a private buffer, not the shared pool.
 SMALL_RECORD = 64 << 10
+# A control-channel blob is one ControlFrame: 24-byte header + at most 16 MiB.
+CONTROL_BLOB_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
 _DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerTimeout, FramingError)
 
 
@@ -154,8 +169,6 @@ async def open_relay(
     block shuts the relay down; an error it hit that nobody awaited through
     ``wait_finished()`` is raised on exit.
     """
-    if kind is not ChannelKind.DATA:
-        raise ConfigError("this relay build serves the data channel; the control channel needs the coordinator")
     config = RelayConfig(
         kind, listen, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt),
         ceiling, connect_attempts, connect_interval,
@@ -193,8 +206,8 @@ class _Relay:
         self.handle = handle
         self.listeners = listeners
         self.joined: dict[int, MessageStream] = {}
+        self.signatures: dict[int, bytes] = {}
         self.all_joined = trio.Event()
-        self.channel: DataChannel | None = None
 
     async def run(self) -> None:
         error: Exception | None = None
@@ -204,8 +217,8 @@ class _Relay:
             try:
                 await self.all_joined.wait()
                 upstream = await self._dial_controller()
-                self.channel = DataChannel(self.config, self.joined, upstream, self.handle.stats)
-                await self.channel.run()
+                channel_type = DataChannel if self.config.kind is ChannelKind.DATA else ControlChannel
+                await channel_type(self.config, self.joined, upstream, self.handle.stats).run()
             except Exception as exc:  # raised below, outside the nursery, unwrapped
                 error = exc
             finally:
@@ -231,7 +244,8 @@ class _Relay:
         try:
             with trio.fail_after(handshake_timeout()):
                 rank = await self._handshake(conn)
-                await conn.send_chunks([encode_data_ack()])
+                ack = encode_data_ack() if self.config.kind is ChannelKind.DATA else encode_control_ack(self.config.salt)
+                await conn.send_chunks([ack])
         except (ProtocolError, OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
             reason = "no complete handshake within the deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
             self._refuse(f"relay {self.config.host_name}: refused {conn.peer}: {reason}")
@@ -243,8 +257,12 @@ class _Relay:
             self.all_joined.set()
 
     async def _handshake(self, conn: MessageStream) -> int:
-        raw = await conn.receive_exactly(DATA_HANDSHAKE_LEN, "the data handshake")
-        hello = decode_data_handshake(raw, self.config.world_size)
+        if self.config.kind is ChannelKind.DATA:
+            raw = await conn.receive_exactly(DATA_HANDSHAKE_LEN, "the data handshake")
+            hello = decode_data_handshake(raw, self.config.world_size)
+        else:
+            raw = await conn.receive_exactly(CONTROL_HANDSHAKE_LEN, "the control handshake")
+            hello = decode_control_handshake(raw, self.config.world_size, self.config.salt)
         if hello.rank not in self.config.ranks:
             raise HandshakeError(
                 f"rank {hello.rank} is not in host {self.config.host_name}'s rank set {list(self.config.ranks)}"
@@ -252,6 +270,7 @@ class _Relay:
         if hello.rank in self.joined:
             state = "already connected" if not self.all_joined.is_set() else "already joined; rejoin is not supported"
             raise HandshakeError(f"duplicate rank {hello.rank}: {state}")
+        self.signatures[hello.rank] = hello.model_signature
         return hello.rank
 
     def _refuse(self, message: str) -> None:
@@ -267,7 +286,8 @@ class _Relay:
         )
         upstream = MessageStream(stream, f"controller {host}:{port}")
         salt = self.config.salt
-        hello = Hello(self.config.host_name, self.config.ranks, ())
+        sigs = [self.signatures[r] for r in self.config.ranks] if self.config.kind is ChannelKind.CONTROL else []
+        hello = Hello(self.config.host_name, self.config.ranks, sigs)
         magic = self.config.kind.magic.to_bytes(4, "little")
         await upstream.send_chunks([magic, *encode_mux_record(MuxKind.CONTROL, encode_control_msg(hello), salt).chunks])
         with trio.fail_after(handshake_timeout()):
@@ -302,7 +322,7 @@ class _RawHostFrame:
     buffer: ReceiveBuffer
 
 
-_Outbound = RoundFrame | _RawHostFrame | RelayControlMsg
+_Outbound = Any  # RoundFrame | _RawHostFrame | _DataRecord | RelayControlMsg
 
 
 class HostFold:
@@ -338,22 +358,25 @@ class HostFold:
         return folded
 
 
-class DataChannel:
-    """The mux phase of a data relay: fold up, fan out, absorb local deaths."""
+class _Channel:
+    """What both channel kinds share: the nursery, the sole upstream writer,
+    the upstream read loop, local exits and shutdown-by-cancellation."""
 
     def __init__(self, config: RelayConfig, conns: dict[int, MessageStream], upstream: MessageStream, stats: RelayStats) -> None:
         self.config = config
         self.conns = conns
         self.upstream = upstream
         self.stats = stats
-        self.fold = HostFold(list(conns))
-        self.single = len(config.ranks) == 1
-        self.awaiting_reply: set[int] = set()
+        self.gone: set[int] = set()
         self.reader_scopes = {rank: trio.CancelScope() for rank in conns}
         self.pool = BufferPool(1)
         self._small = ReceiveBuffer()
         self._scope = trio.CancelScope()
         self._error: BaseException | None = None
+
+    @property
+    def live(self) -> set[int]:
+        return set(self.conns) - self.gone
 
     async def run(self) -> None:
         """Run until upstream EOF or the last rank leaves; raise a fatal error if one happened."""
@@ -394,7 +417,7 @@ class DataChannel:
             reason = "closed its connection"
             with self.reader_scopes[rank]:
                 try:
-                    await self._read_frames(rank, out)
+                    await self._read_rank(rank, out)
                 except (ProtocolError, *_DISCONNECTS) as exc:
                     if isinstance(exc, (SchemaError, DesyncError)):
                         raise
@@ -402,7 +425,121 @@ class DataChannel:
                     log.warning("relay %s: rank %d %s", self.config.host_name, rank, reason)
             await self._rank_gone(rank, out, reason)
 
-    async def _read_frames(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+    async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        raise NotImplementedError
+
+    async def _rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound], reason: str, *, report: bool = True) -> None:
+        """A local rank left (EOF, error, write failure, or declared dead)."""
+        if rank in self.gone:
+            return
+        self.gone.add(rank)
+        log.info("relay %s: rank %d %s", self.config.host_name, rank, reason)
+        self.reader_scopes[rank].cancel()
+        await self._after_rank_gone(rank, out)
+        if report:
+            await out.send(RankExit(rank))
+        await self.conns[rank].aclose()
+        if not self.live:
+            self._shutdown("every local rank has left")
+
+    async def _after_rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Channel-specific bookkeeping when a rank leaves (the data fold shrinks)."""
+
+    async def _send_to_rank(self, rank: int, chunks: Sequence[Buffer], nbytes: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Deliver one length-framed message; a rank that cannot take it is gone."""
+        try:
+            await self.conns[rank].send_len_framed(chunks, nbytes)
+        except _DISCONNECTS as exc:
+            await self._rank_gone(rank, out, f"could not take a message: {exc}")
+
+    # -- upstream side -------------------------------------------------------
+
+    async def _outbound_writer(self, inbox: trio.MemoryReceiveChannel[_Outbound]) -> None:
+        async with inbox:
+            async for item in inbox:
+                await self._write_upstream(item)
+
+    async def _write_upstream(self, item: _Outbound) -> None:
+        salt = self.config.salt
+        if isinstance(item, _DataRecord):
+            record = encode_mux_record(MuxKind.DATA, item.payload, salt, rank=item.rank)
+            self.stats.bytes_up += record.nbytes
+        else:
+            record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(item), salt)  # type: ignore[arg-type]
+        await self.upstream.send_chunks(record.chunks)
+
+    async def _upstream_reader(self, out: trio.MemorySendChannel[_Outbound]) -> None:
+        async with out:
+            while True:
+                header = await self.upstream.receive_mux_header(self.config.ceiling)
+                if header is None:
+                    self._shutdown("the controller closed the upstream connection")
+                    return
+                big = header.length > SMALL_RECORD
+                buf = await self.pool.acquire() if big else self._small
+                try:
+                    kind, payload = await self.upstream.receive_mux_payload(header, buf, self.config.salt)
+                    self.stats.bytes_down += header.length
+                    if kind is MuxKind.CONTROL:
+                        await self._on_control(decode_control_msg(payload), out)
+                    else:
+                        await self._on_record(kind, header.rank, payload, out)
+                finally:
+                    if big:
+                        self.pool.release(buf)
+
+    async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
+        raise ProtocolError(
+            f"relay {self.config.host_name}: controller sent a {kind.name} record on the {self.config.kind.value} channel"
+        )
+
+    async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
+        if isinstance(msg, DeclareDead):
+            if msg.rank in self.conns:
+                await self._rank_gone(msg.rank, out, "declared dead by the controller; connection closed", report=False)
+            return
+        raise ProtocolError(f"relay {self.config.host_name}: unexpected {type(msg).__name__} from the controller mid-session")
+
+
+@attrs.frozen
+class _DataRecord:
+    """A control-channel blob going upstream, tagged with its rank, never parsed."""
+
+    rank: int
+    payload: bytes
+
+
+class ControlChannel(_Channel):
+    """The control channel is a byte router: rank blobs <-> rank-tagged Data records."""
+
+    async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        conn = self.conns[rank]
+        buf = ReceiveBuffer()
+        while True:
+            blob = await conn.receive_len_framed(buf, CONTROL_BLOB_CEILING)
+            if blob is None:
+                return
+            self.stats.bytes_local += len(blob) + 4
+            await out.send(_DataRecord(rank, bytes(blob)))
+
+    async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
+        if kind is not MuxKind.DATA:
+            await super()._on_record(kind, rank, payload, out)
+        elif rank in self.live:
+            await self._send_to_rank(rank, [payload], len(payload), out)
+        # else: the rank already left; its RankExit is on the way or delivered.
+
+
+class DataChannel(_Channel):
+    """The data channel folds: K local frames in, one HostFrame up, consensus fanned out."""
+
+    def __init__(self, config: RelayConfig, conns: dict[int, MessageStream], upstream: MessageStream, stats: RelayStats) -> None:
+        super().__init__(config, conns, upstream, stats)
+        self.fold = HostFold(list(conns))
+        self.single = len(config.ranks) == 1
+        self.awaiting_reply: set[int] = set()
+
+    async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         conn = self.conns[rank]
         source = f"rank {rank} on host {self.config.host_name}"
         while True:
@@ -432,90 +569,37 @@ class DataChannel:
                 if not handed_off:
                     self.pool.release(buf)
 
-    async def _rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound], reason: str, *, report: bool = True) -> None:
-        """A local rank left (EOF, error, write failure, or declared dead): shrink the barrier."""
-        if rank in self.fold.dead:
-            return
-        log.info("relay %s: rank %d %s", self.config.host_name, rank, reason)
+    async def _after_rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         self.awaiting_reply.discard(rank)
         folded = self.fold.mark_dead(rank)
-        self.reader_scopes[rank].cancel()
         if folded is not None:
             await out.send(folded)
-        if report:
-            await out.send(RankExit(rank))
-        await self.conns[rank].aclose()
-        if not self.fold.live:
-            self._shutdown("every local rank has left")
 
-    # -- upstream side -------------------------------------------------------
-
-    async def _outbound_writer(self, inbox: trio.MemoryReceiveChannel[_Outbound]) -> None:
+    async def _write_upstream(self, item: _Outbound) -> None:
         salt = self.config.salt
-        async with inbox:
-            async for item in inbox:
-                if isinstance(item, _RawHostFrame):
-                    try:
-                        record = encode_mux_record(MuxKind.HOST_FRAME, item.body, salt)
-                        await self.upstream.send_chunks(record.chunks)
-                    finally:
-                        self.pool.release(item.buffer)
-                    self._count_round(record.nbytes)
-                elif isinstance(item, RoundFrame):
-                    record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame_chunks(item, salt), salt)
-                    await self.upstream.send_chunks(record.chunks)
-                    self._count_round(record.nbytes)
-                else:
-                    await self.upstream.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(item), salt).chunks)
-
-    def _count_round(self, nbytes: int) -> None:
+        if isinstance(item, _RawHostFrame):
+            try:
+                record = encode_mux_record(MuxKind.HOST_FRAME, item.body, salt)
+                await self.upstream.send_chunks(record.chunks)
+            finally:
+                self.pool.release(item.buffer)
+        elif isinstance(item, RoundFrame):
+            record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame_chunks(item, salt), salt)
+            await self.upstream.send_chunks(record.chunks)
+        else:
+            return await super()._write_upstream(item)
         self.stats.rounds += 1
-        self.stats.bytes_up += nbytes
+        self.stats.bytes_up += record.nbytes
 
-    async def _upstream_reader(self, out: trio.MemorySendChannel[_Outbound]) -> None:
-        async with out:
-            while True:
-                header = await self.upstream.receive_mux_header(self.config.ceiling)
-                if header is None:
-                    self._shutdown("the controller closed the upstream connection")
-                    return
-                big = header.length > SMALL_RECORD
-                buf = await self.pool.acquire() if big else self._small
-                try:
-                    kind, payload = await self.upstream.receive_mux_payload(header, buf, self.config.salt)
-                    if kind is MuxKind.BROADCAST:
-                        self.stats.bytes_down += header.length
-                        await self._fan_out(payload, out)
-                    elif kind is MuxKind.CONTROL:
-                        await self._on_control(decode_control_msg(payload), out)
-                    else:
-                        raise ProtocolError(
-                            f"relay {self.config.host_name}: controller sent a {kind.name} record on the data channel"
-                        )
-                finally:
-                    if big:
-                        self.pool.release(buf)
-
-    async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
-        if isinstance(msg, DeclareDead):
-            if msg.rank in self.fold.ranks:
-                await self._rank_gone(msg.rank, out, "declared dead by the controller; connection closed", report=False)
-            return
-        raise ProtocolError(f"relay {self.config.host_name}: unexpected {type(msg).__name__} from the controller mid-session")
-
-    async def _fan_out(self, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
-        """Send the consensus to every rank that is waiting for it, concurrently."""
+    async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
+        if kind is not MuxKind.BROADCAST:
+            return await super()._on_record(kind, rank, payload, out)
+        # Send the consensus to every rank waiting for it, concurrently.
         targets = sorted(self.awaiting_reply)
         self.awaiting_reply.clear()
         async with trio.open_nursery() as nursery:
-            for rank in targets:
-                nursery.start_soon(self._send_consensus, rank, payload, out)
-
-    async def _send_consensus(self, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
-        try:
-            await self.conns[rank].send_len_framed([payload], len(payload))
-        except _DISCONNECTS as exc:
-            await self._rank_gone(rank, out, f"could not take the consensus: {exc}")
+            for target in targets:
+                nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
 
 
 __all__ = ["ChannelKind", "DataChannel", "HostFold", "RelayHandle", "RelayStats", "open_relay"]

@@ -149,3 +149,20 @@ def pinned_decode_affordable(staging_bytes: int, local_ranks: int, available_byt
     and it must stay under what the host has available."""
     need = staging_bytes * max(local_ranks, 1) * 6
     return available_bytes > need
+
+
+def model_signature(module: torch.nn.Module) -> bytes:
+    """32 bytes identifying a model's architecture: every parameter and buffer's
+    name, shape and dtype, in registration order (values are not included).
+
+    Ranks send it in the control handshake; the coordinator refuses a rank
+    whose signature differs, so two ranks training different models (or the
+    same model in different dtypes) are caught at formation, not as NaNs later.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(b"flodl_trio.model_signature.v1\0")
+    for kind, items in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in items:
+            digest.update(f"{kind}:{name}:{list(tensor.shape)}:{tensor.dtype}\0".encode())
+    return digest.digest()

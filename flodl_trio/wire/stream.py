@@ -22,7 +22,7 @@ import numpy as np
 import trio
 
 from ..errors import ConnectFailed, FramingError, PeerClosedMidFrame, PeerTimeout
-from .constants import DEFAULT_FRAME_CEILING, MUX_HEADER_LEN, RECEIVE_GROWTH_STEP
+from .constants import DEFAULT_FRAME_CEILING, MUX_HEADER_LEN
 from .mux import MuxHeader, MuxKind, parse_mux_header, verify_mux_payload
 from .netenv import (
     CONNECT_RETRY_ATTEMPTS,
@@ -34,6 +34,8 @@ from .netenv import (
 from .salt import Buffer, SessionSalt
 
 _U32 = struct.Struct("<I")
+# First allocation of an empty receive buffer; it doubles from here as bytes arrive.
+INITIAL_RECEIVE = 64 << 10
 # Pieces a write is split into, so "no progress" can be told from "slow".
 WRITE_PIECE = 4 << 20
 # Consecutive chunks smaller than this are joined into one send.
@@ -44,9 +46,10 @@ class ReceiveBuffer:
     """A reusable receive buffer that grows as bytes arrive, never ahead of them.
 
     Capacity is kept between messages, so steady-state rounds allocate nothing.
-    Growth is geometric (the filled part is copied at most ~once overall) and
-    never reserves more than ``max(filled, RECEIVE_GROWTH_STEP)`` bytes beyond
-    what the peer has actually sent.
+    Growth is geometric from a small start (the filled part is copied at most
+    about once overall) and never reserves more than ``max(filled, 64 KiB)``
+    bytes beyond what the peer has actually sent: a lying length prefix costs
+    nothing until the bytes really arrive.
     """
 
     def __init__(self) -> None:
@@ -59,7 +62,7 @@ class ReceiveBuffer:
     def writable(self, filled: int, total: int) -> memoryview:
         """A view of ``[filled, cap)`` where ``cap <= total``, growing if full."""
         if filled >= self._array.size:
-            new_cap = min(total, max(filled + RECEIVE_GROWTH_STEP, 2 * filled))
+            new_cap = min(total, max(INITIAL_RECEIVE, 2 * filled, self._array.size + 1))
             grown = np.empty(new_cap, dtype=np.uint8)
             grown[:filled] = self._array[:filled]
             self._array = grown
@@ -214,6 +217,21 @@ class MessageStream:
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
             await self.stream.aclose()
+
+    async def finish_gracefully(self) -> None:
+        """Half-close and drain until the peer closes too.
+
+        Closing with unread bytes makes the kernel send a reset, and a reset can
+        destroy data the peer has not read yet - such as our last message to it.
+        The caller bounds the wait.
+        """
+        if isinstance(self.stream, trio.abc.HalfCloseableStream):
+            try:
+                await self.stream.send_eof()
+                while await self.stream.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
 
 
 def _pieces(chunks: Sequence[Buffer]) -> list[Buffer]:

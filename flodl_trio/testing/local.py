@@ -16,10 +16,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import attrs
 
-from .controller import ControllerHandle, open_controller
-from .dead_ranks import DeadRanks
-from .relay import ChannelKind, RelayHandle, open_relay
-from .wire.salt import SessionSalt
+from ..controller import ControllerHandle, open_controller
+from ..dead_ranks import DeadRanks
+from ..relay import ChannelKind, RelayHandle, open_relay
+from ..wire.salt import SessionSalt
 
 LOOPBACK = "127.0.0.1"
 
@@ -33,6 +33,7 @@ class LocalCluster:
     hosts: list[list[int]]
     world_size: int
     salt: SessionSalt
+    control_relays: list[RelayHandle] = attrs.field(factory=list)
 
     @property
     def controller_address(self) -> tuple[str, int]:
@@ -48,6 +49,13 @@ class LocalCluster:
         """The loopback address rank ``rank`` connects to."""
         return (LOOPBACK, self.relay_for(rank).port)
 
+    def control_address(self, rank: int) -> tuple[str, int]:
+        """The loopback address of rank ``rank``'s control relay (``control=True`` clusters)."""
+        for relay, ranks in zip(self.control_relays, self.hosts):
+            if rank in ranks:
+                return (LOOPBACK, relay.port)
+        raise KeyError(f"rank {rank} has no control relay (open the cluster with control=True)")
+
 
 @asynccontextmanager
 async def open_local_cluster(
@@ -57,9 +65,11 @@ async def open_local_cluster(
     salt: SessionSalt | bytes,
     dead_ranks: DeadRanks | None = None,
     upstream: tuple[str, int] | None = None,
+    control: bool = False,
     **controller_options: object,
 ) -> AsyncIterator[LocalCluster]:
-    """Controller on a free loopback port, then one data relay per host.
+    """Controller on a free loopback port, then one data relay per host
+    (and one control relay per host with ``control=True``).
 
     ``upstream`` points the relays somewhere else than the controller (a
     fault proxy in front of it, say).
@@ -70,19 +80,21 @@ async def open_local_cluster(
             open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, **controller_options)  # type: ignore[arg-type]
         )
         target = upstream or (LOOPBACK, controller.port)
-        relays = []
-        for index, ranks in enumerate(hosts):
-            relays.append(
-                await stack.enter_async_context(
-                    open_relay(
-                        ChannelKind.DATA,
-                        listen=(LOOPBACK, 0),
-                        upstream=target,
-                        host_name=f"host{index}",
-                        ranks=list(ranks),
-                        world_size=world_size,
-                        salt=session,
-                    )
+        kinds = [ChannelKind.DATA, ChannelKind.CONTROL] if control else [ChannelKind.DATA]
+        relays: dict[ChannelKind, list[RelayHandle]] = {kind: [] for kind in kinds}
+        for kind in kinds:
+            for index, ranks in enumerate(hosts):
+                relay = open_relay(
+                    kind,
+                    listen=(LOOPBACK, 0),
+                    upstream=target,
+                    host_name=f"host{index}",
+                    ranks=list(ranks),
+                    world_size=world_size,
+                    salt=session,
                 )
-            )
-        yield LocalCluster(controller, relays, [list(r) for r in hosts], world_size, session)
+                relays[kind].append(await stack.enter_async_context(relay))
+        yield LocalCluster(
+            controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
+            relays.get(ChannelKind.CONTROL, []),
+        )

@@ -1,0 +1,251 @@
+"""The coordinator: liveness and membership over the control channel.
+
+A rank that crashes closes its sockets and its relay reports it at once. A
+rank that *freezes* (SIGSTOP, a deadlocked GIL, a stuck CUDA call) keeps them
+open, and rounds have no deadline - so every rank heartbeats through its
+host's control relay, and a rank silent for ``heartbeat_timeout`` is declared
+dead in the shared :class:`DeadRanks`. The data plane turns that into a
+DeclareDead, the rank's relay folds without it, and the round completes.
+
+The coordinator also beacons every live rank, so a rank can tell a dead
+coordinator from a quiet one, and checks at formation that every rank trains
+the same model (32-byte model signatures in the control Hello).
+
+It is served on the controller's port behind the control channel magic.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from .dead_ranks import DeadRanks
+from .errors import FlodlError, HandshakeError, MacError, ProtocolError
+from .links import DISCONNECTS, SMALL_RECORD, RelayLink, check_hello_ranks, receive_hello
+from .wire.control_frame import ControlFrame, decode_control_frame, encode_control_frame
+from .wire.liveness import Heartbeat, beacon_frame, decode_liveness, notice_frame
+from .wire.mux import DeclareDead, Hello, HelloAck, MuxKind, RankExit, decode_control_msg, encode_mux_record
+from .wire.netenv import timeout_scale
+from .wire.salt import SessionSalt
+from .wire.stream import MessageStream
+
+log = logging.getLogger("flodl_trio.coordinator")
+
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+
+
+def default_heartbeat_timeout() -> float:
+    return DEFAULT_HEARTBEAT_TIMEOUT_S * timeout_scale()
+
+
+class Coordinator:
+    """Tracks one heartbeat per rank; declares silent ranks dead; beacons the living."""
+
+    def __init__(
+        self,
+        world_size: int,
+        salt: SessionSalt,
+        dead: DeadRanks,
+        *,
+        heartbeat_timeout: float | None = None,
+        beacon_interval: float | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.salt = salt
+        self.dead = dead
+        self.heartbeat_timeout = heartbeat_timeout if heartbeat_timeout is not None else default_heartbeat_timeout()
+        self.beacon_interval = beacon_interval if beacon_interval is not None else self.heartbeat_timeout / 4
+        self.links: dict[int, RelayLink] = {}
+        self.owner: dict[int, RelayLink] = {}
+        self.last_seen: dict[int, float] = {}
+        self.reference_sig: tuple[bytes, int, str] | None = None
+        self.rejections: list[str] = []
+        self.death_reasons: dict[int, str] = {}
+        self._beacon_seq = 0
+        self._deaths_send, self._deaths_receive = trio.open_memory_channel[int](2 * world_size + 1)
+
+    # -- service tasks (run in the controller's nursery) ---------------------
+
+    async def run(self) -> None:
+        """Watchdog, beacons and death notices, until cancelled."""
+        unsubscribe = self.dead.subscribe(self._on_death)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watchdog)
+                nursery.start_soon(self._beacons)
+                nursery.start_soon(self._death_notices)
+        finally:
+            unsubscribe()
+
+    def _on_death(self, rank: int) -> None:
+        try:
+            self._deaths_send.send_nowait(rank)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _watchdog(self) -> None:
+        period = max(self.heartbeat_timeout / 8, 0.02)
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            for rank, seen in list(self.last_seen.items()):
+                silent = now - seen
+                if silent > self.heartbeat_timeout and not self.dead.is_dead(rank):
+                    self.death_reasons[rank] = f"no heartbeat for {silent:.1f} s (heartbeat_timeout {self.heartbeat_timeout:.1f} s)"
+                    log.warning("coordinator: rank %d declared dead: %s", rank, self.death_reasons[rank])
+                    self.dead.declare_dead(rank)
+
+    async def _beacons(self) -> None:
+        while True:
+            self._beacon_seq += 1
+            frame = beacon_frame(
+                self._beacon_seq, self.world_size, self.dead.dead_count(), int(self.heartbeat_timeout * 1000)
+            )
+            for rank, link in list(self.owner.items()):
+                if not link.closed and not self.dead.is_dead(rank):
+                    self._send_frame(link, rank, frame)
+            await trio.sleep(self.beacon_interval)
+
+    async def _death_notices(self) -> None:
+        """Tell a dead rank why, then have its control relay close it."""
+        async for rank in self._deaths_receive:
+            self.last_seen.pop(rank, None)
+            link = self.owner.get(rank)
+            if link is None or link.closed:
+                continue
+            reason = self.death_reasons.get(rank, "declared dead by the cluster")
+            self._send_frame(link, rank, notice_frame(f"rank {rank} was declared dead: {reason}"))
+            link.queue_control(DeclareDead(rank), self.salt)
+
+    def _send_frame(self, link: RelayLink, rank: int, frame: ControlFrame) -> None:
+        link.queue(encode_mux_record(MuxKind.DATA, encode_control_frame(frame, self.salt), self.salt, rank=rank))
+
+    # -- control relay sessions ----------------------------------------------
+
+    async def serve_connection(self, conn: MessageStream) -> None:
+        """One control relay connection, from its Hello to its end."""
+        link = await self._accept(conn)
+        if link is None:
+            return
+        try:
+            with link.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(link.drain_outbox, self._writer_failed(link))
+                    try:
+                        await self._read_link(link)
+                    except DISCONNECTS:
+                        pass  # the finally below makes its ranks dead
+                    except FlodlError as exc:
+                        log.error("coordinator: %s: %s; its ranks are dead", link.name, exc)
+                    nursery.cancel_scope.cancel()
+        finally:
+            await self._drop(link, "control connection closed")
+
+    def _writer_failed(self, link: RelayLink):  # type: ignore[no-untyped-def]
+        async def failed(why: str) -> None:
+            await self._drop(link, why)
+
+        return failed
+
+    async def _accept(self, conn: MessageStream) -> RelayLink | None:
+        try:
+            hello = await receive_hello(conn, self.salt)
+            check_hello_ranks(hello, self.world_size, self.owner)
+            if len(hello.model_sigs) != len(hello.ranks):
+                raise HandshakeError(
+                    f"control Hello from host {hello.host!r} carries {len(hello.model_sigs)} model signatures "
+                    f"for {len(hello.ranks)} ranks"
+                )
+        except (ProtocolError, trio.TooSlowError, *DISCONNECTS) as exc:
+            reason = "no Hello within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._refuse(f"control relay {conn.peer} refused: {reason}")
+            await conn.aclose()
+            return None
+        link = RelayLink.accept(hello, conn, 4 * len(hello.ranks) + 16)
+        link.queue_control(HelloAck(), self.salt)
+        mismatch = self._signature_mismatch(hello)
+        if mismatch is not None:
+            await self._refuse_ranks(link, mismatch)
+            return None
+        self.links[link.id] = link
+        now = trio.current_time()
+        for rank in link.ranks:
+            self.owner[rank] = link
+            self.last_seen[rank] = now  # the grace period starts at formation
+            if self.dead.is_dead(rank):
+                self._on_death(rank)
+        log.info("coordinator: accepted %s", link.name)
+        return link
+
+    def _signature_mismatch(self, hello: Hello) -> str | None:
+        """Every rank must train the same model; the first accepted relay sets the reference."""
+        reference = self.reference_sig or (hello.model_sigs[0], hello.ranks[0], hello.host)
+        ref_sig, ref_rank, ref_host = reference
+        for rank, sig in zip(hello.ranks, hello.model_sigs):
+            if sig != ref_sig:
+                return (
+                    f"model signature mismatch: rank {rank} on host {hello.host} has {sig.hex()[:16]}..., "
+                    f"rank {ref_rank} on host {ref_host} has {ref_sig.hex()[:16]}... (different models or dtypes)"
+                )
+        self.reference_sig = reference
+        return None
+
+    async def _refuse_ranks(self, link: RelayLink, reason: str) -> None:
+        """Refuse a relay whose ranks cannot join: tell each rank why, then close.
+
+        Its ranks are declared dead so the data plane does not wait for them.
+        """
+        self._refuse(f"{link.name} refused: {reason}")
+        for rank in link.ranks:
+            self._send_frame(link, rank, notice_frame(f"rank {rank} refused: {reason}"))
+        link.outbox.close()
+        with trio.move_on_after(self.beacon_interval + 1.0):
+            await link.drain_outbox(self._writer_failed(link))
+            await link.conn.finish_gracefully()
+        await link.conn.aclose()
+        for rank in link.ranks:
+            self.dead.declare_dead(rank)
+
+    def _refuse(self, message: str) -> None:
+        log.warning("coordinator: %s", message)
+        self.rejections.append(message)
+
+    async def _read_link(self, link: RelayLink) -> None:
+        while True:
+            header = await link.conn.receive_mux_header(SMALL_RECORD)
+            if header is None:
+                return
+            kind, payload = await link.conn.receive_mux_payload(header, link.small, self.salt)
+            if kind is MuxKind.DATA:
+                self._on_rank_frame(link, header.rank, payload)
+            elif kind is MuxKind.CONTROL:
+                msg = decode_control_msg(payload)
+                if not isinstance(msg, RankExit) or msg.rank not in link.ranks:
+                    raise ProtocolError(f"unexpected {msg} on the control channel")
+                self.death_reasons.setdefault(msg.rank, "its control connection closed")
+                self.dead.declare_dead(msg.rank)
+            else:
+                raise ProtocolError(f"unexpected {kind.name} record on the control channel")
+
+    def _on_rank_frame(self, link: RelayLink, rank: int, payload: memoryview) -> None:
+        if rank not in link.ranks:
+            raise ProtocolError(f"Data record for rank {rank}, which this relay does not carry")
+        try:
+            message = decode_liveness(decode_control_frame(payload, self.salt, source=f"rank {rank}"))
+        except MacError as exc:
+            log.warning("coordinator: dropped a control frame: %s", exc)
+            return
+        if isinstance(message, Heartbeat) and message.rank == rank and not self.dead.is_dead(rank):
+            self.last_seen[rank] = trio.current_time()
+
+    async def _drop(self, link: RelayLink, why: str) -> None:
+        if link.closed:
+            return
+        link.closed = True
+        link.scope.cancel()
+        await link.conn.aclose()
+        for rank in link.ranks:
+            self.death_reasons.setdefault(rank, f"{link.name}: {why}")
+            if self.dead.declare_dead(rank):
+                log.info("coordinator: rank %d dead: %s %s", rank, link.name, why)

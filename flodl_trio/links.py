@@ -1,0 +1,105 @@
+"""Server-side relay links, shared by the controller (data) and the coordinator (control).
+
+A link is one accepted relay connection: the ranks it carries, and an outbox
+drained by exactly one writer task, so records queued from anywhere (round
+completion, a death callback) reach the socket whole and in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable
+
+import attrs
+import trio
+
+from .errors import HandshakeError, PeerClosedMidFrame, PeerTimeout
+from .wire.mux import Hello, MuxKind, RelayControlMsg, decode_control_msg, encode_control_msg, encode_mux_record
+from .wire.netenv import handshake_timeout
+from .wire.round_frame import EncodedFrame
+from .wire.salt import SessionSalt
+from .wire.stream import MessageStream, ReceiveBuffer
+
+SMALL_RECORD = 64 << 10
+DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerClosedMidFrame, PeerTimeout)
+_ids = itertools.count()
+
+
+@attrs.define(eq=False)
+class RelayLink:
+    """One accepted relay connection and the ranks it carries."""
+
+    host: str
+    ranks: tuple[int, ...]
+    conn: MessageStream
+    outbox: trio.MemorySendChannel[EncodedFrame]
+    inbox: trio.MemoryReceiveChannel[EncodedFrame]
+    model_sigs: tuple[bytes, ...] = ()
+    id: int = attrs.field(factory=lambda: next(_ids))
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    closed: bool = False
+    small: ReceiveBuffer = attrs.field(factory=ReceiveBuffer)
+
+    @classmethod
+    def accept(cls, hello: Hello, conn: MessageStream, depth: int) -> RelayLink:
+        outbox, inbox = trio.open_memory_channel[EncodedFrame](depth)
+        link = cls(hello.host, hello.ranks, conn, outbox, inbox, hello.model_sigs)
+        conn.peer = link.name
+        return link
+
+    @property
+    def name(self) -> str:
+        return f"relay {self.host} (ranks {list(self.ranks)})"
+
+    def queue(self, record: EncodedFrame) -> None:
+        """Queue a record without waiting; a relay too far behind to take it is cut off."""
+        try:
+            self.outbox.send_nowait(record)
+        except trio.WouldBlock:
+            self.scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def queue_control(self, msg: RelayControlMsg, salt: SessionSalt) -> None:
+        self.queue(encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), salt))
+
+    async def drain_outbox(self, on_write_failure: Callable[[str], Awaitable[None]]) -> int:
+        """Be this link's sole writer until cancelled; returns bytes written."""
+        written = 0
+        async with self.inbox:
+            async for record in self.inbox:
+                try:
+                    await self.conn.send_chunks(record.chunks)
+                except DISCONNECTS as exc:
+                    await on_write_failure(f"write failed: {exc}")
+                    return written
+                written += record.nbytes
+        return written
+
+
+async def receive_hello(conn: MessageStream, salt: SessionSalt) -> Hello:
+    """The first record of a relay connection, which must be a MAC-valid Control(Hello)."""
+    with trio.fail_after(handshake_timeout()):
+        header = await conn.receive_mux_header(SMALL_RECORD)
+        if header is None:
+            raise HandshakeError("closed before sending Hello")
+        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+    hello = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
+    if not isinstance(hello, Hello):
+        raise HandshakeError(f"first record must be Control(Hello), got {kind.name} {hello or ''}")
+    return hello
+
+
+def check_hello_ranks(hello: Hello, world_size: int, owner: dict[int, RelayLink]) -> None:
+    """Ranks must be non-empty, sorted, unique, inside the world, and not carried already."""
+    if not hello.ranks:
+        raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
+    if list(hello.ranks) != sorted(set(hello.ranks)):
+        raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
+    for rank in hello.ranks:
+        if rank >= world_size:
+            raise HandshakeError(f"Hello from host {hello.host!r} announces rank {rank} >= world_size {world_size}")
+        if rank in owner:
+            raise HandshakeError(
+                f"Hello from host {hello.host!r} announces rank {rank}, already carried by {owner[rank].name}"
+            )

@@ -1,0 +1,81 @@
+"""flodl_trio's ControlFrame payloads for liveness (documented in docs/liveness.md).
+
+All three ride in ControlFrames on the control channel, little-endian:
+
+* Heartbeat (rank -> coordinator), msg_kind 5: ``b"HB01" | u32 rank | u64 seq``
+* Beacon (coordinator -> rank), msg_kind 5:
+  ``b"BC01" | u64 seq | u32 world_size | u32 dead_count | u32 heartbeat_timeout_ms``
+  (the rank paces its heartbeats from the coordinator's timeout, so the two
+  sides cannot be configured into a false death)
+* Notice (coordinator -> rank), msg_kind 1: ``b"NT01" | UTF-8 reason`` - why the rank
+  is being cut off (declared dead, refused at formation) just before its
+  connection is closed, so the rank can raise that reason instead of "EOF".
+"""
+
+from __future__ import annotations
+
+import struct
+
+import attrs
+
+from ..errors import FramingError
+from .control_frame import ControlFrame, ControlKind
+
+_HEARTBEAT = struct.Struct("<4sIQ")
+_BEACON = struct.Struct("<4sQIII")
+HEARTBEAT_TAG = b"HB01"
+BEACON_TAG = b"BC01"
+NOTICE_TAG = b"NT01"
+
+
+@attrs.frozen
+class Heartbeat:
+    rank: int
+    seq: int
+
+
+@attrs.frozen
+class Beacon:
+    seq: int
+    world_size: int
+    dead_count: int
+    heartbeat_timeout_ms: int
+
+
+@attrs.frozen
+class Notice:
+    reason: str
+
+
+LivenessMessage = Heartbeat | Beacon | Notice
+
+
+def heartbeat_frame(rank: int, seq: int) -> ControlFrame:
+    return ControlFrame(ControlKind.HEARTBEAT, _HEARTBEAT.pack(HEARTBEAT_TAG, rank, seq))
+
+
+def beacon_frame(seq: int, world_size: int, dead_count: int, heartbeat_timeout_ms: int) -> ControlFrame:
+    return ControlFrame(ControlKind.HEARTBEAT, _BEACON.pack(BEACON_TAG, seq, world_size, dead_count, heartbeat_timeout_ms))
+
+
+def notice_frame(reason: str) -> ControlFrame:
+    return ControlFrame(ControlKind.CONTROL, NOTICE_TAG + reason.encode("utf-8"))
+
+
+def decode_liveness(frame: ControlFrame) -> LivenessMessage | None:
+    """The liveness message a (MAC-verified) ControlFrame carries; None for other traffic."""
+    tag = frame.payload[:4]
+    try:
+        if frame.msg_kind == ControlKind.HEARTBEAT and tag == HEARTBEAT_TAG:
+            _, rank, seq = _HEARTBEAT.unpack(frame.payload)
+            return Heartbeat(rank, seq)
+        if frame.msg_kind == ControlKind.HEARTBEAT and tag == BEACON_TAG:
+            _, seq, world, dead, timeout_ms = _BEACON.unpack(frame.payload)
+            return Beacon(seq, world, dead, timeout_ms)
+        if frame.msg_kind == ControlKind.CONTROL and tag == NOTICE_TAG:
+            return Notice(frame.payload[4:].decode("utf-8", errors="replace"))
+    except struct.error:
+        raise FramingError(
+            f"{tag!r} liveness payload has {len(frame.payload)} bytes, which is not its fixed size"
+        ) from None
+    return None
