@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from .errors import ConfigError, FlodlError, FramingError, MacError, PeerClosedMidFrame, PeerTimeout, RankDeadError
+from .errors import ConfigError, FlodlError, FramingError, MacError, PeerClosedMidFrame, PeerTimeout, RankDeadError, SchemaError
 from .realized_work import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
 from .wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD, DTYPE_BF16, DTYPE_F32
 from .wire.control_frame import decode_control_frame, encode_control_frame
@@ -134,7 +134,23 @@ class ReduceClient:
         # The bound is our own schema, so this allocation is trusted; the reply owns it.
         body = np.empty(length, dtype=np.uint8)
         await self._conn.receive_into(memoryview(body), "the consensus frame")
-        return decode_round_frame(body, self._salt, source=f"relay (rank {self.rank}'s consensus)")
+        reply = decode_round_frame(body, self._salt, source=f"relay (rank {self.rank}'s consensus)")
+        self._check_reply_schema(frame, reply)
+        return reply
+
+    def _check_reply_schema(self, sent: RoundFrame, reply: RoundFrame) -> None:
+        """The consensus must have the schema this rank sent (anything else is a desync)."""
+        if reply.kind != sent.kind or len(reply.tensors) != len(sent.tensors):
+            raise SchemaError(
+                f"rank {self.rank}: consensus is a {reply.kind.name} frame of {len(reply.tensors)} tensors, "
+                f"this rank sent {sent.kind.name} with {len(sent.tensors)}"
+            )
+        for i, (mine, theirs) in enumerate(zip(sent.tensors, reply.tensors)):
+            if (mine.dtype, mine.shape) != (theirs.dtype, theirs.shape):
+                raise SchemaError(
+                    f"rank {self.rank}: consensus tensor {i} is dtype {theirs.dtype} shape {list(theirs.shape)}, "
+                    f"this rank sent dtype {mine.dtype} shape {list(mine.shape)}"
+                )
 
     # -- tensor level --------------------------------------------------------
 

@@ -19,6 +19,9 @@ from .wire.constants import DTYPE_BF16, DTYPE_F32
 from .wire.fold import check_payload
 from .wire.round_frame import RoundFrame, RoundKind, TensorPayload
 
+# An elided (all-zero) tensor costs no wire bytes, so its shape alone must be sane.
+MAX_DECODE_NUMEL = 1 << 36
+
 _TORCH_NAMES = {
     torch.float32: "Float32",
     torch.float64: "Float64",
@@ -107,7 +110,11 @@ def _decode_one(p: TensorPayload, dest: torch.Tensor | None, index: int) -> torc
             f"the frame carries Float32{shape}"
         )
     if p.elided:
-        return dest.zero_() if dest is not None else torch.zeros(shape, dtype=torch.float32)
+        if dest is not None:
+            return dest.zero_()
+        if p.numel > MAX_DECODE_NUMEL:
+            raise SchemaError(f"tensor {index}: elided shape {shape} has {p.numel} elements, more than any model tensor")
+        return torch.zeros(shape, dtype=torch.float32)
     if p.dtype == DTYPE_F32:
         values = np.frombuffer(p.data, dtype=F32)
         if dest is not None:

@@ -151,3 +151,17 @@ async def test_coordinator_killed_every_rank_raises_within_beacon_timeout(salt):
     for rank, (kind, when) in raised.items():
         assert issubclass(kind, (CoordinatorLost, RankDeadError)), (rank, kind)
         assert when - killed_at < beacon_timeout + 1.0
+
+
+def test_model_signature_tracks_architecture_not_values():
+    from flodl_trio.tensors import model_signature
+
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        b.weight.add_(1.0)
+    assert len(model_signature(a)) == 32
+    assert model_signature(a) == model_signature(b)  # same architecture, other values
+    assert model_signature(a) != model_signature(torch.nn.Linear(4, 2))  # shape
+    assert model_signature(a) != model_signature(torch.nn.Linear(4, 3).double())  # dtype
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    assert model_signature(bn) != model_signature(torch.nn.Sequential(torch.nn.Linear(4, 3)))  # buffers count

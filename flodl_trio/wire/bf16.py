@@ -1,8 +1,9 @@
-"""bf16 <-> f32 conversion and payload scaling, bit-identical to torch.
+"""bf16 <-> f32 conversion and payload scaling, bit-identical to torch except NaN payloads.
 
 f32 -> bf16 rounds to nearest, ties to even, on the raw bits; a NaN keeps its
-top 16 bits with the quiet bit (0x0040) forced so it stays a NaN. bf16 -> f32
-is exact. Work is done in cache-sized blocks with preallocated scratch so a
+top 16 bits with the quiet bit (0x0040) forced so it stays a NaN (the
+protocol's rule; torch's own kernels write 0xFFFF or 0x7FC0 depending on the
+CPU path, so no implementation can match torch's NaN bits). bf16 -> f32 is exact. Work is done in cache-sized blocks with preallocated scratch so a
 64 MiB tensor costs a few passes over L2 rather than a dozen over DRAM.
 """
 

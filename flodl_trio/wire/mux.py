@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from ..errors import FramingError
+from ..errors import ConfigError, FramingError
 from .constants import (
     DEFAULT_FRAME_CEILING,
     MAC_LEN,
@@ -77,16 +77,18 @@ RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead
 _VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3}
 
 
+def _check_u32(value: int, what: str) -> None:
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise ConfigError(f"{what} {value} does not fit in a u32")
+
+
 def _varint(value: int) -> bytes:
-    if value < 0:
-        raise ValueError(f"varint cannot encode negative {value}")
+    _check_u32(value, "varint field")
     if value <= 250:
         return bytes((value,))
     if value <= 0xFFFF:
         return b"\xfb" + struct.pack("<H", value)
-    if value <= 0xFFFFFFFF:
-        return b"\xfc" + struct.pack("<I", value)
-    return b"\xfd" + struct.pack("<Q", value)
+    return b"\xfc" + struct.pack("<I", value)
 
 
 def encode_control_msg(msg: RelayControlMsg) -> bytes:
@@ -101,7 +103,7 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             out += _varint(len(sigs))
             for sig in sigs:
                 if len(sig) != MODEL_SIGNATURE_LEN:
-                    raise ValueError(f"model signature must be {MODEL_SIGNATURE_LEN} bytes, got {len(sig)}")
+                    raise ConfigError(f"model signature must be {MODEL_SIGNATURE_LEN} bytes, got {len(sig)}")
                 out += sig
         case RankExit(rank=r) | DeclareDead(rank=r):
             out += _varint(r)
@@ -207,6 +209,7 @@ def encode_mux_record(
     rank: int = 0,
 ) -> EncodedFrame:
     """Sign and frame ``payload``; large payload buffers are not copied."""
+    _check_u32(rank, "MuxRecord rank")
     chunks: Sequence[Buffer]
     if isinstance(payload, EncodedFrame):
         chunks, length = payload.chunks, payload.nbytes
