@@ -82,13 +82,39 @@ class OuterOptimizer(Protocol):
 
 
 class CheckpointSink(Protocol):
-    """Receives each Model round's consensus; must return quickly (write elsewhere)."""
+    """Receives every round's consensus (Model and Control); must return quickly (write elsewhere).
+
+    Windows are told apart by ``consensus.kind``: a Control round opens a
+    window, the first Model round after it is the params round (already
+    transformed by the outer optimizer: what the ranks receive), the second
+    the buffers round. See ``flodl_trio.checkpoint.ConsensusCheckpointer``.
+    """
 
     def __call__(self, round_index: int, consensus: RoundFrame) -> None: ...
 
 
+ROUND_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+@attrs.define
+class LatencyHistogram:
+    """Cumulative-bucket histogram of round latencies (exported as a Prometheus histogram)."""
+
+    bounds: tuple[float, ...] = ROUND_SECONDS_BUCKETS
+    counts: list[int] = attrs.field(factory=lambda: [0] * (len(ROUND_SECONDS_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if seconds <= bound), len(self.bounds))
+        self.counts[index] += 1
+        self.total += seconds
+
+
 @attrs.define
 class ControllerStats:
+    """Counters of a running controller (read by the metrics endpoint)."""
+
+    round_seconds: LatencyHistogram = attrs.field(factory=LatencyHistogram)
     rounds: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -196,6 +222,7 @@ class _Round:
     def __init__(self) -> None:
         self.acc = FoldAccumulator()
         self.delivered: set[int] = set()
+        self.started = 0.0  # when its first contribution arrived
 
 
 class _Controller:
@@ -400,6 +427,8 @@ class _Controller:
         if link.id in self.round.delivered:
             raise DesyncError("sent two HostFrames in one round (ping-pong violated)")
         frame = decode_round_frame(payload, self.config.salt, ceiling=self.config.ceiling, source=link.name)
+        if self.round.acc.count == 0:
+            self.round.started = trio.current_time()
         self.round.acc.add(frame, link.name)
         self.round.delivered.add(link.id)
         self._maybe_complete()
@@ -423,6 +452,7 @@ class _Controller:
         finished, self.round = self.round, _Round()
         consensus = finish_consensus(finished.acc)
         self.stats.rounds += 1
+        self.stats.round_seconds.observe(trio.current_time() - finished.started)
         self.stats.last_mass = consensus.weight
         consensus = self._apply_hooks(consensus)
         record = encode_mux_record(MuxKind.BROADCAST, encode_round_frame_chunks(consensus, self.config.salt), self.config.salt)
@@ -435,7 +465,7 @@ class _Controller:
         self.previous_kind = consensus.kind
         if is_params_round and self.outer_optimizer is not None and consensus.weight > 0:
             consensus = self.outer_optimizer(consensus)
-        if consensus.kind == RoundKind.MODEL and self.checkpoint is not None:
+        if self.checkpoint is not None:
             self.checkpoint(self.stats.rounds, consensus)
         return consensus
 

@@ -27,16 +27,16 @@ from typing import Any
 import attrs
 import trio
 
-from .errors import ConfigError, DesyncError, FlodlError, FramingError, HandshakeError, PeerTimeout, ProtocolError, SchemaError
-from .wire.constants import (
+from ..errors import ConfigError, DesyncError, FlodlError, FramingError, HandshakeError, PeerTimeout, ProtocolError, SchemaError
+from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
     CONTROL_FRAME_HEADER_LEN,
     CONTROL_FRAME_MAX_PAYLOAD,
     DEFAULT_FRAME_CEILING,
 )
-from .wire.fold import FoldAccumulator
-from .wire.handshake import (
+from ..wire.fold import FoldAccumulator
+from ..wire.handshake import (
     CONTROL_HANDSHAKE_LEN,
     DATA_HANDSHAKE_LEN,
     decode_control_handshake,
@@ -44,7 +44,7 @@ from .wire.handshake import (
     encode_control_ack,
     encode_data_ack,
 )
-from .wire.mux import (
+from ..wire.mux import (
     DeclareDead,
     Hello,
     HelloAck,
@@ -55,11 +55,11 @@ from .wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from .wire.netenv import handshake_timeout, warn_if_public_peer
-from .wire.round_frame import RoundFrame, decode_round_frame, encode_round_frame_chunks
-from .wire.salt import Buffer, SessionSalt
-from .wire.tasks import service_nursery
-from .wire.stream import BufferPool, MessageStream, ReceiveBuffer, connect_with_retry, peer_host, tune_socket
+from ..wire.netenv import handshake_timeout, warn_if_public_peer
+from ..wire.round_frame import RoundFrame, decode_round_frame, encode_round_frame_chunks
+from ..wire.salt import Buffer, SessionSalt
+from ..wire.tasks import service_nursery
+from ..wire.stream import BufferPool, MessageStream, ReceiveBuffer, connect_with_retry, peer_host, tune_socket
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -92,6 +92,7 @@ class RelayStats:
     bytes_up: int = 0
     bytes_down: int = 0
     rejected: int = 0
+    live_ranks: int = 0
 
     @property
     def fold_ratio(self) -> float:
@@ -137,7 +138,7 @@ class RelayHandle:
             raise self._error
 
 
-def _validate(config: RelayConfig) -> None:
+def validate_config(config: RelayConfig) -> None:
     if config.world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {config.world_size}")
     if not config.ranks:
@@ -173,7 +174,7 @@ async def open_relay(
         kind, listen, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt),
         ceiling, connect_attempts, connect_interval,
     )
-    _validate(config)
+    validate_config(config)
     async with service_nursery() as nursery:
         handle: RelayHandle = await nursery.start(_serve_relay, config)
         yield handle
@@ -381,6 +382,7 @@ class _Channel:
     async def run(self) -> None:
         """Run until upstream EOF or the last rank leaves; raise a fatal error if one happened."""
         send, receive = trio.open_memory_channel[_Outbound](OUTBOUND_DEPTH)
+        self.stats.live_ranks = len(self.live)
         with self._scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._guard, self._outbound_writer, receive)
@@ -433,6 +435,7 @@ class _Channel:
         if rank in self.gone:
             return
         self.gone.add(rank)
+        self.stats.live_ranks = len(self.live)
         log.info("relay %s: rank %d %s", self.config.host_name, rank, reason)
         self.reader_scopes[rank].cancel()
         await self._after_rank_gone(rank, out)
@@ -602,4 +605,4 @@ class DataChannel(_Channel):
                 nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
 
 
-__all__ = ["ChannelKind", "DataChannel", "HostFold", "RelayHandle", "RelayStats", "open_relay"]
+__all__ = ["ChannelKind", "ControlChannel", "DataChannel", "HostFold", "RelayHandle", "RelayStats", "open_relay"]

@@ -1,0 +1,253 @@
+"""Outer optimizers: what the controller does with each window's params consensus.
+
+Local SGD / DiLoCo ranks train alone for a window, then average. The
+controller can treat the averaged params not as the new params but as the
+end point of an "outer gradient" step (SlowMo, DiLoCo). Each optimizer here is
+an :class:`~flodl_trio.controller.OuterOptimizer`: a callable taking the params
+consensus (the first Model round after a Control round) and returning the
+frame every rank receives instead::
+
+    opt = DiLoCoNesterov(lr=0.7, momentum=0.9)
+    async with open_controller(host, port, world_size=8, salt=salt, outer_optimizer=opt):
+        ...
+
+The math runs in f32 numpy on the frame's tensors (bf16 payloads are widened,
+stepped, and rounded back to bf16 as torch would); the returned frame keeps
+the consensus's kind, weight (accepted mass) and per-tensor wire dtype. The
+optimizer keeps f32 master state (``x_prev``, the point the ranks started the
+window from, and the momentum buffer); on a bf16 wire the ranks receive
+``bf16(x_new)`` while the master keeps ``x_new`` in f32, so the rounding error
+is fed back into the next outer gradient rather than lost.
+
+No torch here: the controller runs without it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ConfigError, SchemaError
+from .wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
+from .wire.constants import DTYPE_F32
+from .wire.fold import check_payload
+from .wire.round_frame import RoundFrame, TensorPayload
+
+F32Array = npt.NDArray[np.float32]
+
+__all__ = ["DiLoCoNesterov", "PlainAverage", "SlowMo", "consensus_as_f32"]
+
+
+def consensus_as_f32(frame: RoundFrame, *, copy: bool) -> list[F32Array]:
+    """A frame's tensors as f32 arrays of their shapes (elided tensors: zeros).
+
+    ``copy=False`` gives read-only zero-copy views of f32 payloads (bf16
+    payloads are always widened into new arrays); ``copy=True`` always owns.
+    """
+    out: list[F32Array] = []
+    for i, t in enumerate(frame.tensors):
+        check_payload(t, i, "consensus")
+        if t.elided:
+            out.append(np.zeros(t.shape, dtype=F32))
+        elif t.dtype == DTYPE_F32:
+            view = np.frombuffer(t.data, dtype=F32).reshape(t.shape)
+            out.append(view.copy() if copy else view)
+        else:
+            out.append(bf16_to_f32(np.frombuffer(t.data, dtype=U16)).reshape(t.shape))
+    return out
+
+
+def _check_hyper(name: str, value: float, *, positive: bool) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name} must be finite and {bound}, got {value!r}")
+    return value
+
+
+class PlainAverage:
+    """The identity: the weighted average of the ranks' params is the new params."""
+
+    def __call__(self, consensus: RoundFrame) -> RoundFrame:
+        return consensus
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        if state:
+            raise ConfigError(f"PlainAverage has no state; got keys {sorted(state)}")
+
+    def config(self) -> dict[str, object]:
+        return {"type": "PlainAverage"}
+
+    def __repr__(self) -> str:
+        return "PlainAverage()"
+
+
+_STATE_KEY = re.compile(r"^(x_prev|momentum)\.(\d+)$")
+
+
+class _MomentumOuter:
+    """Shared machinery: f32 master params ``x_prev``, a momentum buffer, schema checks."""
+
+    def __init__(self, lr: float, momentum: float) -> None:
+        self.lr = _check_hyper("lr", lr, positive=True)
+        self.momentum = _check_hyper("momentum", momentum, positive=False)
+        self._x: list[F32Array] | None = None
+        self._m: list[F32Array] | None = None
+        # Windows seen with accepted mass > 0 (the first one only initializes).
+        self.windows = 0
+
+    # -- the step ------------------------------------------------------------
+
+    def __call__(self, consensus: RoundFrame) -> RoundFrame:
+        if not consensus.weight > 0:
+            return consensus  # nobody realized work: nothing to step on, state unchanged
+        if self._x is None or self._m is None:
+            self._x = consensus_as_f32(consensus, copy=True)
+            self._m = [np.zeros_like(x) for x in self._x]
+            self.windows = 1
+            return consensus
+        self._check_schema(consensus)  # before any state changes
+        values = consensus_as_f32(consensus, copy=False)
+        out: list[TensorPayload] = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for t, x, m, c in zip(consensus.tensors, self._x, self._m, values):
+                # flat views: in-place updates reach the state, and 0-d tensors stay arrays
+                new = self._step(x.reshape(-1), m.reshape(-1), c.reshape(-1))
+                out.append(TensorPayload(t.dtype, t.shape, encode_f32_as(new.reshape(-1), t.dtype)))
+        self.windows += 1
+        return RoundFrame(out, consensus.kind, consensus.weight)
+
+    def _step(self, x: F32Array, m: F32Array, c: F32Array) -> F32Array:
+        """Update ``x`` and ``m`` in place; return a fresh array holding the new ``x``."""
+        raise NotImplementedError
+
+    def _check_schema(self, consensus: RoundFrame) -> None:
+        assert self._x is not None
+        name = type(self).__name__
+        if len(consensus.tensors) != len(self._x):
+            raise SchemaError(
+                f"{name}: this window's params consensus has {len(consensus.tensors)} tensors, "
+                f"the outer state holds {len(self._x)} (the model's schema changed between windows)"
+            )
+        for i, (t, x) in enumerate(zip(consensus.tensors, self._x)):
+            check_payload(t, i, f"{name}: params consensus")
+            if tuple(t.shape) != x.shape:
+                raise SchemaError(
+                    f"{name}: tensor {i} has shape {list(t.shape)} this window, the outer state "
+                    f"holds shape {list(x.shape)} (the model's schema changed between windows)"
+                )
+
+    # -- checkpointing ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of the outer state: ``x_prev.{i}``, ``momentum.{i}`` (f32), ``windows`` (int64[1])."""
+        state: dict[str, np.ndarray] = {"windows": np.array([self.windows], dtype=np.int64)}
+        if self._x is not None and self._m is not None:
+            for i, (x, m) in enumerate(zip(self._x, self._m)):
+                state[f"x_prev.{i}"] = x.copy()
+                state[f"momentum.{i}"] = m.copy()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore what :meth:`state_dict` produced (copies the arrays)."""
+        name = type(self).__name__
+        x: dict[int, np.ndarray] = {}
+        m: dict[int, np.ndarray] = {}
+        windows = None
+        for key, value in state.items():
+            if key == "windows":
+                windows = int(np.asarray(value).reshape(-1)[0])
+                continue
+            match = _STATE_KEY.match(key)
+            if match is None:
+                raise ConfigError(f"{name}.load_state_dict: unexpected key {key!r}")
+            (x if match.group(1) == "x_prev" else m)[int(match.group(2))] = np.asarray(value)
+        if windows is None:
+            raise ConfigError(f"{name}.load_state_dict: missing key 'windows'")
+        if sorted(x) != list(range(len(x))) or sorted(m) != sorted(x):
+            raise ConfigError(
+                f"{name}.load_state_dict: x_prev indices {sorted(x)} and momentum indices {sorted(m)} "
+                "must both be 0..n-1"
+            )
+        for i in range(len(x)):
+            if x[i].shape != m[i].shape:
+                raise SchemaError(
+                    f"{name}.load_state_dict: tensor {i}: x_prev has shape {list(x[i].shape)}, "
+                    f"momentum has shape {list(m[i].shape)}"
+                )
+        if x:
+            self._x = [np.array(x[i], dtype=F32, copy=True) for i in range(len(x))]
+            self._m = [np.array(m[i], dtype=F32, copy=True) for i in range(len(m))]
+        else:
+            self._x = self._m = None
+        self.windows = windows
+
+    def config(self) -> dict[str, object]:
+        return {"type": type(self).__name__, "lr": self.lr, "momentum": self.momentum}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(lr={self.lr}, momentum={self.momentum})"
+
+
+class SlowMo(_MomentumOuter):
+    """Slow momentum (Wang et al., 2019) over each window's params consensus.
+
+    With ``x`` the previous outer params and ``c`` the consensus::
+
+        delta = x - c
+        m     = momentum * m + delta
+        x     = x - lr * m
+
+    (the paper's ``u = beta*u + (x - c)/gamma; x -= alpha*gamma*u`` with
+    ``alpha*gamma`` folded into ``lr``.) ``SlowMo(lr=1, momentum=0)`` is plain
+    averaging. The first window only initializes ``x`` from its consensus.
+    """
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.5) -> None:
+        super().__init__(lr, momentum)
+
+    def _step(self, x: F32Array, m: F32Array, c: F32Array) -> F32Array:
+        delta = np.subtract(x, c)
+        m *= np.float32(self.momentum)
+        m += delta
+        step = np.multiply(m, np.float32(self.lr), out=delta)
+        x -= step
+        np.copyto(step, x)
+        return step
+
+
+class DiLoCoNesterov(_MomentumOuter):
+    """DiLoCo's outer step (Douillard et al., 2023): Nesterov SGD on the outer gradient.
+
+    With ``x`` the previous outer params and ``c`` the consensus::
+
+        g = x - c
+        m = momentum * m + g
+        x = x - lr * (g + momentum * m)
+
+    exactly ``torch.optim.SGD(lr=lr, momentum=momentum, nesterov=True)`` fed
+    ``grad = x - c`` once per window. The first window only initializes ``x``.
+    """
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
+        super().__init__(lr, momentum)
+
+    def _step(self, x: F32Array, m: F32Array, c: F32Array) -> F32Array:
+        g = np.subtract(x, c)
+        beta = np.float32(self.momentum)
+        m *= beta
+        m += g
+        step = np.multiply(m, beta)
+        step += g
+        step *= np.float32(self.lr)
+        x -= step
+        np.copyto(step, x)
+        return step
+

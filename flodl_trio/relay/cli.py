@@ -1,0 +1,141 @@
+"""``python -m flodl_trio.relay``: the per-host relay daemon (data and control channels)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+from contextlib import AsyncExitStack
+
+import attrs
+
+from ..daemon import (
+    add_common_flags,
+    configure_logging,
+    env_default,
+    load_salt,
+    parse_host_port,
+    parse_or_exit,
+    parse_rank_list,
+    run_daemon,
+)
+from ..errors import ConfigError
+from ..launch import CONTROL_PORT_OFFSET, DATA_PORT_OFFSET, controller_address, host_ranks_from_env
+from ..wire.salt import SessionSalt
+from .core import ChannelKind, RelayConfig, open_relay, validate_config
+
+log = logging.getLogger("flodl_trio.relay")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flodl_trio.relay",
+        description="Per-host relay: folds this host's ranks into one uplink per channel.",
+        epilog="Every flag can also come from the environment variable named in its help. "
+        "The salt is read from a file or FLODL_SALT_HEX, never from the command line.",
+    )
+    parser.add_argument(
+        "--controller", default=env_default("FLODL_CONTROLLER"),
+        help="controller host:port [env FLODL_CONTROLLER; else MASTER_ADDR:MASTER_PORT]",
+    )
+    parser.add_argument(
+        "--ranks", default=env_default("FLODL_RANKS"),
+        help="this host's global ranks, e.g. 0-3 or 0,2 [env FLODL_RANKS; else from "
+        "GROUP_RANK/NODE_RANK x LOCAL_WORLD_SIZE or SLURM_NODEID x SLURM_NTASKS_PER_NODE]",
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=env_default("FLODL_WORLD_SIZE", env_default("WORLD_SIZE")),
+        help="ranks in the whole cluster [env FLODL_WORLD_SIZE or WORLD_SIZE]",
+    )
+    parser.add_argument(
+        "--host-name", default=env_default("FLODL_HOST_NAME", socket.gethostname()),
+        help="name of this host in logs and errors [env FLODL_HOST_NAME; default the hostname]",
+    )
+    parser.add_argument(
+        "--channels", default=env_default("FLODL_CHANNELS", "data,control"),
+        help="which relay channels to run: data, control or both [env FLODL_CHANNELS; default data,control]",
+    )
+    parser.add_argument(
+        "--listen-host", default=env_default("FLODL_LISTEN_HOST", "127.0.0.1"),
+        help="address the ranks connect to [env FLODL_LISTEN_HOST; default 127.0.0.1]",
+    )
+    parser.add_argument(
+        "--data-port", type=int, default=env_default("FLODL_DATA_PORT"),
+        help="loopback port of the data channel [env FLODL_DATA_PORT; default controller port + 4]",
+    )
+    parser.add_argument(
+        "--control-port", type=int, default=env_default("FLODL_CONTROL_PORT"),
+        help="loopback port of the control channel [env FLODL_CONTROL_PORT; default controller port + 5]",
+    )
+    add_common_flags(parser)
+    return parser
+
+
+@attrs.frozen
+class RelayDaemonSettings:
+    controller: tuple[str, int]
+    ranks: list[int]
+    world_size: int
+    host_name: str
+    channels: dict[ChannelKind, int]
+    listen_host: str
+    salt: SessionSalt
+
+
+def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
+    controller = parse_host_port(args.controller, "--controller") if args.controller else controller_address()
+    ranks = parse_rank_list(args.ranks) if args.ranks else host_ranks_from_env()
+    if ranks is None:
+        raise ConfigError("which ranks live on this host? pass --ranks (or set FLODL_RANKS)")
+    if args.world_size is None:
+        raise ConfigError("pass --world-size (or set FLODL_WORLD_SIZE / WORLD_SIZE)")
+    wanted = {name.strip() for name in args.channels.split(",") if name.strip()}
+    unknown = wanted - {"data", "control"}
+    if unknown or not wanted:
+        raise ConfigError(f"--channels takes data, control or both; got {args.channels!r}")
+    ports = {
+        ChannelKind.DATA: args.data_port if args.data_port is not None else controller[1] + DATA_PORT_OFFSET,
+        ChannelKind.CONTROL: args.control_port if args.control_port is not None else controller[1] + CONTROL_PORT_OFFSET,
+    }
+    channels = {kind: int(ports[kind]) for kind in ChannelKind if kind.value in wanted}
+    settings = RelayDaemonSettings(
+        controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file)
+    )
+    validate_config(RelayConfig(ChannelKind.DATA, ("", 0), controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt))
+    return settings
+
+
+async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, metrics: tuple[str, int] | None = None) -> None:
+    """Run the host's relay channels until they finish; raise the first failure."""
+    async with AsyncExitStack() as stack:
+        handles = {}
+        for kind, port in settings.channels.items():
+            handles[kind] = await stack.enter_async_context(
+                open_relay(
+                    kind, listen=(settings.listen_host, port), upstream=settings.controller,
+                    host_name=settings.host_name, ranks=settings.ranks, world_size=settings.world_size,
+                    salt=settings.salt, ceiling=ceiling,
+                )
+            )
+        if metrics is not None:
+            from ..metrics import serve_relay_metrics
+
+            stack.enter_context(serve_relay_metrics(metrics, handles))
+        ports = " ".join(f"{kind.value}={settings.listen_host}:{h.port}" for kind, h in handles.items())
+        log.info(
+            "relay %s started: ranks=%s world_size=%d %s controller=%s:%d",
+            settings.host_name, settings.ranks, settings.world_size, ports, *settings.controller,
+        )
+        for handle in handles.values():
+            await handle.wait_finished()
+        log.info("relay %s finished: every channel closed", settings.host_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    settings: list[RelayDaemonSettings] = []
+    args = parse_or_exit(parser, argv, lambda a: settings.append(settings_from_args(a)))
+    configure_logging(args.log_level, args.log_format)
+    metrics = (args.metrics_host, args.metrics_port) if args.metrics_port else None
+    return run_daemon("relay", lambda: serve_relay_daemon(settings[0], ceiling=args.frame_ceiling, metrics=metrics))
+
