@@ -1,0 +1,211 @@
+"""A blocking facade for trainers that are not written in trio.
+
+``BlockingReduceClient`` runs a trio loop in a helper thread that owns the
+rank's data connection (and, optionally, its control connection). Calls from
+ordinary synchronous code are handed to that loop and block until the round
+completes. A bonus for plain-Python trainers: heartbeats keep flowing from the
+helper thread while the main thread computes, as long as the computation
+releases the GIL (torch ops do).
+
+    with BlockingReduceClient(("127.0.0.1", 1341), rank, world, salt,
+                              control_address=("127.0.0.1", 1342),
+                              model_signature=model_signature(model)) as client:
+        for window in range(windows):
+            train_inner_steps()
+            params = client.all_reduce_tensors(list(model.parameters()))
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+import trio
+
+from .client import Address, ReduceClient, connect_control_client, connect_reduce_client
+from .errors import FlodlError
+from .wire.round_frame import RoundFrame, RoundKind
+from .wire.salt import SessionSalt
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+STARTUP_TIMEOUT_S = 120.0
+
+
+@attrs.define(eq=False)
+class _Request:
+    """One call handed to the trio thread; ``done`` fires with a result or an error."""
+
+    call: Callable[[ReduceClient], Awaitable[Any]]
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class BlockingReduceClient:
+    """ReduceClient's API for synchronous code; trio runs in a helper thread."""
+
+    def __init__(
+        self,
+        address: Address,
+        rank: int,
+        world_size: int,
+        salt: SessionSalt | bytes,
+        *,
+        control_address: Address | None = None,
+        model_signature: bytes | None = None,
+        heartbeat_timeout: float | None = None,
+        **connect_options: Any,
+    ) -> None:
+        self.rank = rank
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._client: ReduceClient | None = None
+        self._args = (address, rank, world_size, salt, control_address, model_signature, heartbeat_timeout, connect_options)
+        self._thread = threading.Thread(target=self._thread_main, name=f"flodl-rank{rank}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(STARTUP_TIMEOUT_S):
+            raise FlodlError(f"rank {rank}: the client thread did not connect within {STARTUP_TIMEOUT_S:.0f} s")
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+
+    # -- the trio thread -----------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # reported to the caller, never lost in the thread
+            self._failure = self._failure or _unwrap(exc)
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        address, rank, world, salt, control, signature, heartbeat, options = self._args
+        self._stop = trio.Event()
+        send, self._requests = trio.open_memory_channel[_Request](1)
+        self._request_send = send
+        pending: list[_Request] = []
+        try:
+            async with AsyncExitStack() as stack:
+                if control is not None:
+                    if signature is None:
+                        raise FlodlError("a control connection needs model_signature (see tensors.model_signature)")
+                    await stack.enter_async_context(
+                        connect_control_client(control, rank, world, salt, signature, heartbeat_timeout=heartbeat)
+                    )
+                self._client = await stack.enter_async_context(connect_reduce_client(address, rank, world, salt, **options))
+                self._token = trio.lowlevel.current_trio_token()
+                self._ready.set()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._worker, pending)
+                    await self._stop.wait()
+                    nursery.cancel_scope.cancel()
+        except BaseException as exc:
+            self._failure = _unwrap(exc)
+            raise
+        finally:
+            for request in pending:
+                request.error = self._failure or FlodlError(f"rank {rank}: client closed")
+                request.done.set()
+
+    async def _worker(self, pending: list[_Request]) -> None:
+        assert self._client is not None
+        async for request in self._requests:
+            pending.append(request)
+            try:
+                request.result = await request.call(self._client)
+            except FlodlError as exc:
+                request.error = exc
+            pending.remove(request)
+            request.done.set()
+
+    async def _submit(self, call: Callable[[ReduceClient], Awaitable[T]]) -> T:
+        request = _Request(call)
+        await self._request_send.send(request)
+        await request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.result  # type: ignore[no-any-return]
+
+    # -- the caller's thread -------------------------------------------------
+
+    def _run(self, call: Callable[[ReduceClient], Awaitable[T]]) -> T:
+        if self._failure is not None:
+            raise self._failure
+        if self._token is None:
+            raise FlodlError(f"rank {self.rank}: client is closed")
+        try:
+            return trio.from_thread.run(self._submit, call, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise self._failure or FlodlError(f"rank {self.rank}: client is closed") from None
+
+    @property
+    def bf16_wire(self) -> bool:
+        assert self._client is not None
+        return self._client.bf16_wire
+
+    @bf16_wire.setter
+    def bf16_wire(self, value: bool) -> None:
+        assert self._client is not None
+        self._client.bf16_wire = value
+
+    @property
+    def pinned_decode(self) -> bool:
+        assert self._client is not None
+        return self._client.pinned_decode
+
+    @pinned_decode.setter
+    def pinned_decode(self, value: bool) -> None:
+        assert self._client is not None
+        self._client.pinned_decode = value
+
+    def arm_pinned_decode(self, slot: int) -> None:
+        assert self._client is not None
+        self._client.arm_pinned_decode(slot)
+
+    def all_reduce(self, frame: RoundFrame) -> RoundFrame:
+        return self._run(lambda c: c.all_reduce(frame))
+
+    def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self._run(lambda c: c.all_reduce_tensors(tensors))
+
+    def all_reduce_scaled(self, tensors: Sequence[torch.Tensor], scale: float, kind: RoundKind, weight: float) -> tuple[list[torch.Tensor], float]:
+        return self._run(lambda c: c.all_reduce_scaled(tensors, scale, kind, weight))
+
+    def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind: RoundKind, weight: float) -> tuple[list[torch.Tensor], float]:
+        return self._run(lambda c: c.all_reduce_weighted(tensors, kind, weight))
+
+    def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]:
+        return self._run(lambda c: c.all_reduce_per_rank_f64(values))
+
+    def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int) -> list[torch.Tensor]:
+        return self._run(lambda c: c.broadcast_from_root(tensors, root))
+
+    def close(self) -> None:
+        """Leave the cluster and stop the helper thread."""
+        if self._token is not None and self._thread.is_alive():
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(timeout=30)
+        self._token = None
+
+    def __enter__(self) -> BlockingReduceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    from .wire.tasks import sole_exception
+
+    return sole_exception(exc) if isinstance(exc, BaseExceptionGroup) else exc
