@@ -1,0 +1,317 @@
+"""``python -m flodl_trio.demo``: a whole local cluster training a small model.
+
+It starts the real daemons - one controller, two relays (two simulated
+hosts) - and four rank processes that train a small MLP with Local SGD /
+DiLoCo on data they generate. Partway through, one rank is killed with
+SIGKILL; the survivors finish without it. At the end it prints a summary
+table and writes a PNG plot of each rank's loss and the consensus loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+WORLD = 4
+HOSTS = [[0, 1], [2, 3]]
+FEATURES = 16
+
+
+# ---------------------------------------------------------------------------
+# A rank (runs in its own process: python -m flodl_trio.demo --worker)
+# ---------------------------------------------------------------------------
+
+
+def make_model() -> Any:
+    import torch
+
+    torch.manual_seed(0)  # every rank starts from the same weights
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+    )
+
+
+def make_data(rank: int, samples: int) -> tuple[Any, Any, Any, Any]:
+    """A shared teacher function; each rank sees its own noisy, shifted shard."""
+    import torch
+
+    teacher = torch.Generator().manual_seed(1234)
+    w1 = torch.randn(FEATURES, 32, generator=teacher)
+    w2 = torch.randn(32, 1, generator=teacher)
+
+    def label(x: Any) -> Any:
+        return torch.tanh(x @ w1) @ w2 / 4
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(samples, FEATURES, generator=gen) + 0.3 * (rank - 1.5)  # non-IID shards
+    y = label(x) + 0.05 * torch.randn(samples, 1, generator=gen)
+    val = torch.Generator().manual_seed(999)
+    x_val = torch.randn(512, FEATURES, generator=val)
+    return x, y, x_val, label(x_val)
+
+
+async def worker(args: argparse.Namespace) -> None:
+    import torch
+    import trio
+
+    from flodl_trio import SessionSalt, average_window, connect_reduce_client
+    from flodl_trio.client import connect_control_client
+    from flodl_trio.tensors import model_signature
+
+    torch.set_num_threads(1)
+    rank, salt = args.rank, SessionSalt.from_hex(os.environ["FLODL_SALT_HEX"])
+    model = make_model()
+    x, y, x_val, y_val = make_data(rank, 4096)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
+    params = list(model.parameters())
+    buffers = [b for b in model.buffers() if b.dtype.is_floating_point]
+    gen = torch.Generator().manual_seed(rank)
+
+    def emit(**fields: Any) -> None:
+        print(json.dumps({"rank": rank, **fields}), flush=True)
+
+    def train_window() -> float:
+        model.train()
+        total = 0.0
+        for _ in range(args.inner_steps):
+            idx = torch.randint(0, x.shape[0], (64,), generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+            inner.zero_grad()
+            loss.backward()
+            inner.step()
+            total += loss.item()
+        return total / args.inner_steps
+
+    async with connect_control_client(
+        ("127.0.0.1", args.control_port), rank, WORLD, salt, model_signature(model), heartbeat_timeout=args.heartbeat_timeout
+    ):
+        async with connect_reduce_client(("127.0.0.1", args.data_port), rank, WORLD, salt) as client:
+            client.bf16_wire = args.bf16
+            for window in range(args.windows):
+                local_loss = await trio.to_thread.run_sync(train_window)
+                result = await average_window(
+                    client, params, buffers, args.inner_steps, rank=rank, world_size=WORLD
+                )
+                with torch.no_grad():
+                    for p, new in zip(params, result.params):
+                        p.copy_(new)
+                    for b, new in zip(buffers, result.buffers):
+                        b.copy_(new)
+                    model.eval()
+                    consensus_loss = torch.nn.functional.mse_loss(model(x_val), y_val).item()
+                emit(window=window, local_loss=local_loss, consensus_loss=consensus_loss,
+                     live=sum(1 for c in result.counts if c > 0))
+
+
+# ---------------------------------------------------------------------------
+# The orchestrator
+# ---------------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def spawn(cmd: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "wb")
+    return subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE if "--worker" in cmd else out, stderr=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    workdir = Path(tempfile.mkdtemp(prefix="flodl-demo-"))
+    salt_hex = os.urandom(16).hex()
+    env = {**os.environ, "FLODL_SALT_HEX": salt_hex, "PYTHONUNBUFFERED": "1"}
+    ctl_port, *relay_ports = free_ports(1 + 2 * len(HOSTS))
+    py = [sys.executable, "-m"]
+    started = time.monotonic()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        controller_cmd = py + ["flodl_trio.controller", "--host", "127.0.0.1", "--port", str(ctl_port),
+                               "--world-size", str(WORLD), "--heartbeat-timeout", str(args.heartbeat_timeout),
+                               "--outer", args.outer, "--checkpoint-dir", str(workdir / "checkpoints")]
+        procs.append(spawn(controller_cmd, env, workdir / "controller.log"))
+        ports = {}
+        for index, ranks in enumerate(HOSTS):
+            data_port, control_port = relay_ports[2 * index], relay_ports[2 * index + 1]
+            for r in ranks:
+                ports[r] = (data_port, control_port)
+            relay_cmd = py + ["flodl_trio.relay", "--controller", f"127.0.0.1:{ctl_port}",
+                              "--ranks", ",".join(map(str, ranks)), "--world-size", str(WORLD),
+                              "--host-name", f"host{index}", "--data-port", str(data_port),
+                              "--control-port", str(control_port)]
+            procs.append(spawn(relay_cmd, env, workdir / f"relay{index}.log"))
+        ranks: dict[int, subprocess.Popen[bytes]] = {}
+        for r in range(WORLD):
+            cmd = py + ["flodl_trio.demo", "--worker", "--rank", str(r), "--data-port", str(ports[r][0]),
+                        "--control-port", str(ports[r][1]), "--windows", str(args.windows),
+                        "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout)]
+            if args.bf16:
+                cmd.append("--bf16")
+            ranks[r] = spawn(cmd, env, workdir / f"rank{r}.log")
+        procs.extend(ranks.values())
+        history, killed_at = follow_training(ranks, args, tqdm)
+        for p in ranks.values():
+            p.wait(timeout=60)
+        status = controller_status(ctl_port)
+        for p in procs[: 1 + len(HOSTS)]:
+            p.wait(timeout=30)
+        elapsed = time.monotonic() - started
+        print_summary(history, killed_at, status, workdir, elapsed, args)
+        plot(history, killed_at, Path(args.plot))
+        print(f"plot: {args.plot}   logs and checkpoints: {workdir}")
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def follow_training(ranks: dict[int, subprocess.Popen[bytes]], args: argparse.Namespace, tqdm: Any) -> tuple[dict[int, list[dict[str, Any]]], int | None]:
+    """Read every rank's JSON lines; kill the victim at its window; drive the progress bar."""
+    import selectors
+
+    history: dict[int, list[dict[str, Any]]] = {r: [] for r in ranks}
+    sel = selectors.DefaultSelector()
+    for r, p in ranks.items():
+        assert p.stdout is not None
+        os.set_blocking(p.stdout.fileno(), False)
+        sel.register(p.stdout, selectors.EVENT_READ, r)
+    buffers = {r: b"" for r in ranks}
+    killed_at: int | None = None
+    bar = tqdm(total=args.windows, desc="windows", unit="win")
+    open_streams = len(ranks)
+    while open_streams:
+        for key, _ in sel.select(timeout=1.0):
+            r = key.data
+            chunk = key.fileobj.read()  # type: ignore[union-attr]
+            if not chunk:
+                sel.unregister(key.fileobj)
+                open_streams -= 1
+                continue
+            buffers[r] += chunk
+            *lines, buffers[r] = buffers[r].split(b"\n")
+            for line in lines:
+                event = json.loads(line)
+                history[r].append(event)
+                if r == 0:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{event['consensus_loss']:.4f}", live=event["live"])
+                if r == 0 and killed_at is None and event["window"] + 1 == args.kill_at:
+                    ranks[args.victim].send_signal(signal.SIGKILL)
+                    killed_at = args.kill_at
+                    bar.write(f"window {args.kill_at}: killed rank {args.victim} (SIGKILL); survivors carry on")
+    bar.close()
+    return history, killed_at
+
+
+def controller_status(port: int) -> dict[str, Any]:
+    """The controller's JSON status page, served on its own port."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
+def relay_fold_ratios(workdir: Path) -> list[str]:
+    out = []
+    for log in sorted(workdir.glob("relay*.log")):
+        for line in log.read_text().splitlines():
+            if "summary" in line and "fold-ratio" in line:
+                host = line.split("relay ", 2)[-1].split(" ", 1)[0]
+                out.append(f"{host}: {line.rsplit('fold-ratio=', 1)[1].split()[0].strip(chr(34))}")
+    return out
+
+
+def print_summary(history: dict[int, list[dict[str, Any]]], killed_at: int | None, status: dict[str, Any],
+                  workdir: Path, elapsed: float, args: argparse.Namespace) -> None:
+    stats = status["stats"]
+    first, last = history[0][0], history[0][-1]
+    rows = [
+        ("windows trained", str(len(history[0]))),
+        ("averaging rounds", str(stats["rounds"])),
+        ("outer optimizer", args.outer),
+        ("wire", "bf16" if args.bf16 else "f32"),
+        ("consensus loss, first -> last window", f"{first['consensus_loss']:.4f} -> {last['consensus_loss']:.4f}"),
+        ("bytes into controller", f"{stats['bytes_in'] / 1e6:.2f} MB"),
+        ("bytes out of controller", f"{stats['bytes_out'] / 1e6:.2f} MB"),
+        ("relay fold ratio", ", ".join(relay_fold_ratios(workdir)) or "n/a"),
+        ("deaths", f"rank {args.victim} killed after window {killed_at}" if killed_at is not None else "none"),
+        ("dead or exited at the end", str(status["dead_ranks"])),
+        ("checkpoints written", str(len(list((workdir / "checkpoints").glob("*.safetensors"))))),
+        ("wall time", f"{elapsed:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n| " + "what".ljust(width) + " | value |")
+    print("|" + "-" * (width + 2) + "|-------|")
+    for key, value in rows:
+        print(f"| {key.ljust(width)} | {value} |")
+
+
+def plot(history: dict[int, list[dict[str, Any]]], killed_at: int | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for rank, events in sorted(history.items()):
+        ax.plot([e["window"] for e in events], [e["local_loss"] for e in events], alpha=0.7, label=f"rank {rank} (local)")
+    ax.plot([e["window"] for e in history[0]], [e["consensus_loss"] for e in history[0]], "k-", lw=2.5, label="consensus (validation)")
+    if killed_at is not None:
+        ax.axvline(killed_at - 0.5, color="red", ls="--", label="rank killed")
+    ax.set_xlabel("averaging window")
+    ax.set_ylabel("MSE loss")
+    ax.set_yscale("log")
+    ax.set_title("flodl_trio demo: Local SGD across 2 hosts x 2 ranks")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flodl_trio.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=40, help="averaging windows to train (default 40)")
+    parser.add_argument("--inner-steps", type=int, default=25, help="local steps per window (default 25)")
+    parser.add_argument("--inner-lr", type=float, default=3e-3)
+    parser.add_argument("--kill-at", type=int, default=15, help="kill the victim after this window (default 15)")
+    parser.add_argument("--victim", type=int, default=3, help="rank to kill (default 3)")
+    parser.add_argument("--outer", default="diloco", choices=["none", "slowmo", "diloco"], help="outer optimizer on the controller")
+    parser.add_argument("--bf16", action="store_true", help="bf16 wire for the parameter rounds")
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--plot", default="flodl_demo.png", help="where to write the PNG (default flodl_demo.png)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--data-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--control-port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        import trio
+
+        trio.run(worker, args)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
