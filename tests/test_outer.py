@@ -80,9 +80,9 @@ def test_diloco_matches_torch_sgd_nesterov(lr, momentum):
         assert [t.shape for t in got.tensors] == SHAPES
         for i, (g, w) in enumerate(zip(decode(got), want[k])):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6, err_msg=f"window {k} tensor {i}")
+        if k >= 2:  # from the third window on, momentum moves it off the consensus
+            assert not np.allclose(decode(got)[0], consensus[0], rtol=1e-3, atol=1e-4)
     assert opt.windows == 6
-    # the transform is not a no-op after the first window
-    assert not np.allclose(decode(opt(make_frame(seq[-1])))[0], seq[-1][0])
 
 
 def test_diloco_first_window_returns_consensus_unchanged():
@@ -185,8 +185,8 @@ def test_zero_mass_round_leaves_state_unchanged():
     # and the zero-mass frame did not initialize a fresh optimizer either
     fresh = DiLoCoNesterov()
     fresh(zero)
-    assert fresh.state_dict() == {"windows": np.array([0])} or fresh.state_dict()["windows"].tolist() == [0]
-    assert len(fresh.state_dict()) == 1
+    assert list(fresh.state_dict()) == ["windows"]
+    assert fresh.state_dict()["windows"].tolist() == [0]
 
 
 def test_schema_change_raises_naming_index_and_shapes():
@@ -255,3 +255,14 @@ def test_hyperparameters_validated():
         SlowMo(lr=float("nan"))
     assert DiLoCoNesterov().config() == {"type": "DiLoCoNesterov", "lr": 0.7, "momentum": 0.9}
     assert SlowMo().config() == {"type": "SlowMo", "lr": 1.0, "momentum": 0.5}
+
+
+def test_outer_and_checkpoint_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, flodl_trio.outer, flodl_trio.checkpoint, flodl_trio.controller; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

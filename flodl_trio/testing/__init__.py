@@ -7,12 +7,42 @@
 
 from .local import LOOPBACK, LocalCluster, open_local_cluster
 from .processes import ProcessCluster, RankProcess, open_process_cluster
+from .proxy import (
+    BandwidthCap,
+    ConnectionRecord,
+    CutAt,
+    Delay,
+    DropRecord,
+    DuplicateRecord,
+    Fault,
+    FaultEvent,
+    FaultProxy,
+    FlipBit,
+    FlowRecord,
+    HalfClose,
+    Stall,
+    open_fault_proxy,
+)
 
 __all__ = [
     "LOOPBACK",
+    "BandwidthCap",
+    "ConnectionRecord",
+    "CutAt",
+    "Delay",
+    "DropRecord",
+    "DuplicateRecord",
+    "Fault",
+    "FaultEvent",
+    "FaultProxy",
+    "FlipBit",
+    "FlowRecord",
+    "HalfClose",
     "LocalCluster",
     "ProcessCluster",
     "RankProcess",
+    "Stall",
+    "open_fault_proxy",
     "open_local_cluster",
     "open_process_cluster",
 ]

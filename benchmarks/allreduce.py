@@ -1,0 +1,887 @@
+"""All-reduce round time and memory: flodl_trio next to torch.distributed gloo.
+
+Run from the repository root (root is needed only for the two-host workload)::
+
+    python benchmarks/allreduce.py                     # everything, ~5 minutes
+    python benchmarks/allreduce.py --quick             # a ~1 minute subset
+    python benchmarks/allreduce.py --workloads small,memory --out /tmp/chart.png
+    python benchmarks/allreduce.py --profile /tmp/prof # py-spy every flodl_trio process
+
+Every role is its own OS process, on both sides: flodl_trio runs a controller,
+one data relay per host and one process per rank (``--worker flodl``); gloo
+runs one process per rank (``--worker gloo``). Each rank times every round
+with ``time.perf_counter`` after the warm-up rounds; a round's time is the
+slowest rank's, and the table shows the median over the timed rounds. Peak
+RSS is each process's ``ru_maxrss`` as returned by ``os.wait4`` when it exits
+(the kernel's high-water mark, the same as VmHWM).
+
+Workloads (``--workloads``, comma-separated; default all):
+
+* ``loopback``: one host, 2 and 4 ranks x 1, 16 and 64 MiB of f32
+  (flodl_trio: one relay carrying every rank, controller on the same host);
+* ``twohost``: two Linux network namespaces joined by a veth pair shaped to
+  1 Gbit/s with ``tc tbf`` on both ends, 2 ranks per namespace, 16 MiB of f32
+  parameters, f32 and bf16 wire on both systems, the controller on host A.
+  The namespaces are created and deleted by this script; without the
+  privilege (CAP_NET_ADMIN) the workload is skipped with a message;
+* ``small``: 4 KiB, 4 ranks, rounds per second;
+* ``memory``: relay and controller peak RSS at 2, 4 and 8 local ranks x 64 MiB
+  (flodl_trio only; the 2- and 4-rank runs of ``loopback`` are reused).
+
+The table's bytes-per-round column is computed from the frame layout for
+flodl_trio (docs/wire.md) and estimated from gloo's ring algorithm
+(2 (N-1)/N x S sent and received per rank) on loopback; on the two-host
+workload both systems are also *measured* from the veth's byte counters
+(``ip -s link``), divided by the rounds run (warm-up included).
+
+Targets (PASS/FAIL lines at the end; the exit code is 1 when one fails):
+
+* two hosts, same wire dtype on both sides: flodl_trio <= 1.4 x gloo;
+* two hosts, flodl_trio bf16 wire vs gloo f32: <= 0.75 x gloo;
+* one host, 4 ranks x 64 MiB: flodl_trio <= 4 x gloo;
+* 4 KiB, 4 ranks: flodl_trio rounds/s >= 2 x gloo;
+* relay peak RSS <= 2 x model bytes + 150 MiB, and flat in the number of local
+  ranks (8-rank RSS - 2-rank RSS <= 0.25 x model bytes);
+  controller peak RSS <= 3 x model bytes + 150 MiB.
+
+``--profile DIR`` runs every flodl_trio process under ``py-spy record``
+(collapsed stacks in DIR, a top-functions summary printed at the end); the
+RSS column is then py-spy's, not the measured process's, and times include
+sampling overhead. This is a benchmark, not a test: pytest never collects it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MiB = 1 << 20
+KiB = 1 << 10
+SALT_ENV = "FLODL_SALT_HEX"
+PROCESS_TIMEOUT_S = 300.0
+
+# Targets
+TWOHOST_SAME_DTYPE = 1.4
+TWOHOST_BF16_VS_F32 = 0.75
+LOOPBACK_4X64 = 4.0
+SMALL_RATE = 2.0
+RELAY_RSS_MODELS = 2
+CONTROLLER_RSS_MODELS = 3
+RSS_HEADROOM_MIB = 150
+RELAY_FLAT_FRACTION = 0.25
+
+
+# ---------------------------------------------------------------------------
+# Rank workers (run as `python benchmarks/allreduce.py --worker flodl|gloo ...`)
+# ---------------------------------------------------------------------------
+
+
+def _worker_report(times: list[float], total: float, checksum: float) -> None:
+    import resource
+
+    print(
+        json.dumps(
+            {
+                "times": times,
+                "total": total,
+                "checksum": checksum,
+                "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _make_tensor(numel: int, rank: int, dtype: str) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    t = torch.randn(numel, generator=gen, dtype=torch.float32)
+    return t.to(torch.bfloat16) if dtype == "bf16" else t
+
+
+def worker_flodl(args: argparse.Namespace) -> None:
+    import trio
+
+    import flodl_trio
+
+    async def main() -> None:
+        salt = bytes.fromhex(os.environ[SALT_ENV])
+        host, _, port = args.addr.rpartition(":")
+        t = _make_tensor(args.numel, args.rank, "f32")
+        times: list[float] = []
+        async with flodl_trio.connect_reduce_client((host, int(port)), args.rank, args.world, salt) as client:
+            client.bf16_wire = args.dtype == "bf16"
+            out = [t]
+            for i in range(args.warmup + args.rounds):
+                if i == args.warmup:
+                    start = time.perf_counter()
+                t0 = time.perf_counter()
+                out = await client.all_reduce_tensors([t])
+                dt = time.perf_counter() - t0
+                if i >= args.warmup:
+                    times.append(dt)
+            total = time.perf_counter() - start
+        _worker_report(times, total, float(out[0][:16].double().sum()))
+
+    if args.cprofile:
+        import cProfile
+
+        cProfile.runctx("trio.run(main)", globals(), {"trio": trio, "main": main}, args.cprofile)
+    else:
+        trio.run(main)
+
+
+def worker_gloo(args: argparse.Namespace) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.addr}", rank=args.rank, world_size=args.world,
+        timeout=timedelta(seconds=120),
+    )
+    t = _make_tensor(args.numel, args.rank, args.dtype)
+    times: list[float] = []
+    for i in range(args.warmup + args.rounds):
+        if i == args.warmup:
+            start = time.perf_counter()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        t /= args.world
+        dt = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(dt)
+    total = time.perf_counter() - start
+    dist.destroy_process_group()
+    _worker_report(times, total, float(t[:16].double().sum()))
+
+
+# ---------------------------------------------------------------------------
+# Process management: every process is reaped with os.wait4 for its peak RSS
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    stdout_path: Path
+    stderr_path: Path
+    role: str  # rank | relay | controller
+    maxrss_mib: float | None = None
+    returncode: int | None = None
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        return self.stderr_path.read_text(errors="replace")[-n:]
+
+
+class Launcher:
+    """Starts processes (optionally inside a netns), reaps them with wait4, kills leftovers."""
+
+    def __init__(self, workdir: Path, profile_dir: Path | None) -> None:
+        self.workdir = workdir
+        self.profile_dir = profile_dir
+        self.live: list[Proc] = []
+        self._seq = 0
+
+    def spawn(self, name: str, role: str, cmd: list[str], env: dict[str, str], netns: str | None = None,
+              profile_tag: str | None = None) -> Proc:
+        self._seq += 1
+        out = self.workdir / f"{self._seq:03d}-{name}.out"
+        err = self.workdir / f"{self._seq:03d}-{name}.err"
+        if self.profile_dir is not None and profile_tag is not None:
+            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            target = self.profile_dir / f"{profile_tag}-{name}.txt"
+            cmd = [spy, "record", "--nonblocking", "--rate", "200", "--format", "raw", "-o", str(target), "--", *cmd]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            popen = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=ROOT)
+        proc = Proc(name, popen, out, err, role)
+        self.live.append(proc)
+        return proc
+
+    def wait(self, procs: list[Proc], timeout: float) -> None:
+        """Reap ``procs`` (wait4 gives each one's ru_maxrss); kill what outlives ``timeout``."""
+        deadline = time.monotonic() + timeout
+        pending = [p for p in procs if p.returncode is None]
+        while pending:
+            for p in list(pending):
+                pid, status, usage = os.wait4(p.popen.pid, os.WNOHANG)
+                if pid == 0:
+                    continue
+                p.returncode = os.waitstatus_to_exitcode(status)
+                p.popen.returncode = p.returncode
+                p.maxrss_mib = usage.ru_maxrss / 1024  # Linux: KiB
+                pending.remove(p)
+                self.live.remove(p)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                for p in pending:
+                    self.kill(p)
+                self.wait(pending, 10)
+                names = ", ".join(p.name for p in pending)
+                raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {names}")
+            time.sleep(0.02)
+
+    def kill(self, p: Proc) -> None:
+        if p.returncode is None:
+            try:
+                os.kill(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill_all(self) -> None:
+        for p in list(self.live):
+            self.kill(p)
+        try:
+            self.wait(list(self.live), 10)
+        except RuntimeError:
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------
+# Cluster runs
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Host:
+    name: str
+    ranks: list[int]
+    netns: str | None = None  # None = this network namespace
+    ip: str = "127.0.0.1"  # address other hosts reach it by
+    ifname: str = "lo"  # gloo's interface on this host
+
+
+@dataclass
+class RunResult:
+    system: str
+    round_s: list[float]  # per timed round: the slowest rank's time
+    rates: list[float]  # per rank: timed rounds / timed seconds
+    rss: dict[str, float]  # process name -> peak RSS MiB
+    link_bytes: dict[str, float] = field(default_factory=dict)  # measured veth bytes per round
+    rounds_run: int = 0
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.round_s) * 1e3
+
+    @property
+    def rounds_per_s(self) -> float:
+        return min(self.rates)
+
+    def rss_of(self, role: str) -> list[float]:
+        return [v for k, v in self.rss.items() if k.startswith(role)]
+
+
+def _collect(system: str, ranks: list[Proc], others: list[Proc]) -> RunResult:
+    reports = []
+    for p in ranks:
+        if p.returncode != 0:
+            raise RuntimeError(f"{p.name} exited {p.returncode}: {p.stderr_tail()}")
+        lines = [line for line in p.stdout().splitlines() if line.startswith("{")]
+        if not lines:
+            raise RuntimeError(f"{p.name} reported nothing: {p.stderr_tail()}")
+        reports.append(json.loads(lines[-1]))
+    for p in others:
+        if p.returncode != 0:
+            raise RuntimeError(f"{p.name} exited {p.returncode}: {p.stderr_tail()}")
+    per_round = [max(r["times"][i] for r in reports) for i in range(len(reports[0]["times"]))]
+    rates = [len(r["times"]) / r["total"] for r in reports]
+    rss = {p.name: p.maxrss_mib or 0.0 for p in [*others, *ranks]}
+    return RunResult(system, per_round, rates, rss)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.launcher = Launcher(workdir, Path(args.profile) if args.profile else None)
+        self.salt_hex = secrets.token_hex(16)
+        self.env = {**os.environ, SALT_ENV: self.salt_hex, "PYTHONUNBUFFERED": "1"}
+        self.env.pop("FLODL_SALT_FILE", None)
+        self.controller_cli = self._detect_controller_cli()
+
+    def _detect_controller_cli(self) -> bool:
+        """Use ``python -m flodl_trio.controller`` if it has a CLI; else an inline launcher."""
+        try:
+            r = subprocess.run(
+                [sys.executable, "-m", "flodl_trio.controller", "--help"],
+                capture_output=True, text=True, timeout=60, cwd=ROOT,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        text = r.stdout + r.stderr
+        return r.returncode == 0 and "--world-size" in text and "--port" in text
+
+    def controller_cmd(self, host: str, port: int, world: int) -> list[str]:
+        if self.controller_cli:
+            return [
+                sys.executable, "-m", "flodl_trio.controller", "--host", host, "--port", str(port),
+                "--world-size", str(world), "--log-level", "WARNING",
+            ]
+        code = (
+            "import os, sys, trio, flodl_trio\n"
+            "async def main():\n"
+            "    async with flodl_trio.open_controller(sys.argv[1], int(sys.argv[2]), world_size=int(sys.argv[3]),\n"
+            "            salt=bytes.fromhex(os.environ['FLODL_SALT_HEX'])) as c:\n"
+            "        await c.wait_finished()\n"
+            "trio.run(main)\n"
+        )
+        return [sys.executable, "-c", code, host, str(port), str(world)]
+
+    def worker_cmd(self, system: str, rank: int, world: int, addr: str, numel: int, dtype: str,
+                   warmup: int, rounds: int) -> list[str]:
+        return [
+            sys.executable, str(Path(__file__).resolve()), "--worker", system,
+            "--rank", str(rank), "--world", str(world), "--addr", addr, "--numel", str(numel),
+            "--dtype", dtype, "--warmup", str(warmup), "--rounds", str(rounds),
+        ]
+
+    def run_flodl(self, hosts: list[Host], numel: int, dtype: str, warmup: int, rounds: int, tag: str) -> RunResult:
+        world = sum(len(h.ranks) for h in hosts)
+        ctl_host = hosts[0]
+        ctl_port = free_port() if ctl_host.netns is None else 29400
+        L = self.launcher
+        ctl = L.spawn("controller", "controller", self.controller_cmd(ctl_host.ip, ctl_port, world), self.env,
+                      ctl_host.netns, tag)
+        relays, ranks = [], []
+        for h in hosts:
+            data_port = free_port() if h.netns is None else 29404
+            relays.append(L.spawn(
+                f"relay-{h.name}", "relay",
+                [sys.executable, "-m", "flodl_trio.relay", "--controller", f"{ctl_host.ip}:{ctl_port}",
+                 "--ranks", ",".join(map(str, h.ranks)), "--world-size", str(world), "--host-name", h.name,
+                 "--channels", "data", "--data-port", str(data_port), "--log-level", "WARNING"],
+                self.env, h.netns, tag,
+            ))
+            for r in h.ranks:
+                ranks.append(L.spawn(
+                    f"rank{r}", "rank",
+                    self.worker_cmd("flodl", r, world, f"127.0.0.1:{data_port}", numel, dtype, warmup, rounds),
+                    self.env, h.netns, tag,
+                ))
+        try:
+            L.wait(ranks, PROCESS_TIMEOUT_S)
+            L.wait([*relays, ctl], 60)
+        except BaseException:
+            for p in [*ranks, *relays, ctl]:
+                sys.stderr.write(f"--- {p.name} stderr ---\n{p.stderr_tail(1500)}\n")
+            L.kill_all()
+            raise
+        result = _collect("flodl_trio", ranks, [ctl, *relays])
+        result.rounds_run = warmup + rounds
+        return result
+
+    def run_gloo(self, hosts: list[Host], numel: int, dtype: str, warmup: int, rounds: int) -> RunResult:
+        world = sum(len(h.ranks) for h in hosts)
+        master = hosts[0]
+        port = free_port() if master.netns is None else 29500
+        ranks = []
+        for h in hosts:
+            env = {**self.env, "GLOO_SOCKET_IFNAME": h.ifname}
+            for r in h.ranks:
+                ranks.append(self.launcher.spawn(
+                    f"rank{r}", "rank",
+                    self.worker_cmd("gloo", r, world, f"{master.ip}:{port}", numel, dtype, warmup, rounds),
+                    env, h.netns,
+                ))
+        try:
+            self.launcher.wait(ranks, PROCESS_TIMEOUT_S)
+        except BaseException:
+            for p in ranks:
+                sys.stderr.write(f"--- {p.name} stderr ---\n{p.stderr_tail(1500)}\n")
+            self.launcher.kill_all()
+            raise
+        result = _collect("gloo", ranks, [])
+        result.rounds_run = warmup + rounds
+        return result
+
+
+# ---------------------------------------------------------------------------
+# Two simulated hosts: network namespaces + a shaped veth pair
+# ---------------------------------------------------------------------------
+
+
+class NetnsPair:
+    """Two namespaces joined by a veth pair, each end shaped to ``rate`` with tbf."""
+
+    def __init__(self, rate: str) -> None:
+        tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
+        self.ns = (f"flbench-{tag}-a", f"flbench-{tag}-b")
+        self.dev = (f"flba{tag}"[:15], f"flbb{tag}"[:15])
+        self.ip = ("10.231.7.1", "10.231.7.2")
+        self.rate = rate
+        self.created: list[str] = []
+
+    @staticmethod
+    def _ip(*argv: str) -> None:
+        r = subprocess.run(list(argv), capture_output=True, text=True)
+        if r.returncode != 0:
+            raise PermissionError(f"`{' '.join(argv)}` failed: {r.stderr.strip()}")
+
+    def __enter__(self) -> NetnsPair:
+        try:
+            for ns in self.ns:
+                self._ip("ip", "netns", "add", ns)
+                self.created.append(ns)
+            self._ip("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+            for ns, dev, ip in zip(self.ns, self.dev, self.ip):
+                self._ip("ip", "link", "set", dev, "netns", ns)
+                self._ip("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+                self._ip("ip", "-n", ns, "link", "set", dev, "up")
+                self._ip("ip", "-n", ns, "link", "set", "lo", "up")
+                self._ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
+                         "rate", self.rate, "burst", "256kb", "latency", "50ms")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in reversed(self.created):  # deleting a namespace deletes its veth end (and the pair)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created.clear()
+
+    def counters(self) -> dict[str, int]:
+        """tx bytes of each end: A->B and B->A."""
+        out = {}
+        for ns, dev, label in zip(self.ns, self.dev, ("A->B", "B->A")):
+            r = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev], capture_output=True, text=True)
+            out[label] = int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
+        return out
+
+    def hosts(self, ranks_per_host: int) -> list[Host]:
+        return [
+            Host("hostA", list(range(0, ranks_per_host)), self.ns[0], self.ip[0], self.dev[0]),
+            Host("hostB", list(range(ranks_per_host, 2 * ranks_per_host)), self.ns[1], self.ip[1], self.dev[1]),
+        ]
+
+
+# ---------------------------------------------------------------------------
+# Workloads, table, targets, chart
+# ---------------------------------------------------------------------------
+
+
+def frame_len(numel: int, dtype: str) -> int:
+    """One RoundFrame of a single 1-D tensor (docs/wire.md): header + tensor header + data + MAC."""
+    return 25 + 14 + numel * (2 if dtype == "bf16" else 4)
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    if n >= KiB:
+        return f"{n / KiB:.1f} KiB"
+    return f"{n:.0f} B"
+
+
+@dataclass
+class Row:
+    workload: str
+    key: str  # groups the flodl_trio and gloo rows of one workload
+    result: RunResult
+    links: str
+    show_rate: bool = False
+    vs: RunResult | None = None  # the gloo result the ratio is against
+
+
+def flodl_links(hosts: list[Host], numel: int, dtype: str) -> str:
+    f = frame_len(numel, dtype)
+    rank_leg = f + 4
+    up = 25 + f
+    return f"rank<->relay {fmt_bytes(rank_leg)} up + {fmt_bytes(rank_leg)} down; relay<->ctl {fmt_bytes(up)} up + {fmt_bytes(up)} down (computed)"
+
+
+def gloo_links(world: int, numel: int, dtype: str) -> str:
+    s = numel * (2 if dtype == "bf16" else 4)
+    per = 2 * (world - 1) / world * s
+    return f"each rank {fmt_bytes(per)} sent + {fmt_bytes(per)} received (ring estimate)"
+
+
+def rss_text(r: RunResult) -> str:
+    parts = []
+    ranks = r.rss_of("rank")
+    if ranks:
+        parts.append("ranks " + "/".join(f"{v:.0f}" for v in ranks))
+    relays = r.rss_of("relay")
+    if relays:
+        parts.append(("relay " if len(relays) == 1 else "relays ") + "/".join(f"{v:.0f}" for v in relays))
+    ctl = r.rss_of("controller")
+    if ctl:
+        parts.append(f"ctl {ctl[0]:.0f}")
+    return "; ".join(parts)
+
+
+class Suite:
+    def __init__(self, bench: Bench, args: argparse.Namespace) -> None:
+        self.bench = bench
+        self.args = args
+        self.rows: list[Row] = []
+        self.memory: dict[int, RunResult] = {}
+        self.loopback_cache: dict[tuple[int, int], RunResult] = {}
+        self.notes: list[str] = []
+        self.checks: list[tuple[str, bool | None, str]] = []
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    def pair(self, workload: str, hosts: list[Host], numel: int, dtype_flodl: str, dtype_gloo: str,
+             warmup: int, rounds: int, show_rate: bool = False) -> tuple[RunResult, RunResult]:
+        world = sum(len(h.ranks) for h in hosts)
+        tag = workload.replace(" ", "_").replace(",", "").replace("/", "")
+        self.log(f"{workload}: flodl_trio ({dtype_flodl} wire)")
+        fl = self.bench.run_flodl(hosts, numel, dtype_flodl, warmup, rounds, tag)
+        self.log(f"{workload}: gloo ({dtype_gloo})")
+        gl = self.bench.run_gloo(hosts, numel, dtype_gloo, warmup, rounds)
+        self.rows.append(Row(workload, workload, fl, flodl_links(hosts, numel, dtype_flodl), show_rate, gl))
+        self.rows.append(Row(workload, workload, gl, gloo_links(world, numel, dtype_gloo), show_rate))
+        return fl, gl
+
+    def loopback(self) -> None:
+        q = self.args.quick
+        configs = [(4, 1), (4, 64)] if q else [(2, 1), (2, 16), (2, 64), (4, 1), (4, 16), (4, 64)]
+        for world, mib in configs:
+            rounds = {1: 20, 16: 8, 64: 5}[mib] if not q else {1: 10, 64: 3}[mib]
+            warmup = 2 if not q else 1
+            hosts = [Host("host0", list(range(world)))]
+            fl, gl = self.pair(f"loopback {world}x{mib} MiB", hosts, mib * MiB // 4, "f32", "f32", warmup, rounds)
+            self.loopback_cache[(world, mib)] = fl
+            if world == 4 and mib == 64:
+                ratio = fl.median_ms / gl.median_ms
+                self.checks.append((f"one host, 4 ranks x 64 MiB: flodl_trio <= {LOOPBACK_4X64:g} x gloo",
+                                    ratio <= LOOPBACK_4X64, f"{ratio:.2f}x"))
+
+    def twohost(self) -> None:
+        q = self.args.quick
+        warmup, rounds = (1, 4) if q else (2, 8)
+        numel = 16 * MiB // 4
+        try:
+            pair = NetnsPair(self.args.link_rate)
+            pair.__enter__()
+        except PermissionError as exc:
+            msg = (f"SKIPPED two-host workload: creating network namespaces needs root / CAP_NET_ADMIN "
+                   f"and iproute2 ({exc})")
+            self.log(msg)
+            self.notes.append(msg)
+            self.checks.append(("two hosts (all three targets)", None, "skipped: no privilege for netns"))
+            return
+        results: dict[tuple[str, str], RunResult] = {}
+        try:
+            self.notes.append(
+                f"two-host: namespaces {pair.ns[0]} / {pair.ns[1]}, veth {pair.dev[0]} <-> {pair.dev[1]}, "
+                f"tc tbf rate {self.args.link_rate} burst 256kb latency 50ms on both ends; created and deleted by this run"
+            )
+            hosts = pair.hosts(2)
+            for dtype in ("f32", "bf16"):
+                name = f"2 hosts x 2 ranks, 16 MiB, {dtype} wire"
+                for system in ("flodl_trio", "gloo"):
+                    self.log(f"{name}: {system}")
+                    before = pair.counters()
+                    if system == "flodl_trio":
+                        r = self.bench.run_flodl(hosts, numel, dtype, warmup, rounds, f"twohost_{dtype}")
+                    else:
+                        r = self.bench.run_gloo(hosts, numel, dtype, warmup, rounds)
+                    after = pair.counters()
+                    r.link_bytes = {k: (after[k] - before[k]) / r.rounds_run for k in after}
+                    results[(system, dtype)] = r
+                fl, gl = results[("flodl_trio", dtype)], results[("gloo", dtype)]
+                for res, computed in ((fl, flodl_links(hosts, numel, dtype)), (gl, gloo_links(4, numel, dtype))):
+                    veth = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.link_bytes.items())
+                    self.rows.append(Row(name, name, res, f"veth {veth} (measured); {computed}",
+                                         vs=gl if res is fl else None))
+        finally:
+            pair.__exit__(None, None, None)
+        for dtype in ("f32", "bf16"):
+            ratio = results[("flodl_trio", dtype)].median_ms / results[("gloo", dtype)].median_ms
+            self.checks.append((f"two hosts, {dtype} wire both sides: flodl_trio <= {TWOHOST_SAME_DTYPE:g} x gloo",
+                                ratio <= TWOHOST_SAME_DTYPE, f"{ratio:.2f}x"))
+        fl_bf16, gl_f32 = results[("flodl_trio", "bf16")], results[("gloo", "f32")]
+        ratio = fl_bf16.median_ms / gl_f32.median_ms
+        self.checks.append((f"two hosts, flodl_trio bf16 wire vs gloo f32: <= {TWOHOST_BF16_VS_F32:g} x gloo",
+                            ratio <= TWOHOST_BF16_VS_F32, f"{ratio:.2f}x ({fl_bf16.median_ms:.0f} ms vs {gl_f32.median_ms:.0f} ms)"))
+
+    def small(self) -> None:
+        rounds = 500 if self.args.quick else 2000
+        hosts = [Host("host0", [0, 1, 2, 3])]
+        fl, gl = self.pair("small 4 KiB, 4 ranks", hosts, 4 * KiB // 4, "f32", "f32", 50, rounds, show_rate=True)
+        ratio = fl.rounds_per_s / gl.rounds_per_s
+        self.checks.append((f"4 KiB, 4 ranks: flodl_trio rounds/s >= {SMALL_RATE:g} x gloo", ratio >= SMALL_RATE,
+                            f"{ratio:.2f}x ({fl.rounds_per_s:,.0f} vs {gl.rounds_per_s:,.0f} rounds/s)"))
+
+    def memory_workload(self) -> None:
+        mib = 64
+        numel = mib * MiB // 4
+        counts = [2, 8] if self.args.quick else [2, 4, 8]
+        for world in counts:
+            cached = self.loopback_cache.get((world, mib))
+            if cached is not None:
+                self.memory[world] = cached
+                continue
+            self.log(f"memory: flodl_trio {world} ranks x {mib} MiB")
+            r = self.bench.run_flodl([Host("host0", list(range(world)))], numel, "f32", 1, 3, f"memory_{world}")
+            self.memory[world] = r
+            self.rows.append(Row(f"memory {world}x{mib} MiB", f"memory {world}", r,
+                                 flodl_links([Host("host0", list(range(world)))], numel, "f32")))
+        model = mib * MiB
+        relay_cap = (RELAY_RSS_MODELS * model + RSS_HEADROOM_MIB * MiB) / MiB
+        ctl_cap = (CONTROLLER_RSS_MODELS * model + RSS_HEADROOM_MIB * MiB) / MiB
+        relay = {w: r.rss_of("relay")[0] for w, r in self.memory.items()}
+        ctl = {w: r.rss_of("controller")[0] for w, r in self.memory.items()}
+        got = ", ".join(f"{w} ranks {v:.0f} MiB" for w, v in relay.items())
+        self.checks.append((f"relay peak RSS <= 2 x model + 150 MiB = {relay_cap:.0f} MiB", max(relay.values()) <= relay_cap, got))
+        spread = max(relay.values()) - min(relay.values())
+        flat_cap = RELAY_FLAT_FRACTION * model / MiB
+        self.checks.append((f"relay RSS flat in local ranks (max - min <= {flat_cap:.0f} MiB)", spread <= flat_cap,
+                            f"spread {spread:.0f} MiB"))
+        got = ", ".join(f"{w} ranks {v:.0f} MiB" for w, v in ctl.items())
+        self.checks.append((f"controller peak RSS <= 3 x model + 150 MiB = {ctl_cap:.0f} MiB", max(ctl.values()) <= ctl_cap, got))
+
+    # -- output --------------------------------------------------------------
+
+    def table(self) -> str:
+        lines = [
+            "| workload | system | median round ms | rounds/s | flodl_trio/gloo | bytes per round on each link | peak RSS MB (MiB) |",
+            "|---|---|---:|---:|---:|---|---|",
+        ]
+        for row in self.rows:
+            r = row.result
+            ratio = ""
+            if row.vs is not None:
+                if row.show_rate:
+                    ratio = f"{r.rounds_per_s / row.vs.rounds_per_s:.2f}x rate"
+                else:
+                    ratio = f"{r.median_ms / row.vs.median_ms:.2f}x"
+            ms = f"{r.median_ms:.3f}" if r.median_ms < 10 else f"{r.median_ms:.1f}"
+            lines.append(
+                f"| {row.workload} | {r.system} | {ms} | {r.rounds_per_s:,.1f} | {ratio} | {row.links} | {rss_text(r)} |"
+            )
+        if self.memory:
+            lines += ["", "| flodl_trio local ranks x 64 MiB | relay peak RSS MiB | controller peak RSS MiB | median round ms |",
+                      "|---:|---:|---:|---:|"]
+            for w, r in sorted(self.memory.items()):
+                lines.append(f"| {w} | {r.rss_of('relay')[0]:.0f} | {r.rss_of('controller')[0]:.0f} | {r.median_ms:.0f} |")
+        return "\n".join(lines)
+
+    def chart(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+        panels: dict[str, list[Row]] = defaultdict(list)
+        for row in self.rows:
+            kind = ("loopback" if row.workload.startswith("loopback") else "twohost" if row.workload.startswith("2 hosts")
+                    else "small" if row.workload.startswith("small") else "memory")
+            panels[kind].append(row)
+        colors = {"flodl_trio": "#1f77b4", "gloo": "#ff7f0e"}
+
+        def bars(ax: Any, rows: list[Row], title: str, rate: bool = False) -> None:
+            if not rows:
+                ax.set_title(f"{title} (not run)")
+                ax.axis("off")
+                return
+            labels = list(dict.fromkeys(r.workload for r in rows))
+            width = 0.38
+            for j, system in enumerate(("flodl_trio", "gloo")):
+                vals = []
+                for label in labels:
+                    match = [r for r in rows if r.workload == label and r.result.system == system]
+                    vals.append((match[0].result.rounds_per_s if rate else match[0].result.median_ms) if match else 0)
+                xs = [i + (j - 0.5) * width for i in range(len(labels))]
+                ax.bar(xs, vals, width, label=system, color=colors[system])
+                for x, v in zip(xs, vals):
+                    ax.text(x, v, f"{v:,.0f}" if v >= 10 else f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(len(labels)))
+            ax.set_xticklabels([l.replace("loopback ", "").replace("2 hosts x 2 ranks, 16 MiB, ", "") for l in labels],
+                               rotation=20, fontsize=8)
+            ax.set_ylabel("rounds/s (higher is better)" if rate else "median round ms (lower is better)")
+            if not rate:
+                ax.set_yscale("log")
+            ax.set_title(title)
+            ax.legend(fontsize=8)
+
+        bars(axes[0][0], panels["loopback"], "one host, loopback (ranks x f32 MiB)")
+        bars(axes[0][1], panels["twohost"], f"two namespaces, veth shaped to {self.args.link_rate}, 4 ranks, 16 MiB")
+        bars(axes[1][0], panels["small"], "4 KiB, 4 ranks, one host", rate=True)
+        ax = axes[1][1]
+        if self.memory:
+            ws = sorted(self.memory)
+            ax.plot(ws, [self.memory[w].rss_of("relay")[0] for w in ws], "o-", label="relay peak RSS")
+            ax.plot(ws, [self.memory[w].rss_of("controller")[0] for w in ws], "s-", label="controller peak RSS")
+            ax.axhline(RELAY_RSS_MODELS * 64 + RSS_HEADROOM_MIB, ls="--", color="C0", lw=0.8, label="relay target")
+            ax.axhline(CONTROLLER_RSS_MODELS * 64 + RSS_HEADROOM_MIB, ls="--", color="C1", lw=0.8, label="controller target")
+            ax.set_xticks(ws)
+            ax.set_xlabel("local ranks (64 MiB f32 each)")
+            ax.set_ylabel("MiB")
+            ax.set_ylim(bottom=0)
+            ax.set_title("flodl_trio daemon memory, one host")
+            ax.legend(fontsize=8)
+        else:
+            ax.set_title("memory (not run)")
+            ax.axis("off")
+        fig.suptitle(f"flodl_trio vs torch.distributed gloo - {cpu_model()}, {os.cpu_count()} cores")
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def summarize_profiles(directory: Path, top: int = 12) -> str:
+    """Top functions by self samples and by inclusive samples, per collapsed-stack file."""
+    out = []
+    for path in sorted(directory.glob("*.txt")):
+        self_c: Counter[str] = Counter()
+        incl: Counter[str] = Counter()
+        total = 0
+        for line in path.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            n = int(count)
+            total += n
+            frames = stack.split(";")
+            if frames:
+                self_c[frames[-1]] += n
+            for f in set(frames):
+                if "flodl_trio" in f or "hashlib" in f or "hmac" in f or "numpy" in f or "torch" in f:
+                    incl[f] += n
+        if not total:
+            continue
+        out.append(f"== {path.name}: {total} samples (active threads only)")
+        out.append("  self:")
+        for f, n in self_c.most_common(top):
+            out.append(f"    {100 * n / total:5.1f}%  {f}")
+        out.append("  inclusive (flodl_trio / hashlib / numpy / torch frames):")
+        for f, n in incl.most_common(top):
+            out.append(f"    {100 * n / total:5.1f}%  {f}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="loopback,twohost,small,memory",
+                    help="comma-separated subset of loopback,twohost,small,memory (default: all)")
+    ap.add_argument("--quick", action="store_true", help="a ~1 minute subset (fewer sizes and rounds)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "allreduce.png"), help="chart path (PNG)")
+    ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--link-rate", default="1gbit", help="tc rate of the two-host veth (default 1gbit)")
+    ap.add_argument("--profile", help="run flodl_trio processes under py-spy record; collapsed stacks go here")
+    # internal: one rank process
+    ap.add_argument("--worker", choices=["flodl", "gloo"], help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--addr", help=argparse.SUPPRESS)
+    ap.add_argument("--numel", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="f32", help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=5, help=argparse.SUPPRESS)
+    ap.add_argument("--cprofile", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker == "flodl":
+        worker_flodl(args)
+        return 0
+    if args.worker == "gloo":
+        worker_gloo(args)
+        return 0
+
+    wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(wanted) - {"loopback", "twohost", "small", "memory"}
+    if unknown:
+        ap.error(f"unknown workloads {sorted(unknown)}")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="flodl-bench-") as tmp:
+        bench = Bench(args, Path(tmp))
+        suite = Suite(bench, args)
+        try:
+            for name, fn in (("loopback", suite.loopback), ("twohost", suite.twohost),
+                             ("small", suite.small), ("memory", suite.memory_workload)):
+                if name in wanted:
+                    fn()
+        finally:
+            bench.launcher.kill_all()
+    elapsed = time.monotonic() - started
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    print(f"machine: {cpu_model()}, {os.cpu_count()} logical cores, {mem:.0f} GiB RAM, {platform.machine()}, "
+          f"Linux {platform.release()}")
+    print(f"python {platform.python_version()}, torch {torch.__version__} (gloo), flodl_trio "
+          f"{__import__('flodl_trio').__version__}; controller launched via "
+          f"{'python -m flodl_trio.controller' if bench.controller_cli else 'inline open_controller() launcher'}")
+    print(f"mode: {'quick' if args.quick else 'full'}, workloads: {','.join(wanted)}, wall time {elapsed:.0f} s")
+    print("round time = slowest rank's perf_counter time per timed round (after warm-up), median over rounds; "
+          "rounds/s = timed rounds / timed seconds (slowest rank); peak RSS = ru_maxrss from wait4, MiB")
+    for note in suite.notes:
+        print(f"note: {note}")
+    print()
+    print(suite.table())
+    print()
+    failed = 0
+    for name, ok, got in suite.checks:
+        label = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+        print(f"{label}: {name} (got {got})")
+        failed += ok is False
+    if suite.rows or suite.memory:
+        suite.chart(Path(args.out))
+        print(f"\nchart: {args.out}")
+    if args.json:
+        raw = [
+            {"workload": r.workload, "system": r.result.system, "median_ms": r.result.median_ms,
+             "rounds_per_s": r.result.rounds_per_s, "round_s": r.result.round_s, "rss_mib": r.result.rss,
+             "link_bytes_per_round": r.result.link_bytes, "links": r.links}
+            for r in suite.rows
+        ]
+        Path(args.json).write_text(json.dumps({"rows": raw, "checks": suite.checks}, indent=1))
+    if args.profile:
+        print("\nprofile (py-spy, collapsed stacks in " + args.profile + "):")
+        print(summarize_profiles(Path(args.profile)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

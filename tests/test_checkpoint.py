@@ -1,0 +1,614 @@
+"""Consensus checkpoints: the sink's window tracking, the atomic safetensors writer,
+loading, pruning, falling behind, restoring a torch module, and a real cluster
+whose controller runs an outer optimizer and a checkpointer.
+
+Expected values are computed independently in each test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+import trio
+
+import flodl_trio
+from flodl_trio import (
+    DTYPE_BF16,
+    DTYPE_F32,
+    RoundFrame,
+    RoundKind,
+    SchemaError,
+    TensorPayload,
+    average_window,
+    connect_reduce_client,
+)
+from flodl_trio.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    ConsensusCheckpointer,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_module,
+    write_safetensors_atomic,
+)
+from flodl_trio.errors import ConfigError
+from flodl_trio.outer import DiLoCoNesterov, SlowMo
+from flodl_trio.testing import open_local_cluster
+from flodl_trio.wire.bf16 import bf16_to_f32, f32_to_bf16
+
+PARAM_SHAPES = [(2, 3), (2,)]
+BUFFER_SHAPES = [(2,)]
+
+
+def model_frame(values: list[np.ndarray], weight: float, dtype: int = DTYPE_F32) -> RoundFrame:
+    payloads = []
+    for v in values:
+        flat = np.asarray(v, dtype=np.float32).reshape(-1)
+        payloads.append(TensorPayload(dtype, np.shape(v), flat if dtype == DTYPE_F32 else f32_to_bf16(flat)))
+    return RoundFrame(payloads, RoundKind.MODEL, weight)
+
+
+def control_frame(world: int = 4) -> RoundFrame:
+    return RoundFrame([TensorPayload(DTYPE_F32, (world,), np.arange(world, dtype=np.float32))], RoundKind.CONTROL, 0.0)
+
+
+def random_window(rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    params = [rng.standard_normal(s).astype(np.float32) for s in PARAM_SHAPES]
+    buffers = [rng.standard_normal(s).astype(np.float32) for s in BUFFER_SHAPES]
+    return params, buffers
+
+
+def feed_window(sink, round_index: int, params, buffers, mass: float = 4.0, dtype: int = DTYPE_F32) -> int:
+    """Drive the sink like the controller does for one average_window; returns the next round index."""
+    sink(round_index, control_frame())
+    sink(round_index + 1, model_frame(params, mass, dtype))
+    if buffers is not None:
+        sink(round_index + 2, model_frame(buffers, 2.0, dtype))
+        return round_index + 3
+    return round_index + 2
+
+
+def files_in(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+# ---------------------------------------------------------------------------
+# the sink, fed directly
+# ---------------------------------------------------------------------------
+
+
+def test_windows_written_with_values_and_metadata(tmp_path):
+    rng = np.random.default_rng(1)
+    windows = [random_window(rng) for _ in range(3)]
+    with ConsensusCheckpointer(tmp_path, keep=5) as sink:
+        r = 1
+        for params, buffers in windows:
+            r = feed_window(sink, r, params, buffers, mass=6.5)
+            assert sink.wait_idle(10)  # a writer that falls behind skips windows (tested below)
+    assert files_in(tmp_path) == [f"window-{k:06d}.safetensors" for k in range(3)]
+    assert sink.written == [tmp_path / f"window-{k:06d}.safetensors" for k in range(3)]
+    for k, (params, buffers) in enumerate(windows):
+        ckpt = load_checkpoint(tmp_path / f"window-{k:06d}.safetensors")
+        assert ckpt.window == k
+        assert ckpt.round_index == 2 + 3 * k
+        assert ckpt.metadata["buffers_round"] == str(3 + 3 * k)
+        assert ckpt.mass == 6.5 and ckpt.buffers_mass == 2.0
+        assert ckpt.wire_dtype == "f32"
+        assert ckpt.version == flodl_trio.__version__
+        assert ckpt.outer == {} and ckpt.outer_config is None
+        assert [a.dtype for a in ckpt.params + ckpt.buffers] == [np.float32] * 3
+        for got, want in zip(ckpt.params + ckpt.buffers, params + buffers):
+            np.testing.assert_array_equal(got, want)
+        # the reference implementation reads the same file
+        official = safetensors.numpy.load_file(str(ckpt.path))
+        assert sorted(official) == ["buffers.0", "params.0", "params.1"]
+        for i, want in enumerate(params):
+            np.testing.assert_array_equal(official[f"params.{i}"], want)
+        torch_official = safetensors.torch.load_file(str(ckpt.path))
+        assert torch_official["params.0"].dtype == torch.float32
+        with safetensors.safe_open(str(ckpt.path), framework="np") as f:
+            assert f.metadata()["window"] == str(k)
+            assert f.metadata()["format"] == "flodl_trio.checkpoint.v1"
+
+
+def test_keep_prunes_and_latest_checkpoint(tmp_path):
+    rng = np.random.default_rng(2)
+    with ConsensusCheckpointer(tmp_path, keep=2) as sink:
+        r = 1
+        for _ in range(5):
+            params, buffers = random_window(rng)
+            r = feed_window(sink, r, params, buffers)
+            assert sink.wait_idle(10)
+    assert files_in(tmp_path) == ["window-000003.safetensors", "window-000004.safetensors"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "window-000004.safetensors"
+    assert [w for w, _ in list_checkpoints(tmp_path)] == [3, 4]
+    assert latest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_every_n_windows(tmp_path):
+    rng = np.random.default_rng(3)
+    with ConsensusCheckpointer(tmp_path, every=2, keep=10) as sink:
+        r = 1
+        for _ in range(5):
+            r = feed_window(sink, r, *random_window(rng))
+            assert sink.wait_idle(10)
+    assert files_in(tmp_path) == [f"window-{k:06d}.safetensors" for k in (0, 2, 4)]
+
+
+def test_window_without_buffers_round_completes_at_next_control_or_close(tmp_path):
+    rng = np.random.default_rng(4)
+    p0, _ = random_window(rng)
+    p1, _ = random_window(rng)
+    with ConsensusCheckpointer(tmp_path) as sink:
+        feed_window(sink, 1, p0, None)
+        sink(3, control_frame())  # next window opens: window 0 is complete
+        assert sink.wait_idle(10)
+        assert files_in(tmp_path) == ["window-000000.safetensors"]
+        sink(4, model_frame(p1, 1.0))
+    # close wrote window 1 (no buffers round came)
+    assert files_in(tmp_path) == ["window-000000.safetensors", "window-000001.safetensors"]
+    ckpt = load_checkpoint(tmp_path / "window-000001.safetensors")
+    assert ckpt.buffers == [] and ckpt.metadata["buffers"] == "none"
+    np.testing.assert_array_equal(ckpt.params[0], p1[0])
+
+
+def test_bf16_consensus_saved_as_f32(tmp_path):
+    rng = np.random.default_rng(5)
+    params, buffers = random_window(rng)
+    with ConsensusCheckpointer(tmp_path) as sink:
+        feed_window(sink, 1, params, buffers, dtype=DTYPE_BF16)
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path))
+    assert ckpt.wire_dtype == "bf16"
+    for got, want in zip(ckpt.params + ckpt.buffers, params + buffers):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.reshape(-1), bf16_to_f32(f32_to_bf16(want.reshape(-1))))
+
+
+def test_zero_mass_window_and_unwindowed_rounds_are_not_saved(tmp_path):
+    rng = np.random.default_rng(6)
+    with ConsensusCheckpointer(tmp_path) as sink:
+        sink(1, model_frame(random_window(rng)[0], 1.0))  # no Control round before it: not a window
+        r = feed_window(sink, 2, *random_window(rng), mass=0.0)  # window 0: zero mass
+        params, buffers = random_window(rng)
+        feed_window(sink, r, params, buffers)  # window 1
+    assert files_in(tmp_path) == ["window-000001.safetensors"]
+    np.testing.assert_array_equal(load_checkpoint(tmp_path / "window-000001.safetensors").params[1], params[1])
+
+
+def test_zero_mass_buffers_round_marks_buffers_absent(tmp_path):
+    rng = np.random.default_rng(7)
+    params, buffers = random_window(rng)
+    with ConsensusCheckpointer(tmp_path) as sink:
+        sink(1, control_frame())
+        sink(2, model_frame(params, 3.0))
+        sink(3, model_frame(buffers, 0.0))
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path))
+    assert ckpt.buffers == [] and ckpt.metadata["buffers"] == "absent"
+    module = torch.nn.Linear(3, 2)
+    module.register_buffer("running", torch.zeros(2))
+    with pytest.raises(SchemaError, match="zero mass; pass buffers=False"):
+        restore_module(module, ckpt)
+    restore_module(module, ckpt, buffers=False)
+    np.testing.assert_array_equal(module.weight.detach().numpy(), params[0])
+
+
+def test_consensus_is_copied_before_the_writer_sees_it(tmp_path):
+    rng = np.random.default_rng(8)
+    params, buffers = random_window(rng)
+    frame_params = [p.copy() for p in params]
+    release = threading.Event()
+    with ConsensusCheckpointer(tmp_path) as sink:
+        original_write = sink._write
+
+        def slow_write(snap):
+            release.wait(10)
+            return original_write(snap)
+
+        sink._write = slow_write  # type: ignore[method-assign]
+        sink(1, control_frame())
+        sink(2, model_frame(frame_params, 1.0))
+        sink(3, model_frame(buffers, 1.0))
+        for p in frame_params:  # the controller reuses its buffers
+            p[...] = 999.0
+        release.set()
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path))
+    for got, want in zip(ckpt.params, params):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_falling_behind_skips_to_the_latest_window(tmp_path, caplog):
+    rng = np.random.default_rng(9)
+    windows = [random_window(rng) for _ in range(5)]
+    started = threading.Event()
+    release = threading.Event()
+    with ConsensusCheckpointer(tmp_path, keep=10) as sink:
+        original_write = sink._write
+
+        def slow_write(snap):
+            started.set()
+            release.wait(10)
+            return original_write(snap)
+
+        sink._write = slow_write  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="flodl_trio.checkpoint"):
+            r = feed_window(sink, 1, *windows[0])
+            assert started.wait(10)  # window 0 is being written, slowly
+            for params, buffers in windows[1:]:
+                r = feed_window(sink, r, params, buffers)
+        release.set()
+    assert sink.skipped_windows == [1, 2, 3]
+    assert files_in(tmp_path) == ["window-000000.safetensors", "window-000004.safetensors"]
+    assert "writer is behind; window 1 skipped" in caplog.text
+    np.testing.assert_array_equal(load_checkpoint(tmp_path / "window-000004.safetensors").params[0], windows[4][0][0])
+
+
+def test_start_window_continues_after_existing_files_and_stale_temps_are_removed(tmp_path):
+    rng = np.random.default_rng(10)
+    with ConsensusCheckpointer(tmp_path) as sink:
+        feed_window(sink, 1, *random_window(rng))
+        assert sink.wait_idle(10)
+        feed_window(sink, 4, *random_window(rng))
+    (tmp_path / ".window-000002.safetensors.tmp-123-abcd").write_bytes(b"partial")
+    resumed = ConsensusCheckpointer(tmp_path, keep=2)
+    assert resumed.next_window == 2
+    with resumed:
+        assert files_in(tmp_path) == ["window-000000.safetensors", "window-000001.safetensors"]
+        feed_window(resumed, 1, *random_window(rng))
+    assert files_in(tmp_path) == ["window-000001.safetensors", "window-000002.safetensors"]
+    assert load_checkpoint(tmp_path / "window-000002.safetensors").round_index == 2
+
+
+def test_sink_never_raises(tmp_path, caplog):
+    with ConsensusCheckpointer(tmp_path) as sink:
+        sink(1, control_frame())
+        bad = RoundFrame([TensorPayload(DTYPE_F32, (4,), b"\x00" * 7)], RoundKind.MODEL, 1.0)
+        with caplog.at_level(logging.ERROR, logger="flodl_trio.checkpoint"):
+            sink(2, bad)
+    assert sink.failures == 1 and isinstance(sink.last_error, SchemaError)
+    assert "could not record round 2" in caplog.text
+    assert files_in(tmp_path) == []
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ConfigError):
+        ConsensusCheckpointer(tmp_path, keep=0)
+    with pytest.raises(ConfigError):
+        ConsensusCheckpointer(tmp_path, every=0)
+    sink = ConsensusCheckpointer(tmp_path)
+    sink.start()
+    sink.close()
+    with pytest.raises(ConfigError, match="closed"):
+        sink.start()
+
+
+def test_outer_state_saved_and_reloadable(tmp_path):
+    rng = np.random.default_rng(11)
+    outer = SlowMo(lr=0.9, momentum=0.6)
+    with ConsensusCheckpointer(tmp_path, keep=10, outer=outer) as sink:
+        r = 1
+        for _ in range(3):
+            params, buffers = random_window(rng)
+            sink(r, control_frame())
+            transformed = outer(model_frame(params, 2.0))  # what the controller does before the sink
+            sink(r + 1, transformed)
+            sink(r + 2, model_frame(buffers, 2.0))
+            r += 3
+            assert sink.wait_idle(10)
+        expected_state = outer.state_dict()
+    ckpt = load_checkpoint(tmp_path / "window-000002.safetensors")
+    assert ckpt.outer_config == {"type": "SlowMo", "lr": 0.9, "momentum": 0.6}
+    assert sorted(ckpt.outer) == sorted(expected_state)
+    for key, value in expected_state.items():
+        np.testing.assert_array_equal(ckpt.outer[key], value)
+    np.testing.assert_array_equal(ckpt.outer["x_prev.0"], ckpt.params[0])
+    resumed = SlowMo(lr=0.9, momentum=0.6)
+    resumed.load_state_dict(ckpt.outer)
+    nxt = model_frame(random_window(rng)[0], 2.0)
+    a = outer(nxt)
+    b = resumed(nxt)
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert bytes(ta.data) == bytes(tb.data)
+
+
+# ---------------------------------------------------------------------------
+# file format and atomicity
+# ---------------------------------------------------------------------------
+
+
+def test_failed_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
+    target = tmp_path / "window-000000.safetensors"
+    write_safetensors_atomic(target, [("params.0", np.ones(3, np.float32))], {"format": "x"})
+    before = target.read_bytes()
+
+    def broken_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="No space"):
+        write_safetensors_atomic(target, [("params.0", np.zeros(3, np.float32))], {"format": "x"})
+    assert files_in(tmp_path) == ["window-000000.safetensors"]
+    assert target.read_bytes() == before
+
+
+def test_load_checkpoint_rejects_bad_files(tmp_path):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\xff" * 40)
+    with pytest.raises(CheckpointError, match="header length"):
+        load_checkpoint(garbage)
+    foreign = tmp_path / "foreign.safetensors"
+    safetensors.numpy.save_file({"weight": np.zeros(2, np.float32)}, str(foreign))
+    with pytest.raises(CheckpointError, match="not a flodl_trio checkpoint"):
+        load_checkpoint(foreign)
+    gappy = tmp_path / "gappy.safetensors"
+    write_safetensors_atomic(
+        gappy, [("params.0", np.zeros(2, np.float32)), ("params.2", np.zeros(2, np.float32))],
+        {"format": "flodl_trio.checkpoint.v1"},
+    )
+    with pytest.raises(CheckpointError, match=r"params\.N tensors are not numbered 0..n-1: \[0, 2\]"):
+        load_checkpoint(gappy)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_checkpoint(tmp_path / "missing.safetensors")
+
+
+def test_writer_output_matches_the_reference_library_byte_for_byte_when_read(tmp_path):
+    arrays = {"params.0": np.arange(6, dtype=np.float32).reshape(2, 3), "outer.windows": np.array([7], np.int64),
+              "params.1": np.array(2.5, dtype=np.float32), "buffers.0": np.zeros((0,), np.float32)}
+    path = tmp_path / "x.safetensors"
+    write_safetensors_atomic(path, list(arrays.items()), {"format": "flodl_trio.checkpoint.v1", "k": "v"})
+    official = safetensors.numpy.load_file(str(path))
+    assert sorted(official) == sorted(arrays)
+    for name, value in arrays.items():
+        assert official[name].dtype == value.dtype and official[name].shape == value.shape
+        np.testing.assert_array_equal(official[name], value)
+    # and we read what the library writes
+    other = tmp_path / "lib.safetensors"
+    safetensors.numpy.save_file(arrays, str(other), metadata={"format": "flodl_trio.checkpoint.v1"})
+    ckpt = load_checkpoint(other)
+    np.testing.assert_array_equal(ckpt.params[0], arrays["params.0"])
+    assert ckpt.outer["windows"].tolist() == [7]
+
+
+# ---------------------------------------------------------------------------
+# restore_module
+# ---------------------------------------------------------------------------
+
+
+def make_checkpoint(params, buffers) -> Checkpoint:
+    return Checkpoint(list(params), list(buffers), {}, {"format": "flodl_trio.checkpoint.v1"})
+
+
+def test_restore_module_params_and_float_buffers_in_registration_order():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    rng = np.random.default_rng(12)
+    params = [rng.standard_normal(tuple(p.shape)).astype(np.float32) for p in module.parameters()]
+    float_buffers = [b for b in module.buffers() if b.is_floating_point()]
+    assert len(float_buffers) == 2  # running_mean, running_var; num_batches_tracked is int
+    buffers = [rng.random(tuple(b.shape)).astype(np.float32) for b in float_buffers]
+    restore_module(module, make_checkpoint(params, buffers))
+    for p, want in zip(module.parameters(), params):
+        np.testing.assert_array_equal(p.detach().numpy(), want)
+    for b, want in zip(float_buffers, buffers):
+        np.testing.assert_array_equal(b.numpy(), want)
+    assert module[1].num_batches_tracked.item() == 0
+
+
+def test_restore_module_mismatches_name_index_and_shapes():
+    module = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(SchemaError, match="holds 1 parameters, the module has 2"):
+        restore_module(module, make_checkpoint([np.zeros((2, 3), np.float32)], []))
+    with pytest.raises(SchemaError, match=r"parameter 1 \(bias\): the checkpoint has shape \[3\], the module has \[2\]"):
+        restore_module(module, make_checkpoint([np.zeros((2, 3), np.float32), np.zeros(3, np.float32)], []))
+    with pytest.raises(SchemaError, match="holds 1 float buffers, the module has 0"):
+        restore_module(module, make_checkpoint([np.zeros((2, 3), np.float32), np.zeros(2, np.float32)], [np.zeros(2, np.float32)]))
+    for p, b in zip(module.parameters(), before):  # nothing was copied
+        assert torch.equal(p.detach(), b)
+
+
+def test_restore_module_casts_to_the_module_dtype():
+    module = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    params = [np.full((2, 3), 1.5, np.float32), np.full(2, -2.0, np.float32)]
+    restore_module(module, make_checkpoint(params, []))
+    assert module.weight.dtype == torch.bfloat16
+    assert torch.equal(module.weight.float(), torch.full((2, 3), 1.5))
+
+
+# ---------------------------------------------------------------------------
+# end to end: a real cluster, DiLoCo at the controller, checkpoints on disk
+# ---------------------------------------------------------------------------
+
+WORLD = 4
+HOSTS = [[0, 1], [2, 3]]
+WINDOWS = 3
+LR, MOMENTUM = 0.7, 0.9
+
+
+def make_rank_model() -> torch.nn.Linear:
+    torch.manual_seed(1234)  # every rank starts from the same init
+    model = torch.nn.Linear(3, 2)
+    model.register_buffer("running", torch.zeros(2))
+    return model
+
+
+def plan(seed: int = 42):
+    rng = np.random.default_rng(seed)
+    deltas = {(k, r): [rng.standard_normal(s).astype(np.float32) * 0.1 for s in PARAM_SHAPES]
+              for k in range(WINDOWS) for r in range(WORLD)}
+    stats = {(k, r): rng.standard_normal(2).astype(np.float32) for k in range(WINDOWS) for r in range(WORLD)}
+    steps = {(k, r): int(rng.integers(1, 6)) for k in range(WINDOWS) for r in range(WORLD)}
+    steps[1, 3] = 0  # a rank that did nothing in window 1: no mass, its params do not count
+    return deltas, stats, steps
+
+
+def reference(deltas, stats, steps, wire: int):
+    """Independently: each window's weighted average, then DiLoCo via torch.optim.SGD."""
+    init = make_rank_model()
+    start = [p.detach().numpy().copy() for p in init.parameters()]
+    master = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in start]
+    opt = torch.optim.SGD(master, lr=LR, momentum=MOMENTUM, nesterov=True)
+    received, received_buffers, plain = [], [], []
+    for k in range(WINDOWS):
+        mass = sum(steps[k, r] for r in range(WORLD))
+        movers = [r for r in range(WORLD) if steps[k, r] > 0]
+        avg = [sum(steps[k, r] * (start[i].astype(np.float64) + deltas[k, r][i]) for r in range(WORLD)) / mass
+               for i in range(len(start))]
+        buf = sum(stats[k, r].astype(np.float64) for r in movers) / len(movers)
+        plain.append(avg)
+        if k == 0:
+            with torch.no_grad():
+                for p, a in zip(master, avg):
+                    p.copy_(torch.from_numpy(a.astype(np.float32)))
+        else:
+            opt.zero_grad()
+            for p, a in zip(master, avg):
+                p.grad = p.detach() - torch.from_numpy(a.astype(np.float32))
+            opt.step()
+        new = [p.detach().numpy().copy() for p in master]
+        if wire == DTYPE_BF16:  # ranks receive the bf16 rounding of the f32 master
+            new = [bf16_to_f32(f32_to_bf16(n.reshape(-1))).reshape(n.shape) for n in new]
+        received.append(new)
+        received_buffers.append([buf])
+        start = new
+    momentum = [opt.state[p]["momentum_buffer"].numpy().copy() for p in master]
+    return received, received_buffers, plain, [p.detach().numpy().copy() for p in master], momentum
+
+
+@pytest.mark.parametrize("wire", [DTYPE_F32, DTYPE_BF16], ids=["f32", "bf16"])
+async def test_cluster_outer_optimizer_and_checkpoints(salt, tmp_path, wire):
+    deltas, stats, steps = plan()
+    got_params: dict[tuple[int, int], list[np.ndarray]] = {}
+    got_buffers: dict[tuple[int, int], list[np.ndarray]] = {}
+    final_models: dict[int, torch.nn.Module] = {}
+    outer = DiLoCoNesterov(lr=LR, momentum=MOMENTUM)
+
+    async def rank_main(cluster, rank: int) -> None:
+        model = make_rank_model()
+        async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, salt) as client:
+            client.bf16_wire = wire == DTYPE_BF16
+            for k in range(WINDOWS):
+                await trio.sleep(0.05)  # "local training" (lets the writer keep up, usually)
+                with torch.no_grad():
+                    for p, d in zip(model.parameters(), deltas[k, rank]):
+                        p.add_(torch.from_numpy(d))
+                    model.running.copy_(torch.from_numpy(stats[k, rank]))
+                result = await average_window(
+                    client, list(model.parameters()), [model.running], steps[k, rank], rank=rank, world_size=WORLD
+                )
+                assert result.counts == [float(steps[k, r]) for r in range(WORLD)]
+                with torch.no_grad():
+                    for p, new in zip(model.parameters(), result.params):
+                        p.copy_(new)
+                    model.running.copy_(result.buffers[0])
+                got_params[k, rank] = [t.numpy().copy() for t in result.params]
+                got_buffers[k, rank] = [t.numpy().copy() for t in result.buffers]
+        final_models[rank] = model
+
+    async with ConsensusCheckpointer(tmp_path, keep=2, outer=outer) as sink:
+        async with open_local_cluster(
+            world_size=WORLD, hosts=HOSTS, salt=salt, outer_optimizer=outer, checkpoint=sink
+        ) as cluster:
+            async with trio.open_nursery() as nursery:
+                for rank in range(WORLD):
+                    nursery.start_soon(rank_main, cluster, rank)
+            await cluster.controller.wait_finished()
+            assert cluster.controller.stats.rounds == 3 * WINDOWS
+
+    received, received_buffers, plain, master, momentum = reference(deltas, stats, steps, wire)
+    tol = dict(rtol=1e-5, atol=1e-5) if wire == DTYPE_F32 else dict(rtol=2e-2, atol=2e-2)
+
+    # what the ranks received: the DiLoCo-transformed consensus, identical on every rank
+    for k in range(WINDOWS):
+        for rank in range(WORLD):
+            for i, (got, want) in enumerate(zip(got_params[k, rank], received[k])):
+                np.testing.assert_allclose(got, want, **tol, err_msg=f"window {k} rank {rank} param {i}")
+                np.testing.assert_array_equal(got, got_params[k, 0][i])
+            np.testing.assert_allclose(got_buffers[k, rank][0], received_buffers[k][0], **tol)
+        if k >= 1:  # ... and not the plain average
+            assert not np.allclose(got_params[k, 0][0], plain[k][0], rtol=1e-3, atol=1e-3)
+    assert outer.windows == WINDOWS
+
+    # the checkpoints: keep=2 pruned the oldest, no temp files left. A writer that
+    # fell behind on a loaded box may have skipped window 1 (latest wins); never the last.
+    written = [w for w in range(WINDOWS) if w not in sink.skipped_windows]
+    assert WINDOWS - 1 in written and sink.failures == 0
+    assert files_in(tmp_path) == [f"window-{k:06d}.safetensors" for k in written[-2:]]
+    assert latest_checkpoint(tmp_path) == tmp_path / "window-000002.safetensors"
+    for k in written[-2:]:
+        ckpt = load_checkpoint(tmp_path / f"window-{k:06d}.safetensors")
+        assert ckpt.window == k
+        assert ckpt.round_index == 3 * k + 2  # Control, params, buffers per window; 1-based
+        assert ckpt.mass == sum(steps[k, r] for r in range(WORLD))
+        assert ckpt.buffers_mass == sum(1 for r in range(WORLD) if steps[k, r] > 0)
+        assert ckpt.wire_dtype == ("f32" if wire == DTYPE_F32 else "bf16")
+        assert ckpt.outer_config == {"type": "DiLoCoNesterov", "lr": LR, "momentum": MOMENTUM}
+        # exactly what the ranks adopted
+        for got, want in zip(ckpt.params, got_params[k, 0]):
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(ckpt.buffers[0], got_buffers[k, 0][0])
+        # and what an independent computation says
+        for got, want in zip(ckpt.params, received[k]):
+            np.testing.assert_allclose(got, want, **tol)
+    last = load_checkpoint(latest_checkpoint(tmp_path))
+    assert last.outer["windows"].tolist() == [WINDOWS]
+    for x_prev, params in zip((last.outer["x_prev.0"], last.outer["x_prev.1"]), last.params):
+        # the master copy is f32; the ranks got it in the wire dtype
+        want = x_prev if wire == DTYPE_F32 else bf16_to_f32(f32_to_bf16(x_prev.reshape(-1))).reshape(x_prev.shape)
+        np.testing.assert_array_equal(params, want)
+    for i in range(len(PARAM_SHAPES)):
+        np.testing.assert_allclose(last.outer[f"x_prev.{i}"], master[i], **tol)
+        np.testing.assert_allclose(last.outer[f"momentum.{i}"], momentum[i], **tol)
+
+    # a rank resumes from the checkpoint
+    fresh = torch.nn.Linear(3, 2)
+    fresh.register_buffer("running", torch.full((2,), 7.0))
+    restore_module(fresh, last)
+    for a, b in zip(fresh.state_dict().values(), final_models[0].state_dict().values()):
+        assert torch.equal(a, b)
+    plain_linear = torch.nn.Linear(3, 2)
+    restore_module(plain_linear, last, buffers=False)
+    assert torch.equal(plain_linear.weight, final_models[0].weight)
+    with pytest.raises(SchemaError, match="holds 1 float buffers, the module has 0"):
+        restore_module(torch.nn.Linear(3, 2), last)
+
+    # a resumed controller: outer state reloads and continues like the original
+    resumed = DiLoCoNesterov(lr=LR, momentum=MOMENTUM)
+    resumed.load_state_dict(last.outer)
+    probe = model_frame([p + 0.01 for p in last.params], 5.0)
+    for ta, tb in zip(outer(probe).tensors, resumed(probe).tensors):
+        assert bytes(ta.data) == bytes(tb.data)
+
+
+async def test_cluster_without_outer_checkpoints_the_plain_consensus(salt, tmp_path):
+    rng = np.random.default_rng(13)
+    values = {r: rng.standard_normal(5).astype(np.float32) for r in range(3)}
+    received: dict[int, np.ndarray] = {}
+    async with ConsensusCheckpointer(tmp_path) as sink:
+        async with open_local_cluster(world_size=3, hosts=[[0], [1, 2]], salt=salt, checkpoint=sink) as cluster:
+            async def rank_main(rank: int) -> None:
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 3, salt) as client:
+                    result = await average_window(
+                        client, [torch.from_numpy(values[rank].copy())], [], rank + 1, rank=rank, world_size=3
+                    )
+                    received[rank] = result.params[0].numpy().copy()
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(3):
+                    nursery.start_soon(rank_main, rank)
+            await cluster.controller.wait_finished()
+        # the only window had no buffers round: written when the checkpointer closes
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path))
+    want = sum((r + 1) * values[r].astype(np.float64) for r in range(3)) / 6.0
+    np.testing.assert_allclose(ckpt.params[0], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(ckpt.params[0], received[0])
+    assert ckpt.buffers == [] and ckpt.mass == 6.0 and ckpt.outer == {}
+    assert json.loads(json.dumps(ckpt.metadata))["window"] == "0"
