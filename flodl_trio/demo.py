@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         controller_cmd = py + ["flodl_trio.controller", "--host", "127.0.0.1", "--port", str(ctl_port),
                                "--world-size", str(WORLD), "--heartbeat-timeout", str(args.heartbeat_timeout),
-                               "--outer", args.outer, "--checkpoint-dir", str(workdir / "checkpoints")]
+                               "--outer", args.outer, "--checkpoint-dir", str(workdir / "checkpoints"),
+                               "--keep-serving"]
         procs.append(spawn(controller_cmd, env, workdir / "controller.log"))
         ports = {}
         for index, ranks in enumerate(HOSTS):
@@ -171,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         for p in ranks.values():
             p.wait(timeout=60)
         status = controller_status(ctl_port)
+        procs[0].send_signal(signal.SIGTERM)  # the daemon shuts down cleanly on SIGTERM
         for p in procs[: 1 + len(HOSTS)]:
             p.wait(timeout=30)
         elapsed = time.monotonic() - started
@@ -236,7 +238,7 @@ def relay_fold_ratios(workdir: Path) -> list[str]:
     out = []
     for log in sorted(workdir.glob("relay*.log")):
         for line in log.read_text().splitlines():
-            if "summary" in line and "fold-ratio" in line:
+            if "data summary" in line and "fold-ratio" in line:
                 host = line.split("relay ", 2)[-1].split(" ", 1)[0]
                 out.append(f"{host}: {line.rsplit('fold-ratio=', 1)[1].split()[0].strip(chr(34))}")
     return out

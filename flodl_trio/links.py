@@ -63,18 +63,18 @@ class RelayLink:
     def queue_control(self, msg: RelayControlMsg, salt: SessionSalt) -> None:
         self.queue(encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), salt))
 
-    async def drain_outbox(self, on_write_failure: Callable[[str], Awaitable[None]]) -> int:
-        """Be this link's sole writer until cancelled; returns bytes written."""
-        written = 0
+    async def drain_outbox(
+        self, on_write_failure: Callable[[str], Awaitable[None]], on_written: Callable[[int], None] = lambda n: None
+    ) -> None:
+        """Be this link's sole writer until cancelled; report each record's size as it goes out."""
         async with self.inbox:
             async for record in self.inbox:
                 try:
                     await self.conn.send_chunks(record.chunks)
                 except DISCONNECTS as exc:
                     await on_write_failure(f"write failed: {exc}")
-                    return written
-                written += record.nbytes
-        return written
+                    return
+                on_written(record.nbytes)
 
 
 async def receive_hello(conn: MessageStream, salt: SessionSalt) -> Hello:

@@ -309,8 +309,8 @@ class _Relay:
     def log_summary(self) -> None:
         s = self.handle.stats
         log.info(
-            "relay %s summary: ranks=%d rounds=%d local=%.2fMB uplink=%.2fMB fold-ratio=%.2fx",
-            self.config.host_name, len(self.config.ranks), s.rounds,
+            "relay %s %s summary: ranks=%d rounds=%d local=%.2fMB uplink=%.2fMB fold-ratio=%.2fx",
+            self.config.host_name, self.config.kind.value, len(self.config.ranks), s.rounds,
             s.bytes_local / 1e6, s.bytes_up / 1e6, s.fold_ratio,
         )
 

@@ -176,13 +176,18 @@ Fault: TypeAlias = Delay | BandwidthCap | Stall | CutAt | FlipBit | HalfClose | 
 _PointFault: TypeAlias = Stall | CutAt | FlipBit | HalfClose
 
 
+def _may_meet(a: BaseFault, b: BaseFault, flow: FlowName) -> bool:
+    """Whether two faults can both apply to ``flow`` of one connection."""
+    both_here = a.direction in (flow, "both") and b.direction in (flow, "both")
+    return both_here and (a.connection is None or b.connection is None or a.connection == b.connection)
+
+
 def _check_record_faults(faults: Sequence[Fault]) -> None:
     """Record faults that can meet on one flow must agree on its framing and not share an index."""
     records = [f for f in faults if isinstance(f, RecordFault)]
     for a, b in itertools.combinations(records, 2):
         for flow in FLOWS:
-            same_flow = a.direction in (flow, "both") and b.direction in (flow, "both")
-            if not same_flow or None not in (a.connection, b.connection) and a.connection != b.connection:
+            if not _may_meet(a, b, flow):
                 continue
             if a.layout(flow) != b.layout(flow):
                 raise ValueError(f"{a} and {b} disagree on the {flow} framing")
@@ -436,7 +441,9 @@ class _Pump:
         )
         self.delays = [f for f in faults if isinstance(f, Delay)]
         caps = [f for f in faults if isinstance(f, BandwidthCap)]
-        self.pacer = _Pacer(min(c.bytes_per_second for c in caps)) if caps else None
+        self.cap = min(caps, key=lambda c: c.bytes_per_second) if caps else None
+        self.pacer = _Pacer(self.cap.bytes_per_second) if self.cap else None
+        self.cap_engaged = False  # its event is recorded once, when pacing starts
         self.editor = _editor_for(faults, flow, self._fire)
         self.pos = 0  # sender bytes handled so far
         self.shut = False  # a HalfClose sent EOF: later bytes are discarded
@@ -453,7 +460,7 @@ class _Pump:
                 await self._end_of_stream()
                 return
             self.stats.bytes_in += len(data)
-            for delay in self.delays:
+            for delay in [] if self.shut else self.delays:
                 self._fire(delay, self.pos, f"{len(data)} bytes held {delay.seconds} s")
                 await trio.sleep(delay.seconds)
             await self._forward(memoryview(data))
@@ -498,23 +505,31 @@ class _Pump:
                 self.shut = True
             elif isinstance(fault, CutAt):
                 drained = await _drain(self.dst, self.proxy.drain_timeout)
-                self._fire(fault, self.pos, f"{self.stats.bytes_out} bytes delivered" + ("" if drained else " (not all acknowledged)"))
+                unacked = "" if drained else " (not all acknowledged)"
+                self._fire(fault, self.pos, f"{self.stats.bytes_out} bytes delivered{unacked}")
                 raise _Cut()
 
     async def _emit(self, segment: memoryview) -> None:
+        start = self.pos
         self.pos += len(segment)
         if self.shut:
             self.stats.bytes_discarded += len(segment)
             return
+        if self.cap is not None and not self.cap_engaged:
+            self.cap_engaged = True
+            self._fire(self.cap, start, f"pacing at {self.cap.bytes_per_second:g} B/s")
         pieces = self.editor.feed(segment) if self.editor is not None else [segment]
         for piece in pieces:
-            if self.pacer is not None:
-                await self.pacer.send(self.dst, piece)
-            else:
-                await self.dst.send_all(piece)
-            self.stats.bytes_out += len(piece)
+            await self._write(piece)
         if self.editor is not None:
             self.stats.records = self.editor.index
+
+    async def _write(self, piece: memoryview | bytes) -> None:
+        if self.pacer is None:
+            await self.dst.send_all(piece)
+        else:
+            await self.pacer.send(self.dst, piece)
+        self.stats.bytes_out += len(piece)
 
     async def _end_of_stream(self) -> None:
         if not self.shut:

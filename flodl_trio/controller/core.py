@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from .coordinator import Coordinator
-from .dead_ranks import DeadRanks
-from .errors import (
+from ..coordinator import Coordinator
+from ..dead_ranks import DeadRanks
+from ..errors import (
     ConfigError,
     DesyncError,
     FlodlError,
@@ -40,10 +40,10 @@ from .errors import (
     PeerTimeout,
     ProtocolError,
 )
-from .links import DISCONNECTS, SMALL_RECORD, RelayLink, check_hello_ranks, receive_hello
-from .wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_FRAME_CEILING
-from .wire.fold import FoldAccumulator, finish_consensus
-from .wire.mux import (
+from ..links import DISCONNECTS, SMALL_RECORD, RelayLink, check_hello_ranks, receive_hello
+from ..wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_FRAME_CEILING
+from ..wire.fold import FoldAccumulator, finish_consensus
+from ..wire.mux import (
     DeclareDead,
     Hello,
     HelloAck,
@@ -54,11 +54,11 @@ from .wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from .wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
-from .wire.round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame, encode_round_frame_chunks
-from .wire.salt import SessionSalt
-from .wire.stream import BufferPool, MessageStream, ReceiveBuffer, peer_host, tune_socket
-from .wire.tasks import service_nursery
+from ..wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
+from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame, encode_round_frame_chunks
+from ..wire.salt import SessionSalt
+from ..wire.stream import BufferPool, MessageStream, ReceiveBuffer, peer_host, tune_socket
+from ..wire.tasks import service_nursery
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -381,7 +381,10 @@ class _Controller:
         async def write_failed(why: str) -> None:
             await self._drop_link(link, why)
 
-        self.stats.bytes_out += await link.drain_outbox(write_failed)
+        def written(nbytes: int) -> None:
+            self.stats.bytes_out += nbytes
+
+        await link.drain_outbox(write_failed, written)
 
     async def _link_reader(self, link: RelayLink) -> None:
         while True:

@@ -1,0 +1,155 @@
+"""``python -m flodl_trio.controller``: the controller daemon (data + coordinator on one port)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from contextlib import AsyncExitStack
+
+import attrs
+import trio
+
+from ..checkpoint import ConsensusCheckpointer
+from ..daemon import (
+    add_common_flags,
+    configure_logging,
+    env_default,
+    load_salt,
+    parse_or_exit,
+    run_daemon,
+)
+from ..errors import ConfigError
+from ..launch import DEFAULT_CONTROLLER_PORT
+from ..outer import DiLoCoNesterov, PlainAverage, SlowMo
+from ..wire.salt import SessionSalt
+from .core import OuterOptimizer, open_controller
+
+log = logging.getLogger("flodl_trio.controller")
+
+OUTER_CHOICES = ("none", "average", "slowmo", "diloco")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flodl_trio.controller",
+        description="The cluster's controller: sums the hosts' frames each round and divides once by "
+        "the realized-work mass; the same port serves the coordinator (heartbeats).",
+        epilog="Every flag can also come from the environment variable named in its help. "
+        "The salt is read from a file or FLODL_SALT_HEX, never from the command line.",
+    )
+    parser.add_argument("--host", default=env_default("FLODL_CONTROLLER_HOST", "0.0.0.0"),
+                        help="address to listen on [env FLODL_CONTROLLER_HOST; default 0.0.0.0]")
+    parser.add_argument("--port", type=int,
+                        default=int(env_default("FLODL_CONTROLLER_PORT", env_default("MASTER_PORT", DEFAULT_CONTROLLER_PORT))),
+                        help="port for relays (data and control) [env FLODL_CONTROLLER_PORT or MASTER_PORT; default 1337]")
+    parser.add_argument("--world-size", type=int, default=env_default("FLODL_WORLD_SIZE", env_default("WORLD_SIZE")),
+                        help="ranks in the whole cluster [env FLODL_WORLD_SIZE or WORLD_SIZE]")
+    parser.add_argument("--heartbeat-timeout", type=float, default=env_default("FLODL_HEARTBEAT_TIMEOUT"),
+                        help="declare a rank dead after this many seconds without a heartbeat "
+                        "[env FLODL_HEARTBEAT_TIMEOUT; default 30 x FLODL_NET_TIMEOUT_SCALE]")
+    parser.add_argument("--outer", default=env_default("FLODL_OUTER", "none"), choices=OUTER_CHOICES,
+                        help="outer optimizer applied to each window's params consensus: none, average "
+                        "(same as none), slowmo or diloco [env FLODL_OUTER; default none]")
+    parser.add_argument("--outer-lr", type=float, default=env_default("FLODL_OUTER_LR"),
+                        help="outer learning rate [env FLODL_OUTER_LR; default 1.0 slowmo, 0.7 diloco]")
+    parser.add_argument("--outer-momentum", type=float, default=env_default("FLODL_OUTER_MOMENTUM"),
+                        help="outer momentum [env FLODL_OUTER_MOMENTUM; default 0.5 slowmo, 0.9 diloco]")
+    parser.add_argument("--checkpoint-dir", default=env_default("FLODL_CHECKPOINT_DIR"),
+                        help="write each window's consensus here as safetensors [env FLODL_CHECKPOINT_DIR; default off]")
+    parser.add_argument("--checkpoint-every", type=int, default=int(env_default("FLODL_CHECKPOINT_EVERY", 1)),
+                        help="checkpoint every Nth window [env FLODL_CHECKPOINT_EVERY; default 1]")
+    parser.add_argument("--checkpoint-keep", type=int, default=int(env_default("FLODL_CHECKPOINT_KEEP", 3)),
+                        help="newest checkpoints to keep [env FLODL_CHECKPOINT_KEEP; default 3]")
+    parser.add_argument("--keep-serving", action="store_true", default=env_default("FLODL_KEEP_SERVING") == "1",
+                        help="keep running after every rank has finished [env FLODL_KEEP_SERVING=1; default: exit 0]")
+    add_common_flags(parser)
+    return parser
+
+
+@attrs.frozen
+class ControllerDaemonSettings:
+    host: str
+    port: int
+    world_size: int
+    salt: SessionSalt
+    heartbeat_timeout: float | None
+    outer: OuterOptimizer | None
+    checkpoint_dir: str | None
+    checkpoint_every: int
+    checkpoint_keep: int
+
+
+def make_outer(name: str, lr: float | None, momentum: float | None) -> OuterOptimizer | None:
+    if name in ("none", "average"):
+        return None if name == "none" else PlainAverage()
+    cls = SlowMo if name == "slowmo" else DiLoCoNesterov
+    options = {k: v for k, v in (("lr", lr), ("momentum", momentum)) if v is not None}
+    return cls(**options)  # type: ignore[return-value]
+
+
+def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
+    if args.world_size is None:
+        raise ConfigError("pass --world-size (or set FLODL_WORLD_SIZE / WORLD_SIZE)")
+    world = int(args.world_size)
+    if world <= 0:
+        raise ConfigError(f"--world-size must be > 0, got {world}")
+    timeout = float(args.heartbeat_timeout) if args.heartbeat_timeout is not None else None
+    if timeout is not None and timeout <= 0:
+        raise ConfigError(f"--heartbeat-timeout must be > 0, got {timeout}")
+    if args.checkpoint_every < 1 or args.checkpoint_keep < 1:
+        raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 1")
+    return ControllerDaemonSettings(
+        args.host, args.port, world, load_salt(args.salt_file), timeout,
+        make_outer(args.outer, args.outer_lr, args.outer_momentum),
+        args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep,
+    )
+
+
+async def serve_controller_daemon(
+    settings: ControllerDaemonSettings, *, ceiling: int, keep_serving: bool, metrics: tuple[str, int] | None = None
+) -> None:
+    async with AsyncExitStack() as stack:
+        checkpoint = None
+        if settings.checkpoint_dir:
+            checkpoint = await stack.enter_async_context(
+                ConsensusCheckpointer(settings.checkpoint_dir, every=settings.checkpoint_every,
+                                      keep=settings.checkpoint_keep, outer=settings.outer)  # type: ignore[arg-type]
+            )
+        handle = await stack.enter_async_context(
+            open_controller(
+                settings.host, settings.port, world_size=settings.world_size, salt=settings.salt,
+                outer_optimizer=settings.outer, checkpoint=checkpoint, ceiling=ceiling,
+                heartbeat_timeout=settings.heartbeat_timeout,
+            )
+        )
+        if metrics is not None:
+            from ..metrics import serve_controller_metrics
+
+            port = stack.enter_context(serve_controller_metrics(metrics, handle))
+            log.info("controller metrics on http://%s:%d/metrics", metrics[0], port)
+        coordinator = handle.coordinator
+        log.info(
+            "controller started: listening on %s:%d world_size=%d heartbeat_timeout=%.1fs outer=%s checkpoints=%s",
+            settings.host, handle.port, settings.world_size,
+            coordinator.heartbeat_timeout if coordinator else 0.0,
+            type(settings.outer).__name__ if settings.outer else "none", settings.checkpoint_dir or "off",
+        )
+        await handle.wait_finished()
+        log.info(
+            "controller finished: %d rounds, %d ranks dead or exited, %.2f MB in, %.2f MB out",
+            handle.stats.rounds, handle.dead_ranks.dead_count(), handle.stats.bytes_in / 1e6, handle.stats.bytes_out / 1e6,
+        )
+        if keep_serving:
+            await trio.sleep_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    settings: list[ControllerDaemonSettings] = []
+    args = parse_or_exit(parser, argv, lambda a: settings.append(settings_from_args(a)))
+    configure_logging(args.log_level, args.log_format)
+    metrics = (args.metrics_host, args.metrics_port) if args.metrics_port else None
+    return run_daemon(
+        "controller",
+        lambda: serve_controller_daemon(settings[0], ceiling=args.frame_ceiling, keep_serving=args.keep_serving, metrics=metrics),
+    )
