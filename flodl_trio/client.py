@@ -105,6 +105,12 @@ class ReduceClient:
         self._busy = True
         try:
             reply = await self._round_trip(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._broken = f"the connection to the relay broke: {exc}"
+            raise RankDeadError(
+                f"rank {self.rank}: the relay closed the connection during round {self.rounds} ({exc}); "
+                "the relay refused this rank's frame, or relay or controller went away"
+            ) from None
         except BaseException as exc:
             # A round interrupted half-way leaves the ping-pong out of step for good.
             self._broken = f"a round ended abnormally: {type(exc).__name__}: {exc}"

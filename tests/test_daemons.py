@@ -1,0 +1,298 @@
+"""The daemons as users run them: real subprocesses, every flag exercised.
+
+Each test starts ``python -m flodl_trio.controller`` / ``python -m flodl_trio.relay``
+with real flags or environment variables and talks to them over TCP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import torch
+import trio
+
+from flodl_trio import RoundKind, average_window, connect_reduce_client
+from flodl_trio.checkpoint import load_checkpoint
+from flodl_trio.client import connect_control_client
+from flodl_trio.outer import DiLoCoNesterov
+from flodl_trio.wire import RoundFrame, TensorPayload
+
+SALT_HEX = "42" * 16
+SIG = b"\x44" * 32
+LOOP = "127.0.0.1"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind((LOOP, 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@attrs.define(eq=False)
+class Daemon:
+    """A daemon subprocess and everything it wrote to stderr."""
+
+    process: trio.Process
+    output: bytearray = attrs.field(factory=bytearray)
+    _grew: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+    async def wait_for(self, needle: str) -> str:
+        """Wait until ``needle`` appears in the output; returns the whole output."""
+        while needle not in self.text:
+            if self.process.returncode is not None and not self._grew.is_set():
+                raise AssertionError(f"daemon exited {self.process.returncode} before {needle!r}:\n{self.text}")
+            self._grew = trio.Event()
+            with trio.move_on_after(0.2):
+                await self._grew.wait()
+        return self.text
+
+    async def pump(self) -> None:
+        assert self.process.stderr is not None
+        while chunk := await self.process.stderr.receive_some(65536):
+            self.output += chunk
+            self._grew.set()
+        self._grew.set()
+
+
+async def start_daemon(nursery: trio.Nursery, module: str, *args: str, env: dict[str, str] | None = None) -> Daemon:
+    full_env = {**os.environ, "FLODL_SALT_HEX": SALT_HEX, **(env or {})}
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=full_env
+    )
+    daemon = Daemon(process)
+    nursery.start_soon(daemon.pump)
+    return daemon
+
+
+def run_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env={**base, **(env or {})}, timeout=60)
+
+
+def salt_bytes() -> bytes:
+    return bytes.fromhex(SALT_HEX)
+
+
+@pytest.mark.deadline(90)
+async def test_full_cluster_of_daemons_with_every_flag(tmp_path):
+    ctl_port, metrics_port, relay_metrics, d0, c0, d1, c1 = free_ports(7)
+    salt_file = tmp_path / "salt"
+    salt_file.write_text(SALT_HEX + "\n")
+    ckpt = tmp_path / "ckpt"
+    async with trio.open_nursery() as nursery:
+        controller = await start_daemon(
+            nursery, "flodl_trio.controller",
+            "--host", LOOP, "--port", str(ctl_port), "--world-size", "4", "--heartbeat-timeout", "3",
+            "--outer", "diloco", "--outer-lr", "0.5", "--outer-momentum", "0.8",
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--checkpoint-keep", "2",
+            "--salt-file", str(salt_file), "--frame-ceiling", str(1 << 20),
+            "--metrics-port", str(metrics_port), "--metrics-host", LOOP, "--log-level", "INFO", "--log-format", "json",
+            env={"FLODL_SALT_HEX": ""},
+        )
+        await controller.wait_for("controller started")
+        relays = [
+            await start_daemon(
+                nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
+                "--world-size", "4", "--host-name", "alpha", "--channels", "data,control", "--listen-host", LOOP,
+                "--data-port", str(d0), "--control-port", str(c0), "--metrics-port", str(relay_metrics),
+                "--log-format", "logfmt", "--frame-ceiling", str(1 << 20), "--log-level", "DEBUG",
+            ),
+            # the second relay takes everything from the environment
+            await start_daemon(
+                nursery, "flodl_trio.relay",
+                env={"FLODL_CONTROLLER": f"{LOOP}:{ctl_port}", "FLODL_RANKS": "2-3", "FLODL_WORLD_SIZE": "4",
+                     "FLODL_HOST_NAME": "beta", "FLODL_DATA_PORT": str(d1), "FLODL_CONTROL_PORT": str(c1)},
+            ),
+        ]
+        for relay in relays:
+            await relay.wait_for("started")
+        assert "data=127.0.0.1:%d" % d0 in relays[0].text and "control=127.0.0.1:%d" % c0 in relays[0].text
+
+        ports = {0: (d0, c0), 1: (d0, c0), 2: (d1, c1), 3: (d1, c1)}
+        received: dict[int, list[float]] = {}
+
+        async def rank_main(rank: int) -> None:
+            data, control = ports[rank]
+            async with connect_control_client((LOOP, control), rank, 4, salt_bytes(), SIG):
+                async with connect_reduce_client((LOOP, data), rank, 4, salt_bytes()) as client:
+                    values = []
+                    for window in range(3):
+                        p = torch.full((3,), float(rank + 1) * (window + 1))
+                        result = await average_window(client, [p], [], 1, rank=rank, world_size=4)
+                        values.append(result.params[0][0].item())
+                    received[rank] = values
+                    # the metrics endpoints answer while the cluster runs
+                    if rank == 0:
+                        received[-1] = [await scrape(metrics_port), await scrape(relay_metrics)]
+
+        async with trio.open_nursery() as ranks:
+            for rank in range(4):
+                ranks.start_soon(rank_main, rank)
+
+        # every daemon exits 0 on its own once the ranks are done
+        for daemon in (controller, *relays):
+            with trio.fail_after(20):
+                assert await daemon.process.wait() == 0, daemon.text
+
+    # the outer optimizer ran with the flags' settings: compare with the same optimizer in-process
+    outer = DiLoCoNesterov(lr=0.5, momentum=0.8)
+    expected = []
+    for window in range(3):
+        mean = np.full(3, sum((r + 1) * (window + 1) for r in range(4)) / 4, np.float32)
+        out = outer(RoundFrame([TensorPayload(0, (3,), mean)], RoundKind.MODEL, 4.0))
+        expected.append(float(np.frombuffer(out.tensors[0].data, np.float32)[0]))
+    for rank in range(4):
+        assert received[rank] == pytest.approx(expected, rel=1e-6), rank
+
+    controller_metrics, relay_metrics_text = received[-1]
+    assert "flodl_controller_rounds_total" in controller_metrics and "flodl_controller_round_seconds_bucket" in controller_metrics
+    assert 'flodl_relay_bytes_total{channel="data",direction="up",host="alpha"}' in relay_metrics_text
+    # structured logs: JSON lines from the controller, logfmt (with DEBUG) from relay alpha
+    lines = [json.loads(line) for line in controller.text.splitlines() if line.startswith("{")]
+    assert any(l["msg"].startswith("controller finished: ") for l in lines), controller.text
+    assert all({"ts", "level", "logger", "msg"} <= set(l) for l in lines)
+    assert any(line.startswith("ts=") and "level=info" in line for line in relays[0].text.splitlines())
+    assert "relay beta started" in relays[1].text
+    # checkpoints: --checkpoint-keep 2 keeps the newest two windows
+    files = sorted(ckpt.glob("*.safetensors"))
+    assert len(files) == 2, files
+    latest = load_checkpoint(files[-1])
+    assert latest.params[0][0] == pytest.approx(expected[-1], rel=1e-6)
+
+
+async def scrape(port: int) -> str:
+    stream = await trio.open_tcp_stream(LOOP, port)
+    await stream.send_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+    data = b""
+    while chunk := await stream.receive_some(65536):
+        data += chunk
+    return data.decode()
+
+
+@pytest.mark.deadline(40)
+async def test_sigterm_and_sigint_stop_cleanly_without_traceback():
+    ctl_port, data_port = free_ports(2)
+    async with trio.open_nursery() as nursery:
+        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
+                                        "--world-size", "2", "--keep-serving")
+        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0",
+                                   "--world-size", "2", "--channels", "data", "--data-port", str(data_port))
+        await controller.wait_for("controller started")
+        await relay.wait_for("started")
+        relay.process.send_signal(signal.SIGINT)
+        controller.process.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            assert await relay.process.wait() == 0
+            assert await controller.process.wait() == 0
+    assert "stopped by SIGTERM" in controller.text and "stopped by SIGINT" in relay.text
+    assert "Traceback" not in controller.text + relay.text
+
+
+@pytest.mark.deadline(40)
+async def test_keep_serving_outlives_the_ranks():
+    ctl_port, data_port = free_ports(2)
+    async with trio.open_nursery() as nursery:
+        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
+                                        "--world-size", "1", "--keep-serving")
+        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0",
+                                   "--world-size", "1", "--channels", "data", "--data-port", str(data_port))
+        await relay.wait_for("started")
+        async with connect_reduce_client((LOOP, data_port), 0, 1, salt_bytes()) as client:
+            assert (await client.all_reduce_tensors([torch.ones(2)]))[0].tolist() == [1.0, 1.0]
+        await controller.wait_for("controller finished")
+        with trio.fail_after(15):
+            assert await relay.process.wait() == 0
+        await trio.sleep(0.5)
+        assert controller.process.returncode is None  # still serving
+        controller.process.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            assert await controller.process.wait() == 0
+
+
+@pytest.mark.deadline(40)
+async def test_frame_ceiling_refuses_an_oversize_frame():
+    ctl_port, data_port = free_ports(2)
+    async with trio.open_nursery() as nursery:
+        await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port), "--world-size", "2")
+        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
+                                   "--world-size", "2", "--channels", "data", "--data-port", str(data_port),
+                                   "--frame-ceiling", "4096")
+        await relay.wait_for("started")
+        outcome = {}
+
+        async def rank_main(rank: int, numel: int) -> None:
+            async with connect_reduce_client((LOOP, data_port), rank, 2, salt_bytes()) as client:
+                try:
+                    outcome[rank] = (await client.all_reduce_tensors([torch.ones(numel)]))[0].shape[0]
+                except Exception as exc:  # noqa: BLE001 - recorded and asserted below
+                    outcome[rank] = exc
+
+        async with trio.open_nursery() as ranks:
+            ranks.start_soon(rank_main, 0, 4)
+            ranks.start_soon(rank_main, 1, 100_000)  # 400 KB frame > 4096-byte ceiling
+        await relay.wait_for("exceeds the frame ceiling 4096")
+    assert outcome[0] == 4  # the survivor's round completed without the oversize rank
+    assert isinstance(outcome[1], Exception) and "closed the connection" in str(outcome[1])
+
+
+def test_help_documents_every_flag_and_its_environment_variable():
+    for module in ("flodl_trio.controller", "flodl_trio.relay"):
+        result = run_cli(module, "--help")
+        assert result.returncode == 0
+        options = [word for word in result.stdout.split() if word.startswith("--") and word != "--help"]
+        assert len(options) >= 10, result.stdout
+        flat = " ".join(result.stdout.split())
+        for env in ("FLODL_LOG_LEVEL", "FLODL_METRICS_PORT", "FLODL_FRAME_CEILING", "FLODL_SALT_FILE", "FLODL_SALT_HEX"):
+            assert env in flat, (module, env)
+
+
+def test_configuration_errors_exit_2_with_one_clear_line(tmp_path):
+    no_salt = run_cli("flodl_trio.controller", "--world-size", "2")
+    assert no_salt.returncode == 2 and "no session salt" in no_salt.stderr and "Traceback" not in no_salt.stderr
+    bad_salt = run_cli("flodl_trio.controller", "--world-size", "2", env={"FLODL_SALT_HEX": "abc"})
+    assert bad_salt.returncode == 2 and "32 characters" in bad_salt.stderr
+    no_world = run_cli("flodl_trio.controller", env={"FLODL_SALT_HEX": SALT_HEX})
+    assert no_world.returncode == 2 and "--world-size" in no_world.stderr
+    bad_ranks = run_cli("flodl_trio.relay", "--ranks", "0,x", "--world-size", "2", env={"FLODL_SALT_HEX": SALT_HEX})
+    assert bad_ranks.returncode == 2 and "rank list" in bad_ranks.stderr
+    outside = run_cli("flodl_trio.relay", "--ranks", "0-2", "--world-size", "2", env={"FLODL_SALT_HEX": SALT_HEX})
+    assert outside.returncode == 2 and "outside world_size 2" in outside.stderr
+    channels = run_cli("flodl_trio.relay", "--ranks", "0", "--world-size", "1", "--channels", "video", env={"FLODL_SALT_HEX": SALT_HEX})
+    assert channels.returncode == 2 and "--channels" in channels.stderr
+    missing_file = run_cli("flodl_trio.relay", "--ranks", "0", "--world-size", "1", "--salt-file", str(tmp_path / "nope"))
+    assert missing_file.returncode == 2 and "cannot read the salt file" in missing_file.stderr
+
+
+@pytest.mark.deadline(40)
+async def test_unreachable_controller_is_a_clear_failure(tmp_path):
+    ctl_port, data_port = free_ports(2)  # no controller on ctl_port
+    async with trio.open_nursery() as nursery:
+        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0",
+                                   "--world-size", "1", "--channels", "data", "--data-port", str(data_port),
+                                   env={"FLODL_NET_TIMEOUT_SCALE": "0.1"})
+        await relay.wait_for("started")
+        with pytest.raises(Exception):
+            async with connect_reduce_client((LOOP, data_port), 0, 1, salt_bytes()) as client:
+                await client.all_reduce_tensors([torch.ones(1)])
+        with trio.fail_after(20):
+            assert await relay.process.wait() == 1
+    assert f"connect to {LOOP}:{ctl_port} failed after 60 attempts" in relay.text
+    assert "Traceback" not in relay.text
