@@ -513,6 +513,7 @@ class Row:
     links: str
     show_rate: bool = False
     vs: RunResult | None = None  # the gloo result the ratio is against
+    model_bytes: int = 0
 
 
 def flodl_links(hosts: list[Host], numel: int, dtype: str) -> str:
@@ -563,15 +564,15 @@ class Suite:
         fl = self.bench.run_flodl(hosts, numel, dtype_flodl, warmup, rounds, tag)
         self.log(f"{workload}: gloo ({dtype_gloo})")
         gl = self.bench.run_gloo(hosts, numel, dtype_gloo, warmup, rounds)
-        self.rows.append(Row(workload, workload, fl, flodl_links(hosts, numel, dtype_flodl), show_rate, gl))
-        self.rows.append(Row(workload, workload, gl, gloo_links(world, numel, dtype_gloo), show_rate))
+        self.rows.append(Row(workload, workload, fl, flodl_links(hosts, numel, dtype_flodl), show_rate, gl, numel * 4))
+        self.rows.append(Row(workload, workload, gl, gloo_links(world, numel, dtype_gloo), show_rate, None, numel * 4))
         return fl, gl
 
     def loopback(self) -> None:
         q = self.args.quick
-        configs = [(4, 1), (4, 64)] if q else [(2, 1), (2, 16), (2, 64), (4, 1), (4, 16), (4, 64)]
+        configs = [(4, 64)] if q else [(2, 1), (2, 16), (2, 64), (4, 1), (4, 16), (4, 64)]
         for world, mib in configs:
-            rounds = {1: 20, 16: 8, 64: 5}[mib] if not q else {1: 10, 64: 3}[mib]
+            rounds = {1: 20, 16: 8, 64: 5}[mib] if not q else 3
             warmup = 2 if not q else 1
             hosts = [Host("host0", list(range(world)))]
             fl, gl = self.pair(f"loopback {world}x{mib} MiB", hosts, mib * MiB // 4, "f32", "f32", warmup, rounds)
@@ -631,7 +632,7 @@ class Suite:
                             ratio <= TWOHOST_BF16_VS_F32, f"{ratio:.2f}x ({fl_bf16.median_ms:.0f} ms vs {gl_f32.median_ms:.0f} ms)"))
 
     def small(self) -> None:
-        rounds = 500 if self.args.quick else 2000
+        rounds = 300 if self.args.quick else 2000
         hosts = [Host("host0", [0, 1, 2, 3])]
         fl, gl = self.pair("small 4 KiB, 4 ranks", hosts, 4 * KiB // 4, "f32", "f32", 50, rounds, show_rate=True)
         ratio = fl.rounds_per_s / gl.rounds_per_s
@@ -641,14 +642,15 @@ class Suite:
     def memory_workload(self) -> None:
         mib = 64
         numel = mib * MiB // 4
-        counts = [2, 8] if self.args.quick else [2, 4, 8]
+        counts = [4, 8] if self.args.quick else [2, 4, 8]
         for world in counts:
             cached = self.loopback_cache.get((world, mib))
             if cached is not None:
                 self.memory[world] = cached
                 continue
             self.log(f"memory: flodl_trio {world} ranks x {mib} MiB")
-            r = self.bench.run_flodl([Host("host0", list(range(world)))], numel, "f32", 1, 3, f"memory_{world}")
+            r = self.bench.run_flodl([Host("host0", list(range(world)))], numel, "f32", 1, 2 if self.args.quick else 3,
+                                    f"memory_{world}")
             self.memory[world] = r
             self.rows.append(Row(f"memory {world}x{mib} MiB", f"memory {world}", r,
                                  flodl_links([Host("host0", list(range(world)))], numel, "f32")))
@@ -706,34 +708,42 @@ class Suite:
             panels[kind].append(row)
         colors = {"flodl_trio": "#1f77b4", "gloo": "#ff7f0e"}
 
-        def bars(ax: Any, rows: list[Row], title: str, rate: bool = False) -> None:
+        def bars(ax: Any, rows: list[Row], title: str, metric: str) -> None:
             if not rows:
                 ax.set_title(f"{title} (not run)")
                 ax.axis("off")
                 return
             labels = list(dict.fromkeys(r.workload for r in rows))
             width = 0.38
+
+            def value(r: Row) -> float:
+                if metric == "rate":
+                    return r.result.rounds_per_s
+                if metric == "mbps":
+                    return r.model_bytes / (r.result.median_ms / 1e3) / 1e6
+                return r.result.median_ms
+
             for j, system in enumerate(("flodl_trio", "gloo")):
                 vals = []
                 for label in labels:
                     match = [r for r in rows if r.workload == label and r.result.system == system]
-                    vals.append((match[0].result.rounds_per_s if rate else match[0].result.median_ms) if match else 0)
+                    vals.append(value(match[0]) if match else 0)
                 xs = [i + (j - 0.5) * width for i in range(len(labels))]
                 ax.bar(xs, vals, width, label=system, color=colors[system])
                 for x, v in zip(xs, vals):
-                    ax.text(x, v, f"{v:,.0f}" if v >= 10 else f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+                    ax.text(x, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels([l.replace("loopback ", "").replace("2 hosts x 2 ranks, 16 MiB, ", "") for l in labels],
                                rotation=20, fontsize=8)
-            ax.set_ylabel("rounds/s (higher is better)" if rate else "median round ms (lower is better)")
-            if not rate:
-                ax.set_yscale("log")
+            ax.set_ylabel({"rate": "rounds/s (higher is better)",
+                           "mbps": "model MB / median round s (higher is better)",
+                           "ms": "median round ms (lower is better)"}[metric])
             ax.set_title(title)
             ax.legend(fontsize=8)
 
-        bars(axes[0][0], panels["loopback"], "one host, loopback (ranks x f32 MiB)")
-        bars(axes[0][1], panels["twohost"], f"two namespaces, veth shaped to {self.args.link_rate}, 4 ranks, 16 MiB")
-        bars(axes[1][0], panels["small"], "4 KiB, 4 ranks, one host", rate=True)
+        bars(axes[0][0], panels["loopback"], "one host, loopback (ranks x MiB of f32)", "mbps")
+        bars(axes[0][1], panels["twohost"], f"two namespaces, veth shaped to {self.args.link_rate}, 2+2 ranks, 16 MiB", "ms")
+        bars(axes[1][0], panels["small"], "4 KiB, 4 ranks, one host", "rate")
         ax = axes[1][1]
         if self.memory:
             ws = sorted(self.memory)
@@ -775,8 +785,8 @@ def summarize_profiles(directory: Path, top: int = 12) -> str:
         total = 0
         for line in path.read_text(errors="replace").splitlines():
             stack, _, count = line.rpartition(" ")
-            if not count.isdigit():
-                continue
+            if not count.isdigit() or "importlib._bootstrap" in stack:
+                continue  # start-up imports are not the round's cost
             n = int(count)
             total += n
             frames = stack.split(";")
@@ -787,7 +797,7 @@ def summarize_profiles(directory: Path, top: int = 12) -> str:
                     incl[f] += n
         if not total:
             continue
-        out.append(f"== {path.name}: {total} samples (active threads only)")
+        out.append(f"== {path.name}: {total} samples (active threads, start-up imports excluded)")
         out.append("  self:")
         for f, n in self_c.most_common(top):
             out.append(f"    {100 * n / total:5.1f}%  {f}")
@@ -832,8 +842,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
 
-    import torch
-
+    # Keep this process small and torch-free: a child's ru_maxrss (from wait4) can
+    # never be below its parent's peak RSS at fork time (Linux carries the
+    # pre-exec mm's high-water mark over execve), so a heavy parent would
+    # inflate every measured process.
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="flodl-bench-") as tmp:
         bench = Bench(args, Path(tmp))
@@ -841,8 +853,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name, fn in (("loopback", suite.loopback), ("twohost", suite.twohost),
                              ("small", suite.small), ("memory", suite.memory_workload)):
-                if name in wanted:
+                if name not in wanted:
+                    continue
+                try:
                     fn()
+                except Exception as exc:  # report it, keep measuring the other workloads
+                    suite.log(f"{name} workload failed: {exc}")
+                    suite.notes.append(f"{name} workload FAILED to run: {type(exc).__name__}: {str(exc)[:500]}")
+                    suite.checks.append((f"{name} workload ran", False, f"{type(exc).__name__}"))
+                    bench.launcher.kill_all()
         finally:
             bench.launcher.kill_all()
     elapsed = time.monotonic() - started
@@ -850,12 +869,17 @@ def main(argv: list[str] | None = None) -> int:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     print(f"machine: {cpu_model()}, {os.cpu_count()} logical cores, {mem:.0f} GiB RAM, {platform.machine()}, "
           f"Linux {platform.release()}")
-    print(f"python {platform.python_version()}, torch {torch.__version__} (gloo), flodl_trio "
-          f"{__import__('flodl_trio').__version__}; controller launched via "
+    import resource
+    from importlib.metadata import version
+
+    print(f"python {platform.python_version()}, torch {version('torch')} (gloo), flodl_trio "
+          f"{version('flodl_trio')}; controller launched via "
           f"{'python -m flodl_trio.controller' if bench.controller_cli else 'inline open_controller() launcher'}")
     print(f"mode: {'quick' if args.quick else 'full'}, workloads: {','.join(wanted)}, wall time {elapsed:.0f} s")
     print("round time = slowest rank's perf_counter time per timed round (after warm-up), median over rounds; "
           "rounds/s = timed rounds / timed seconds (slowest rank); peak RSS = ru_maxrss from wait4, MiB")
+    print(f"orchestrator peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB "
+          "(a lower bound of every ru_maxrss below)")
     for note in suite.notes:
         print(f"note: {note}")
     print()

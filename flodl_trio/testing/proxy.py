@@ -11,7 +11,8 @@ Each accepted connection gets its own upstream connection to the target and
 two pumps: ``"up"`` (client -> target) and ``"down"`` (target -> client).
 Faults are value types naming a direction and, optionally, the index of the
 connection they apply to. Byte offsets count the bytes the *sender* wrote on
-that connection in that direction (0-based), so handshakes count too.
+that connection in that direction (0-based, handshakes included, before any
+record fault edits the stream); record indices count that flow's records.
 
 Bytes move in large chunks; a chunk is split only at a fault's exact offset
 (or at a record boundary when a record fault needs one). The proxy never hangs
@@ -150,7 +151,8 @@ class RecordFault(BaseFault):
     payload length sits at header offset 13, then the payload (relay <->
     controller, after the channel magic upstream). ``skip_bytes`` is what
     precedes the first record; None means the data-channel default for the
-    flow (see :data:`DEFAULT_SKIP`). ``index`` counts records, 0-based.
+    flow (see :data:`DEFAULT_SKIP`; a control-channel rank leg needs 56 up,
+    16 down). ``index`` counts records, 0-based.
     """
 
     index: int = attrs.field(validator=_non_negative)
