@@ -240,12 +240,7 @@ class Coordinator:
             self.last_seen[rank] = trio.current_time()
 
     async def _drop(self, link: RelayLink, why: str) -> None:
-        if link.closed:
-            return
-        link.closed = True
-        link.scope.cancel()
-        await link.conn.aclose()
-        for rank in link.ranks:
-            self.death_reasons.setdefault(rank, f"{link.name}: {why}")
-            if self.dead.declare_dead(rank):
-                log.info("coordinator: rank %d dead: %s %s", rank, link.name, why)
+        if not link.closed:
+            for rank in link.ranks:
+                self.death_reasons.setdefault(rank, f"{link.name}: {why}")
+        await link.close_and_bury(self.dead, why, log)

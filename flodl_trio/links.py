@@ -8,11 +8,13 @@ completion, a death callback) reach the socket whole and in order.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
+from .dead_ranks import DeadRanks
 from .errors import HandshakeError, PeerClosedMidFrame, PeerTimeout
 from .wire.mux import Hello, MuxKind, RelayControlMsg, decode_control_msg, encode_control_msg, encode_mux_record
 from .wire.netenv import handshake_timeout
@@ -62,6 +64,18 @@ class RelayLink:
 
     def queue_control(self, msg: RelayControlMsg, salt: SessionSalt) -> None:
         self.queue(encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), salt))
+
+    async def close_and_bury(self, dead: DeadRanks, why: str, log: logging.Logger) -> list[int]:
+        """Close this link and declare its ranks dead (idempotent); returns the ranks newly dead."""
+        if self.closed:
+            return []
+        self.closed = True
+        self.scope.cancel()
+        await self.conn.aclose()
+        newly = [rank for rank in self.ranks if dead.declare_dead(rank)]
+        for rank in newly:
+            log.info("rank %d dead: %s %s", rank, self.name, why)
+        return newly
 
     async def drain_outbox(
         self, on_write_failure: Callable[[str], Awaitable[None]], on_written: Callable[[int], None] = lambda n: None

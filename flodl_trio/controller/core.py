@@ -364,14 +364,7 @@ class _Controller:
 
     async def _drop_link(self, link: RelayLink, why: str) -> None:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
-        if link.closed:
-            return
-        link.closed = True
-        link.scope.cancel()
-        await link.conn.aclose()
-        for rank in link.ranks:
-            if self.dead.declare_dead(rank):
-                log.info("controller: rank %d dead: %s %s", rank, link.name, why)
+        await link.close_and_bury(self.dead, why, log)
 
     # -- per relay tasks -----------------------------------------------------
 
