@@ -36,7 +36,7 @@ from .wire.liveness import Beacon, Notice, decode_liveness, heartbeat_frame
 from .wire.netenv import CONNECT_RETRY_ATTEMPTS, handshake_timeout, timeout_scale
 from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame, encode_round_frame_chunks
 from .wire.salt import SessionSalt
-from .wire.stream import MessageStream, ReceiveBuffer, connect_with_retry
+from .wire.stream import MessageStream, ReceiveBuffer, RunningMac, connect_with_retry
 from .wire.tasks import sole_exception
 
 if TYPE_CHECKING:
@@ -139,8 +139,11 @@ class ReduceClient:
             )
         # The bound is our own schema, so this allocation is trusted; the reply owns it.
         body = np.empty(length, dtype=np.uint8)
-        await self._conn.receive_into(memoryview(body), "the consensus frame")
-        reply = decode_round_frame(body, self._salt, source=f"relay (rank {self.rank}'s consensus)")
+        mac = RunningMac(self._salt.hmac(), max(length - 8, 0))
+        await self._conn.receive_into(memoryview(body), "the consensus frame", mac)
+        reply = decode_round_frame(
+            body, self._salt, source=f"relay (rank {self.rank}'s consensus)", mac_of_body=mac.tag()
+        )
         self._check_reply_schema(frame, reply)
         return reply
 

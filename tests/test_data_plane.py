@@ -292,8 +292,20 @@ async def test_wrongly_salted_frame_from_live_relay_is_fatal_and_named(salt):
         relay = await _fake_relay(ctl.port, salt, "h-bad", [0, 1])
         await _expect_ack(relay, salt)
         rf = encode_round_frame(RoundFrame([TensorPayload(DTYPE_F32, (1,), np.ones(1, "<f4"))]), other)
-        await relay.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, rf, salt).chunks)  # mux ok, frame MAC wrong
+        await relay.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, rf, other).chunks)  # signed with another salt
         with pytest.raises(MacError, match=r"relay h-bad \(ranks \[0, 1\]\)"):
+            await ctl.wait_finished()
+        assert ctl.stats.mac_failures == 1
+
+
+async def test_malformed_frame_from_live_relay_is_fatal_and_named(salt):
+    async with open_controller(LOOP, 0, world_size=2, salt=salt) as ctl:
+        relay = await _fake_relay(ctl.port, salt, "h-odd", [0, 1])
+        await _expect_ack(relay, salt)
+        rf = bytearray(encode_round_frame(RoundFrame([TensorPayload(DTYPE_F32, (1,), np.ones(1, "<f4"))]), salt))
+        rf[0] ^= 0xFF  # a relay bug: correctly signed record, broken frame inside
+        await relay.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, bytes(rf), salt).chunks)
+        with pytest.raises(FlodlError, match=r"relay h-odd \(ranks \[0, 1\]\).*bad magic"):
             await ctl.wait_finished()
 
 

@@ -57,6 +57,7 @@ from ..wire.mux import (
 from ..wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
 from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame, encode_round_frame_chunks
 from ..wire.salt import SessionSalt
+from ..wire.stream import encode_enveloped_frame
 from ..wire.stream import BufferPool, MessageStream, ReceiveBuffer, peer_host, tune_socket
 from ..wire.tasks import service_nursery
 
@@ -247,6 +248,7 @@ class _Controller:
         self._scope = trio.CancelScope()
         self._deaths_send, self._deaths_receive = trio.open_memory_channel[int](2 * config.world_size + 1)
         self._forwarded: set[int] = set()
+        self._consensus_send, self._consensus_receive = trio.open_memory_channel[RoundFrame](1)
 
     def _on_death(self, rank: int) -> None:
         """DeadRanks callback (runs outside any task: must never raise)."""
@@ -262,6 +264,7 @@ class _Controller:
             with self._scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._death_watcher)
+                    nursery.start_soon(self._broadcaster)
                     if self.handle.coordinator is not None:
                         nursery.start_soon(self.handle.coordinator.run)
                     for listener in listeners:
@@ -422,7 +425,10 @@ class _Controller:
             return
         if link.id in self.round.delivered:
             raise DesyncError("sent two HostFrames in one round (ping-pong violated)")
-        frame = decode_round_frame(payload, self.config.salt, ceiling=self.config.ceiling, source=link.name)
+        # The record's MAC (same key, verified as the bytes arrived) covers every byte of the frame.
+        frame = decode_round_frame(
+            payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, envelope_verified=True
+        )
         if self.round.acc.count == 0:
             self.round.started = trio.current_time()
         self.round.acc.add(frame, link.name)
@@ -451,10 +457,17 @@ class _Controller:
         self.stats.round_seconds.observe(trio.current_time() - finished.started)
         self.stats.last_mass = consensus.weight
         consensus = self._apply_hooks(consensus)
-        record = encode_mux_record(MuxKind.BROADCAST, encode_round_frame_chunks(consensus, self.config.salt), self.config.salt)
-        for link in self.links.values():
-            if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
-                link.queue(record)
+        # Capacity 1 suffices: the next round cannot complete before this one's
+        # consensus reached the relays, so the broadcaster never falls behind.
+        self._consensus_send.send_nowait(consensus)
+
+    async def _broadcaster(self) -> None:
+        """Sign each consensus once (both MACs in parallel) and queue it to every live relay."""
+        async for consensus in self._consensus_receive:
+            record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.config.salt)
+            for link in self.links.values():
+                if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
+                    link.queue(record)
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL

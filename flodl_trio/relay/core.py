@@ -59,6 +59,7 @@ from ..wire.netenv import handshake_timeout, warn_if_public_peer
 from ..wire.round_frame import RoundFrame, decode_round_frame, encode_round_frame_chunks
 from ..wire.salt import Buffer, SessionSalt
 from ..wire.tasks import service_nursery
+from ..wire.stream import encode_enveloped_frame
 from ..wire.stream import BufferPool, MessageStream, ReceiveBuffer, connect_with_retry, peer_host, tune_socket
 
 log = logging.getLogger("flodl_trio.relay")
@@ -552,8 +553,12 @@ class DataChannel(_Channel):
             buf = await self.pool.acquire()
             handed_off = False
             try:
-                body = await conn.receive_into_buffer(buf, length, f"rank {rank}'s {length}-byte frame")
-                frame = decode_round_frame(body, self.config.salt, ceiling=self.config.ceiling, source=source)
+                body, mac = await conn.receive_round_frame_body(
+                    buf, length, self.config.salt, f"rank {rank}'s {length}-byte frame"
+                )
+                frame = decode_round_frame(
+                    body, self.config.salt, ceiling=self.config.ceiling, source=source, mac_of_body=mac
+                )
                 if rank in self.awaiting_reply:
                     raise DesyncError(
                         f"relay {self.config.host_name}: rank {rank} deposited twice in one round "
@@ -587,7 +592,7 @@ class DataChannel(_Channel):
             finally:
                 self.pool.release(item.buffer)
         elif isinstance(item, RoundFrame):
-            record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame_chunks(item, salt), salt)
+            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, item, salt)
             await self.upstream.send_chunks(record.chunks)
         else:
             return await super()._write_upstream(item)

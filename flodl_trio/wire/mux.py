@@ -201,6 +201,12 @@ class MuxHeader:
     tag: bytes
 
 
+def mux_signed_header(kind: MuxKind, length: int, *, rank: int = 0) -> bytes:
+    """Header bytes 0..17: the prefix of the record's MAC."""
+    _check_u32(rank, "MuxRecord rank")
+    return _MUX_SIGNED_HEADER.pack(MUX_MAGIC, MUX_VERSION, int(kind), rank, length)
+
+
 def encode_mux_record(
     kind: MuxKind,
     payload: Buffer | EncodedFrame,
@@ -209,13 +215,12 @@ def encode_mux_record(
     rank: int = 0,
 ) -> EncodedFrame:
     """Sign and frame ``payload``; large payload buffers are not copied."""
-    _check_u32(rank, "MuxRecord rank")
     chunks: Sequence[Buffer]
     if isinstance(payload, EncodedFrame):
         chunks, length = payload.chunks, payload.nbytes
     else:
         chunks, length = [payload], memoryview(payload).nbytes
-    signed = _MUX_SIGNED_HEADER.pack(MUX_MAGIC, MUX_VERSION, int(kind), rank, length)
+    signed = mux_signed_header(kind, length, rank=rank)
     mac = salt.hmac()
     mac.update(signed)
     for chunk in chunks:
@@ -249,9 +254,15 @@ def parse_mux_header(
     return MuxHeader(kind, rank, length, raw[:MUX_SIGNED_HEADER_LEN], raw[MUX_SIGNED_HEADER_LEN:])
 
 
-def verify_mux_payload(header: MuxHeader, payload: Buffer, salt: SessionSalt, *, source: str = "peer") -> MuxKind:
-    """Check the record's MAC, then its kind (unknown kinds only after the MAC passed)."""
-    verify_mac(salt.mac8(header.signed, payload), header.tag, f"MuxRecord from {source}")
+def verify_mux_payload(
+    header: MuxHeader, payload: Buffer, salt: SessionSalt, *, source: str = "peer", tag: bytes | None = None
+) -> MuxKind:
+    """Check the record's MAC, then its kind (unknown kinds only after the MAC passed).
+
+    ``tag`` is the MAC computed while the payload arrived (no second pass).
+    """
+    expected = tag if tag is not None else salt.mac8(header.signed, payload)
+    verify_mac(expected, header.tag, f"MuxRecord from {source}")
     try:
         return MuxKind(header.kind)
     except ValueError:

@@ -152,39 +152,37 @@ def _validate_for_encode(frame: RoundFrame) -> None:
             raise SchemaError(f"tensor {i}: dim out of u32 range in shape {list(t.shape)}")
 
 
-def encode_round_frame_chunks(frame: RoundFrame, salt: SessionSalt) -> EncodedFrame:
-    """Serialize and sign ``frame`` without copying its large payloads."""
+def frame_body_chunks(frame: RoundFrame) -> EncodedFrame:
+    """The frame's bytes before its MAC, as buffers: small pieces joined, payloads as views."""
     _validate_for_encode(frame)
-    mac = salt.hmac()
     chunks: list[Buffer] = []
     pending = bytearray(
         _FRAME_HEADER.pack(ROUND_FRAME_MAGIC, len(frame.tensors), int(frame.kind), frame.weight)
     )
     total = 0
-
-    def flush() -> None:
-        nonlocal pending, total
-        if pending:
-            mac.update(pending)
-            chunks.append(bytes(pending))
-            total += len(pending)
-            pending = bytearray()
-
     for t in frame.tensors:
         pending += _TENSOR_HEAD.pack(t.dtype, len(t.shape))
         pending += struct.pack(f"<{len(t.shape)}I", *t.shape)
         pending += _U64.pack(t.nbytes)
         if t.nbytes < COALESCE_BELOW:
             pending += t.data
-        else:
-            flush()
-            mac.update(t.data)
-            chunks.append(t.data)
-            total += t.nbytes
-    flush()
-    tag = mac.digest()[:MAC_LEN]
-    chunks.append(tag)
-    return EncodedFrame(chunks, total + MAC_LEN)
+            continue
+        chunks.append(bytes(pending))
+        total += len(pending)
+        pending = bytearray()
+        chunks.append(t.data)
+        total += t.nbytes
+    if pending:
+        chunks.append(bytes(pending))
+        total += len(pending)
+    return EncodedFrame(chunks, total)
+
+
+def encode_round_frame_chunks(frame: RoundFrame, salt: SessionSalt) -> EncodedFrame:
+    """Serialize and sign ``frame`` without copying its large payloads."""
+    body = frame_body_chunks(frame)
+    tag = salt.mac8_of(body.chunks)
+    return EncodedFrame([*body.chunks, tag], body.nbytes + MAC_LEN)
 
 
 def encode_round_frame(frame: RoundFrame, salt: SessionSalt) -> bytes:
@@ -219,6 +217,8 @@ def decode_round_frame(
     *,
     ceiling: int = DEFAULT_FRAME_CEILING,
     source: str = "peer",
+    mac_of_body: bytes | None = None,
+    envelope_verified: bool = False,
 ) -> RoundFrame:
     """Parse and verify one RoundFrame that fills ``body`` exactly.
 
@@ -226,6 +226,11 @@ def decode_round_frame(
     payload total against ``ceiling``, then the MAC; then that the frame used
     the whole message. Payloads are zero-copy views into ``body``. dtype and
     shape-vs-bytes are left to the fold/decode, which name the tensor.
+
+    ``mac_of_body`` is MAC8 of ``body[:-8]`` computed while the bytes arrived
+    (so the check costs no second pass). ``envelope_verified`` says every byte
+    of ``body`` was already authenticated, under the same key, by the MAC of
+    the MuxRecord that carried it; the frame's own tag is then not recomputed.
     """
     view = _as_bytes_view(body)
     cur = _Cursor(view)
@@ -258,6 +263,8 @@ def decode_round_frame(
             f"RoundFrame from {source} used {cur.pos} bytes, {len(view) - cur.pos} fewer than "
             f"its length prefix declared ({len(view)}): the stream is desynced"
         )
-    verify_mac(salt.mac8(view[:signed_end]), tag, f"RoundFrame from {source}")
+    if not envelope_verified:
+        expected = mac_of_body if mac_of_body is not None else salt.mac8(view[:signed_end])
+        verify_mac(expected, tag, f"RoundFrame from {source}")
     tensors = [TensorPayload(d, s, p) for d, s, p in headers]
     return RoundFrame(tensors, RoundKind(kind), weight)
