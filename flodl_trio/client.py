@@ -23,7 +23,7 @@ import trio
 from .errors import ConfigError, FlodlError, FramingError, MacError, PeerClosedMidFrame, PeerTimeout, RankDeadError, SchemaError
 from .realized_work import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
 from .wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD, DTYPE_BF16, DTYPE_F32
-from .wire.control_frame import decode_control_frame, encode_control_frame
+from .wire.control_frame import ControlFrame, decode_control_frame, encode_control_frame
 from .wire.handshake import (
     CONTROL_ACK_LEN,
     DATA_ACK_LEN,
@@ -34,7 +34,7 @@ from .wire.handshake import (
 )
 from .wire.liveness import Beacon, Notice, decode_liveness, heartbeat_frame
 from .wire.netenv import CONNECT_RETRY_ATTEMPTS, handshake_timeout, timeout_scale
-from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame, encode_round_frame_chunks
+from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame, frame_body_chunks
 from .wire.salt import SessionSalt
 from .wire.stream import MessageStream, ReceiveBuffer, RunningMac, connect_with_retry
 from .wire.tasks import sole_exception
@@ -121,8 +121,7 @@ class ReduceClient:
         return reply
 
     async def _round_trip(self, frame: RoundFrame) -> RoundFrame:
-        encoded = encode_round_frame_chunks(frame, self._salt)
-        await self._conn.send_len_framed(encoded.chunks, encoded.nbytes)
+        await self._conn.send_signed_frame(frame_body_chunks(frame), self._salt)
         bound = max_reply_len(frame)
         with trio.fail_after(math.inf if self.reply_timeout is None else self.reply_timeout):
             try:
@@ -326,9 +325,13 @@ class CoordinatorLost(FlodlError):
 class ControlClient:
     """A rank's control connection. Its tasks live in the ``connect_control_client`` block."""
 
-    def __init__(self, conn: MessageStream, rank: int, salt: SessionSalt, heartbeat_interval: float, beacon_timeout: float) -> None:
+    def __init__(
+        self, conn: MessageStream, rank: int, world_size: int, salt: SessionSalt,
+        heartbeat_interval: float, beacon_timeout: float,
+    ) -> None:
         self._conn = conn
         self.rank = rank
+        self.world_size = world_size
         self._salt = salt
         self.heartbeat_interval = heartbeat_interval
         self.beacon_timeout = beacon_timeout
@@ -358,14 +361,37 @@ class ControlClient:
                 await self._pace_changed.wait()
                 self._pace_changed = trio.Event()
 
-    async def _next_message(self, buf: ReceiveBuffer, wait: float) -> memoryview | None | bool:
-        """The next control message, None on EOF, False if nothing came within ``wait``."""
-        with trio.move_on_after(wait):
-            try:
-                return await self._conn.receive_len_framed(buf, CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FramingError) as exc:
-                raise CoordinatorLost(f"rank {self.rank}: control connection failed: {exc}") from None
-        return False
+    async def _reader(self, inbox: trio.MemorySendChannel[ControlFrame | None]) -> None:
+        """Read whole messages with no deadline (a timeout must never cut one in half)
+        and hand them to the beacon watch; None marks the relay closing the connection."""
+        buf = ReceiveBuffer()
+        async with inbox:
+            while True:
+                try:
+                    blob = await self._conn.receive_len_framed(buf, CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FramingError) as exc:
+                    raise CoordinatorLost(f"rank {self.rank}: control connection failed: {exc}") from None
+                if blob is None:
+                    await inbox.send(None)
+                    return
+                try:
+                    frame = decode_control_frame(blob, self._salt, source="the coordinator")
+                except MacError as exc:
+                    raise CoordinatorLost(f"rank {self.rank}: {exc}") from None
+                await inbox.send(frame)
+
+    async def _next_message(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> ControlFrame | None:
+        """The next message; CoordinatorLost if none comes within the beacon timeout."""
+        with trio.move_on_after(self.beacon_timeout):
+            return await inbox.receive()
+        # A process thawed after SIGSTOP finds every timer expired: give the reader a
+        # moment to deliver what is already queued (a death notice) before giving up.
+        with trio.move_on_after(BEACON_GRACE_S):
+            return await inbox.receive()
+        raise CoordinatorLost(
+            f"rank {self.rank}: no beacon from the coordinator for {self.beacon_timeout:.1f} s "
+            "(coordinator, controller or this host's control relay is gone or frozen)"
+        )
 
     def _follow_coordinator_pace(self, beacon: Beacon) -> None:
         """Beat at least 4x per the coordinator's heartbeat timeout, whatever we were told locally."""
@@ -376,30 +402,34 @@ class ControlClient:
             self._pace_changed.set()
 
     async def _receive_loop(self) -> None:
-        """Beacons keep us alive; silence, EOF or a bad MAC raise a clear error."""
-        buf = ReceiveBuffer()
+        """Beacons keep us alive; silence, EOF, a bad MAC or a death notice raise a clear error."""
+        send, inbox = trio.open_memory_channel[ControlFrame | None](16)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._reader, send)
+                await self._watch_beacons(inbox)
+        except BaseExceptionGroup as group:
+            raise sole_exception(group) from None
+
+    async def _watch_beacons(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> None:
         while True:
-            blob = await self._next_message(buf, self.beacon_timeout)
-            if blob is False:
-                # A process thawed after SIGSTOP finds every timer expired: read what
-                # is already queued (a death notice) before calling the coordinator lost.
-                blob = await self._next_message(buf, BEACON_GRACE_S)
-            if blob is False:
-                raise CoordinatorLost(
-                    f"rank {self.rank}: no beacon from the coordinator for {self.beacon_timeout:.1f} s "
-                    "(coordinator, controller or this host's control relay is gone or frozen)"
-                )
-            if blob is None:
+            frame = await self._next_message(inbox)
+            if frame is None:
                 raise CoordinatorLost(f"rank {self.rank}: the control relay closed the connection (coordinator gone)")
-            try:
-                message = decode_liveness(decode_control_frame(blob, self._salt, source="the coordinator"))
-            except MacError as exc:
-                raise CoordinatorLost(f"rank {self.rank}: {exc}") from None
+            message = decode_liveness(frame)
             if isinstance(message, Notice):
                 raise RankDeadError(message.reason)
             if isinstance(message, Beacon):
+                self._check_world(message)
                 self.last_beacon = message
                 self._follow_coordinator_pace(message)
+
+    def _check_world(self, beacon: Beacon) -> None:
+        if beacon.world_size != self.world_size:
+            raise ConfigError(
+                f"rank {self.rank}: this rank was started with world_size {self.world_size}, "
+                f"the coordinator with {beacon.world_size}"
+            )
 
 
 @asynccontextmanager
@@ -449,7 +479,7 @@ async def connect_control_client(
     except BaseException:
         await conn.aclose()
         raise
-    client = ControlClient(conn, rank, session, heartbeat_interval or timeout / 4, beacon_timeout or timeout)
+    client = ControlClient(conn, rank, world_size, session, heartbeat_interval or timeout / 4, beacon_timeout or timeout)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._watch, client._heartbeat_loop)

@@ -34,17 +34,20 @@ class RelayLink:
     host: str
     ranks: tuple[int, ...]
     conn: MessageStream
-    outbox: trio.MemorySendChannel[EncodedFrame]
-    inbox: trio.MemoryReceiveChannel[EncodedFrame]
+    outbox: trio.MemorySendChannel[tuple[EncodedFrame, bool]]
+    inbox: trio.MemoryReceiveChannel[tuple[EncodedFrame, bool]]
     model_sigs: tuple[bytes, ...] = ()
     id: int = attrs.field(factory=lambda: next(_ids))
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: bool = False
     small: ReceiveBuffer = attrs.field(factory=ReceiveBuffer)
+    # Data channel: a HostFrame was accepted and its round's Broadcast has not
+    # gone out yet, so another HostFrame now would be a replay or a desync.
+    awaiting_broadcast: bool = False
 
     @classmethod
     def accept(cls, hello: Hello, conn: MessageStream, depth: int) -> RelayLink:
-        outbox, inbox = trio.open_memory_channel[EncodedFrame](depth)
+        outbox, inbox = trio.open_memory_channel[tuple[EncodedFrame, bool]](depth)
         link = cls(hello.host, hello.ranks, conn, outbox, inbox, hello.model_sigs)
         conn.peer = link.name
         return link
@@ -53,10 +56,10 @@ class RelayLink:
     def name(self) -> str:
         return f"relay {self.host} (ranks {list(self.ranks)})"
 
-    def queue(self, record: EncodedFrame) -> None:
+    def queue(self, record: EncodedFrame, *, broadcast: bool = False) -> None:
         """Queue a record without waiting; a relay too far behind to take it is cut off."""
         try:
-            self.outbox.send_nowait(record)
+            self.outbox.send_nowait((record, broadcast))
         except trio.WouldBlock:
             self.scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -82,7 +85,10 @@ class RelayLink:
     ) -> None:
         """Be this link's sole writer until cancelled; report each record's size as it goes out."""
         async with self.inbox:
-            async for record in self.inbox:
+            async for record, broadcast in self.inbox:
+                if broadcast:
+                    # Cleared before the write: the relay's next frame may follow it at once.
+                    self.awaiting_broadcast = False
                 try:
                     await self.conn.send_chunks(record.chunks)
                 except DISCONNECTS as exc:

@@ -881,7 +881,7 @@ async def test_duplicated_host_frame_is_fatal_at_the_controller(salt):
                     nursery.start_soon(rank_main, 0)
                     nursery.start_soon(rank_main, 1)
                     # Ranks 2 and 3 never join, so the round cannot complete before the copy lands.
-                    with pytest.raises(DesyncError, match="two HostFrames in one round"):
+                    with pytest.raises(DesyncError, match="HostFrame before the consensus of its previous one"):
                         await ctl.wait_finished()
             (event,) = proxy.fired(dup)
             assert event.offset == 4 + 25 + 11

@@ -423,8 +423,11 @@ class _Controller:
         if all(self.dead.is_dead(r) for r in link.ranks):
             log.info("controller: dropped a late frame from %s (all its ranks are dead)", link.name)
             return
-        if link.id in self.round.delivered:
-            raise DesyncError("sent two HostFrames in one round (ping-pong violated)")
+        if link.awaiting_broadcast:
+            raise DesyncError(
+                "sent a HostFrame before the consensus of its previous one went out "
+                "(a replayed record, or the ping-pong broke)"
+            )
         # The record's MAC (same key, verified as the bytes arrived) covers every byte of the frame.
         frame = decode_round_frame(
             payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, envelope_verified=True
@@ -433,6 +436,7 @@ class _Controller:
             self.round.started = trio.current_time()
         self.round.acc.add(frame, link.name)
         self.round.delivered.add(link.id)
+        link.awaiting_broadcast = True
         self._maybe_complete()
 
     # -- rounds and deaths ---------------------------------------------------
@@ -467,7 +471,7 @@ class _Controller:
             record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.config.salt)
             for link in self.links.values():
                 if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
-                    link.queue(record)
+                    link.queue(record, broadcast=True)
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL

@@ -542,6 +542,8 @@ class DataChannel(_Channel):
         self.fold = HostFold(list(conns))
         self.single = len(config.ranks) == 1
         self.awaiting_reply: set[int] = set()
+        # A HostFrame went up and its Broadcast has not come back: the only time one may.
+        self.expecting_broadcast = False
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         conn = self.conns[rank]
@@ -585,6 +587,8 @@ class DataChannel(_Channel):
 
     async def _write_upstream(self, item: _Outbound) -> None:
         salt = self.config.salt
+        if isinstance(item, (_RawHostFrame, RoundFrame)):
+            self.expecting_broadcast = True  # before the write: the answer may beat our resumption
         if isinstance(item, _RawHostFrame):
             try:
                 record = encode_mux_record(MuxKind.HOST_FRAME, item.body, salt)
@@ -602,6 +606,12 @@ class DataChannel(_Channel):
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         if kind is not MuxKind.BROADCAST:
             return await super()._on_record(kind, rank, payload, out)
+        if not self.expecting_broadcast:
+            raise DesyncError(
+                f"relay {self.config.host_name}: the controller sent a Broadcast this host did not ask for "
+                "(a replayed record, or the ping-pong broke)"
+            )
+        self.expecting_broadcast = False
         # Send the consensus to every rank waiting for it, concurrently.
         targets = sorted(self.awaiting_reply)
         self.awaiting_reply.clear()

@@ -2,11 +2,23 @@
 
 - :func:`open_local_cluster`: controller + one relay per host in one trio nursery.
 - :func:`open_process_cluster`: the same, with every rank a real OS process
-  you can ``kill``, ``freeze`` (SIGSTOP) and ``thaw`` (SIGCONT).
+  you can ``kill``, ``freeze`` (SIGSTOP) and ``thaw`` (SIGCONT); with
+  ``daemons=True`` the controller and relays are daemon processes too.
+- :class:`FaultProxy`: a TCP proxy that breaks one leg on purpose.
+- :mod:`flodl_trio.testing.matrix`: the fault matrix the project passes.
+
+See docs/fault-injection.md.
 """
 
 from .local import LOOPBACK, LocalCluster, open_local_cluster
-from .processes import ProcessCluster, RankProcess, open_process_cluster
+from .processes import (
+    ChildProcess,
+    DaemonProcess,
+    ProcessCluster,
+    RankProcess,
+    memory_of,
+    open_process_cluster,
+)
 from .proxy import (
     BandwidthCap,
     ConnectionRecord,
@@ -27,8 +39,10 @@ from .proxy import (
 __all__ = [
     "LOOPBACK",
     "BandwidthCap",
+    "ChildProcess",
     "ConnectionRecord",
     "CutAt",
+    "DaemonProcess",
     "Delay",
     "DropRecord",
     "DuplicateRecord",
@@ -42,6 +56,7 @@ __all__ = [
     "ProcessCluster",
     "RankProcess",
     "Stall",
+    "memory_of",
     "open_fault_proxy",
     "open_local_cluster",
     "open_process_cluster",

@@ -6,13 +6,16 @@ Usage in a pytest-trio test::
         async with connect_reduce_client(cluster.relay_address(rank), rank, 4, salt) as client:
             ...
 
-Every address is exposed so a test can put a fault proxy on any leg.
+Every address is exposed so a test can put a fault proxy on any leg;
+``upstream_faults={host_index: [faults]}`` puts one on a host's data relay ->
+controller leg for you (``cluster.upstream_proxies[host_index]``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -20,6 +23,10 @@ from ..controller import ControllerHandle, open_controller
 from ..dead_ranks import DeadRanks
 from ..relay import ChannelKind, RelayHandle, open_relay
 from ..wire.salt import SessionSalt
+from ..wire.tasks import service_nursery
+
+if TYPE_CHECKING:
+    from .proxy import Fault, FaultProxy
 
 LOOPBACK = "127.0.0.1"
 
@@ -34,6 +41,7 @@ class LocalCluster:
     world_size: int
     salt: SessionSalt
     control_relays: list[RelayHandle] = attrs.field(factory=list)
+    upstream_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
 
     @property
     def controller_address(self) -> tuple[str, int]:
@@ -66,28 +74,42 @@ async def open_local_cluster(
     dead_ranks: DeadRanks | None = None,
     upstream: tuple[str, int] | None = None,
     control: bool = False,
+    upstream_faults: Mapping[int, Sequence[Fault]] | None = None,
     **controller_options: object,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
     (and one control relay per host with ``control=True``).
 
     ``upstream`` points the relays somewhere else than the controller (a
-    fault proxy in front of it, say).
+    fault proxy in front of it, say). ``upstream_faults`` starts a
+    :class:`~flodl_trio.testing.FaultProxy` in front of the controller for
+    the data relay of each host index it names.
     """
+    from .proxy import FaultProxy
+
     session = SessionSalt.coerce(salt)
     async with AsyncExitStack() as stack:
         controller = await stack.enter_async_context(
             open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, **controller_options)  # type: ignore[arg-type]
         )
         target = upstream or (LOOPBACK, controller.port)
+        proxies: dict[int, FaultProxy] = {}
+        if upstream_faults:
+            nursery = await stack.enter_async_context(service_nursery())
+            for index, faults in upstream_faults.items():
+                if not 0 <= index < len(hosts):
+                    raise ValueError(f"upstream_faults names host {index}; the cluster has {len(hosts)} hosts")
+                proxies[index] = FaultProxy(target, faults)
+                await nursery.start(proxies[index].serve)
         kinds = [ChannelKind.DATA, ChannelKind.CONTROL] if control else [ChannelKind.DATA]
         relays: dict[ChannelKind, list[RelayHandle]] = {kind: [] for kind in kinds}
         for kind in kinds:
             for index, ranks in enumerate(hosts):
+                proxy = proxies.get(index) if kind is ChannelKind.DATA else None
                 relay = open_relay(
                     kind,
                     listen=(LOOPBACK, 0),
-                    upstream=target,
+                    upstream=proxy.address if proxy is not None else target,
                     host_name=f"host{index}",
                     ranks=list(ranks),
                     world_size=world_size,
@@ -96,5 +118,5 @@ async def open_local_cluster(
                 relays[kind].append(await stack.enter_async_context(relay))
         yield LocalCluster(
             controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
-            relays.get(ChannelKind.CONTROL, []),
+            relays.get(ChannelKind.CONTROL, []), proxies,
         )

@@ -1,52 +1,176 @@
-"""A cluster whose ranks are real OS processes, for faults that are process faults.
+"""A cluster whose ranks - and optionally daemons - are real OS processes.
 
-The controller and relays run in the test's trio nursery; each rank is a
-``python -m flodl_trio.testing.rank_worker`` process reporting JSON events.
-``kill`` sends SIGKILL, ``freeze`` SIGSTOP, ``thaw`` SIGCONT - the real thing,
-not a simulation::
+Each rank is a ``python -m flodl_trio.testing.rank_worker`` process reporting
+JSON events. By default the controller and relays run in the test's trio
+nursery; with ``daemons=True`` they are real ``python -m flodl_trio.controller``
+and ``python -m flodl_trio.relay`` processes too. ``kill`` sends SIGKILL,
+``freeze`` SIGSTOP, ``thaw`` SIGCONT - the real thing, not a simulation::
 
     async with open_process_cluster(world_size=4, hosts=[[0, 1], [2, 3]], salt=salt,
-                                    rounds=8, heartbeat_timeout=1.5) as cluster:
+                                    rounds=8, heartbeat_timeout=1.5, daemons=True) as cluster:
         await cluster.wait_round(3, 1)
         cluster.freeze(3)
         event = await cluster.wait_round(0, 2)   # completes once rank 3 is declared dead
+        cluster.kill_relay(1)                    # host 1's relay daemon: SIGKILL
+
+Fault proxies go on any leg: ``proxy_faults={rank: [faults]}`` (that rank's
+data connection), ``control_proxy_faults`` (its control connection) and
+``upstream_faults={host_index: [faults]}`` (that host's data relay ->
+controller connection); they run in the test process and are exposed as
+``cluster.proxies[rank]``, ``cluster.control_proxies[rank]`` and
+``cluster.upstream_proxies[host_index]``.
+
+Leaving the block reaps every process it started: frozen ones are thawed
+first, anything still running gets SIGKILL, and every exit is waited for.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
 import trio
 
 from ..wire.salt import SessionSalt
-from .local import LocalCluster, open_local_cluster
-from .rank_worker import SALT_ENV
+from ..wire.tasks import service_nursery
+from .local import LOOPBACK, LocalCluster, open_local_cluster
+from .proxy import Fault, FaultProxy
+SALT_ENV = "FLODL_SALT_HEX"  # the same variable rank_worker reads (not imported: see rank_worker)
 
 Event = dict[str, Any]
 
+# How long leaving the block waits for killed processes to be reaped.
+REAP_TIMEOUT_S = 10.0
+
+
+# ---------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------
+
+
+def memory_of(pid: int) -> dict[str, int] | None:
+    """``VmPeak``, ``VmHWM``, ``VmRSS`` and ``VmSize`` of a live process in bytes (Linux), else None.
+
+    ``VmPeak`` (peak address space) also moves for memory that was reserved but
+    never touched, which ``VmHWM`` (peak resident set) does not see.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            lines = status.read().splitlines()
+    except OSError:
+        return None
+    out: dict[str, int] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("VmPeak", "VmHWM", "VmRSS", "VmSize"):
+            out[key] = int(value.split()[0]) * 1024
+    return out or None
+
 
 @attrs.define(eq=False)
-class RankProcess:
+class ChildProcess:
+    """A process the harness started, with what it wrote to stderr."""
+
+    name: str
+    process: trio.Process
+    output: bytearray = attrs.field(factory=bytearray)
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+    _stderr_done: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    @property
+    def text(self) -> str:
+        """Everything written to stderr so far (the daemons' log)."""
+        return self.output.decode(errors="replace")
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.process.returncode is None:
+            self.process.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL (thawing first is unnecessary: SIGKILL also ends a stopped process)."""
+        self.signal(signal.SIGKILL)
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    async def wait(self) -> int:
+        return await self.process.wait()
+
+    def memory(self) -> dict[str, int] | None:
+        """See :func:`memory_of`; None once the process has exited."""
+        return memory_of(self.pid) if self.process.returncode is None else None
+
+    async def wait_log(self, pattern: str | re.Pattern[str]) -> re.Match[str]:
+        """Wait until stderr matches ``pattern`` (a plain string is matched literally)."""
+        regex = re.compile(re.escape(pattern)) if isinstance(pattern, str) else pattern
+        while True:
+            match = regex.search(self.text)
+            if match is not None:
+                return match
+            if self._stderr_done:
+                raise RuntimeError(
+                    f"{self.name} ended (exit {self.process.returncode}) without logging {regex.pattern!r}:\n"
+                    f"{self.text[-4000:]}"
+                )
+            await self._changed.wait()
+
+    async def _pump_stderr(self) -> None:
+        assert self.process.stderr is not None
+        async with self.process.stderr:
+            while chunk := await self.process.stderr.receive_some(65536):
+                self.output += chunk
+                self._notify()
+        self._stderr_done = True
+        self._notify()
+
+
+@attrs.define(eq=False)
+class DaemonProcess(ChildProcess):
+    """A controller or relay daemon process."""
+
+
+@attrs.define(eq=False)
+class RankProcess(ChildProcess):
     """One rank process and the events it has reported so far."""
 
-    rank: int
-    process: trio.Process
+    rank: int = -1
     events: list[Event] = attrs.field(factory=list)
-    stderr: bytearray = attrs.field(factory=bytearray)
-    _changed: trio.Event = attrs.field(factory=trio.Event)
+    _stdout_done: bool = False
+
+    @property
+    def stderr(self) -> bytearray:
+        return self.output
+
+    @property
+    def _reader_done(self) -> bool:
+        return self._stdout_done
 
     def _record(self, event: Event) -> None:
         self.events.append(event)
-        self._changed.set()
-        self._changed = trio.Event()
+        self._notify()
 
     async def wait_event(self, predicate: Callable[[Event], bool]) -> Event:
         """The first event (past or future) matching ``predicate``; the caller bounds the wait."""
@@ -54,14 +178,13 @@ class RankProcess:
             for event in self.events:
                 if predicate(event):
                     return event
-            if self.process.returncode is not None and self._reader_done:
+            if self._stdout_done:
+                await self.process.wait()
                 raise RuntimeError(
                     f"rank {self.rank} exited ({self.process.returncode}) without such an event; "
-                    f"events={self.events} stderr={self.stderr.decode(errors='replace')[-2000:]}"
+                    f"events={self.events} stderr={self.text[-2000:]}"
                 )
             await self._changed.wait()
-
-    _reader_done: bool = False
 
     @property
     def rounds(self) -> list[Event]:
@@ -69,76 +192,292 @@ class RankProcess:
 
     @property
     def error(self) -> Event | None:
-        return next((e for e in self.events if e["event"] == "error"), None)
+        return next((e for e in self.events if e["event"] in ("error", "crash")), None)
+
+    async def _pump_events(self) -> None:
+        assert self.process.stdout is not None
+        pending = b""
+        async with self.process.stdout:
+            while chunk := await self.process.stdout.receive_some(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        try:
+                            self._record(json.loads(line))
+                        except ValueError:
+                            self._record({"event": "text", "line": line.decode(errors="replace")})
+        self._stdout_done = True
+        self._notify()
 
 
-@attrs.define
+# ---------------------------------------------------------------------------
+# The cluster
+# ---------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
 class ProcessCluster:
-    """In-process controller and relays, one OS process per rank."""
+    """Rank processes plus the controller and relays (in-process, or daemons)."""
 
-    local: LocalCluster
+    world_size: int
+    hosts: list[list[int]]
+    salt: SessionSalt
     ranks: dict[int, RankProcess]
+    local: LocalCluster | None = None
+    controller: DaemonProcess | None = None
+    relays: list[list[DaemonProcess]] = attrs.field(factory=list)
+    proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
+    control_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
+    upstream_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
+    controller_port: int = 0
+    data_ports: list[int] = attrs.field(factory=list)
+    control_ports: list[int | None] = attrs.field(factory=list)
+
+    # -- where ---------------------------------------------------------------
+
+    @property
+    def daemons(self) -> bool:
+        return self.controller is not None
+
+    @property
+    def controller_address(self) -> tuple[str, int]:
+        return (LOOPBACK, self.controller_port)
+
+    def host_of(self, rank: int) -> int:
+        for index, ranks in enumerate(self.hosts):
+            if rank in ranks:
+                return index
+        raise KeyError(f"rank {rank} is on no host of this cluster")
+
+    def relay_address(self, rank: int) -> tuple[str, int]:
+        """The data relay rank ``rank`` belongs to (the relay itself, not a proxy in front of it)."""
+        return (LOOPBACK, self.data_ports[self.host_of(rank)])
+
+    def control_address(self, rank: int) -> tuple[str, int]:
+        port = self.control_ports[self.host_of(rank)]
+        if port is None:
+            raise KeyError(f"rank {rank}'s host runs no control relay (open the cluster with control=True)")
+        return (LOOPBACK, port)
+
+    # -- rank processes ------------------------------------------------------
 
     def kill(self, rank: int) -> None:
-        self._signal(rank, signal.SIGKILL)
+        self.ranks[rank].kill()
 
     def freeze(self, rank: int) -> None:
-        self._signal(rank, signal.SIGSTOP)
+        self.ranks[rank].freeze()
 
     def thaw(self, rank: int) -> None:
-        self._signal(rank, signal.SIGCONT)
+        self.ranks[rank].thaw()
 
-    def _signal(self, rank: int, sig: signal.Signals) -> None:
-        self.ranks[rank].process.send_signal(sig)
+    async def resume(self, rank: int) -> None:
+        """End rank ``rank``'s current (or next) ``--pause-before`` hold."""
+        stdin = self.ranks[rank].process.stdin
+        assert stdin is not None
+        try:
+            await stdin.send_all(b"go\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the rank has already exited (a fault ended it): nothing left to release
+
+    async def wait_event(self, rank: int, event: str, **fields: object) -> Event:
+        """The first event named ``event`` whose fields match ``fields``."""
+        return await self.ranks[rank].wait_event(
+            lambda e: e["event"] == event and all(e.get(k) == v for k, v in fields.items())
+        )
 
     async def wait_round(self, rank: int, round_index: int) -> Event:
-        return await self.ranks[rank].wait_event(lambda e: e["event"] == "round" and e["round"] == round_index)
+        return await self.wait_event(rank, "round", round=round_index)
 
     async def wait_outcome(self, rank: int) -> Event:
-        """The rank's final event: ``done`` or ``error``."""
-        return await self.ranks[rank].wait_event(lambda e: e["event"] in ("done", "error"))
+        """The rank's final event: ``done``, ``error`` or ``crash``."""
+        return await self.ranks[rank].wait_event(lambda e: e["event"] in ("done", "error", "crash"))
 
     async def wait_exit(self, rank: int) -> int:
         return await self.ranks[rank].process.wait()
 
+    # -- daemons -------------------------------------------------------------
+
+    def _daemons(self) -> None:
+        if not self.daemons:
+            raise RuntimeError("the controller and relays run in-process; open the cluster with daemons=True")
+
+    def relay_processes(self, host_index: int) -> list[DaemonProcess]:
+        """Host ``host_index``'s relay processes (one, or data + control when its uplink is proxied)."""
+        self._daemons()
+        return self.relays[host_index]
+
+    def kill_relay(self, host_index: int) -> None:
+        for relay in self.relay_processes(host_index):
+            relay.kill()
+
+    def freeze_relay(self, host_index: int) -> None:
+        for relay in self.relay_processes(host_index):
+            relay.freeze()
+
+    def thaw_relay(self, host_index: int) -> None:
+        for relay in self.relay_processes(host_index):
+            relay.thaw()
+
+    def _controller(self) -> DaemonProcess:
+        self._daemons()
+        assert self.controller is not None
+        return self.controller
+
+    def kill_controller(self) -> None:
+        self._controller().kill()
+
+    def freeze_controller(self) -> None:
+        self._controller().freeze()
+
+    def thaw_controller(self) -> None:
+        self._controller().thaw()
+
+    def processes(self) -> list[ChildProcess]:
+        """Every process of the cluster: ranks, relays, controller."""
+        out: list[ChildProcess] = list(self.ranks.values())
+        for host in self.relays:
+            out.extend(host)
+        if self.controller is not None:
+            out.append(self.controller)
+        return out
+
+    def logs(self) -> str:
+        """Every daemon's and rank's stderr, labelled (for failure messages)."""
+        parts = []
+        for proc in self.processes():
+            if proc.output:
+                parts.append(f"--- {proc.name} (exit {proc.returncode}) ---\n{proc.text[-3000:]}")
+        return "\n".join(parts)
+
+    async def status(self) -> dict[str, Any]:
+        """The controller's JSON status page (dead ranks, relays, counters)."""
+        stream = await trio.open_tcp_stream(*self.controller_address)
+        async with stream:
+            await stream.send_all(b"GET / HTTP/1.0\r\nHost: flodl\r\n\r\n")
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+        _head, _, body = data.partition(b"\r\n\r\n")
+        return json.loads(body)
+
 
 def worker_command(
-    cluster: LocalCluster, rank: int, *, rounds: int, pause: float, heartbeat_timeout: float | None,
-    extra: Sequence[str] = (),
+    cluster: LocalCluster | ProcessCluster, rank: int, *, rounds: int, pause: float, heartbeat_timeout: float | None,
+    extra: Sequence[str] = (), data: tuple[str, int] | None = None, control: tuple[str, int] | None = None,
 ) -> list[str]:
-    host, port = cluster.relay_address(rank)
+    """The rank_worker command line for ``rank`` (``data``/``control`` override the addresses)."""
+    host, port = data or cluster.relay_address(rank)
     cmd = [
         sys.executable, "-m", "flodl_trio.testing.rank_worker",
         "--rank", str(rank), "--world-size", str(cluster.world_size),
         "--data", f"{host}:{port}", "--rounds", str(rounds), "--pause", str(pause),
     ]
-    if cluster.control_relays:
-        chost, cport = cluster.control_address(rank)
-        cmd += ["--control", f"{chost}:{cport}"]
+    if control is None:
+        try:
+            control = cluster.control_address(rank)
+        except KeyError:
+            control = None
+    if control is not None:
+        cmd += ["--control", f"{control[0]}:{control[1]}"]
     if heartbeat_timeout is not None:
         cmd += ["--heartbeat-timeout", str(heartbeat_timeout)]
     return cmd + list(extra)
 
 
-async def _pump_events(rank: RankProcess) -> None:
-    assert rank.process.stdout is not None
-    pending = b""
-    async with rank.process.stdout:
-        while chunk := await rank.process.stdout.receive_some(65536):
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if line.strip():
-                    rank._record(json.loads(line))
-    rank._reader_done = True
-    rank._changed.set()
+async def _spawn(cmd: list[str], env: Mapping[str, str]) -> trio.Process:
+    return await trio.lowlevel.open_process(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env),
+    )
 
 
-async def _pump_stderr(rank: RankProcess) -> None:
-    assert rank.process.stderr is not None
-    async with rank.process.stderr:
-        while chunk := await rank.process.stderr.receive_some(65536):
-            rank.stderr += chunk
+async def _start_daemon(
+    nursery: trio.Nursery, name: str, module: str, args: Sequence[str], env: Mapping[str, str], started: list[ChildProcess]
+) -> DaemonProcess:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, env=dict(env),
+    )
+    daemon = DaemonProcess(name, process)
+    started.append(daemon)
+    nursery.start_soon(daemon._pump_stderr)
+    return daemon
+
+
+async def reap(procs: Iterable[ChildProcess], timeout: float = REAP_TIMEOUT_S) -> None:
+    """Thaw and SIGKILL whatever is still running, then wait for every exit."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.process.returncode is None:
+            proc.thaw()
+            proc.kill()
+    with trio.move_on_after(timeout):
+        for proc in procs:
+            await proc.process.wait()
+
+
+def _flag_list(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+async def _start_daemons(
+    nursery: trio.Nursery, cluster: ProcessCluster, started: list[ChildProcess], *,
+    control: bool, heartbeat_timeout: float | None, upstream_faults: Mapping[int, Sequence[Fault]],
+    base_env: Mapping[str, str], controller_env: Mapping[str, str], relay_env: Mapping[int, Mapping[str, str]],
+    controller_args: Sequence[str], relay_args: Mapping[int, Sequence[str]],
+) -> None:
+    """Controller daemon, then every relay daemon; ports are read from their start lines."""
+    # INFO at least: the harness reads the bound ports from the start lines.
+    args = ["--host", LOOPBACK, "--port", "0", "--world-size", str(cluster.world_size), "--log-level", "INFO"]
+    if heartbeat_timeout is not None:
+        args += ["--heartbeat-timeout", str(heartbeat_timeout)]
+    cluster.controller = await _start_daemon(
+        nursery, "controller", "flodl_trio.controller", [*args, *controller_args], {**base_env, **controller_env}, started
+    )
+    match = await cluster.controller.wait_log(re.compile(r"controller started: listening on \S+:(\d+)"))
+    cluster.controller_port = int(match.group(1))
+    for index in upstream_faults:
+        if not 0 <= index < len(cluster.hosts):
+            raise ValueError(f"upstream_faults names host {index}; the cluster has {len(cluster.hosts)} hosts")
+        proxy = FaultProxy(cluster.controller_address, upstream_faults[index])
+        await nursery.start(proxy.serve)
+        cluster.upstream_proxies[index] = proxy
+    # Each host: one relay with both channels; a proxied uplink splits it in two
+    # processes (data through the proxy, control straight to the controller).
+    plans: list[list[tuple[str, tuple[str, int]]]] = []
+    for index in range(len(cluster.hosts)):
+        direct = cluster.controller_address
+        if index in cluster.upstream_proxies:
+            plan = [("data", cluster.upstream_proxies[index].address)]
+            if control:
+                plan.append(("control", direct))
+        else:
+            plan = [("data,control" if control else "data", direct)]
+        plans.append(plan)
+    for index, (ranks, plan) in enumerate(zip(cluster.hosts, plans)):
+        host_relays = []
+        for channels, (chost, cport) in plan:
+            args = [
+                "--controller", f"{chost}:{cport}", "--ranks", _flag_list(ranks), "--world-size", str(cluster.world_size),
+                "--host-name", f"host{index}", "--channels", channels, "--listen-host", LOOPBACK, "--log-level", "INFO",
+            ]
+            args += ["--data-port", "0"] if "data" in channels else []
+            args += ["--control-port", "0"] if "control" in channels else []
+            name = f"relay host{index}" + ("" if len(plan) == 1 else f" ({channels})")
+            env = {**base_env, **relay_env.get(index, {})}
+            host_relays.append(
+                await _start_daemon(nursery, name, "flodl_trio.relay", [*args, *relay_args.get(index, ())], env, started)
+            )
+        cluster.relays.append(host_relays)
+    cluster.data_ports = [0] * len(cluster.hosts)
+    cluster.control_ports = [None] * len(cluster.hosts)
+    for index, host_relays in enumerate(cluster.relays):
+        for relay in host_relays:
+            match = await relay.wait_log(re.compile(rf"relay host{index} started: .*"))
+            if data := re.search(r"data=\S+?:(\d+)", match.group(0)):
+                cluster.data_ports[index] = int(data.group(1))
+            if ctl := re.search(r"control=\S+?:(\d+)", match.group(0)):
+                cluster.control_ports[index] = int(ctl.group(1))
 
 
 @asynccontextmanager
@@ -152,52 +491,100 @@ async def open_process_cluster(
     control: bool = True,
     heartbeat_timeout: float | None = None,
     worker_args: Mapping[int, Sequence[str]] | None = None,
+    daemons: bool = False,
+    backend: str = "torch",
+    numel: int | None = None,
+    external_ranks: Iterable[int] = (),
+    proxy_faults: Mapping[int, Sequence[Fault]] | None = None,
+    control_proxy_faults: Mapping[int, Sequence[Fault]] | None = None,
+    upstream_faults: Mapping[int, Sequence[Fault]] | None = None,
+    worker_env: Mapping[int, Mapping[str, str]] | None = None,
+    controller_env: Mapping[str, str] | None = None,
+    relay_env: Mapping[int, Mapping[str, str]] | None = None,
+    controller_args: Sequence[str] = (),
+    relay_args: Mapping[int, Sequence[str]] | None = None,
     **cluster_options: Any,
 ) -> AsyncIterator[ProcessCluster]:
-    """Start the cluster and one worker process per rank; kill leftovers on exit."""
+    """Start the cluster and one worker process per rank; reap every process on exit.
+
+    - ``daemons``: run the controller and one relay per host as daemon
+      processes (``controller_env``/``controller_args``, ``relay_env``/
+      ``relay_args`` per host index) instead of in this process.
+    - ``backend``/``numel``: the workers' ``--backend`` and ``--numel``.
+    - ``external_ranks``: start no worker for these ranks (the test plays them).
+    - ``proxy_faults`` / ``control_proxy_faults`` / ``upstream_faults``: fault
+      proxies on a rank's data or control leg, or a host's data uplink.
+    - ``worker_args`` / ``worker_env``: extra flags and environment per rank.
+    - ``cluster_options``: passed to :func:`open_local_cluster` (in-process only).
+    """
     session = SessionSalt.coerce(salt)
-    env = {**os.environ, SALT_ENV: session.hex()}
-    if heartbeat_timeout is not None:
-        cluster_options["heartbeat_timeout"] = heartbeat_timeout
-    async with open_local_cluster(
-        world_size=world_size, hosts=hosts, salt=session, control=control, **cluster_options
-    ) as local:
-        procs: dict[int, RankProcess] = {}
+    base_env = {**os.environ, SALT_ENV: session.hex()}
+    host_lists = [list(h) for h in hosts]
+    external = set(external_ranks)
+    started: list[ChildProcess] = []
+    if daemons and cluster_options:
+        raise TypeError(f"daemons=True takes controller_args/relay_args, not {sorted(cluster_options)}")
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(service_nursery())
+        cluster = ProcessCluster(world_size, host_lists, session, {})
         try:
-            async with trio.open_nursery() as nursery:
-                for rank in range(world_size):
-                    if not any(rank in h for h in hosts):
-                        continue
-                    cmd = worker_command(
-                        local, rank, rounds=rounds, pause=pause, heartbeat_timeout=heartbeat_timeout,
-                        extra=(worker_args or {}).get(rank, ()),
+            if daemons:
+                await _start_daemons(
+                    nursery, cluster, started, control=control, heartbeat_timeout=heartbeat_timeout,
+                    upstream_faults=upstream_faults or {}, base_env=base_env, controller_env=controller_env or {},
+                    relay_env=relay_env or {}, controller_args=controller_args, relay_args=relay_args or {},
+                )
+            else:
+                if heartbeat_timeout is not None:
+                    cluster_options["heartbeat_timeout"] = heartbeat_timeout
+                local = await stack.enter_async_context(
+                    open_local_cluster(
+                        world_size=world_size, hosts=host_lists, salt=session, control=control,
+                        upstream_faults=upstream_faults, **cluster_options,
                     )
-                    process = await trio.lowlevel.open_process(
-                        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-                    )
-                    procs[rank] = RankProcess(rank, process)
-                    nursery.start_soon(_pump_events, procs[rank])
-                    nursery.start_soon(_pump_stderr, procs[rank])
-                try:
-                    yield ProcessCluster(local, procs)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await _reap(procs.values())
+                )
+                cluster.local = local
+                cluster.controller_port = local.controller.port
+                cluster.data_ports = [relay.port for relay in local.relays]
+                cluster.control_ports = [relay.port for relay in local.control_relays] or [None] * len(host_lists)
+                cluster.upstream_proxies = dict(local.upstream_proxies)
+            for table, faults_by_rank, address in (
+                (cluster.proxies, proxy_faults, cluster.relay_address),
+                (cluster.control_proxies, control_proxy_faults, cluster.control_address),
+            ):
+                for rank, faults in (faults_by_rank or {}).items():
+                    table[rank] = FaultProxy(address(rank), faults)
+                    await nursery.start(table[rank].serve)
+            for rank in range(world_size):
+                if rank in external or not any(rank in h for h in host_lists):
+                    continue
+                extra = list((worker_args or {}).get(rank, ()))
+                extra += ["--backend", backend] + (["--numel", str(numel)] if numel is not None else [])
+                cmd = worker_command(
+                    cluster, rank, rounds=rounds, pause=pause, heartbeat_timeout=heartbeat_timeout, extra=extra,
+                    data=cluster.proxies[rank].address if rank in cluster.proxies else None,
+                    control=cluster.control_proxies[rank].address if rank in cluster.control_proxies else None,
+                )
+                process = await _spawn(cmd, {**base_env, **(worker_env or {}).get(rank, {})})
+                proc = RankProcess(f"rank {rank}", process, rank=rank)
+                started.append(proc)
+                cluster.ranks[rank] = proc
+                nursery.start_soon(proc._pump_events)
+                nursery.start_soon(proc._pump_stderr)
+            yield cluster
         finally:
-            for proc in procs.values():
-                if proc.process.returncode is None:
-                    proc.process.kill()
+            with trio.CancelScope(shield=True):
+                ranks_first = sorted(started, key=lambda p: not isinstance(p, RankProcess))
+                await reap(ranks_first)
 
 
-async def _reap(procs: Any) -> None:
-    """Kill what is still running (a frozen process too) and wait for every exit."""
-    for proc in procs:
-        if proc.process.returncode is None:
-            proc.process.send_signal(signal.SIGCONT)
-            proc.process.kill()
-    with trio.move_on_after(10):
-        for proc in procs:
-            await proc.process.wait()
-
-
-__all__ = ["ProcessCluster", "RankProcess", "open_process_cluster", "worker_command"]
+__all__ = [
+    "ChildProcess",
+    "DaemonProcess",
+    "ProcessCluster",
+    "RankProcess",
+    "memory_of",
+    "open_process_cluster",
+    "reap",
+    "worker_command",
+]

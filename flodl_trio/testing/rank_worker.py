@@ -5,22 +5,50 @@
 
 Round k contributes a tensor filled with ``(rank + 1) * (k + 1)`` with mass 1,
 so a test can compute the consensus of any set of survivors by hand. Every
-event is one JSON line on stdout: ``ready``, ``round`` (with the consensus
-value and accepted mass), ``error`` (type and message), ``done``.
+event is one JSON line on stdout, with ``time`` (``time.monotonic()``, the
+same clock in every process of the machine):
+
+- ``ready``: both connections are up;
+- ``paused`` / ``resumed`` (with ``round``): around a ``--pause-before`` hold;
+- ``sending`` (with ``round``): the frame is about to go out;
+- ``round``: the consensus came back: ``value`` (its first element), ``min`` and
+  ``max`` over every element, and the accepted ``mass``;
+- ``error``: a :class:`~flodl_trio.FlodlError` ended the rank (``type``, ``message``;
+  exit status 3);
+- ``crash``: any other exception (``type``, ``message``, ``traceback``; exit status 4);
+- ``done``: every round completed (exit status 0).
+
+``--backend numpy`` builds the frames with numpy instead of torch: the same
+bytes on the wire, and the process starts in a fraction of the time (no torch
+import), which matters when a test starts dozens of ranks on a small machine.
+
+``--pause-before ROUND:SECONDS`` holds the rank before it sends round ROUND,
+for SECONDS or until a line ``go`` arrives on stdin (``ProcessCluster.resume``),
+whichever comes first. The rank keeps heartbeating while it waits.
+
+``--block-before ROUND:SECONDS`` instead blocks the whole event loop for
+SECONDS (``time.sleep``), like a trainer doing synchronous work without
+yielding to trio: no heartbeat goes out, no beacon is read (events
+``blocking`` / ``unblocked``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+import traceback
 from contextlib import AsyncExitStack
+from typing import Any
 
 import trio
 
 SALT_ENV = "FLODL_SALT_HEX"
+EXIT_ERROR = 3
+EXIT_CRASH = 4
 
 
 def contribution(rank: int, round_index: int) -> float:
@@ -32,41 +60,146 @@ def emit(event: str, **fields: object) -> None:
     print(json.dumps({"event": event, "time": time.monotonic(), **fields}), flush=True)
 
 
-async def run(args: argparse.Namespace) -> None:
+def parse_pause(text: str) -> tuple[int, float]:
+    """``"ROUND:SECONDS"`` -> (round, seconds); SECONDS may be ``inf``."""
+    round_text, sep, seconds_text = text.partition(":")
+    try:
+        round_index, seconds = int(round_text), float(seconds_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want ROUND:SECONDS, got {text!r}") from None
+    if not sep or round_index < 0 or not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"want ROUND:SECONDS with both >= 0, got {text!r}")
+    return round_index, seconds
+
+
+class _Go:
+    """Lines ``go`` on stdin, counted; a pause consumes one."""
+
+    def __init__(self) -> None:
+        self.available = 0
+        self.changed = trio.Event()
+
+    async def read_stdin(self) -> None:
+        stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+        pending = b""
+        async with stream:
+            while chunk := await stream.receive_some(4096):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip() == b"go":
+                        self.available += 1
+                        self.changed.set()
+                        self.changed = trio.Event()
+
+    async def wait(self, seconds: float) -> None:
+        with trio.move_on_after(seconds):
+            while not self.available:
+                await self.changed.wait()
+            self.available -= 1
+
+
+async def _reduce_numpy(client: Any, rank: int, k: int, numel: int) -> tuple[Any, float]:
+    import numpy as np
+
+    from flodl_trio import DTYPE_F32, RoundFrame, RoundKind, TensorPayload
+
+    local = np.full(numel, contribution(rank, k), dtype="<f4")
+    reply = await client.all_reduce(RoundFrame([TensorPayload(DTYPE_F32, (numel,), local)], RoundKind.MODEL, 1.0))
+    payload = reply.tensors[0]
+    values = np.frombuffer(payload.data, dtype="<f4") if not payload.elided else np.zeros(numel, dtype="<f4")
+    return values, float(reply.weight)
+
+
+async def _reduce_torch(client: Any, rank: int, k: int, numel: int) -> tuple[Any, float]:
     import torch
 
-    from flodl_trio import FlodlError, RoundKind, SessionSalt, connect_reduce_client
+    from flodl_trio import RoundKind
+
+    local = torch.full((numel,), contribution(rank, k))
+    out, mass = await client.all_reduce_scaled([local], 1.0, RoundKind.MODEL, 1.0)
+    return out[0].numpy(), float(mass)
+
+
+async def _rounds(args: argparse.Namespace, client: Any, go: _Go) -> None:
+    reduce = _reduce_numpy if args.backend == "numpy" else _reduce_torch
+    pauses = dict(args.pause_before or [])
+    blocks = dict(args.block_before or [])
+    for k in range(args.rounds):
+        if k in blocks:
+            emit("blocking", rank=args.rank, round=k)
+            time.sleep(blocks[k])  # on purpose: the event loop stalls
+            emit("unblocked", rank=args.rank, round=k)
+        if k in pauses:
+            emit("paused", rank=args.rank, round=k)
+            await go.wait(pauses[k])
+            emit("resumed", rank=args.rank, round=k)
+        emit("sending", rank=args.rank, round=k)
+        values, mass = await reduce(client, args.rank, k, args.numel)
+        emit(
+            "round", rank=args.rank, round=k, value=float(values[0]), min=float(values.min()),
+            max=float(values.max()), mass=mass,
+        )
+        await trio.sleep(args.pause)
+
+
+async def run(args: argparse.Namespace) -> None:
+    from flodl_trio import FlodlError, SessionSalt, connect_reduce_client
     from flodl_trio.client import connect_control_client
 
+    if args.backend == "torch":
+        import torch  # noqa: F401 - before connecting: a 1-2 s import must not stall the heartbeats
+
     salt = SessionSalt.from_hex(os.environ[SALT_ENV])
+    data_salt = SessionSalt.from_hex(args.data_salt) if args.data_salt else salt
+    control_salt = SessionSalt.from_hex(args.control_salt) if args.control_salt else salt
+    connect = {"connect_attempts": args.connect_attempts, "connect_interval": args.connect_interval}
+    go = _Go()
     try:
         async with AsyncExitStack() as stack:
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            if args.pause_before:
+                nursery.start_soon(go.read_stdin)
             if args.control:
                 signature = bytes.fromhex(args.model_signature) if args.model_signature else b"\x11" * 32
                 await stack.enter_async_context(
                     connect_control_client(
-                        args.control, args.rank, args.world_size, salt, signature,
-                        heartbeat_timeout=args.heartbeat_timeout,
+                        args.control, args.rank, args.world_size, control_salt, signature,
+                        heartbeat_timeout=args.heartbeat_timeout, **connect,
                     )
                 )
             client = await stack.enter_async_context(
-                connect_reduce_client(args.data, args.rank, args.world_size, salt)
+                connect_reduce_client(args.data, args.rank, args.world_size, data_salt, **connect)
             )
             client.bf16_wire = args.bf16
             emit("ready", rank=args.rank)
-            for k in range(args.rounds):
-                local = torch.full((args.numel,), contribution(args.rank, k))
-                out, mass = await client.all_reduce_scaled([local], 1.0, RoundKind.MODEL, 1.0)
-                emit("round", rank=args.rank, round=k, value=out[0][0].item(), mass=mass)
-                await trio.sleep(args.pause)
+            await _rounds(args, client, go)
+            nursery.cancel_scope.cancel()
         emit("done", rank=args.rank)
-    except FlodlError as exc:
-        emit("error", rank=args.rank, type=type(exc).__name__, message=str(exc))
-        sys.exit(3)
+    except BaseExceptionGroup as group:
+        from flodl_trio.wire.tasks import sole_exception
+
+        _report(args.rank, sole_exception(group), FlodlError)
+    except Exception as exc:
+        _report(args.rank, exc, FlodlError)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _report(rank: int, exc: BaseException, flodl_error: type[Exception]) -> None:
+    if isinstance(exc, flodl_error):
+        emit("error", rank=rank, type=type(exc).__name__, message=str(exc))
+        sys.exit(EXIT_ERROR)
+    emit(
+        "crash", rank=rank, type=type(exc).__name__, message=str(exc),
+        traceback="".join(traceback.format_exception(exc)),
+    )
+    sys.exit(EXIT_CRASH)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flodl_trio.testing.rank_worker", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--data", required=True, help="host:port of this host's data relay")
@@ -74,10 +207,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--numel", type=int, default=4)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
+    parser.add_argument(
+        "--pause-before", type=parse_pause, action="append", metavar="ROUND:SECONDS",
+        help="hold before sending round ROUND for SECONDS, or until 'go' on stdin (repeatable)",
+    )
+    parser.add_argument(
+        "--block-before", type=parse_pause, action="append", metavar="ROUND:SECONDS",
+        help="block the event loop (time.sleep) for SECONDS before sending round ROUND (repeatable)",
+    )
     parser.add_argument("--heartbeat-timeout", type=float, default=None)
     parser.add_argument("--model-signature", help="64 hex chars (default: a fixed signature)")
     parser.add_argument("--bf16", action="store_true")
-    trio.run(run, parser.parse_args(argv))
+    parser.add_argument("--backend", choices=("torch", "numpy"), default="torch",
+                        help="build frames with torch (default) or numpy (starts faster)")
+    parser.add_argument("--data-salt", help=f"salt hex for the data connection (default ${SALT_ENV})")
+    parser.add_argument("--control-salt", help=f"salt hex for the control connection (default ${SALT_ENV})")
+    parser.add_argument("--connect-attempts", type=int, default=60)
+    parser.add_argument("--connect-interval", type=float, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.bf16 and args.backend == "numpy":
+        build_parser().error("--bf16 needs --backend torch")
+    if args.numel <= 0 or not math.isfinite(args.pause):
+        build_parser().error("--numel must be > 0 and --pause finite")
+    trio.run(run, args)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ all build on it.
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from .netenv import (
 )
 from .round_frame import EncodedFrame, RoundFrame, encode_round_frame_chunks, frame_body_chunks
 from .salt import Buffer, SessionSalt
+from .tasks import sole_exception
 
 _U32 = struct.Struct("<I")
 # First allocation of an empty receive buffer; it doubles from here as bytes arrive.
@@ -113,6 +116,53 @@ class RunningMac:
         return self.mac.digest()[:MAC_LEN]
 
 
+OnBytes = Callable[[memoryview, int], None]
+# Messages at least this big are hashed by a worker thread while the event loop
+# keeps moving bytes (hashlib releases the GIL), in slices of HASH_SLICE.
+THREADED_HASH_MIN = 4 << 20
+HASH_SLICE = 1 << 20
+
+
+@asynccontextmanager
+async def _mac_feeder(mac: RunningMac | None, length: int) -> AsyncIterator[OnBytes | None]:
+    """How a receive or send feeds ``mac``: inline for small messages, through a
+    worker thread for big ones (so hashing overlaps the socket on another core)."""
+    if mac is None or length < THREADED_HASH_MIN:
+        yield None if mac is None else mac.feed
+        return
+    send, receive = trio.open_memory_channel[list[tuple[memoryview, int]]](math.inf)
+    batch: list[tuple[memoryview, int]] = []
+    batched = 0
+
+    def feed(chunk: memoryview, offset: int) -> None:
+        nonlocal batch, batched
+        batch.append((chunk, offset))
+        batched += len(chunk)
+        if batched >= HASH_SLICE:
+            send.send_nowait(batch)
+            batch, batched = [], 0
+
+    def hash_batch(items: list[tuple[memoryview, int]]) -> None:
+        for chunk, offset in items:
+            mac.feed(chunk, offset)
+
+    async def worker() -> None:
+        async for items in receive:
+            await trio.to_thread.run_sync(hash_batch, items)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker)
+            try:
+                yield feed
+            finally:
+                if batch:
+                    send.send_nowait(batch)
+                send.close()
+    except BaseExceptionGroup as group:
+        raise sole_exception(group) from None
+
+
 class MessageStream:
     """A trio stream plus the protocol's framing, bounds and fast paths."""
 
@@ -138,16 +188,18 @@ class MessageStream:
         return n
 
     async def _fill(
-        self, view: memoryview, filled: int, what: str, total: int, mac: RunningMac | None = None
+        self, view: memoryview, filled: int, what: str, total: int, on_bytes: OnBytes | None = None
     ) -> int:
-        """Receive into ``view`` until full; EOF or starvation here is mid-message."""
+        """Receive into ``view`` until full; EOF or starvation here is mid-message.
+
+        ``on_bytes(chunk, offset)`` sees every chunk as it lands (MACs are fed this way).
+        """
         pos = 0
         while pos < len(view):
-            with trio.move_on_after(MID_FRAME_STARVATION_S) as scope:
+            n = -1
+            with trio.move_on_after(MID_FRAME_STARVATION_S):
                 n = await self._recv_into(view[pos:])
-            if n and mac is not None:
-                mac.feed(view[pos:pos + n], filled + pos)
-            if scope.cancelled_caught:
+            if n < 0:
                 raise PeerTimeout(
                     f"{self.peer}: no progress for {MID_FRAME_STARVATION_S:.0f} s inside {what} "
                     f"after {filled + pos} of {total} bytes"
@@ -157,12 +209,15 @@ class MessageStream:
                     f"{self.peer} closed the connection mid-frame: {what} ended after "
                     f"{filled + pos} of {total} bytes"
                 )
+            if on_bytes is not None:
+                on_bytes(view[pos:pos + n], filled + pos)
             pos += n
         return filled + pos
 
     async def receive_into(self, view: memoryview, what: str, mac: RunningMac | None = None) -> None:
-        """Fill a caller-owned view completely; EOF or starvation is a mid-message error."""
-        await self._fill(view, 0, what, len(view), mac)
+        """Fill a caller-owned view completely (feeding ``mac``); EOF or starvation is an error."""
+        async with _mac_feeder(mac, len(view)) as feed:
+            await self._fill(view, 0, what, len(view), feed)
 
     async def receive_exactly(self, n: int, what: str) -> bytes:
         """Small fixed-size reads (headers, handshakes): EOF anywhere is an error."""
@@ -184,8 +239,9 @@ class MessageStream:
     ) -> memoryview:
         """Receive ``length`` bytes into ``buf`` (growing it as they arrive), feeding ``mac``."""
         filled = 0
-        while filled < length:
-            filled = await self._fill(buf.writable(filled, length), filled, what, length, mac)
+        async with _mac_feeder(mac, length) as feed:
+            while filled < length:
+                filled = await self._fill(buf.writable(filled, length), filled, what, length, feed)
         return buf.view(length)
 
     async def receive_round_frame_body(
@@ -241,17 +297,42 @@ class MessageStream:
         stall = write_stall_timeout()
         with trio.CancelScope(shield=True):
             for piece in _pieces(chunks):
-                with trio.move_on_after(stall) as scope:
-                    await self.stream.send_all(piece)
-                if scope.cancelled_caught:
-                    raise PeerTimeout(
-                        f"{self.peer}: write stalled for {stall:.0f} s (peer not reading); "
-                        f"{self.bytes_sent} bytes sent on this connection so far"
-                    )
-                self.bytes_sent += len(piece)
+                await self._send_piece(piece, stall)
+
+    async def _send_piece(self, piece: Buffer, stall: float) -> None:
+        with trio.move_on_after(stall) as scope:
+            await self.stream.send_all(piece)
+        if scope.cancelled_caught:
+            raise PeerTimeout(
+                f"{self.peer}: write stalled for {stall:.0f} s (peer not reading); "
+                f"{self.bytes_sent} bytes sent on this connection so far"
+            )
+        self.bytes_sent += len(piece)
 
     async def send_len_framed(self, chunks: Sequence[Buffer], nbytes: int) -> None:
         await self.send_chunks([_U32.pack(nbytes), *chunks])
+
+    async def send_signed_frame(self, body: EncodedFrame, salt: SessionSalt) -> None:
+        """Send ``prefix | body | MAC8(body)`` (a rank's RoundFrame).
+
+        The frame's MAC comes last, so a large body streams out while a worker
+        thread hashes it: the send and the hash overlap instead of adding up.
+        """
+        total = body.nbytes + MAC_LEN
+        if body.nbytes < THREADED_HASH_MIN:
+            await self.send_len_framed([*body.chunks, salt.mac8_of(body.chunks)], total)
+            return
+        mac = RunningMac(salt.hmac(), body.nbytes)
+        stall = write_stall_timeout()
+        with trio.CancelScope(shield=True):
+            await self._send_piece(_U32.pack(total), stall)
+            async with _mac_feeder(mac, body.nbytes) as feed:
+                offset = 0
+                for piece in _pieces(body.chunks):
+                    feed(memoryview(piece), offset)
+                    await self._send_piece(piece, stall)
+                    offset += len(piece)
+            await self._send_piece(mac.tag(), stall)
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):

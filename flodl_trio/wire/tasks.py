@@ -10,7 +10,12 @@ import trio
 
 
 def sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The single leaf of a (nested) exception group, or the group itself."""
+    """The single real leaf of a (nested) exception group, or the group itself.
+
+    ``trio.Cancelled`` leaves are not counted: a task cancelled because its
+    sibling failed is a consequence, not a second error (cancellation is
+    level-triggered, so it still takes effect at the next checkpoint).
+    """
     leaves: list[BaseException] = []
 
     def walk(exc: BaseException) -> None:
@@ -21,7 +26,8 @@ def sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
             leaves.append(exc)
 
     walk(group)
-    return leaves[0] if len(leaves) == 1 else group
+    real = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)]
+    return real[0] if len(real) == 1 else group
 
 
 @asynccontextmanager

@@ -1,0 +1,135 @@
+"""The process-cluster harness itself: daemons as processes, proxies on every leg,
+rank_worker holds, external ranks, and reaping every process on the way out."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import pytest
+import trio
+
+from flodl_trio import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, connect_reduce_client
+from flodl_trio.testing import memory_of, open_process_cluster
+from flodl_trio.testing.rank_worker import contribution, parse_pause
+
+
+def mean_of(ranks, k: int) -> float:
+    return sum((r + 1) * (k + 1) for r in ranks) / len(ranks)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.deadline(40)
+async def test_daemon_cluster_runs_and_reaps_every_process_even_frozen_ones(salt):
+    async with open_process_cluster(
+        world_size=4, hosts=[[0, 1], [2, 3]], salt=salt, rounds=200, pause=0.05, daemons=True, backend="numpy",
+        heartbeat_timeout=5.0,
+    ) as cluster:
+        await cluster.wait_round(3, 1)
+        assert cluster.daemons and cluster.local is None
+        assert cluster.controller is not None and cluster.controller.returncode is None
+        assert [len(h) for h in cluster.relays] == [1, 1]
+        assert len({cluster.controller_port, *cluster.data_ports, *cluster.control_ports}) == 5
+        for rank in range(4):
+            event = cluster.ranks[rank].rounds[0]
+            assert event["value"] == event["min"] == event["max"] == pytest.approx(mean_of(range(4), 0))
+            assert event["mass"] == 4.0
+        status = await cluster.status()
+        assert status["world_size"] == 4 and status["stats"]["relays"] == 2
+        assert "relay host0 started" in cluster.relays[0][0].text
+        children = cluster.processes()
+        assert len(children) == 7
+        cluster.freeze(1)
+        cluster.freeze_relay(1)
+        cluster.freeze_controller()
+    for child in children:
+        assert child.returncode is not None, child.name
+        assert gone(child.pid), child.name
+
+
+@pytest.mark.deadline(30)
+async def test_pause_before_holds_a_rank_until_resumed(salt):
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=3, daemons=True, backend="numpy", control=False,
+        worker_args={1: ["--pause-before", "1:60"]},
+    ) as cluster:
+        await cluster.wait_event(1, "paused", round=1)
+        await trio.sleep(0.3)
+        assert [e["round"] for e in cluster.ranks[0].rounds] == [0]  # round 1 waits for rank 1
+        await cluster.resume(1)
+        for rank in (0, 1):
+            assert (await cluster.wait_outcome(rank))["event"] == "done"
+            assert [e["value"] for e in cluster.ranks[rank].rounds] == [mean_of([0, 1], k) for k in range(3)]
+        resumed = await cluster.wait_event(1, "resumed", round=1)
+        assert resumed["time"] - (await cluster.wait_event(1, "paused", round=1))["time"] < 30
+
+
+@pytest.mark.deadline(40)
+@pytest.mark.parametrize("daemons", [False, True], ids=["in-process", "daemons"])
+async def test_proxies_on_the_data_control_and_uplink_legs(salt, daemons):
+    async with open_process_cluster(
+        world_size=3, hosts=[[0, 1], [2]], salt=salt, rounds=2, daemons=daemons, backend="numpy",
+        heartbeat_timeout=5.0, proxy_faults={0: []}, control_proxy_faults={1: []}, upstream_faults={1: []},
+    ) as cluster:
+        for rank in range(3):
+            assert (await cluster.wait_outcome(rank))["event"] == "done"
+            assert [e["value"] for e in cluster.ranks[rank].rounds] == [mean_of(range(3), k) for k in range(2)]
+        for proxy in (cluster.proxies[0], cluster.control_proxies[1], cluster.upstream_proxies[1]):
+            assert proxy.connections and proxy.connections[0].up.bytes_out > 0
+            assert proxy.connections[0].down.bytes_out > 0
+        assert cluster.proxies[0].target == cluster.relay_address(0)
+        assert cluster.control_proxies[1].target == cluster.control_address(1)
+        assert cluster.upstream_proxies[1].target == cluster.controller_address
+        if daemons:  # a proxied uplink splits that host's relay: data via the proxy, control direct
+            assert [p.name for p in cluster.relay_processes(1)] == ["relay host1 (data)", "relay host1 (control)"]
+        else:
+            assert cluster.local is not None and cluster.local.upstream_proxies[1] is cluster.upstream_proxies[1]
+
+
+@pytest.mark.deadline(30)
+async def test_external_rank_is_played_by_the_test(salt):
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=1, daemons=True, backend="numpy", control=False,
+        external_ranks={1},
+    ) as cluster:
+        assert sorted(cluster.ranks) == [0]
+        async with connect_reduce_client(cluster.relay_address(1), 1, 2, salt) as client:
+            local = np.full(4, contribution(1, 0), dtype="<f4")
+            reply = await client.all_reduce(RoundFrame([TensorPayload(DTYPE_F32, (4,), local)], RoundKind.MODEL, 1.0))
+        assert np.frombuffer(reply.tensors[0].data, "<f4").tolist() == [mean_of([0, 1], 0)] * 4
+        assert (await cluster.wait_outcome(0))["event"] == "done"
+
+
+@pytest.mark.deadline(30)
+async def test_worker_reports_a_refusal_as_an_error_event(salt):
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=2, daemons=True, backend="numpy", control=False,
+        worker_args={1: ["--data-salt", "24" * 16]},
+    ) as cluster:
+        error = await cluster.wait_outcome(1)
+        assert error["event"] == "error" and error["type"] == "RankDeadError", error
+        assert await cluster.wait_exit(1) == 3
+        assert [e["value"] for e in cluster.ranks[0].rounds] == [mean_of([0], k) for k in range(2)]
+        await cluster.relays[1][0].wait_log("MAC mismatch")
+
+
+def test_memory_of_reads_proc_status():
+    mine = memory_of(os.getpid())
+    assert mine is not None and mine["VmPeak"] >= mine["VmSize"] > 0 and mine["VmHWM"] >= mine["VmRSS"] > 0
+    assert memory_of(2**22 + 12345) is None
+
+
+def test_pause_before_argument():
+    assert parse_pause("2:1.5") == (2, 1.5)
+    assert parse_pause("0:inf") == (0, float("inf"))
+    for bad in ("2", "x:1", "-1:1", "1:-2", "1:nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_pause(bad)
