@@ -425,7 +425,6 @@ class _Channel:
                     if isinstance(exc, (SchemaError, DesyncError)):
                         raise
                     reason = f"dropped: {exc}"
-                    log.warning("relay %s: rank %d %s", self.config.host_name, rank, reason)
             await self._rank_gone(rank, out, reason)
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
@@ -437,7 +436,8 @@ class _Channel:
             return
         self.gone.add(rank)
         self.stats.live_ranks = len(self.live)
-        log.info("relay %s: rank %d %s", self.config.host_name, rank, reason)
+        level = logging.WARNING if reason.startswith("dropped") else logging.INFO
+        log.log(level, "relay %s: rank %d %s", self.config.host_name, rank, reason)
         self.reader_scopes[rank].cancel()
         await self._after_rank_gone(rank, out)
         if report:
