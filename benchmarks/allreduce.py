@@ -5,6 +5,7 @@ Run from the repository root (root is needed only for the two-host workload)::
     python benchmarks/allreduce.py                     # everything, ~2-3 minutes on 2 cores
     python benchmarks/allreduce.py --quick             # a ~1 minute subset
     python benchmarks/allreduce.py --workloads small,memory --out /tmp/chart.png
+    python benchmarks/allreduce.py --wait-quiet 60 --retries 2   # on a shared machine
     python benchmarks/allreduce.py --timing            # + where each flodl_trio process spends its round
     python benchmarks/allreduce.py --profile /tmp/prof # py-spy every flodl_trio process
 
@@ -33,6 +34,11 @@ Workloads (``--workloads``, comma-separated; default all):
 * ``memory``: relay and controller peak RSS at 2, 4 and 8 local ranks x 64 MiB
   (flodl_trio only; the 2- and 4-rank runs of ``loopback`` are reused).
 
+The table's "other load" column is the average number of cores processes
+outside the benchmark used during each run (/proc/stat busy time minus the
+benchmark's own CPU time); runs above 0.15 cores are flagged, and
+``--wait-quiet``/``--retries`` wait for idle CPUs and rerun disturbed runs.
+
 The table's bytes-per-round column is computed from the frame layout for
 flodl_trio (docs/wire.md) and estimated from gloo's ring algorithm
 (2 (N-1)/N x S sent and received per rank) on loopback; on the two-host
@@ -50,9 +56,11 @@ Targets (PASS/FAIL lines at the end; the exit code is 1 when one fails):
   controller peak RSS <= 3 x model bytes + 150 MiB.
 
 ``--timing`` runs every flodl_trio process with wall-time counters on its hot
-synchronous functions (MAC verify/sign, fold, bf16 codec) and prints, per
-process, the milliseconds per round its trio thread spent blocked in each
-(the bootstrap adds a few MiB to every flodl_trio process's RSS).
+functions (MAC verify/sign, fold, bf16 codec; whichever of TIMED_FUNCTIONS the
+code has) and prints, per process, the milliseconds per round spent in each:
+for a synchronous function that is time the trio thread was blocked, for an
+async one wall time, and RunningMac.feed counts hashing in any thread (the
+bootstrap adds a few MiB to every flodl_trio process's RSS).
 ``--profile DIR`` runs every flodl_trio process under ``py-spy record``
 (collapsed stacks in DIR, a top-functions summary printed at the end); the
 RSS column is then py-spy's, not the measured process's, and times include
@@ -195,9 +203,11 @@ def worker_gloo(args: argparse.Namespace) -> None:
 TIMED_FUNCTIONS = [
     (mod, name)
     for mod in ("flodl_trio.relay.core", "flodl_trio.controller.core", "flodl_trio.client")
-    for name in ("decode_round_frame", "encode_round_frame_chunks", "encode_mux_record", "finish_consensus")
+    for name in ("decode_round_frame", "encode_round_frame_chunks", "encode_mux_record", "finish_consensus",
+                 "encode_enveloped_frame")
 ] + [
     ("flodl_trio.wire.stream", "verify_mux_payload"),
+    ("flodl_trio.wire.stream", "RunningMac.feed"),
     ("flodl_trio.wire.fold", "FoldAccumulator.add"),
     ("flodl_trio.wire.fold", "FoldAccumulator.result"),
     ("flodl_trio.tensors", "tensors_to_round_frame"),
@@ -215,9 +225,30 @@ def timed_exec(argv: list[str]) -> None:
 
     totals: dict[str, list[float]] = {}
 
+    def count(label: str, t0: float) -> None:
+        entry = totals.setdefault(label, [0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - t0
+
     def wrap(owner: Any, attr: str, label: str) -> None:
+        import inspect
+
         original = getattr(owner, attr)
         if getattr(original, "_bench_timed", False):
+            return
+        if inspect.iscoroutinefunction(original):
+            label += " (async: wall time)"
+
+            @functools.wraps(original)
+            async def timed_async(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return await original(*a, **k)
+                finally:
+                    count(label, t0)
+
+            timed_async._bench_timed = True  # type: ignore[attr-defined]
+            setattr(owner, attr, timed_async)
             return
 
         @functools.wraps(original)
@@ -226,9 +257,7 @@ def timed_exec(argv: list[str]) -> None:
             try:
                 return original(*a, **k)
             finally:
-                entry = totals.setdefault(label, [0, 0.0])
-                entry[0] += 1
-                entry[1] += time.perf_counter() - t0
+                count(label, t0)
 
         timed._bench_timed = True  # type: ignore[attr-defined]
         setattr(owner, attr, timed)
@@ -954,6 +983,20 @@ class Suite:
         fig.savefig(path, dpi=110)
 
 
+def code_version() -> str:
+    """The flodl_trio source measured: git commit, and whether flodl_trio/ has local changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "flodl_trio"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no git)"
+    if not head:
+        return "unknown (not a git checkout)"
+    return head + (" + uncommitted changes in flodl_trio/" if dirty else "")
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1050,6 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
     # pre-exec mm's high-water mark over execve), so a heavy parent would
     # inflate every measured process.
     started = time.monotonic()
+    version_at_start = code_version()
     with tempfile.TemporaryDirectory(prefix="flodl-bench-") as tmp:
         bench = Bench(args, Path(tmp))
         suite = Suite(bench, args)
@@ -1078,6 +1122,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python {platform.python_version()}, torch {version('torch')} (gloo), flodl_trio "
           f"{version('flodl_trio')}; controller launched via "
           f"{'python -m flodl_trio.controller' if bench.controller_cli else 'inline open_controller() launcher'}")
+    version_at_end = code_version()
+    print(f"flodl_trio source: {version_at_start}" + ("" if version_at_end == version_at_start else
+          f" at the start, {version_at_end} at the end: the code changed during the run, results mix versions"))
     print(f"mode: {'quick' if args.quick else 'full'}, workloads: {','.join(wanted)}, wall time {elapsed:.0f} s, "
           f"rank processes OMP_NUM_THREADS={args.rank_threads if args.rank_threads > 0 else 'inherited'}")
     print("round time = slowest rank's perf_counter time per timed round (after warm-up), median over rounds; "
@@ -1111,7 +1158,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         Path(args.json).write_text(json.dumps({"rows": raw, "checks": suite.checks}, indent=1))
     if args.timing:
-        print("\ntiming: ms per round (warm-up included) each process's event loop spent inside each function")
+        print("\ntiming: ms per round (warm-up included) each process spent inside each function "
+              "(sync: trio thread blocked; async: wall; RunningMac.feed: any thread)")
         for row in suite.rows:
             r = row.result
             if not r.timing:
@@ -1119,9 +1167,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{row.workload} ({r.system}, median round {r.median_ms:.0f} ms):")
             for proc, fns in r.timing.items():
                 parts = sorted(fns.items(), key=lambda kv: -kv[1][1])
-                total = sum(t for _n, t in fns.values()) * 1e3 / r.rounds_run
-                text = ", ".join(f"{fn} {t * 1e3 / r.rounds_run:.1f} ({n / r.rounds_run:g}x)" for fn, (n, t) in parts if t > 0)
-                print(f"  {proc}: {total:.0f} ms = {text}")
+                text = ", ".join(f"{fn} {t * 1e3 / r.rounds_run:.1f} ({n / r.rounds_run:.3g} calls)"
+                                 for fn, (n, t) in parts if t * 1e3 / r.rounds_run >= 0.05)
+                print(f"  {proc}: {text}")
     if args.profile:
         print("\nprofile (py-spy, collapsed stacks in " + args.profile + "):")
         print(summarize_profiles(Path(args.profile)))
