@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -116,11 +116,12 @@ class RunningMac:
         return self.mac.digest()[:MAC_LEN]
 
 
-OnBytes = Callable[[memoryview, int], None]
+OnBytes = Callable[[memoryview, int], Awaitable[None]]
 # Messages at least this big are hashed by a worker thread while the event loop
 # keeps moving bytes (hashlib releases the GIL), in slices of HASH_SLICE.
 THREADED_HASH_MIN = 4 << 20
 HASH_SLICE = 1 << 20
+HASH_BACKLOG = 4
 
 
 @asynccontextmanager
@@ -128,19 +129,29 @@ async def _mac_feeder(mac: RunningMac | None, length: int) -> AsyncIterator[OnBy
     """How a receive or send feeds ``mac``: inline for small messages, through a
     worker thread for big ones (so hashing overlaps the socket on another core)."""
     if mac is None or length < THREADED_HASH_MIN:
-        yield None if mac is None else mac.feed
+        if mac is None:
+            yield None
+            return
+        inline = mac.feed
+
+        async def feed_inline(chunk: memoryview, offset: int) -> None:
+            inline(chunk, offset)
+
+        yield feed_inline
         return
-    send, receive = trio.open_memory_channel[list[tuple[memoryview, int]]](math.inf)
+    # A short queue: a reader that outruns the hash waits for it, so the views
+    # held in the queue (which pin a receive buffer that has since grown) stay few.
+    send, receive = trio.open_memory_channel[list[tuple[memoryview, int]]](HASH_BACKLOG)
     batch: list[tuple[memoryview, int]] = []
     batched = 0
 
-    def feed(chunk: memoryview, offset: int) -> None:
+    async def feed(chunk: memoryview, offset: int) -> None:
         nonlocal batch, batched
         batch.append((chunk, offset))
         batched += len(chunk)
         if batched >= HASH_SLICE:
-            send.send_nowait(batch)
-            batch, batched = [], 0
+            ready, batch, batched = batch, [], 0
+            await send.send(ready)
 
     def hash_batch(items: list[tuple[memoryview, int]]) -> None:
         for chunk, offset in items:
@@ -155,9 +166,9 @@ async def _mac_feeder(mac: RunningMac | None, length: int) -> AsyncIterator[OnBy
             nursery.start_soon(worker)
             try:
                 yield feed
-            finally:
                 if batch:
-                    send.send_nowait(batch)
+                    await send.send(batch)
+            finally:
                 send.close()
     except BaseExceptionGroup as group:
         raise sole_exception(group) from None
@@ -210,7 +221,7 @@ class MessageStream:
                     f"{filled + pos} of {total} bytes"
                 )
             if on_bytes is not None:
-                on_bytes(view[pos:pos + n], filled + pos)
+                await on_bytes(view[pos:pos + n], filled + pos)
             pos += n
         return filled + pos
 
@@ -329,7 +340,7 @@ class MessageStream:
             async with _mac_feeder(mac, body.nbytes) as feed:
                 offset = 0
                 for piece in _pieces(body.chunks):
-                    feed(memoryview(piece), offset)
+                    await feed(memoryview(piece), offset)
                     await self._send_piece(piece, stall)
                     offset += len(piece)
             await self._send_piece(mac.tag(), stall)
