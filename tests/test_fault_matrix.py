@@ -27,7 +27,7 @@ REQUIRED = {
     "uplink-flip-payload", "uplink-flip-header", "uplink-flip-mac",
     "wrong-salt-data", "wrong-salt-control", "duplicate-rank", "rank-outside-host", "world-size-disagreement",
     "port-scanner", "connect-to-nothing",
-    # cases that found product bugs stay until the bug is fixed, and after
+    # cases that found product bugs (since fixed) stay as regression guards
     "rank-loop-blocked", "uplink-replay",
 }
 
