@@ -48,12 +48,11 @@ Address = tuple[str, int] | str
 def parse_address(address: Address) -> tuple[str, int]:
     """``(host, port)`` or ``"host:port"`` (IPv6 as ``[::1]:port``)."""
     if isinstance(address, tuple):
-        host, port = address
-        return str(host), int(port)
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+        return str(address[0]), int(address[1])
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit():
         raise ConfigError(f"address {address!r} is not host:port")
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), int(port_text)
 
 
 def max_reply_len(frame: RoundFrame) -> int:

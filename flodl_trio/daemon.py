@@ -150,9 +150,9 @@ def run_daemon(name: str, main: Callable[[], Awaitable[None]]) -> int:
     except BaseExceptionGroup as group:
         from .wire.tasks import sole_exception
 
-        exc = sole_exception(group)
-        if isinstance(exc, FlodlError):
-            log.error("%s failed: %s", name, exc)
+        cause = sole_exception(group)
+        if isinstance(cause, FlodlError):
+            log.error("%s failed: %s", name, cause)
             return EXIT_FAILURE
         raise
     if received:

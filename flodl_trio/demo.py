@@ -150,12 +150,12 @@ def run(args: argparse.Namespace) -> int:
                                "--keep-serving"]
         procs.append(spawn(controller_cmd, env, workdir / "controller.log"))
         ports = {}
-        for index, ranks in enumerate(HOSTS):
+        for index, host_ranks in enumerate(HOSTS):
             data_port, control_port = relay_ports[2 * index], relay_ports[2 * index + 1]
-            for r in ranks:
+            for r in host_ranks:
                 ports[r] = (data_port, control_port)
             relay_cmd = py + ["flodl_trio.relay", "--controller", f"127.0.0.1:{ctl_port}",
-                              "--ranks", ",".join(map(str, ranks)), "--world-size", str(WORLD),
+                              "--ranks", ",".join(map(str, host_ranks)), "--world-size", str(WORLD),
                               "--host-name", f"host{index}", "--data-port", str(data_port),
                               "--control-port", str(control_port)]
             procs.append(spawn(relay_cmd, env, workdir / f"relay{index}.log"))

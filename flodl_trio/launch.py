@@ -56,9 +56,8 @@ def controller_address(env: Mapping[str, str] | None = None) -> tuple[str, int]:
         if not sep or not port.isdigit():
             raise ConfigError(f"FLODL_CONTROLLER must be host:port, got {explicit!r}")
         return host.strip("[]"), int(port)
-    host = env.get("MASTER_ADDR", "127.0.0.1")
-    port = _int(env, "controller port", "MASTER_PORT")
-    return host, port if port is not None else DEFAULT_CONTROLLER_PORT
+    master_port = _int(env, "controller port", "MASTER_PORT")
+    return env.get("MASTER_ADDR", "127.0.0.1"), master_port if master_port is not None else DEFAULT_CONTROLLER_PORT
 
 
 @attrs.frozen

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import attrs
 import numpy as np

@@ -32,7 +32,7 @@ from flodl_trio import (
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire import encode_round_frame, encode_data_handshake
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
-from flodl_trio.wire.mux import Hello, HelloAck, MuxKind, decode_mux_record, encode_control_record, encode_mux_record
+from flodl_trio.wire.mux import Hello, HelloAck, MuxKind, encode_control_record, encode_mux_record
 from flodl_trio.wire.stream import MessageStream, ReceiveBuffer
 
 LOOP = "127.0.0.1"

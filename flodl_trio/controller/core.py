@@ -23,7 +23,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
@@ -34,10 +34,7 @@ from ..errors import (
     ConfigError,
     DesyncError,
     FlodlError,
-    HandshakeError,
     MacError,
-    PeerClosedMidFrame,
-    PeerTimeout,
     ProtocolError,
 )
 from ..links import DISCONNECTS, SMALL_RECORD, RelayLink, check_hello_ranks, receive_hello
@@ -45,20 +42,17 @@ from ..wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_
 from ..wire.fold import FoldAccumulator, finish_consensus
 from ..wire.mux import (
     DeclareDead,
-    Hello,
     HelloAck,
     MuxKind,
     RankExit,
     RelayControlMsg,
     decode_control_msg,
-    encode_control_msg,
-    encode_mux_record,
 )
 from ..wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
-from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame, encode_round_frame_chunks
+from ..wire.round_frame import RoundFrame, RoundKind, decode_round_frame
 from ..wire.salt import SessionSalt
 from ..wire.stream import encode_enveloped_frame
-from ..wire.stream import BufferPool, MessageStream, ReceiveBuffer, peer_host, tune_socket
+from ..wire.stream import BufferPool, MessageStream, peer_host, tune_socket
 from ..wire.tasks import service_nursery
 
 log = logging.getLogger("flodl_trio.controller")

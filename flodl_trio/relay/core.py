@@ -55,8 +55,8 @@ from ..wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from ..wire.netenv import handshake_timeout, warn_if_public_peer
-from ..wire.round_frame import RoundFrame, decode_round_frame, encode_round_frame_chunks
+from ..wire.netenv import handshake_timeout
+from ..wire.round_frame import RoundFrame, decode_round_frame
 from ..wire.salt import Buffer, SessionSalt
 from ..wire.tasks import service_nursery
 from ..wire.stream import encode_enveloped_frame

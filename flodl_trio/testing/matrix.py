@@ -1022,7 +1022,7 @@ async def connect_to_nothing() -> Outcome:
                 raise MatrixFailure(f"{name} ConnectFailed does not name host, port and budget: {exc}") from exc
         else:
             raise MatrixFailure(f"{name} client connected to nothing")
-    return Outcome(f"ConnectFailed after the 3-attempt budget naming 127.0.0.1:port (data and control clients)", max(seconds))
+    return Outcome("ConnectFailed after the 3-attempt budget naming 127.0.0.1:port (data and control clients)", max(seconds))
 
 
 async def _control_once(port: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -45,13 +45,21 @@ class MuxKind(enum.IntEnum):
 # ---------------------------------------------------------------------------
 
 
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _sigs(values: Iterable[bytes]) -> tuple[bytes, ...]:
+    return tuple(bytes(v) for v in values)
+
+
 @attrs.frozen
 class Hello:
     """First record of a relay: which host, which global ranks (sorted)."""
 
     host: str
-    ranks: tuple[int, ...] = attrs.field(converter=tuple)
-    model_sigs: tuple[bytes, ...] = attrs.field(converter=tuple, default=())
+    ranks: tuple[int, ...] = attrs.field(converter=_ints)
+    model_sigs: tuple[bytes, ...] = attrs.field(converter=_sigs, default=())
 
 
 @attrs.frozen

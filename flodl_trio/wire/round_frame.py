@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -53,6 +53,14 @@ def _as_bytes_view(data: Any) -> memoryview:
     return view
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _payload_list(values: Iterable[TensorPayload]) -> list[TensorPayload]:
+    return list(values)
+
+
 @attrs.frozen(eq=False)
 class TensorPayload:
     """One tensor on the wire: dtype tag, shape, and its raw little-endian bytes.
@@ -62,7 +70,7 @@ class TensorPayload:
     """
 
     dtype: int
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
     data: memoryview = attrs.field(converter=_as_bytes_view, default=b"")
 
     @property
@@ -104,7 +112,7 @@ class RoundFrame:
     divide, the controller divides once by the total accepted mass.
     """
 
-    tensors: list[TensorPayload] = attrs.field(factory=list, converter=list)
+    tensors: list[TensorPayload] = attrs.field(factory=list, converter=_payload_list)
     kind: RoundKind = attrs.field(default=RoundKind.MODEL, converter=RoundKind)
     weight: float = 1.0
 

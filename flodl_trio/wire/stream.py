@@ -14,7 +14,6 @@ all build on it.
 
 from __future__ import annotations
 
-import math
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -338,6 +337,7 @@ class MessageStream:
         with trio.CancelScope(shield=True):
             await self._send_piece(_U32.pack(total), stall)
             async with _mac_feeder(mac, body.nbytes) as feed:
+                assert feed is not None
                 offset = 0
                 for piece in _pieces(body.chunks):
                     await feed(memoryview(piece), offset)
