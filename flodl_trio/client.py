@@ -20,9 +20,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from .errors import ConfigError, FlodlError, FramingError, MacError, PeerClosedMidFrame, PeerTimeout, RankDeadError, SchemaError
+from .errors import (
+    ConfigError,
+    FlodlError,
+    FramingError,
+    MacError,
+    PeerClosedMidFrame,
+    PeerTimeout,
+    RankDeadError,
+    SchemaError,
+)
 from .realized_work import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
-from .wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD, DTYPE_BF16, DTYPE_F32
+from .wire.constants import (
+    CONTROL_FRAME_HEADER_LEN,
+    CONTROL_FRAME_MAX_PAYLOAD,
+    DTYPE_BF16,
+    DTYPE_F32,
+)
 from .wire.control_frame import ControlFrame, decode_control_frame, encode_control_frame
 from .wire.handshake import (
     CONTROL_ACK_LEN,
@@ -34,7 +48,13 @@ from .wire.handshake import (
 )
 from .wire.liveness import Beacon, Notice, decode_liveness, heartbeat_frame
 from .wire.netenv import CONNECT_RETRY_ATTEMPTS, handshake_timeout, timeout_scale
-from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame, frame_body_chunks
+from .wire.round_frame import (
+    RoundFrame,
+    RoundKind,
+    TensorPayload,
+    decode_round_frame,
+    frame_body_chunks,
+)
 from .wire.salt import SessionSalt
 from .wire.stream import MessageStream, ReceiveBuffer, RunningMac, connect_with_retry
 from .wire.tasks import sole_exception

@@ -22,10 +22,24 @@ import trio
 
 from .dead_ranks import DeadRanks
 from .errors import FlodlError, HandshakeError, MacError, ProtocolError
-from .links import DISCONNECTS, SMALL_RECORD, RelayLink, check_hello_ranks, receive_hello
+from .links import (
+    DISCONNECTS,
+    SMALL_RECORD,
+    RelayLink,
+    check_hello_ranks,
+    receive_hello,
+)
 from .wire.control_frame import ControlFrame, decode_control_frame, encode_control_frame
 from .wire.liveness import Heartbeat, beacon_frame, decode_liveness, notice_frame
-from .wire.mux import DeclareDead, Hello, HelloAck, MuxKind, RankExit, decode_control_msg, encode_mux_record
+from .wire.mux import (
+    DeclareDead,
+    Hello,
+    HelloAck,
+    MuxKind,
+    RankExit,
+    decode_control_msg,
+    encode_mux_record,
+)
 from .wire.netenv import timeout_scale
 from .wire.salt import SessionSalt
 from .wire.stream import MessageStream

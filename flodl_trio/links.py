@@ -16,7 +16,14 @@ import trio
 
 from .dead_ranks import DeadRanks
 from .errors import HandshakeError, PeerClosedMidFrame, PeerTimeout
-from .wire.mux import Hello, MuxKind, RelayControlMsg, decode_control_msg, encode_control_msg, encode_mux_record
+from .wire.mux import (
+    Hello,
+    MuxKind,
+    RelayControlMsg,
+    decode_control_msg,
+    encode_control_msg,
+    encode_mux_record,
+)
 from .wire.netenv import handshake_timeout
 from .wire.round_frame import EncodedFrame
 from .wire.salt import SessionSalt

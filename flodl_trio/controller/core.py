@@ -37,8 +37,18 @@ from ..errors import (
     MacError,
     ProtocolError,
 )
-from ..links import DISCONNECTS, SMALL_RECORD, RelayLink, check_hello_ranks, receive_hello
-from ..wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, DEFAULT_FRAME_CEILING
+from ..links import (
+    DISCONNECTS,
+    SMALL_RECORD,
+    RelayLink,
+    check_hello_ranks,
+    receive_hello,
+)
+from ..wire.constants import (
+    CHANNEL_MAGIC_CONTROL,
+    CHANNEL_MAGIC_DATA,
+    DEFAULT_FRAME_CEILING,
+)
 from ..wire.fold import FoldAccumulator, finish_consensus
 from ..wire.mux import (
     DeclareDead,
@@ -51,8 +61,13 @@ from ..wire.mux import (
 from ..wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
 from ..wire.round_frame import RoundFrame, RoundKind, decode_round_frame
 from ..wire.salt import SessionSalt
-from ..wire.stream import encode_enveloped_frame
-from ..wire.stream import BufferPool, MessageStream, peer_host, tune_socket
+from ..wire.stream import (
+    BufferPool,
+    MessageStream,
+    encode_enveloped_frame,
+    peer_host,
+    tune_socket,
+)
 from ..wire.tasks import service_nursery
 
 log = logging.getLogger("flodl_trio.controller")

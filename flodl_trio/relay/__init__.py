@@ -4,6 +4,14 @@ See :mod:`flodl_trio.relay.core` for the task structure and
 :mod:`flodl_trio.relay.cli` for the daemon (``python -m flodl_trio.relay``).
 """
 
-from .core import ChannelKind, ControlChannel, DataChannel, HostFold, RelayHandle, RelayStats, open_relay
+from .core import (
+    ChannelKind,
+    ControlChannel,
+    DataChannel,
+    HostFold,
+    RelayHandle,
+    RelayStats,
+    open_relay,
+)
 
 __all__ = ["ChannelKind", "ControlChannel", "DataChannel", "HostFold", "RelayHandle", "RelayStats", "open_relay"]

@@ -20,7 +20,12 @@ from ..daemon import (
     run_daemon,
 )
 from ..errors import ConfigError
-from ..launch import CONTROL_PORT_OFFSET, DATA_PORT_OFFSET, controller_address, host_ranks_from_env
+from ..launch import (
+    CONTROL_PORT_OFFSET,
+    DATA_PORT_OFFSET,
+    controller_address,
+    host_ranks_from_env,
+)
 from ..wire.salt import SessionSalt
 from .core import ChannelKind, RelayConfig, open_relay, validate_config
 

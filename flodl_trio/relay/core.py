@@ -27,7 +27,16 @@ from typing import Any
 import attrs
 import trio
 
-from ..errors import ConfigError, DesyncError, FlodlError, FramingError, HandshakeError, PeerTimeout, ProtocolError, SchemaError
+from ..errors import (
+    ConfigError,
+    DesyncError,
+    FlodlError,
+    FramingError,
+    HandshakeError,
+    PeerTimeout,
+    ProtocolError,
+    SchemaError,
+)
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
@@ -58,9 +67,16 @@ from ..wire.mux import (
 from ..wire.netenv import handshake_timeout
 from ..wire.round_frame import RoundFrame, decode_round_frame
 from ..wire.salt import Buffer, SessionSalt
+from ..wire.stream import (
+    BufferPool,
+    MessageStream,
+    ReceiveBuffer,
+    connect_with_retry,
+    encode_enveloped_frame,
+    peer_host,
+    tune_socket,
+)
 from ..wire.tasks import service_nursery
-from ..wire.stream import encode_enveloped_frame
-from ..wire.stream import BufferPool, MessageStream, ReceiveBuffer, connect_with_retry, peer_host, tune_socket
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -324,7 +340,10 @@ class _RawHostFrame:
     buffer: ReceiveBuffer
 
 
-_Outbound = Any  # RoundFrame | _RawHostFrame | _DataRecord | RelayControlMsg
+# What rank readers and the upstream reader hand the outbound writer (defined
+# below): a folded frame, a single rank's frame verbatim, a control-channel
+# blob, or a control message.
+_Outbound = Any
 
 
 class HostFold:

@@ -39,8 +39,18 @@ import trio
 
 from ..client import connect_control_client, connect_reduce_client
 from ..errors import ConnectFailed, FlodlError, FramingError
-from ..wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA, MUX_MAGIC, MUX_VERSION
-from ..wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN, encode_control_handshake, encode_data_handshake
+from ..wire.constants import (
+    CHANNEL_MAGIC_CONTROL,
+    CHANNEL_MAGIC_DATA,
+    MUX_MAGIC,
+    MUX_VERSION,
+)
+from ..wire.handshake import (
+    DATA_ACK_LEN,
+    DATA_HANDSHAKE_LEN,
+    encode_control_handshake,
+    encode_data_handshake,
+)
 from ..wire.mux import Hello, MuxKind, encode_control_msg, encode_mux_record
 from ..wire.salt import SessionSalt
 from .processes import ChildProcess, Event, ProcessCluster, open_process_cluster

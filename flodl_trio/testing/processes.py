@@ -43,6 +43,7 @@ from ..wire.salt import SessionSalt
 from ..wire.tasks import service_nursery
 from .local import LOOPBACK, LocalCluster, open_local_cluster
 from .proxy import Fault, FaultProxy
+
 SALT_ENV = "FLODL_SALT_HEX"  # the same variable rank_worker reads (not imported: see rank_worker)
 
 Event = dict[str, Any]

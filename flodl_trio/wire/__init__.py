@@ -12,7 +12,12 @@ from .constants import (
     DTYPE_BF16,
     DTYPE_F32,
 )
-from .control_frame import ControlFrame, ControlKind, decode_control_frame, encode_control_frame
+from .control_frame import (
+    ControlFrame,
+    ControlKind,
+    decode_control_frame,
+    encode_control_frame,
+)
 from .fold import FoldAccumulator, check_payload, finish_consensus, sum_frames
 from .handshake import (
     RankHello,

@@ -15,7 +15,15 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import SchemaError
-from .bf16 import DTYPE_NAMES, F32, U16, add_bf16_into, bf16_to_f32, encode_f32_as, itemsize
+from .bf16 import (
+    DTYPE_NAMES,
+    F32,
+    U16,
+    add_bf16_into,
+    bf16_to_f32,
+    encode_f32_as,
+    itemsize,
+)
 from .constants import DTYPE_BF16, DTYPE_F32
 from .round_frame import RoundFrame, RoundKind, TensorPayload
 

@@ -25,7 +25,14 @@ import trio
 
 from ..errors import ConnectFailed, FramingError, PeerClosedMidFrame, PeerTimeout
 from .constants import DEFAULT_FRAME_CEILING, MAC_LEN, MUX_HEADER_LEN
-from .mux import MuxHeader, MuxKind, encode_mux_record, mux_signed_header, parse_mux_header, verify_mux_payload
+from .mux import (
+    MuxHeader,
+    MuxKind,
+    encode_mux_record,
+    mux_signed_header,
+    parse_mux_header,
+    verify_mux_payload,
+)
 from .netenv import (
     CONNECT_RETRY_ATTEMPTS,
     MID_FRAME_STARVATION_S,
@@ -33,7 +40,12 @@ from .netenv import (
     warn_if_public_peer,
     write_stall_timeout,
 )
-from .round_frame import EncodedFrame, RoundFrame, encode_round_frame_chunks, frame_body_chunks
+from .round_frame import (
+    EncodedFrame,
+    RoundFrame,
+    encode_round_frame_chunks,
+    frame_body_chunks,
+)
 from .salt import Buffer, SessionSalt
 from .tasks import sole_exception
 
