@@ -63,6 +63,7 @@ class RelayCollector(Collector):
         live = GaugeMetricFamily("flodl_relay_live_ranks", "Local ranks still in the barrier", labels=labels)
         rejected = CounterMetricFamily("flodl_relay_rejected_connections", "Rank connections refused", labels=labels)
         ratio = GaugeMetricFamily("flodl_relay_fold_ratio", "Local bytes in per uplink byte", labels=labels)
+        macs = CounterMetricFamily("flodl_relay_mac_failures", "Rank frames whose MAC did not verify", labels=labels)
         for kind, handle in self.handles.items():
             key = [handle.host_name, kind.value]
             s = handle.stats
@@ -72,7 +73,8 @@ class RelayCollector(Collector):
             live.add_metric(key, s.live_ranks)
             rejected.add_metric(key, s.rejected)
             ratio.add_metric(key, s.fold_ratio)
-        yield from (rounds, traffic, live, rejected, ratio)
+            macs.add_metric(key, s.mac_failures)
+        yield from (rounds, traffic, live, rejected, ratio, macs)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

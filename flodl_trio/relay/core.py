@@ -33,6 +33,7 @@ from ..errors import (
     FlodlError,
     FramingError,
     HandshakeError,
+    MacError,
     PeerTimeout,
     ProtocolError,
     SchemaError,
@@ -110,6 +111,7 @@ class RelayStats:
     bytes_down: int = 0
     rejected: int = 0
     live_ranks: int = 0
+    mac_failures: int = 0
 
     @property
     def fold_ratio(self) -> float:
@@ -443,6 +445,8 @@ class _Channel:
                 except (ProtocolError, *_DISCONNECTS) as exc:
                     if isinstance(exc, (SchemaError, DesyncError)):
                         raise
+                    if isinstance(exc, MacError):
+                        self.stats.mac_failures += 1
                     reason = f"dropped: {exc}"
             await self._rank_gone(rank, out, reason)
 
