@@ -83,6 +83,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,7 @@ sys.path.insert(0, str(ROOT))
 MiB = 1 << 20
 KiB = 1 << 10
 SALT_ENV = "FLODL_SALT_HEX"
+MARKS_ENV = "FLODL_BENCH_MARKS"  # where rank workers drop a file when their warm-up ends
 PROCESS_TIMEOUT_S = 300.0
 
 # Targets
@@ -112,7 +114,22 @@ RELAY_FLAT_FRACTION = 0.25
 # ---------------------------------------------------------------------------
 
 
-def _worker_report(times: list[float], total: float, checksum: float) -> None:
+def _cpu_seconds() -> float:
+    """This process's user + system CPU time so far, all threads."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _mark_warm(rank: int) -> None:
+    """Tell the orchestrator this rank finished its warm-up (it then samples the daemons' CPU)."""
+    marks = os.environ.get(MARKS_ENV)
+    if marks:
+        Path(marks, f"rank{rank}").touch()
+
+
+def _worker_report(times: list[float], total: float, checksum: float, cpu: float) -> None:
     import resource
 
     print(
@@ -121,6 +138,7 @@ def _worker_report(times: list[float], total: float, checksum: float) -> None:
                 "times": times,
                 "total": total,
                 "checksum": checksum,
+                "cpu": cpu,
                 "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             }
         ),
@@ -151,14 +169,15 @@ def worker_flodl(args: argparse.Namespace) -> None:
             out = [t]
             for i in range(args.warmup + args.rounds):
                 if i == args.warmup:
-                    start = time.perf_counter()
+                    _mark_warm(args.rank)
+                    start, cpu0 = time.perf_counter(), _cpu_seconds()
                 t0 = time.perf_counter()
                 out = await client.all_reduce_tensors([t])
                 dt = time.perf_counter() - t0
                 if i >= args.warmup:
                     times.append(dt)
-            total = time.perf_counter() - start
-        _worker_report(times, total, float(out[0][:16].double().sum()))
+            total, cpu = time.perf_counter() - start, _cpu_seconds() - cpu0
+        _worker_report(times, total, float(out[0][:16].double().sum()), cpu)
 
     if args.cprofile:
         import cProfile
@@ -181,16 +200,16 @@ def worker_gloo(args: argparse.Namespace) -> None:
     times: list[float] = []
     for i in range(args.warmup + args.rounds):
         if i == args.warmup:
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), _cpu_seconds()
         t0 = time.perf_counter()
         dist.all_reduce(t)
         t /= args.world
         dt = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(dt)
-    total = time.perf_counter() - start
+    total, cpu = time.perf_counter() - start, _cpu_seconds() - cpu0
     dist.destroy_process_group()
-    _worker_report(times, total, float(t[:16].double().sum()))
+    _worker_report(times, total, float(t[:16].double().sum()), cpu)
 
 
 # ---------------------------------------------------------------------------
@@ -300,6 +319,7 @@ class Proc:
     stderr_path: Path
     role: str  # rank | relay | controller
     maxrss_mib: float | None = None
+    cpu_s: float = 0.0  # user + system CPU time, from wait4
     returncode: int | None = None
 
     def stdout(self) -> str:
@@ -338,11 +358,15 @@ class Launcher:
         self.live.append(proc)
         return proc
 
-    def wait(self, procs: list[Proc], timeout: float) -> None:
-        """Reap ``procs`` (wait4 gives each one's ru_maxrss); kill what outlives ``timeout``."""
+    def wait(self, procs: list[Proc], timeout: float, poll: Callable[[], None] | None = None) -> None:
+        """Reap ``procs`` (wait4 gives each one's ru_maxrss); kill what outlives ``timeout``.
+
+        ``poll`` runs on every pass of the wait loop (every 20 ms)."""
         deadline = time.monotonic() + timeout
         pending = [p for p in procs if p.returncode is None]
         while pending:
+            if poll is not None:
+                poll()
             for p in list(pending):
                 pid, status, usage = os.wait4(p.popen.pid, os.WNOHANG)
                 if pid == 0:
@@ -350,6 +374,7 @@ class Launcher:
                 p.returncode = os.waitstatus_to_exitcode(status)
                 p.popen.returncode = p.returncode
                 p.maxrss_mib = usage.ru_maxrss / 1024  # Linux: KiB
+                p.cpu_s = usage.ru_utime + usage.ru_stime
                 pending.remove(p)
                 self.live.remove(p)
             if not pending:
@@ -434,6 +459,16 @@ def wait_quiet(max_wait: float, window: float = 1.0, needed: int = 2) -> tuple[f
     return time.monotonic() - start, load
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process, all threads (from /proc/PID/stat)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -465,6 +500,12 @@ class RunResult:
     profiled: bool = False
     foreign_cores: float = 0.0  # average cores used by other processes during the run
     timing: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # process -> fn -> [calls, s]
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # process -> CPU ms per round
+    daemon_cpu_s: dict[str, float] = field(default_factory=dict)  # relay/controller -> lifetime CPU s
+
+    @property
+    def cpu_ms_per_round(self) -> float:
+        return sum(self.cpu_ms.values())
 
     @property
     def median_ms(self) -> float:
@@ -493,12 +534,18 @@ def _collect(system: str, ranks: list[Proc], others: list[Proc]) -> RunResult:
     per_round = [max(r["times"][i] for r in reports) for i in range(len(reports[0]["times"]))]
     rates = [len(r["times"]) / r["total"] for r in reports]
     rss = {p.name: p.maxrss_mib or 0.0 for p in [*others, *ranks]}
+    rounds = len(reports[0]["times"])
+    # Ranks measure their own timed rounds; the caller adds the daemons (sampled at warm-up end).
+    cpu_ms = {p.name: 1e3 * r["cpu"] / max(rounds, 1) for p, r in zip(ranks, reports)}
     timing = {}
     for p in [*others, *ranks]:
         for line in p.stderr_path.read_text(errors="replace").splitlines():
             if line.startswith(TIMING_PREFIX):
                 timing[p.name] = json.loads(line[len(TIMING_PREFIX):])
-    return RunResult(system, per_round, rates, rss, timing=timing)
+    result = RunResult(system, per_round, rates, rss, timing=timing)
+    result.cpu_ms = cpu_ms
+    result.daemon_cpu_s = {p.name: p.cpu_s for p in others}
+    return result
 
 
 class Bench:
@@ -561,6 +608,8 @@ class Bench:
         ctl = L.spawn("controller", "controller", self.controller_cmd(ctl_host.ip, ctl_port, world), self.env,
                       ctl_host.netns, tag)
         relays, ranks = [], []
+        marks = Path(tempfile.mkdtemp(prefix="marks-", dir=self.launcher.workdir))
+        rank_env = {**self.rank_env, MARKS_ENV: str(marks)}
         for h in hosts:
             data_port = free_port() if h.netns is None else 29404
             relays.append(L.spawn(
@@ -574,10 +623,18 @@ class Bench:
                 ranks.append(L.spawn(
                     f"rank{r}", "rank",
                     self.worker_cmd("flodl", r, world, f"127.0.0.1:{data_port}", numel, dtype, warmup, rounds),
-                    self.rank_env, h.netns, tag,
+                    rank_env, h.netns, tag,
                 ))
+        # The daemons' CPU time when the first rank ends its warm-up, so their CPU per
+        # round covers the timed rounds only (not start-up and warm-up).
+        warm_cpu: dict[str, float] = {}
+
+        def sample_daemons() -> None:
+            if not warm_cpu and any(marks.iterdir()):
+                warm_cpu.update({p.name: proc_cpu_seconds(p.popen.pid) for p in (ctl, *relays)})
+
         try:
-            L.wait(ranks, PROCESS_TIMEOUT_S)
+            L.wait(ranks, PROCESS_TIMEOUT_S, poll=sample_daemons)
             L.wait([*relays, ctl], 60)
         except BaseException:
             for p in [*ranks, *relays, ctl]:
@@ -588,6 +645,8 @@ class Bench:
         result.foreign_cores = load.cores()
         result.rounds_run = warmup + rounds
         result.profiled = L.profile_dir is not None
+        for name, seconds in result.daemon_cpu_s.items():
+            result.cpu_ms[name] = 1e3 * (seconds - warm_cpu.get(name, 0.0)) / rounds
         return result
 
     def run_gloo(self, hosts: list[Host], numel: int, dtype: str, warmup: int, rounds: int) -> RunResult:
@@ -888,8 +947,8 @@ class Suite:
 
     def table(self) -> str:
         lines = [
-            "| workload | system | median round ms | rounds/s | flodl_trio/gloo | bytes per round on each link | peak RSS MB (MiB) | other load (cores) |",
-            "|---|---|---:|---:|---:|---|---|---:|",
+            "| workload | system | median round ms | rounds/s | flodl_trio/gloo | CPU ms per round | bytes per round on each link | peak RSS MB (MiB) | other load (cores) |",
+            "|---|---|---:|---:|---:|---:|---|---|---:|",
         ]
         for row in self.rows:
             r = row.result
@@ -901,7 +960,8 @@ class Suite:
                     ratio = f"{r.median_ms / row.vs.median_ms:.2f}x"
             ms = f"{r.median_ms:.3f}" if r.median_ms < 10 else f"{r.median_ms:.1f}"
             lines.append(
-                f"| {row.workload} | {r.system} | {ms} | {r.rounds_per_s:,.1f} | {ratio} | {row.links} | {rss_text(r)} "
+                f"| {row.workload} | {r.system} | {ms} | {r.rounds_per_s:,.1f} | {ratio} | {r.cpu_ms_per_round:,.0f} "
+                f"| {row.links} | {rss_text(r)} "
                 f"| {r.foreign_cores:.2f} |"
             )
         if self.memory:
@@ -1165,6 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
             if not r.timing:
                 continue
             print(f"\n{row.workload} ({r.system}, median round {r.median_ms:.0f} ms):")
+            print("  CPU ms per round: " + ", ".join(f"{k} {v:.0f}" for k, v in r.cpu_ms.items()))
             for proc, fns in r.timing.items():
                 parts = sorted(fns.items(), key=lambda kv: -kv[1][1])
                 text = ", ".join(f"{fn} {t * 1e3 / r.rounds_run:.1f} ({n / r.rounds_run:.3g} calls)"

@@ -117,6 +117,8 @@ async def test_worker_reports_a_refusal_as_an_error_event(salt):
         error = await cluster.wait_outcome(1)
         assert error["event"] == "error" and error["type"] == "RankDeadError", error
         assert await cluster.wait_exit(1) == 3
+        # Rank 0's rounds complete only once the relay dropped rank 1: wait for them.
+        assert (await cluster.wait_outcome(0))["event"] == "done"
         assert [e["value"] for e in cluster.ranks[0].rounds] == [mean_of([0], k) for k in range(2)]
         await cluster.relays[1][0].wait_log("MAC mismatch")
 

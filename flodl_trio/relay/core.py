@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,6 +45,7 @@ from ..wire.constants import (
     CONTROL_FRAME_HEADER_LEN,
     CONTROL_FRAME_MAX_PAYLOAD,
     DEFAULT_FRAME_CEILING,
+    MAC_LEN,
 )
 from ..wire.fold import FoldAccumulator
 from ..wire.handshake import (
@@ -58,6 +60,7 @@ from ..wire.mux import (
     DeclareDead,
     Hello,
     HelloAck,
+    MuxHeader,
     MuxKind,
     RankExit,
     RelayControlMsg,
@@ -69,6 +72,8 @@ from ..wire.netenv import handshake_timeout
 from ..wire.round_frame import RoundFrame, decode_round_frame
 from ..wire.salt import Buffer, SessionSalt
 from ..wire.stream import (
+    WRITE_PIECE,
+    ArrivalWatch,
     BufferPool,
     MessageStream,
     ReceiveBuffer,
@@ -77,7 +82,7 @@ from ..wire.stream import (
     peer_host,
     tune_socket,
 )
-from ..wire.tasks import service_nursery
+from ..wire.tasks import service_nursery, sole_exception
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -87,6 +92,7 @@ OUTBOUND_DEPTH = 16
 SMALL_RECORD = 64 << 10
 # A control-channel blob is one ControlFrame: 24-byte header + at most 16 MiB.
 CONTROL_BLOB_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
+_U32 = struct.Struct("<I")
 _DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerTimeout, FramingError)
 
 
@@ -112,6 +118,7 @@ class RelayStats:
     rejected: int = 0
     live_ranks: int = 0
     mac_failures: int = 0
+    broadcasts_streamed: int = 0  # consensus frames fanned out while still arriving
 
     @property
     def fold_ratio(self) -> float:
@@ -505,15 +512,19 @@ class _Channel:
                 big = header.length > SMALL_RECORD
                 buf = await self.pool.acquire() if big else self._small
                 try:
-                    kind, payload = await self.upstream.receive_mux_payload(header, buf, self.config.salt)
-                    self.stats.bytes_down += header.length
-                    if kind is MuxKind.CONTROL:
-                        await self._on_control(decode_control_msg(payload), out)
-                    else:
-                        await self._on_record(kind, header.rank, payload, out)
+                    await self._receive_record(header, buf, out)
                 finally:
                     if big:
                         self.pool.release(buf)
+
+    async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Receive and verify one record from the controller, then act on it."""
+        kind, payload = await self.upstream.receive_mux_payload(header, buf, self.config.salt)
+        self.stats.bytes_down += header.length
+        if kind is MuxKind.CONTROL:
+            await self._on_control(decode_control_msg(payload), out)
+        else:
+            await self._on_record(kind, header.rank, payload, out)
 
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         raise ProtocolError(
@@ -625,6 +636,67 @@ class DataChannel(_Channel):
             return await super()._write_upstream(item)
         self.stats.rounds += 1
         self.stats.bytes_up += record.nbytes
+
+    async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:
+        # The kind byte is not authenticated yet: it only picks the path. A record
+        # that is not what it claims fails its MAC before any rank sees its end.
+        if header.kind == MuxKind.BROADCAST and self.expecting_broadcast and header.length > SMALL_RECORD:
+            await self._cut_through_broadcast(header, buf, out)
+        else:
+            await super()._receive_record(header, buf, out)
+
+    async def _cut_through_broadcast(
+        self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]
+    ) -> None:
+        """Fan a large consensus out while it arrives, instead of after.
+
+        Every waiting rank gets the frame's bytes as they land, except its last
+        8 (the frame's own MAC), which go out only once the record's MAC has
+        verified: a rank cannot complete a frame the relay has not authenticated.
+        If verification fails the relay stops, closing every rank connection
+        mid-frame.
+        """
+        self.expecting_broadcast = False
+        targets = sorted(self.awaiting_reply)
+        self.awaiting_reply.clear()
+        watch = ArrivalWatch(header.length)
+        try:
+            async with trio.open_nursery() as nursery:
+                for target in targets:
+                    nursery.start_soon(self._forward_consensus, target, buf, watch, out)
+                try:
+                    await self.upstream.receive_mux_payload(header, buf, self.config.salt, watch)
+                except BaseException:
+                    watch.abort()
+                    raise
+                watch.verified()
+        except BaseExceptionGroup as group:
+            raise sole_exception(group) from None
+        self.stats.bytes_down += header.length
+        self.stats.broadcasts_streamed += 1
+
+    async def _forward_consensus(
+        self, rank: int, buf: ReceiveBuffer, watch: ArrivalWatch, out: trio.MemorySendChannel[_Outbound]
+    ) -> None:
+        """One rank's share of a cut-through fan-out: a length prefix, the bytes so far, the tag last."""
+        conn = self.conns[rank]
+        gate = watch.length - MAC_LEN
+        sent = 0
+        try:
+            await conn.send_piece(_U32.pack(watch.length))
+            while sent < gate:
+                await watch.wait_past(sent)
+                if watch.done and not watch.ok:
+                    return
+                end = min(watch.filled, gate, sent + WRITE_PIECE)
+                if end > sent:
+                    await conn.send_piece(buf.view(end)[sent:])
+                    sent = end
+            await watch.wait_done()
+            if watch.ok:
+                await conn.send_piece(buf.view(watch.length)[gate:])
+        except _DISCONNECTS as exc:
+            await self._rank_gone(rank, out, f"could not take the consensus: {exc}")
 
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         if kind is not MuxKind.BROADCAST:

@@ -127,6 +127,47 @@ class RunningMac:
         return self.mac.digest()[:MAC_LEN]
 
 
+class ArrivalWatch:
+    """How much of a message being received has landed, for tasks that forward it
+    on while it arrives (cut-through) and must not release its end before it is verified.
+
+    The receiving task calls :meth:`advance` as bytes land, then exactly one of
+    :meth:`verified` or :meth:`abort`; watchers wait with :meth:`wait_past`.
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.filled = 0
+        self.done = False
+        self.ok = False
+        self._changed = trio.Event()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def advance(self, filled: int) -> None:
+        self.filled = filled
+        self._wake()
+
+    def verified(self) -> None:
+        self.done, self.ok = True, True
+        self._wake()
+
+    def abort(self) -> None:
+        self.done = True
+        self._wake()
+
+    async def wait_past(self, n: int) -> None:
+        """Until more than ``n`` bytes have landed, or the message ended either way."""
+        while self.filled <= n and not self.done:
+            await self._changed.wait()
+
+    async def wait_done(self) -> None:
+        while not self.done:
+            await self._changed.wait()
+
+
 OnBytes = Callable[[memoryview, int], Awaitable[None]]
 # Messages at least this big are hashed by a worker thread while the event loop
 # keeps moving bytes (hashlib releases the GIL), in slices of HASH_SLICE.
@@ -257,13 +298,20 @@ class MessageStream:
         return True
 
     async def receive_into_buffer(
-        self, buf: ReceiveBuffer, length: int, what: str, mac: RunningMac | None = None
+        self,
+        buf: ReceiveBuffer,
+        length: int,
+        what: str,
+        mac: RunningMac | None = None,
+        watch: ArrivalWatch | None = None,
     ) -> memoryview:
-        """Receive ``length`` bytes into ``buf`` (growing it as they arrive), feeding ``mac``."""
+        """Receive ``length`` bytes into ``buf`` (growing it as they arrive), feeding
+        ``mac`` and advancing ``watch`` chunk by chunk."""
         filled = 0
         async with _mac_feeder(mac, length) as feed:
+            on_bytes = feed if watch is None else _watched(feed, watch)
             while filled < length:
-                filled = await self._fill(buf.writable(filled, length), filled, what, length, feed)
+                filled = await self._fill(buf.writable(filled, length), filled, what, length, on_bytes)
         return buf.view(length)
 
     async def receive_round_frame_body(
@@ -302,13 +350,17 @@ class MessageStream:
         return parse_mux_header(head, ceiling=ceiling, source=self.peer)
 
     async def receive_mux_payload(
-        self, header: MuxHeader, buf: ReceiveBuffer, salt: SessionSalt
+        self, header: MuxHeader, buf: ReceiveBuffer, salt: SessionSalt, watch: ArrivalWatch | None = None
     ) -> tuple[MuxKind, memoryview]:
-        """The record's payload into ``buf``, MAC-verified while it arrives, kind checked after the MAC."""
+        """The record's payload into ``buf``, MAC-verified while it arrives, kind checked after the MAC.
+
+        ``watch`` follows the arrival (the caller marks it verified or aborted).
+        """
         running = salt.hmac()
         running.update(header.signed)
         mac = RunningMac(running, header.length)
-        payload = await self.receive_into_buffer(buf, header.length, f"a {header.length}-byte MuxRecord payload", mac)
+        what = f"a {header.length}-byte MuxRecord payload"
+        payload = await self.receive_into_buffer(buf, header.length, what, mac, watch)
         kind = verify_mux_payload(header, payload, salt, source=self.peer, tag=mac.tag())
         return kind, payload
 
@@ -320,6 +372,14 @@ class MessageStream:
         with trio.CancelScope(shield=True):
             for piece in _pieces(chunks):
                 await self._send_piece(piece, stall)
+
+    async def send_piece(self, piece: Buffer) -> None:
+        """Write one piece of a message that is being forwarded as it arrives.
+
+        Not shielded: the caller owns the message's integrity (a forwarder that
+        is cancelled half-way closes the connection).
+        """
+        await self._send_piece(piece, write_stall_timeout())
 
     async def _send_piece(self, piece: Buffer, stall: float) -> None:
         with trio.move_on_after(stall) as scope:
@@ -375,6 +435,17 @@ class MessageStream:
                     pass
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
+
+
+def _watched(feed: OnBytes | None, watch: ArrivalWatch) -> OnBytes:
+    """``feed`` (the MAC) first, then tell ``watch`` how far the message has arrived."""
+
+    async def on_bytes(chunk: memoryview, offset: int) -> None:
+        if feed is not None:
+            await feed(chunk, offset)
+        watch.advance(offset + len(chunk))
+
+    return on_bytes
 
 
 def _pieces(chunks: Sequence[Buffer]) -> list[Buffer]:

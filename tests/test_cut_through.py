@@ -1,0 +1,163 @@
+"""Cut-through fan-out: a relay forwards a large consensus to its ranks while it
+arrives, and releases each frame's last 8 bytes only once the record's MAC verified.
+
+Expected values are computed independently with numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from flodl_trio import (
+    DTYPE_F32,
+    FlodlError,
+    MacError,
+    RoundFrame,
+    TensorPayload,
+    connect_reduce_client,
+)
+from flodl_trio.testing import FlipBit, Stall, open_fault_proxy, open_local_cluster
+from flodl_trio.wire.constants import MAC_LEN, MUX_HEADER_LEN
+
+# Two tensors, well above the relay's small-record threshold (64 KiB).
+SHAPES = [(300, 101), (40_000,)]
+FRAME_LEN = 17 + sum(10 + 4 * len(s) + 4 * int(np.prod(s)) for s in SHAPES) + MAC_LEN
+HELLO_ACK_RECORD = MUX_HEADER_LEN + 1
+# Offset of the first Broadcast's payload in the controller -> relay byte stream.
+BROADCAST_PAYLOAD_AT = HELLO_ACK_RECORD + MUX_HEADER_LEN
+
+
+def values(rank: int, round_index: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 * round_index + rank)
+    return [rng.standard_normal(int(np.prod(s))).astype("<f4") for s in SHAPES]
+
+
+def frame_of(arrays: list[np.ndarray]) -> RoundFrame:
+    return RoundFrame([TensorPayload(DTYPE_F32, s, a) for s, a in zip(SHAPES, arrays)], weight=1.0)
+
+
+def expected(hosts: list[list[int]], round_index: int) -> list[np.ndarray]:
+    """f32 fold per host, f32 sum over hosts, times f32(1 / mass)."""
+    out = []
+    for t in range(len(SHAPES)):
+        total = None
+        for ranks in hosts:
+            host = values(ranks[0], round_index)[t].copy()
+            for r in ranks[1:]:
+                host = (host + values(r, round_index)[t]).astype(np.float32)
+            total = host if total is None else (total + host).astype(np.float32)
+        mass = sum(len(h) for h in hosts)
+        out.append((total * np.float32(1.0 / mass)).astype(np.float32))
+    return out
+
+
+def arrays_of(reply: RoundFrame) -> list[np.ndarray]:
+    return [np.frombuffer(t.data, dtype="<f4").copy() for t in reply.tensors]
+
+
+async def test_large_consensus_is_exact_through_cut_through(salt):
+    """Three rounds of a > 1 MiB model over two hosts: every rank gets the exact consensus."""
+    world, hosts = 3, [[0, 1], [2]]
+    got: dict[tuple[int, int], list[np.ndarray]] = {}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                for k in range(3):
+                    got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(world):
+                nursery.start_soon(rank_main, rank)
+        assert cluster.relays[0].stats.broadcasts_streamed == 3
+    for k in range(3):
+        want = expected(hosts, k)
+        for rank in range(world):
+            for t in range(len(SHAPES)):
+                np.testing.assert_array_equal(got[rank, k][t], want[t], err_msg=f"round {k} rank {rank} tensor {t}")
+
+
+async def test_ranks_receive_the_consensus_while_it_is_still_arriving(salt):
+    """The controller -> relay leg stalls half-way through the Broadcast: by then the
+    relay has already passed that half on to its ranks (store-and-forward would have
+    passed nothing), and after the stall the round completes exactly."""
+    world, hosts = 2, [[0, 1]]
+    half = FRAME_LEN // 2
+    stall = Stall(at_byte=BROADCAST_PAYLOAD_AT + half, seconds=1.0, direction="down")
+    got: dict[int, list[np.ndarray]] = {}
+    seen_during_stall: dict[int, int] = {}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults={0: [stall]}) as cluster:
+        upstream = cluster.upstream_proxies[0]
+        async with open_fault_proxy(cluster.relay_address(0), []) as tap0, open_fault_proxy(
+            cluster.relay_address(1), []
+        ) as tap1:
+            taps = {0: tap0, 1: tap1}
+
+            async def rank_main(rank: int) -> None:
+                async with connect_reduce_client(taps[rank].address, rank, world, salt) as client:
+                    got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
+
+            async def observe() -> None:
+                await upstream.wait_fired(stall)
+                await trio.sleep(0.5)  # well inside the 1 s stall
+                for rank, tap in taps.items():
+                    seen_during_stall[rank] = tap.connections[0].down.bytes_out
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(observe)
+                for rank in range(world):
+                    nursery.start_soon(rank_main, rank)
+    ack = 8  # the data handshake ack precedes the consensus on the rank leg
+    for rank in range(world):
+        # Everything that had arrived (less whatever sat in socket buffers) was forwarded...
+        assert seen_during_stall[rank] >= ack + 4 + half - (256 << 10), seen_during_stall
+        # ...but never the frame's end.
+        assert seen_during_stall[rank] < ack + 4 + FRAME_LEN - MAC_LEN
+        for t, want in enumerate(expected(hosts, 0)):
+            np.testing.assert_array_equal(got[rank][t], want)
+
+
+async def test_a_broadcast_failing_its_record_mac_never_completes_at_a_rank(salt):
+    """Corrupt only the Broadcast record's own MAC: the frame inside is intact and
+    would pass the rank's check, so a rank that returned would prove the relay
+    released the frame's end unverified. The leg also stalls 4 bytes before the
+    record's end: by then a relay forwarding blindly would have passed on all but
+    those 4 bytes; this one must hold back the last 8. Every rank then fails, and
+    the relay stops with a MacError."""
+    world, hosts = 2, [[0, 1]]
+    flip = FlipBit(at_byte=HELLO_ACK_RECORD + 17, bit=3, direction="down")
+    stall = Stall(at_byte=BROADCAST_PAYLOAD_AT + FRAME_LEN - 4, seconds=0.6, direction="down")
+    errors: dict[int, BaseException] = {}
+    during_stall: dict[int, int] = {}
+    upstream_faults = {0: [flip, stall]}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=upstream_faults) as cluster:
+        upstream = cluster.upstream_proxies[0]
+        async with open_fault_proxy(cluster.relay_address(0), []) as tap0, open_fault_proxy(
+            cluster.relay_address(1), []
+        ) as tap1:
+            taps = {0: tap0, 1: tap1}
+
+            async def rank_main(rank: int) -> None:
+                async with connect_reduce_client(taps[rank].address, rank, world, salt) as client:
+                    with pytest.raises(FlodlError) as info:
+                        await client.all_reduce(frame_of(values(rank, 0)))
+                    errors[rank] = info.value
+
+            async def observe() -> None:
+                await upstream.wait_fired(stall)
+                await trio.sleep(0.4)
+                for rank, tap in taps.items():
+                    during_stall[rank] = tap.connections[0].down.bytes_out
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(observe)
+                for rank in range(world):
+                    nursery.start_soon(rank_main, rank)
+        with pytest.raises(MacError, match="MuxRecord"):
+            await cluster.relays[0].wait_finished()
+    assert sorted(errors) == [0, 1]
+    ack = 8
+    for rank in range(world):
+        assert during_stall[rank] == ack + 4 + FRAME_LEN - MAC_LEN, during_stall
