@@ -102,6 +102,7 @@ class RelayLink:
                     await on_write_failure(f"write failed: {exc}")
                     return
                 on_written(record.nbytes)
+                del record  # a written consensus must not stay alive while we wait for the next
 
 
 async def receive_hello(conn: MessageStream, salt: SessionSalt) -> Hello:

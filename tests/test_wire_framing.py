@@ -435,3 +435,17 @@ async def test_buffer_pool_bounds_concurrent_buffers():
     assert scope.cancelled_caught  # the second reader waits
     pool.release(first)
     assert await pool.acquire() is first
+
+
+async def test_buffer_pool_grows_only_up_to_its_limit():
+    pool = stream_mod.BufferPool(1, limit=2)
+    first = await pool.acquire()
+    second = stream_mod.ReceiveBuffer(1000)  # sized up front: a size already proven
+    assert second.capacity == 1000
+    pool.add(second)
+    assert await pool.acquire() is second
+    with pytest.raises(RuntimeError, match="limit of 2"):
+        pool.add(stream_mod.ReceiveBuffer())
+    pool.release(first)
+    pool.release(second)
+    assert {id(await pool.acquire()), id(await pool.acquire())} == {id(first), id(second)}

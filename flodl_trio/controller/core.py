@@ -481,6 +481,8 @@ class _Controller:
             for link in self.links.values():
                 if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
                     link.queue(record, broadcast=True)
+            # Only the link outboxes may keep this round's consensus alive (until written).
+            del consensus, record
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL

@@ -88,6 +88,12 @@ log = logging.getLogger("flodl_trio.relay")
 
 # Records queued toward the controller; a full queue back-pressures rank readers.
 OUTBOUND_DEPTH = 16
+# Model-sized receive buffers shared by all of a channel's readers. Two let two
+# rank frames arrive and verify at once (their MACs hash on two cores); memory
+# stays near three model sizes (these two + the f32 fold) for any number of ranks.
+# The data channel starts with one and gets the second once a verified frame has
+# shown the model's size, so the two never grow (and copy) at the same time.
+RECEIVE_BUFFERS = 2
 # Upstream records up to this size use a private buffer, not the shared pool.
 SMALL_RECORD = 64 << 10
 # A control-channel blob is one ControlFrame: 24-byte header + at most 16 MiB.
@@ -399,7 +405,7 @@ class _Channel:
         self.stats = stats
         self.gone: set[int] = set()
         self.reader_scopes = {rank: trio.CancelScope() for rank in conns}
-        self.pool = BufferPool(1)
+        self.pool = BufferPool(1, limit=RECEIVE_BUFFERS)
         self._small = ReceiveBuffer()
         self._scope = trio.CancelScope()
         self._error: BaseException | None = None
@@ -492,6 +498,7 @@ class _Channel:
         async with inbox:
             async for item in inbox:
                 await self._write_upstream(item)
+                del item  # a sent HostFrame must not outlive its write while we wait for the next
 
     async def _write_upstream(self, item: _Outbound) -> None:
         salt = self.config.salt
@@ -576,6 +583,7 @@ class DataChannel(_Channel):
         self.fold = HostFold(list(conns))
         self.single = len(config.ranks) == 1
         self.awaiting_reply: set[int] = set()
+        self.second_buffer_lent = False
         # A HostFrame went up and its Broadcast has not come back: the only time one may.
         self.expecting_broadcast = False
 
@@ -602,16 +610,32 @@ class DataChannel(_Channel):
                     )
                 self.awaiting_reply.add(rank)
                 self.stats.bytes_local += length + 4
+                self._lend_second_buffer(length)
                 if self.single:
                     await out.send(_RawHostFrame(body, buf))
                     handed_off = True
                     continue
-                folded = self.fold.deposit(rank, frame)
-                if folded is not None:
-                    await out.send(folded)
+                await self._deposit(rank, frame, out)
             finally:
                 if not handed_off:
                     self.pool.release(buf)
+
+    def _lend_second_buffer(self, verified_length: int) -> None:
+        """Once a verified frame proved the model's size, let frames arrive two at a time
+        (a single rank has nothing to overlap)."""
+        if not self.second_buffer_lent and not self.single:
+            self.second_buffer_lent = True
+            self.pool.add(ReceiveBuffer(verified_length))
+
+    async def _deposit(self, rank: int, frame: RoundFrame, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Fold a verified frame; ship the host's frame if it completed the round.
+
+        A function of its own so the shipped frame is not kept alive by a
+        reader waiting for its next frame (it is model-sized).
+        """
+        folded = self.fold.deposit(rank, frame)
+        if folded is not None:
+            await out.send(folded)
 
     async def _after_rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         self.awaiting_reply.discard(rank)

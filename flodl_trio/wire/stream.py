@@ -68,8 +68,9 @@ class ReceiveBuffer:
     nothing until the bytes really arrive.
     """
 
-    def __init__(self) -> None:
-        self._array = np.empty(0, dtype=np.uint8)
+    def __init__(self, capacity: int = 0) -> None:
+        """``capacity``: bytes to reserve now, only for a size already proven (a verified frame)."""
+        self._array = np.empty(capacity, dtype=np.uint8)
 
     @property
     def capacity(self) -> int:
@@ -90,16 +91,27 @@ class ReceiveBuffer:
 
 
 class BufferPool:
-    """A fixed set of receive buffers shared by many readers.
+    """A small set of receive buffers shared by many readers.
 
     Taking a buffer before receiving a payload bounds memory by the pool size,
     whatever the number of peers; peers beyond it wait in TCP backpressure.
+    The pool starts with ``size`` buffers and may be given more with
+    :meth:`add`, up to ``limit``.
     """
 
-    def __init__(self, size: int) -> None:
-        self._send, self._receive = trio.open_memory_channel[ReceiveBuffer](size)
+    def __init__(self, size: int, *, limit: int | None = None) -> None:
+        self.size = size
+        self.limit = max(size, limit or 0)
+        self._send, self._receive = trio.open_memory_channel[ReceiveBuffer](self.limit)
         for _ in range(size):
             self._send.send_nowait(ReceiveBuffer())
+
+    def add(self, buf: ReceiveBuffer) -> None:
+        """One more buffer for the pool; a pool already at its limit refuses it."""
+        if self.size >= self.limit:
+            raise RuntimeError(f"buffer pool already holds its limit of {self.limit} buffers")
+        self.size += 1
+        self._send.send_nowait(buf)
 
     async def acquire(self) -> ReceiveBuffer:
         return await self._receive.receive()
