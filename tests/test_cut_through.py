@@ -18,7 +18,7 @@ from flodl_trio import (
     TensorPayload,
     connect_reduce_client,
 )
-from flodl_trio.testing import FlipBit, Stall, open_fault_proxy, open_local_cluster
+from flodl_trio.testing import BandwidthCap, FlipBit, Stall, open_fault_proxy, open_local_cluster
 from flodl_trio.wire.constants import MAC_LEN, MUX_HEADER_LEN
 
 # Two tensors, well above the relay's small-record threshold (64 KiB).
@@ -58,10 +58,14 @@ def arrays_of(reply: RoundFrame) -> list[np.ndarray]:
 
 
 async def test_large_consensus_is_exact_through_cut_through(salt):
-    """Three rounds of a > 1 MiB model over two hosts: every rank gets the exact consensus."""
+    """Three rounds of a large model over two hosts, host 1 behind a thinner uplink so
+    its frame is each round's last: the controller computes and signs the consensus
+    while that frame arrives, host 0's relay streams it to its ranks, and every rank
+    gets the exact consensus."""
     world, hosts = 3, [[0, 1], [2]]
     got: dict[tuple[int, int], list[np.ndarray]] = {}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+    thin = {1: [BandwidthCap(4_000_000, direction="up")]}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=thin) as cluster:
 
         async def rank_main(rank: int) -> None:
             async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
@@ -72,6 +76,7 @@ async def test_large_consensus_is_exact_through_cut_through(salt):
             for rank in range(world):
                 nursery.start_soon(rank_main, rank)
         assert cluster.relays[0].stats.broadcasts_streamed == 3
+        assert cluster.controller.stats.rounds_finished_ahead == 3
     for k in range(3):
         want = expected(hosts, k)
         for rank in range(world):
@@ -161,3 +166,67 @@ async def test_a_broadcast_failing_its_record_mac_never_completes_at_a_rank(salt
     ack = 8
     for rank in range(world):
         assert during_stall[rank] == ack + 4 + FRAME_LEN - MAC_LEN, during_stall
+
+
+def doubled(consensus: RoundFrame) -> RoundFrame:
+    """A stand-in outer step that visibly transforms the params consensus."""
+    return RoundFrame(
+        [TensorPayload(t.dtype, t.shape, np.frombuffer(t.data, "<f4") * np.float32(2)) for t in consensus.tensors],
+        consensus.kind, consensus.weight,
+    )
+
+
+async def test_a_params_round_goes_through_the_outer_step_not_ahead(salt):
+    """With an outer optimizer, the Model round after a Control round (the params
+    round) must be transformed before it is signed, so it is not finished ahead; the
+    buffers round after it is. Both reach the ranks exactly."""
+    world, hosts = 3, [[0, 1], [2]]
+    thin = {1: [BandwidthCap(4_000_000, direction="up")]}
+    got: dict[tuple[int, str], list[np.ndarray]] = {}
+    async with open_local_cluster(
+        world_size=world, hosts=hosts, salt=salt, upstream_faults=thin, outer_optimizer=doubled
+    ) as cluster:
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                await client.all_reduce_per_rank_f64([float(r) for r in range(world)])
+                got[rank, "params"] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
+                got[rank, "buffers"] = arrays_of(await client.all_reduce(frame_of(values(rank, 1))))
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(world):
+                nursery.start_soon(rank_main, rank)
+        assert cluster.controller.stats.rounds_finished_ahead == 1
+    for rank in range(world):
+        for t, want in enumerate(expected(hosts, 0)):
+            np.testing.assert_array_equal(got[rank, "params"][t], want * np.float32(2))
+        for t, want in enumerate(expected(hosts, 1)):
+            np.testing.assert_array_equal(got[rank, "buffers"][t], want)
+
+
+async def test_a_last_frame_failing_its_mac_while_finished_ahead_is_fatal_and_sends_nothing(salt):
+    """Host 1's HostFrame is the round's last and is corrupted mid-payload: the
+    consensus computed beside it is dropped, the controller stops with a MacError
+    naming the relay, and no rank ever receives a consensus."""
+    world, hosts = 3, [[0, 1], [2]]
+    hello = 25 + 1 + 1 + len(b"host1") + 1 + 1 + 1
+    flip = FlipBit(at_byte=4 + hello + MUX_HEADER_LEN + FRAME_LEN // 2, bit=2, direction="up")
+    faults = {1: [BandwidthCap(4_000_000, direction="up"), flip]}
+    outcomes: dict[int, BaseException] = {}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                with pytest.raises(FlodlError) as info:
+                    await client.all_reduce(frame_of(values(rank, 0)))
+                outcomes[rank] = info.value
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(world):
+                nursery.start_soon(rank_main, rank)
+        with pytest.raises(MacError, match="relay host1"):
+            await cluster.controller.wait_finished()
+        assert cluster.upstream_proxies[1].fired(flip)
+        assert cluster.controller.stats.rounds_finished_ahead == 0
+        assert cluster.controller.stats.bytes_out == 2 * (MUX_HEADER_LEN + 1)  # the two HelloAcks only
+    assert sorted(outcomes) == [0, 1, 2]

@@ -49,26 +49,30 @@ from ..wire.constants import (
     CHANNEL_MAGIC_DATA,
     DEFAULT_FRAME_CEILING,
 )
+from ..wire.finish_ahead import FinishAhead
 from ..wire.fold import FoldAccumulator, finish_consensus
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
+    MuxHeader,
     MuxKind,
     RankExit,
     RelayControlMsg,
     decode_control_msg,
 )
 from ..wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
-from ..wire.round_frame import RoundFrame, RoundKind, decode_round_frame
+from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame
 from ..wire.salt import SessionSalt
 from ..wire.stream import (
+    ArrivalWatch,
     BufferPool,
     MessageStream,
+    ReceiveBuffer,
     encode_enveloped_frame,
     peer_host,
     tune_socket,
 )
-from ..wire.tasks import service_nursery
+from ..wire.tasks import service_nursery, sole_exception
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -132,6 +136,7 @@ class ControllerStats:
     relays: int = 0
     rejected: int = 0
     mac_failures: int = 0
+    rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
 
 
 @attrs.frozen
@@ -257,7 +262,9 @@ class _Controller:
         self._scope = trio.CancelScope()
         self._deaths_send, self._deaths_receive = trio.open_memory_channel[int](2 * config.world_size + 1)
         self._forwarded: set[int] = set()
-        self._consensus_send, self._consensus_receive = trio.open_memory_channel[RoundFrame](1)
+        self._round_changed = trio.Event()
+        # A consensus to sign, or one signed already (computed ahead of the last frame).
+        self._consensus_send, self._consensus_receive = trio.open_memory_channel[RoundFrame | EncodedFrame](1)
 
     def _on_death(self, rank: int) -> None:
         """DeadRanks callback (runs outside any task: must never raise)."""
@@ -402,23 +409,39 @@ class _Controller:
             big = header.length > SMALL_RECORD
             buf = await self.pool.acquire() if big else link.small
             try:
-                try:
-                    kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt)
-                except _DISCONNECTS as exc:
-                    return await self._drop_link(link, f"read failed: {exc}")
-                except MacError:
-                    self.stats.mac_failures += 1
-                    raise
-                self.stats.bytes_in += 25 + header.length
-                if kind is MuxKind.HOST_FRAME:
-                    self._on_host_frame(link, payload)
-                elif kind is MuxKind.CONTROL:
-                    self._on_relay_control(link, decode_control_msg(payload))
-                else:
-                    raise ProtocolError(f"unexpected {kind.name} record on the data channel")
+                if not await self._read_record(link, header, buf):
+                    return
             finally:
                 if big:
                     self.pool.release(buf)
+
+    async def _read_record(self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer) -> bool:
+        """Receive, verify and act on one record; False once the link is gone.
+
+        A function of its own so nothing model-sized it touched (a consensus
+        computed ahead, say) outlives it while the reader waits for the next record.
+        """
+        ahead: FinishAhead | None = None
+        sealed: EncodedFrame | None = None
+        try:
+            if header.length > SMALL_RECORD and self._may_finish_ahead(link, header):
+                kind, payload, ahead, sealed = await self._receive_finishing_ahead(link, header, buf)
+            else:
+                kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt)
+        except _DISCONNECTS as exc:
+            await self._drop_link(link, f"read failed: {exc}")
+            return False
+        except MacError:
+            self.stats.mac_failures += 1
+            raise
+        self.stats.bytes_in += 25 + header.length
+        if kind is MuxKind.HOST_FRAME:
+            self._on_host_frame(link, payload, ahead if sealed is not None else None, sealed)
+        elif kind is MuxKind.CONTROL:
+            self._on_relay_control(link, decode_control_msg(payload))
+        else:
+            raise ProtocolError(f"unexpected {kind.name} record on the data channel")
+        return True
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
         if not isinstance(msg, RankExit):
@@ -428,7 +451,57 @@ class _Controller:
         if self.dead.declare_dead(msg.rank):
             log.info("controller: rank %d exited (%s)", msg.rank, link.name)
 
-    def _on_host_frame(self, link: RelayLink, payload: memoryview) -> None:
+    def _may_finish_ahead(self, link: RelayLink, header: MuxHeader) -> bool:
+        """Whether this record (by its still unverified header) may be a HostFrame whose
+        consensus goes out unchanged, should it become the round's last."""
+        if header.kind != MuxKind.HOST_FRAME or link.awaiting_broadcast or link.id in self.round.delivered:
+            return False
+        # A params round's consensus is transformed by the outer step before it is signed.
+        return self.outer_optimizer is None or self.previous_kind != RoundKind.CONTROL
+
+    def _finish_ahead_now(self, link: RelayLink, header: MuxHeader) -> FinishAhead | None:
+        """A FinishAhead if ``link``'s frame would now complete the round; else None."""
+        if not self._completes(link) or all(self.dead.is_dead(r) for r in link.ranks):
+            return None
+        ahead = FinishAhead(self.round.acc, divide=True, in_length=header.length)
+        return ahead if ahead.supported else None
+
+    async def _receive_finishing_ahead(
+        self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer
+    ) -> tuple[MuxKind, memoryview, FinishAhead | None, EncodedFrame | None]:
+        """Receive a HostFrame; as soon as it is the only one the round still waits for
+        (at once, or when the others have landed), compute and sign the consensus beside it."""
+        watch = ArrivalWatch(header.length)
+        ahead: FinishAhead | None = None
+        sealed: EncodedFrame | None = None
+        waiting = trio.CancelScope()
+
+        async def finish() -> None:
+            nonlocal ahead, sealed
+            with waiting:
+                while (ahead := self._finish_ahead_now(link, header)) is None:
+                    await self._round_changed.wait()
+            if ahead is not None:
+                sealed = await ahead.follow(buf, watch, MuxKind.BROADCAST, self.config.salt)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(finish)
+                try:
+                    kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt, watch)
+                except BaseException:
+                    watch.abort()
+                    raise
+                finally:
+                    waiting.cancel()  # not the last one by now: too late to help
+                watch.verified()
+        except BaseExceptionGroup as group:
+            raise sole_exception(group) from None
+        return kind, payload, ahead, sealed
+
+    def _on_host_frame(
+        self, link: RelayLink, payload: memoryview, ahead: FinishAhead | None = None, sealed: EncodedFrame | None = None
+    ) -> None:
         if all(self.dead.is_dead(r) for r in link.ranks):
             log.info("controller: dropped a late frame from %s (all its ranks are dead)", link.name)
             return
@@ -443,10 +516,31 @@ class _Controller:
         )
         if self.round.acc.count == 0:
             self.round.started = trio.current_time()
+        if ahead is not None and sealed is not None and ahead.acc is self.round.acc and self._completes(link):
+            # The consensus was computed from exactly the frames folded so far plus this one.
+            self.round.delivered.add(link.id)
+            link.awaiting_broadcast = True
+            self.stats.rounds_finished_ahead += 1
+            self._complete_round(ahead.frame(self.config.salt), sealed)
+            return
         self.round.acc.add(frame, link.name)
         self.round.delivered.add(link.id)
         link.awaiting_broadcast = True
+        self._note_round_changed()
         self._maybe_complete()
+
+    def _note_round_changed(self) -> None:
+        """Wake whoever waits for the round's set of outstanding frames to shrink."""
+        self._round_changed.set()
+        self._round_changed = trio.Event()
+
+    def _completes(self, link: RelayLink) -> bool:
+        """Whether a frame from ``link`` now would complete the round."""
+        for rank in range(self.config.world_size):
+            owner = self.owner.get(rank)
+            if not self.dead.is_dead(rank) and owner is not link and (owner is None or owner.id not in self.round.delivered):
+                return False
+        return True
 
     # -- rounds and deaths ---------------------------------------------------
 
@@ -462,22 +556,29 @@ class _Controller:
         return True
 
     def _maybe_complete(self) -> None:
-        if not self._round_ready():
-            return
+        if self._round_ready():
+            self._complete_round(finish_consensus(self.round.acc))
+
+    def _complete_round(self, consensus: RoundFrame, sealed: EncodedFrame | None = None) -> None:
+        """Account for the finished round and hand its consensus (signed already, when
+        computed ahead) to the broadcaster."""
         finished, self.round = self.round, _Round()
-        consensus = finish_consensus(finished.acc)
+        self._note_round_changed()
         self.stats.rounds += 1
         self.stats.round_seconds.observe(trio.current_time() - finished.started)
         self.stats.last_mass = consensus.weight
-        consensus = self._apply_hooks(consensus)
+        hooked = self._apply_hooks(consensus)
         # Capacity 1 suffices: the next round cannot complete before this one's
         # consensus reached the relays, so the broadcaster never falls behind.
-        self._consensus_send.send_nowait(consensus)
+        self._consensus_send.send_nowait(sealed if sealed is not None and hooked is consensus else hooked)
 
     async def _broadcaster(self) -> None:
         """Sign each consensus once (both MACs in parallel) and queue it to every live relay."""
         async for consensus in self._consensus_receive:
-            record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.config.salt)
+            if isinstance(consensus, EncodedFrame):
+                record = consensus
+            else:
+                record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.config.salt)
             for link in self.links.values():
                 if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
                     link.queue(record, broadcast=True)
@@ -502,6 +603,7 @@ class _Controller:
             link = self.owner.get(rank)
             if link is not None and not link.closed:
                 link.queue_control(DeclareDead(rank), self.config.salt)
+            self._note_round_changed()
             try:
                 self._maybe_complete()
             except FlodlError as exc:

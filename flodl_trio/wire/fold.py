@@ -128,6 +128,10 @@ class FoldAccumulator:
                     f"{first} sent {list(slot.shape)}"
                 )
 
+    def layout(self) -> list[tuple[int, tuple[int, ...], npt.NDArray[np.float32] | None]]:
+        """(dtype, shape, running f32 sum or None) of every tensor position, in order."""
+        return [(slot.dtype, slot.shape, slot.sum) for slot in self._slots]
+
     def sums(self) -> list[npt.NDArray[np.float32] | None]:
         """The f32 running sums (None = every contribution was elided)."""
         return [slot.sum for slot in self._slots]
