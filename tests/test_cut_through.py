@@ -58,24 +58,28 @@ def arrays_of(reply: RoundFrame) -> list[np.ndarray]:
 
 
 async def test_large_consensus_is_exact_through_cut_through(salt):
-    """Three rounds of a large model over two hosts, host 1 behind a thinner uplink so
-    its frame is each round's last: the controller computes and signs the consensus
-    while that frame arrives, host 0's relay streams it to its ranks, and every rank
-    gets the exact consensus."""
+    """Three rounds of a large model over two hosts. Host 1 sits behind a thinner
+    uplink than rank 1's loopback, and rank 1 behind a thinner loopback than rank 0's,
+    so their frames are each round's last: relay 0 computes and signs its HostFrame while rank 1's frame arrives, the
+    controller the consensus while host 1's arrives, relay 0 streams the consensus
+    to its ranks - and every rank gets the exact consensus."""
     world, hosts = 3, [[0, 1], [2]]
     got: dict[tuple[int, int], list[np.ndarray]] = {}
-    thin = {1: [BandwidthCap(4_000_000, direction="up")]}
+    thin = {1: [BandwidthCap(1_500_000, direction="up")]}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=thin) as cluster:
+        async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up")]) as slow:
 
-        async def rank_main(rank: int) -> None:
-            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
-                for k in range(3):
-                    got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
+            async def rank_main(rank: int) -> None:
+                address = slow.address if rank == 1 else cluster.relay_address(rank)
+                async with connect_reduce_client(address, rank, world, salt) as client:
+                    for k in range(3):
+                        got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
 
-        async with trio.open_nursery() as nursery:
-            for rank in range(world):
-                nursery.start_soon(rank_main, rank)
+            async with trio.open_nursery() as nursery:
+                for rank in range(world):
+                    nursery.start_soon(rank_main, rank)
         assert cluster.relays[0].stats.broadcasts_streamed == 3
+        assert cluster.relays[0].stats.rounds_finished_ahead == 3
         assert cluster.controller.stats.rounds_finished_ahead == 3
     for k in range(3):
         want = expected(hosts, k)
@@ -230,3 +234,33 @@ async def test_a_last_frame_failing_its_mac_while_finished_ahead_is_fatal_and_se
         assert cluster.controller.stats.rounds_finished_ahead == 0
         assert cluster.controller.stats.bytes_out == 2 * (MUX_HEADER_LEN + 1)  # the two HelloAcks only
     assert sorted(outcomes) == [0, 1, 2]
+
+
+async def test_a_last_rank_frame_failing_its_mac_is_dropped_and_the_round_folds_without_it(salt):
+    """Rank 1's frame is its host's last and is corrupted mid-payload while relay 0
+    computes the HostFrame beside it: that work is thrown away, rank 1 is dropped
+    (MAC failure), and the round completes from ranks 0 and 2 exactly."""
+    world, hosts = 3, [[0, 1], [2]]
+    flip = FlipBit(at_byte=16 + 4 + FRAME_LEN // 2, bit=6, direction="up")
+    got: dict[int, list[np.ndarray]] = {}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+        async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up"), flip]) as slow:
+
+            async def rank_main(rank: int) -> None:
+                address = slow.address if rank == 1 else cluster.relay_address(rank)
+                async with connect_reduce_client(address, rank, world, salt) as client:
+                    if rank == 1:
+                        with pytest.raises(FlodlError):
+                            await client.all_reduce(frame_of(values(rank, 0)))
+                        return
+                    got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(world):
+                    nursery.start_soon(rank_main, rank)
+            assert slow.fired(flip)
+        stats = cluster.relays[0].stats
+        assert (stats.mac_failures, stats.rounds_finished_ahead) == (1, 0)
+    for rank in (0, 2):
+        for t, want in enumerate(expected([[0], [2]], 0)):
+            np.testing.assert_array_equal(got[rank][t], want)

@@ -47,6 +47,7 @@ from ..wire.constants import (
     DEFAULT_FRAME_CEILING,
     MAC_LEN,
 )
+from ..wire.finish_ahead import FinishAhead
 from ..wire.fold import FoldAccumulator
 from ..wire.handshake import (
     CONTROL_HANDSHAKE_LEN,
@@ -69,7 +70,7 @@ from ..wire.mux import (
     encode_mux_record,
 )
 from ..wire.netenv import handshake_timeout
-from ..wire.round_frame import RoundFrame, decode_round_frame
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import Buffer, SessionSalt
 from ..wire.stream import (
     WRITE_PIECE,
@@ -125,6 +126,7 @@ class RelayStats:
     live_ranks: int = 0
     mac_failures: int = 0
     broadcasts_streamed: int = 0  # consensus frames fanned out while still arriving
+    rounds_finished_ahead: int = 0  # HostFrames computed and signed while the last frame arrived
 
     @property
     def fold_ratio(self) -> float:
@@ -355,9 +357,27 @@ class _RawHostFrame:
     buffer: ReceiveBuffer
 
 
+@attrs.frozen
+class _SealedHostFrame:
+    """A HostFrame record computed and signed while the round's last frame arrived;
+    ``buffer`` (lent from the pool) holds it until it has been written."""
+
+    record: EncodedFrame
+    buffer: ReceiveBuffer
+
+
+@attrs.define
+class _AheadAttempt:
+    """What finishing a HostFrame ahead of the last frame got to (see DataChannel)."""
+
+    finisher: FinishAhead | None = None
+    out: ReceiveBuffer | None = None
+    sealed: EncodedFrame | None = None
+
+
 # What rank readers and the upstream reader hand the outbound writer (defined
-# below): a folded frame, a single rank's frame verbatim, a control-channel
-# blob, or a control message.
+# below): a folded frame, a single rank's frame verbatim, one sealed ahead, a
+# control-channel blob, or a control message.
 _Outbound = Any
 
 
@@ -369,21 +389,42 @@ class HostFold:
         self.dead: set[int] = set()
         self.deposited: set[int] = set()
         self.acc = FoldAccumulator()
+        self.changed = trio.Event()  # set (and replaced) whenever the barrier moves
 
     @property
     def live(self) -> frozenset[int]:
         return self.ranks - self.dead
 
+    def _note_change(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
     def deposit(self, rank: int, frame: RoundFrame) -> RoundFrame | None:
         """Fold one verified frame; the folded round when this deposit completes it."""
         self.acc.add(frame, f"rank {rank}")
         self.deposited.add(rank)
+        self._note_change()
         return self._take_if_complete()
 
     def mark_dead(self, rank: int) -> RoundFrame | None:
         """Drop ``rank`` from the barrier (a frame it already folded stays: realized work)."""
         self.dead.add(rank)
+        self._note_change()
         return self._take_if_complete()
+
+    def only_missing(self, rank: int) -> bool:
+        """Whether ``rank``'s frame is the last one this round waits for (after another)."""
+        return bool(self.deposited) and self.live - self.deposited == {rank}
+
+    def complete_ahead(self, rank: int, acc: FoldAccumulator) -> bool:
+        """Close the round with a frame computed ahead from ``acc`` plus ``rank``'s
+        verified frame, if that is still exactly what the round needs."""
+        if acc is not self.acc or not self.only_missing(rank):
+            return False
+        self.acc = FoldAccumulator()
+        self.deposited.clear()
+        self._note_change()
+        return True
 
     def _take_if_complete(self) -> RoundFrame | None:
         if not self.deposited or not self.live <= self.deposited:
@@ -391,6 +432,7 @@ class HostFold:
         folded = self.acc.result()
         self.acc = FoldAccumulator()
         self.deposited.clear()
+        self._note_change()
         return folded
 
 
@@ -588,37 +630,107 @@ class DataChannel(_Channel):
         self.expecting_broadcast = False
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
-        conn = self.conns[rank]
-        source = f"rank {rank} on host {self.config.host_name}"
         while True:
-            length = await conn.receive_length_prefix(self.config.ceiling)
+            length = await self.conns[rank].receive_length_prefix(self.config.ceiling)
             if length is None:
                 return
-            buf = await self.pool.acquire()
-            handed_off = False
-            try:
-                body, mac = await conn.receive_round_frame_body(
-                    buf, length, self.config.salt, f"rank {rank}'s {length}-byte frame"
-                )
+            await self._take_frame(rank, length, out)
+
+    async def _take_frame(self, rank: int, length: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Receive, verify and fold (or forward) one frame of ``rank``'s.
+
+        A function of its own so nothing model-sized it touched (the fold a
+        HostFrame was finished ahead from, say) outlives it while the reader
+        waits for the rank's next frame.
+        """
+        buf = await self.pool.acquire()
+        handed_off = False
+        ahead = _AheadAttempt()
+        try:
+            what = f"rank {rank}'s {length}-byte frame"
+            if length > SMALL_RECORD and not self.single:
+                body, frame = await self._receive_finishing_ahead(rank, buf, length, what, ahead)
+            else:
+                body, mac = await self.conns[rank].receive_round_frame_body(buf, length, self.config.salt, what)
                 frame = decode_round_frame(
-                    body, self.config.salt, ceiling=self.config.ceiling, source=source, mac_of_body=mac
+                    body, self.config.salt, ceiling=self.config.ceiling,
+                    source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
                 )
-                if rank in self.awaiting_reply:
-                    raise DesyncError(
-                        f"relay {self.config.host_name}: rank {rank} deposited twice in one round "
-                        "(sent a frame before receiving the last consensus; stream desynced)"
-                    )
-                self.awaiting_reply.add(rank)
-                self.stats.bytes_local += length + 4
-                self._lend_second_buffer(length)
-                if self.single:
-                    await out.send(_RawHostFrame(body, buf))
-                    handed_off = True
-                    continue
+            if rank in self.awaiting_reply:
+                raise DesyncError(
+                    f"relay {self.config.host_name}: rank {rank} deposited twice in one round "
+                    "(sent a frame before receiving the last consensus; stream desynced)"
+                )
+            self.awaiting_reply.add(rank)
+            self.stats.bytes_local += length + 4
+            self._lend_second_buffer(length)
+            if self.single:
+                await out.send(_RawHostFrame(body, buf))
+                handed_off = True
+            elif self._commit_ahead(rank, ahead):
+                assert ahead.sealed is not None and ahead.out is not None
+                sealed, ahead.out = _SealedHostFrame(ahead.sealed, ahead.out), None
+                await out.send(sealed)
+            else:
                 await self._deposit(rank, frame, out)
-            finally:
-                if not handed_off:
-                    self.pool.release(buf)
+        finally:
+            if not handed_off:
+                self.pool.release(buf)
+            if ahead.out is not None:
+                self.pool.release(ahead.out)
+
+    async def _receive_finishing_ahead(
+        self, rank: int, buf: ReceiveBuffer, length: int, what: str, ahead: _AheadAttempt
+    ) -> tuple[memoryview, RoundFrame]:
+        """Receive and verify ``rank``'s frame; as soon as it is the last one the host
+        waits for, compute and sign the HostFrame beside it (into ``ahead``)."""
+        watch = ArrivalWatch(length)
+        waiting = trio.CancelScope()
+        salt = self.config.salt
+
+        async def finish() -> None:
+            with waiting:
+                while not self.fold.only_missing(rank):
+                    await self.fold.changed.wait()
+                # Nothing else arrives now: the pool's other buffer is free to hold the output.
+                ahead.out = self.pool.try_acquire()
+                if ahead.out is None:
+                    return
+                finisher = FinishAhead(self.fold.acc, divide=False, in_length=length, out=ahead.out)
+                if not finisher.supported:
+                    return
+                ahead.finisher = finisher
+            if ahead.finisher is not None:
+                ahead.sealed = await ahead.finisher.follow(buf, watch, MuxKind.HOST_FRAME, salt)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(finish)
+                try:
+                    body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
+                    frame = decode_round_frame(
+                        body, salt, ceiling=self.config.ceiling,
+                        source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
+                    )
+                except BaseException:
+                    watch.abort()
+                    raise
+                finally:
+                    waiting.cancel()  # not the last frame by now: too late to help
+                watch.verified()
+        except BaseExceptionGroup as group:
+            raise sole_exception(group) from None
+        return body, frame
+
+    def _commit_ahead(self, rank: int, ahead: _AheadAttempt) -> bool:
+        """Whether the HostFrame finished ahead closes the round (it was computed from
+        exactly the frames folded so far plus ``rank``'s, now verified)."""
+        if ahead.finisher is None or ahead.sealed is None:
+            return False
+        if not self.fold.complete_ahead(rank, ahead.finisher.acc):
+            return False
+        self.stats.rounds_finished_ahead += 1
+        return True
 
     def _lend_second_buffer(self, verified_length: int) -> None:
         """Once a verified frame proved the model's size, let frames arrive two at a time
@@ -628,11 +740,7 @@ class DataChannel(_Channel):
             self.pool.add(ReceiveBuffer(verified_length))
 
     async def _deposit(self, rank: int, frame: RoundFrame, out: trio.MemorySendChannel[_Outbound]) -> None:
-        """Fold a verified frame; ship the host's frame if it completed the round.
-
-        A function of its own so the shipped frame is not kept alive by a
-        reader waiting for its next frame (it is model-sized).
-        """
+        """Fold a verified frame; ship the host's frame if it completed the round."""
         folded = self.fold.deposit(rank, frame)
         if folded is not None:
             await out.send(folded)
@@ -645,9 +753,15 @@ class DataChannel(_Channel):
 
     async def _write_upstream(self, item: _Outbound) -> None:
         salt = self.config.salt
-        if isinstance(item, (_RawHostFrame, RoundFrame)):
+        if isinstance(item, (_RawHostFrame, _SealedHostFrame, RoundFrame)):
             self.expecting_broadcast = True  # before the write: the answer may beat our resumption
-        if isinstance(item, _RawHostFrame):
+        if isinstance(item, _SealedHostFrame):
+            record = item.record
+            try:
+                await self.upstream.send_chunks(record.chunks)
+            finally:
+                self.pool.release(item.buffer)
+        elif isinstance(item, _RawHostFrame):
             try:
                 record = encode_mux_record(MuxKind.HOST_FRAME, item.body, salt)
                 await self.upstream.send_chunks(record.chunks)

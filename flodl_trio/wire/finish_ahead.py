@@ -76,10 +76,13 @@ class FinishAhead:
     ``divide``: the controller's consensus (multiply by f32(1 / total mass) for
     a Model round with mass > 0); otherwise a relay's plain sum. Feed the
     arriving bytes with :meth:`consume`; when :attr:`complete`, the output
-    holds every byte but the frame's MAC.
+    holds every byte but the frame's MAC. ``out`` is where the output goes
+    (reserved to the planned length); by default a buffer of its own.
     """
 
-    def __init__(self, acc: FoldAccumulator, *, divide: bool, in_length: int) -> None:
+    def __init__(
+        self, acc: FoldAccumulator, *, divide: bool, in_length: int, out: ReceiveBuffer | None = None
+    ) -> None:
         self.acc = acc
         self.divide = divide
         self.in_length = in_length
@@ -94,7 +97,10 @@ class FinishAhead:
         self._tensors_seen = 0
         self._wide = np.empty(BLOCK, dtype=U32)
         self.out_len: int | None = self._planned_length()
-        self._out = ReceiveBuffer(self.out_len or 0)
+        # The output: a buffer of the caller's (a relay lends one of its receive
+        # buffers) or a fresh one, sized once from the verified schema.
+        self._out = out if out is not None else ReceiveBuffer()
+        self._out.reserve(self.out_len or 0)
 
     # -- planning ------------------------------------------------------------
 

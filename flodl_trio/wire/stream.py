@@ -89,6 +89,12 @@ class ReceiveBuffer:
     def view(self, n: int) -> memoryview:
         return memoryview(self._array)[:n]
 
+    def reserve(self, n: int) -> None:
+        """At least ``n`` bytes of capacity, contents discarded: only for a size
+        already proven (computed from verified frames)."""
+        if self._array.size < n:
+            self._array = np.empty(n, dtype=np.uint8)
+
 
 class BufferPool:
     """A small set of receive buffers shared by many readers.
@@ -115,6 +121,13 @@ class BufferPool:
 
     async def acquire(self) -> ReceiveBuffer:
         return await self._receive.receive()
+
+    def try_acquire(self) -> ReceiveBuffer | None:
+        """A free buffer now, or None."""
+        try:
+            return self._receive.receive_nowait()
+        except trio.WouldBlock:
+            return None
 
     def release(self, buf: ReceiveBuffer) -> None:
         self._send.send_nowait(buf)
@@ -327,12 +340,14 @@ class MessageStream:
         return buf.view(length)
 
     async def receive_round_frame_body(
-        self, buf: ReceiveBuffer, length: int, salt: SessionSalt, what: str
+        self, buf: ReceiveBuffer, length: int, salt: SessionSalt, what: str, watch: ArrivalWatch | None = None
     ) -> tuple[memoryview, bytes]:
         """A length-framed RoundFrame's bytes, and the MAC of all but its last 8 bytes
-        (the frame's tag) computed as they arrived - ready for ``decode_round_frame``."""
+        (the frame's tag) computed as they arrived - ready for ``decode_round_frame``.
+
+        ``watch`` follows the arrival (the caller marks it verified or aborted)."""
         mac = RunningMac(salt.hmac(), max(length - MAC_LEN, 0))
-        body = await self.receive_into_buffer(buf, length, what, mac)
+        body = await self.receive_into_buffer(buf, length, what, mac, watch)
         return body, mac.tag()
 
     async def receive_length_prefix(self, ceiling: int = DEFAULT_FRAME_CEILING) -> int | None:
