@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flodl_trio.wire import (  # noqa: E402
+from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
     FoldAccumulator,

@@ -28,7 +28,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flodl_trio.testing.matrix import MATRIX, Case, CaseRecord, run_case  # noqa: E402
+from flodl_trio.testing.matrix import MATRIX, Case, CaseRecord, run_case
 
 
 def cpu_model() -> str:
@@ -53,7 +53,7 @@ def run_one(case: Case) -> tuple[CaseRecord, bool, float]:
     try:
         record = trio.run(run_case, case)
         ok = True
-    except BaseException as exc:  # noqa: BLE001 - a failed case is a row, not a crash
+    except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             raise
         reason = str(exc).splitlines()[0] if str(exc) else ""

@@ -149,7 +149,7 @@ def write_safetensors_atomic(path: Path, tensors: Sequence[tuple[str, np.ndarray
             f.write(head)
             for flat in arrays:
                 if flat.nbytes:
-                    f.write(memoryview(flat.reshape(-1)).cast("B"))
+                    f.write(flat.reshape(-1).data.cast("B"))
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
@@ -322,7 +322,7 @@ def restore_module(module: torch.nn.Module, checkpoint: Checkpoint, *, buffers: 
     """
     import torch
 
-    named_params = list(module.named_parameters())
+    named_params: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
     named_buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()] if buffers else []
     pairs: list[tuple[torch.Tensor, np.ndarray]] = []
     groups = [("parameter", named_params, checkpoint.params)]

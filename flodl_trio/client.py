@@ -158,7 +158,7 @@ class ReduceClient:
         # The bound is our own schema, so this allocation is trusted; the reply owns it.
         body = np.empty(length, dtype=np.uint8)
         mac = RunningMac(self._salt.hmac(), max(length - 8, 0))
-        await self._conn.receive_into(memoryview(body), "the consensus frame", mac)
+        await self._conn.receive_into(body.data, "the consensus frame", mac)
         reply = decode_round_frame(
             body, self._salt, source=f"relay (rank {self.rank}'s consensus)", mac_of_body=mac.tag()
         )
@@ -382,22 +382,27 @@ class ControlClient:
 
     async def _reader(self, inbox: trio.MemorySendChannel[ControlFrame | None]) -> None:
         """Read whole messages with no deadline (a timeout must never cut one in half)
-        and hand them to the beacon watch; None marks the relay closing the connection."""
+        and hand them to the beacon watch; None marks the relay closing the connection.
+
+        On a failure the channel is left open: closing it would wake the watch
+        with EndOfChannel, a second error beside the real one, instead of letting
+        the nursery cancel it.
+        """
         buf = ReceiveBuffer()
-        async with inbox:
-            while True:
-                try:
-                    blob = await self._conn.receive_len_framed(buf, CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FramingError) as exc:
-                    raise CoordinatorLost(f"rank {self.rank}: control connection failed: {exc}") from None
-                if blob is None:
-                    await inbox.send(None)
-                    return
-                try:
-                    frame = decode_control_frame(blob, self._salt, source="the coordinator")
-                except MacError as exc:
-                    raise CoordinatorLost(f"rank {self.rank}: {exc}") from None
-                await inbox.send(frame)
+        while True:
+            try:
+                blob = await self._conn.receive_len_framed(buf, CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FramingError) as exc:
+                raise CoordinatorLost(f"rank {self.rank}: control connection failed: {exc}") from None
+            if blob is None:
+                await inbox.send(None)
+                await inbox.aclose()
+                return
+            try:
+                frame = decode_control_frame(blob, self._salt, source="the coordinator")
+            except MacError as exc:
+                raise CoordinatorLost(f"rank {self.rank}: {exc}") from None
+            await inbox.send(frame)
 
     async def _next_message(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> ControlFrame | None:
         """The next message; CoordinatorLost if none comes within the beacon timeout."""

@@ -134,7 +134,7 @@ def spawn(cmd: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Pope
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     workdir = Path(tempfile.mkdtemp(prefix="flodl-demo-"))
     salt_hex = os.urandom(16).hex()

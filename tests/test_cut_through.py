@@ -18,7 +18,13 @@ from flodl_trio import (
     TensorPayload,
     connect_reduce_client,
 )
-from flodl_trio.testing import BandwidthCap, FlipBit, Stall, open_fault_proxy, open_local_cluster
+from flodl_trio.testing import (
+    BandwidthCap,
+    FlipBit,
+    Stall,
+    open_fault_proxy,
+    open_local_cluster,
+)
 from flodl_trio.wire.constants import MAC_LEN, MUX_HEADER_LEN
 
 # Two tensors, well above the relay's small-record threshold (64 KiB).

@@ -15,6 +15,7 @@ import trio
 
 from flodl_trio import (
     DTYPE_F32,
+    ChannelKind,
     DeadRanks,
     DesyncError,
     FlodlError,
@@ -27,12 +28,17 @@ from flodl_trio import (
     connect_reduce_client,
     open_controller,
     open_relay,
-    ChannelKind,
 )
 from flodl_trio.testing import open_local_cluster
-from flodl_trio.wire import encode_round_frame, encode_data_handshake
+from flodl_trio.wire import encode_data_handshake, encode_round_frame
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
-from flodl_trio.wire.mux import Hello, HelloAck, MuxKind, encode_control_record, encode_mux_record
+from flodl_trio.wire.mux import (
+    Hello,
+    HelloAck,
+    MuxKind,
+    encode_control_record,
+    encode_mux_record,
+)
 from flodl_trio.wire.stream import MessageStream, ReceiveBuffer
 
 LOOP = "127.0.0.1"

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_trio.testing.matrix import MATRIX, Case, MatrixFailure, check_round, expected, run_case
+from flodl_trio.testing.matrix import (
+    MATRIX,
+    Case,
+    MatrixFailure,
+    check_round,
+    expected,
+    run_case,
+)
 from flodl_trio.testing.rank_worker import contribution
 
 # Slack on top of a case's own trio.fail_after, so that one reports the hang.

@@ -47,7 +47,13 @@ from flodl_trio.testing import (
 )
 from flodl_trio.testing.proxy import CHUNK, _Layout, _RecordEditor
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
-from flodl_trio.wire.mux import Hello, MuxKind, decode_mux_record, encode_control_record, encode_mux_record
+from flodl_trio.wire.mux import (
+    Hello,
+    MuxKind,
+    decode_mux_record,
+    encode_control_record,
+    encode_mux_record,
+)
 
 LOOP = "127.0.0.1"
 U32 = struct.Struct("<I")

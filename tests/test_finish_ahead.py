@@ -10,7 +10,14 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_trio import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, SessionSalt, TensorPayload
+from flodl_trio import (
+    DTYPE_BF16,
+    DTYPE_F32,
+    RoundFrame,
+    RoundKind,
+    SessionSalt,
+    TensorPayload,
+)
 from flodl_trio.wire import encode_round_frame
 from flodl_trio.wire.bf16 import f32_to_bf16
 from flodl_trio.wire.finish_ahead import FinishAhead

@@ -9,7 +9,13 @@ import pytest
 import torch
 import trio
 
-from flodl_trio import DeadRanks, FlodlError, RankDeadError, SessionSalt, connect_reduce_client
+from flodl_trio import (
+    DeadRanks,
+    FlodlError,
+    RankDeadError,
+    SessionSalt,
+    connect_reduce_client,
+)
 from flodl_trio.client import CoordinatorLost, connect_control_client
 from flodl_trio.testing import open_local_cluster, open_process_cluster
 from flodl_trio.testing.rank_worker import contribution
@@ -165,3 +171,34 @@ def test_model_signature_tracks_architecture_not_values():
     assert model_signature(a) != model_signature(torch.nn.Linear(4, 3).double())  # dtype
     bn = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     assert model_signature(bn) != model_signature(torch.nn.Sequential(torch.nn.Linear(4, 3)))  # buffers count
+
+
+async def test_control_connection_reset_raises_coordinator_lost_alone(salt):
+    """The control relay accepts the rank, then resets the connection. The client's
+    reader fails with CoordinatorLost; the beacon watch beside it must not add a
+    second error of its own (it once saw its message channel closed and raised
+    EndOfChannel, turning a clear error into an exception group). Repeated,
+    because the two tasks race."""
+    import functools
+    import socket
+    import struct
+
+    from flodl_trio.wire.handshake import CONTROL_HANDSHAKE_LEN, encode_control_ack
+
+    async def accept_then_reset(stream: trio.SocketStream) -> None:
+        received = 0
+        while received < CONTROL_HANDSHAKE_LEN:
+            received += len(await stream.receive_some(CONTROL_HANDSHAKE_LEN - received))
+        await stream.send_all(encode_control_ack(salt))
+        await trio.sleep(0.05)  # the client is now waiting for beacons
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, accept_then_reset, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        for _ in range(10):
+            with pytest.raises(CoordinatorLost, match="control connection failed"):
+                async with connect_control_client(("127.0.0.1", port), 0, 1, salt, b"\0" * 32, beacon_timeout=30):
+                    await trio.sleep_forever()
+        nursery.cancel_scope.cancel()

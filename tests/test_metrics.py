@@ -9,7 +9,12 @@ import trio
 from flodl_trio import ChannelKind, connect_reduce_client
 from flodl_trio.metrics import serve_controller_metrics, serve_relay_metrics
 from flodl_trio.testing import open_local_cluster
-from flodl_trio.wire import RoundFrame, TensorPayload, encode_data_handshake, encode_round_frame
+from flodl_trio.wire import (
+    RoundFrame,
+    TensorPayload,
+    encode_data_handshake,
+    encode_round_frame,
+)
 from flodl_trio.wire.salt import SessionSalt
 from flodl_trio.wire.stream import MessageStream
 

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_trio import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, SchemaError, TensorPayload
+from flodl_trio import (
+    DTYPE_BF16,
+    DTYPE_F32,
+    RoundFrame,
+    RoundKind,
+    SchemaError,
+    TensorPayload,
+)
 from flodl_trio.errors import ConfigError
 from flodl_trio.outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
 from flodl_trio.wire.bf16 import bf16_to_f32, f32_to_bf16

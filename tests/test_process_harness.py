@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import trio
 
-from flodl_trio import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, connect_reduce_client
+from flodl_trio import (
+    DTYPE_F32,
+    RoundFrame,
+    RoundKind,
+    TensorPayload,
+    connect_reduce_client,
+)
 from flodl_trio.testing import memory_of, open_process_cluster
 from flodl_trio.testing.rank_worker import contribution, parse_pause
 

@@ -1,7 +1,13 @@
 import numpy as np
 import trio
 
-from flodl_trio import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, connect_reduce_client
+from flodl_trio import (
+    DTYPE_F32,
+    RoundFrame,
+    RoundKind,
+    TensorPayload,
+    connect_reduce_client,
+)
 from flodl_trio.testing import open_local_cluster
 
 

@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from flodl_trio.errors import SchemaError
-from flodl_trio.wire import DTYPE_BF16, DTYPE_F32, bf16_to_f32, f32_to_bf16, payload_as_f32, scale_payload
+from flodl_trio.wire import (
+    DTYPE_BF16,
+    DTYPE_F32,
+    bf16_to_f32,
+    f32_to_bf16,
+    payload_as_f32,
+    scale_payload,
+)
 from flodl_trio.wire.bf16 import BLOCK, encode_f32_as, itemsize
 
 N_RANDOM = 1_000_000

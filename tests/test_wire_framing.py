@@ -14,7 +14,13 @@ import pytest
 import trio
 import trio.testing
 
-from flodl_trio.errors import FlodlError, FramingError, MacError, PeerClosedMidFrame, PeerTimeout
+from flodl_trio.errors import (
+    FlodlError,
+    FramingError,
+    MacError,
+    PeerClosedMidFrame,
+    PeerTimeout,
+)
 from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,

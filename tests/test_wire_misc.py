@@ -54,8 +54,8 @@ from flodl_trio.wire import (
     encode_data_handshake,
     encode_mux_record,
     encode_round_frame,
+    netenv,
 )
-from flodl_trio.wire import netenv
 
 SALT = SessionSalt(b"\x42" * 16)
 OTHER_SALT = SessionSalt(b"\x24" * 16)

@@ -388,7 +388,7 @@ async def rank_kill_after_frame() -> Outcome:
             c.kill(3)
             await wait_log_count(c.relay_processes(1)[0], "rank 3 closed its connection", 2)  # data and control
             await c.resume(2)
-            who = lambda k: set(range(4)) if k < 2 else {0, 1, 2}  # noqa: E731 - round 1 keeps rank 3's work
+            who = lambda k: set(range(4)) if k < 2 else {0, 1, 2}
             rounds = await expect_consensus(c, [0, 1, 2], 3, who)
             killed(c, 3, before_round=2, contributors=who)
             seconds = max(rounds[r][1]["time"] for r in rounds) - t0

@@ -28,7 +28,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import attrs
 import trio
@@ -75,12 +75,12 @@ DEFAULT_SKIP: dict[tuple[Framing, FlowName], int] = {
 # ---------------------------------------------------------------------------
 
 
-def _non_negative(_inst: object, attr: attrs.Attribute[object], value: float) -> None:
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
 
 
-def _positive(_inst: object, attr: attrs.Attribute[object], value: float) -> None:
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if value <= 0:
         raise ValueError(f"{attr.name} must be > 0, got {value}")
 

@@ -148,7 +148,7 @@ async def run(args: argparse.Namespace) -> None:
     from flodl_trio.client import connect_control_client
 
     if args.backend == "torch":
-        import torch  # noqa: F401 - before connecting: a 1-2 s import must not stall the heartbeats
+        import torch
 
     salt = SessionSalt.from_hex(os.environ[SALT_ENV])
     data_salt = SessionSalt.from_hex(args.data_salt) if args.data_salt else salt

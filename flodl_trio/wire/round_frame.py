@@ -201,7 +201,7 @@ def encode_round_frame(frame: RoundFrame, salt: SessionSalt) -> bytes:
 class _Cursor:
     """Bounds-checked reader over a frame body, naming what ran out."""
 
-    __slots__ = ("view", "pos")
+    __slots__ = ("pos", "view")
 
     def __init__(self, view: memoryview) -> None:
         self.view = view

@@ -84,10 +84,10 @@ class ReceiveBuffer:
             grown[:filled] = self._array[:filled]
             self._array = grown
         end = min(total, self._array.size)
-        return memoryview(self._array)[filled:end]
+        return self._array.data[filled:end]
 
     def view(self, n: int) -> memoryview:
-        return memoryview(self._array)[:n]
+        return self._array.data[:n]
 
     def reserve(self, n: int) -> None:
         """At least ``n`` bytes of capacity, contents discarded: only for a size
@@ -137,7 +137,7 @@ class RunningMac:
     """An HMAC over bytes ``[0, end)`` of a message, fed chunk by chunk as they arrive,
     so verifying a frame costs no second pass over it (and overlaps the network)."""
 
-    __slots__ = ("mac", "end")
+    __slots__ = ("end", "mac")
 
     def __init__(self, mac: Any, end: int) -> None:
         self.mac = mac
