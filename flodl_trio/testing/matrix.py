@@ -704,13 +704,16 @@ async def uplink_replay() -> Outcome:
         with diagnose(c):
             events = await c.upstream_proxies[1].wait_fired(DuplicateRecord)
             t0 = trio_to_mono(events[0].time)
+            # The proxy has sent the copy; host 0 is let go only once the controller has
+            # read it. Released earlier, host 0 could complete the round first, and the
+            # copy would then be (undetectably) the next round's frame.
+            assert c.controller is not None
+            await c.controller.wait_log(re.compile(r"controller failed: .*HostFrame before the consensus"))
             await c.resume(0)
             outcomes = [await c.wait_outcome(r) for r in range(3)]
             for rank in range(3):
                 check_rounds(c, rank, everyone(3))  # nothing wrong was ever returned
                 await expect_error(c, rank, before_round=0, contributors=everyone(3))
-            assert c.controller is not None
-            await c.controller.wait_log(re.compile(r"controller failed: .*HostFrame before the consensus"))
             seconds = max(o["time"] for o in outcomes) - t0
     return Outcome(f"controller refused the replay (DesyncError naming relay host1); every rank raised {fmt_types(outcomes)}", seconds)
 
