@@ -1,10 +1,16 @@
-"""Cut-through fan-out: a relay forwards a large consensus to its ranks while it
-arrives, and releases each frame's last 8 bytes only once the record's MAC verified.
+"""The streaming paths of large rounds, through real clusters.
+
+Cut-through fan-out: a relay forwards a large consensus to its ranks while it
+arrives, and releases each frame's last 8 bytes only once the record's MAC
+verified. Finishing ahead: the relay's HostFrame and the controller's consensus
+are computed while the round's last frame arrives, and used only if it verifies.
 
 Expected values are computed independently with numpy.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -21,6 +27,7 @@ from flodl_trio import (
 from flodl_trio.testing import (
     BandwidthCap,
     FlipBit,
+    LocalCluster,
     Stall,
     open_fault_proxy,
     open_local_cluster,
@@ -63,6 +70,31 @@ def arrays_of(reply: RoundFrame) -> list[np.ndarray]:
     return [np.frombuffer(t.data, dtype="<f4").copy() for t in reply.tensors]
 
 
+async def bytes_to_ranks_during(
+    cluster: LocalCluster, stall: Stall, after: float, rank_main: Callable[[int, tuple[str, int]], Awaitable[None]]
+) -> dict[int, int]:
+    """Run ``rank_main(rank, address)`` for ranks 0 and 1, each behind a tap on its
+    loopback leg; return how many bytes each tap had passed on to its rank ``after``
+    seconds into ``stall`` (on host 0's uplink)."""
+    seen: dict[int, int] = {}
+    async with open_fault_proxy(cluster.relay_address(0), []) as tap0, open_fault_proxy(
+        cluster.relay_address(1), []
+    ) as tap1:
+        taps = {0: tap0, 1: tap1}
+
+        async def observe() -> None:
+            await cluster.upstream_proxies[0].wait_fired(stall)
+            await trio.sleep(after)
+            for rank, tap in taps.items():
+                seen[rank] = tap.connections[0].down.bytes_out
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(observe)
+            for rank, tap in taps.items():
+                nursery.start_soon(rank_main, rank, tap.address)
+    return seen
+
+
 async def test_large_consensus_is_exact_through_cut_through(salt):
     """Three rounds of a large model over two hosts. Host 1 sits behind a thinner
     uplink than rank 1's loopback, and rank 1 behind a thinner loopback than rank 0's,
@@ -102,28 +134,14 @@ async def test_ranks_receive_the_consensus_while_it_is_still_arriving(salt):
     half = FRAME_LEN // 2
     stall = Stall(at_byte=BROADCAST_PAYLOAD_AT + half, seconds=1.0, direction="down")
     got: dict[int, list[np.ndarray]] = {}
-    seen_during_stall: dict[int, int] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults={0: [stall]}) as cluster:
-        upstream = cluster.upstream_proxies[0]
-        async with open_fault_proxy(cluster.relay_address(0), []) as tap0, open_fault_proxy(
-            cluster.relay_address(1), []
-        ) as tap1:
-            taps = {0: tap0, 1: tap1}
 
-            async def rank_main(rank: int) -> None:
-                async with connect_reduce_client(taps[rank].address, rank, world, salt) as client:
-                    got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
+        async def rank_main(rank: int, address: tuple[str, int]) -> None:
+            async with connect_reduce_client(address, rank, world, salt) as client:
+                got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
 
-            async def observe() -> None:
-                await upstream.wait_fired(stall)
-                await trio.sleep(0.5)  # well inside the 1 s stall
-                for rank, tap in taps.items():
-                    seen_during_stall[rank] = tap.connections[0].down.bytes_out
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(observe)
-                for rank in range(world):
-                    nursery.start_soon(rank_main, rank)
+        # 0.5 s: well inside the 1 s stall.
+        seen_during_stall = await bytes_to_ranks_during(cluster, stall, 0.5, rank_main)
     ack = 8  # the data handshake ack precedes the consensus on the rank leg
     for rank in range(world):
         # Everything that had arrived (less whatever sat in socket buffers) was forwarded...
@@ -145,31 +163,16 @@ async def test_a_broadcast_failing_its_record_mac_never_completes_at_a_rank(salt
     flip = FlipBit(at_byte=HELLO_ACK_RECORD + 17, bit=3, direction="down")
     stall = Stall(at_byte=BROADCAST_PAYLOAD_AT + FRAME_LEN - 4, seconds=0.6, direction="down")
     errors: dict[int, BaseException] = {}
-    during_stall: dict[int, int] = {}
     upstream_faults = {0: [flip, stall]}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=upstream_faults) as cluster:
-        upstream = cluster.upstream_proxies[0]
-        async with open_fault_proxy(cluster.relay_address(0), []) as tap0, open_fault_proxy(
-            cluster.relay_address(1), []
-        ) as tap1:
-            taps = {0: tap0, 1: tap1}
 
-            async def rank_main(rank: int) -> None:
-                async with connect_reduce_client(taps[rank].address, rank, world, salt) as client:
-                    with pytest.raises(FlodlError) as info:
-                        await client.all_reduce(frame_of(values(rank, 0)))
-                    errors[rank] = info.value
+        async def rank_main(rank: int, address: tuple[str, int]) -> None:
+            async with connect_reduce_client(address, rank, world, salt) as client:
+                with pytest.raises(FlodlError) as info:
+                    await client.all_reduce(frame_of(values(rank, 0)))
+                errors[rank] = info.value
 
-            async def observe() -> None:
-                await upstream.wait_fired(stall)
-                await trio.sleep(0.4)
-                for rank, tap in taps.items():
-                    during_stall[rank] = tap.connections[0].down.bytes_out
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(observe)
-                for rank in range(world):
-                    nursery.start_soon(rank_main, rank)
+        during_stall = await bytes_to_ranks_during(cluster, stall, 0.4, rank_main)
         with pytest.raises(MacError, match="MuxRecord"):
             await cluster.relays[0].wait_finished()
     assert sorted(errors) == [0, 1]

@@ -70,9 +70,10 @@ from ..wire.stream import (
     ReceiveBuffer,
     encode_enveloped_frame,
     peer_host,
+    receive_followed,
     tune_socket,
 )
-from ..wire.tasks import service_nursery, sole_exception
+from ..wire.tasks import service_nursery
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -484,19 +485,13 @@ class _Controller:
             if ahead is not None:
                 sealed = await ahead.follow(buf, watch, MuxKind.BROADCAST, self.config.salt)
 
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(finish)
-                try:
-                    kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt, watch)
-                except BaseException:
-                    watch.abort()
-                    raise
-                finally:
-                    waiting.cancel()  # not the last one by now: too late to help
-                watch.verified()
-        except BaseExceptionGroup as group:
-            raise sole_exception(group) from None
+        async def receive() -> tuple[MuxKind, memoryview]:
+            try:
+                return await link.conn.receive_mux_payload(header, buf, self.config.salt, watch)
+            finally:
+                waiting.cancel()  # not the last one by now: too late to help
+
+        kind, payload = await receive_followed(watch, receive, finish)
         return kind, payload, ahead, sealed
 
     def _on_host_frame(

@@ -23,6 +23,7 @@ import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import attrs
@@ -81,9 +82,10 @@ from ..wire.stream import (
     connect_with_retry,
     encode_enveloped_frame,
     peer_host,
+    receive_followed,
     tune_socket,
 )
-from ..wire.tasks import service_nursery, sole_exception
+from ..wire.tasks import service_nursery
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -703,24 +705,17 @@ class DataChannel(_Channel):
             if ahead.finisher is not None:
                 ahead.sealed = await ahead.finisher.follow(buf, watch, MuxKind.HOST_FRAME, salt)
 
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(finish)
-                try:
-                    body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
-                    frame = decode_round_frame(
-                        body, salt, ceiling=self.config.ceiling,
-                        source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
-                    )
-                except BaseException:
-                    watch.abort()
-                    raise
-                finally:
-                    waiting.cancel()  # not the last frame by now: too late to help
-                watch.verified()
-        except BaseExceptionGroup as group:
-            raise sole_exception(group) from None
-        return body, frame
+        async def receive() -> tuple[memoryview, RoundFrame]:
+            try:
+                body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
+                return body, decode_round_frame(
+                    body, salt, ceiling=self.config.ceiling,
+                    source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
+                )
+            finally:
+                waiting.cancel()  # not the last frame by now: too late to help
+
+        return await receive_followed(watch, receive, finish)
 
     def _commit_ahead(self, rank: int, ahead: _AheadAttempt) -> bool:
         """Whether the HostFrame finished ahead closes the round (it was computed from
@@ -798,18 +793,11 @@ class DataChannel(_Channel):
         targets = sorted(self.awaiting_reply)
         self.awaiting_reply.clear()
         watch = ArrivalWatch(header.length)
-        try:
-            async with trio.open_nursery() as nursery:
-                for target in targets:
-                    nursery.start_soon(self._forward_consensus, target, buf, watch, out)
-                try:
-                    await self.upstream.receive_mux_payload(header, buf, self.config.salt, watch)
-                except BaseException:
-                    watch.abort()
-                    raise
-                watch.verified()
-        except BaseExceptionGroup as group:
-            raise sole_exception(group) from None
+        await receive_followed(
+            watch,
+            partial(self.upstream.receive_mux_payload, header, buf, self.config.salt, watch),
+            *(partial(self._forward_consensus, target, buf, watch, out) for target in targets),
+        )
         self.stats.bytes_down += header.length
         self.stats.broadcasts_streamed += 1
 

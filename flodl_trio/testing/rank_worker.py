@@ -148,7 +148,7 @@ async def run(args: argparse.Namespace) -> None:
     from flodl_trio.client import connect_control_client
 
     if args.backend == "torch":
-        import torch
+        pass
 
     salt = SessionSalt.from_hex(os.environ[SALT_ENV])
     data_salt = SessionSalt.from_hex(args.data_salt) if args.data_salt else salt

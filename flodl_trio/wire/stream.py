@@ -18,7 +18,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
@@ -49,6 +49,7 @@ from .round_frame import (
 from .salt import Buffer, SessionSalt
 from .tasks import sole_exception
 
+T = TypeVar("T")
 _U32 = struct.Struct("<I")
 # First allocation of an empty receive buffer; it doubles from here as bytes arrive.
 INITIAL_RECEIVE = 64 << 10
@@ -191,6 +192,31 @@ class ArrivalWatch:
     async def wait_done(self) -> None:
         while not self.done:
             await self._changed.wait()
+
+
+async def receive_followed(
+    watch: ArrivalWatch, receive: Callable[[], Awaitable[T]], *followers: Callable[[], Awaitable[None]]
+) -> T:
+    """Run ``receive`` (which advances ``watch``) with ``followers`` working beside it.
+
+    The watch is marked verified when ``receive`` returns (it verifies before
+    returning) and aborted if it raises, so a follower never acts on bytes that
+    failed; the receive's own error comes out unwrapped.
+    """
+    result: list[T] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            for follower in followers:
+                nursery.start_soon(follower)
+            try:
+                result.append(await receive())
+            except BaseException:
+                watch.abort()
+                raise
+            watch.verified()
+    except BaseExceptionGroup as group:
+        raise sole_exception(group) from None
+    return result[0]
 
 
 OnBytes = Callable[[memoryview, int], Awaitable[None]]
