@@ -148,7 +148,10 @@ async def run(args: argparse.Namespace) -> None:
     from flodl_trio.client import connect_control_client
 
     if args.backend == "torch":
-        pass
+        # Import torch (and the tensor bridge) before the control channel is up: an
+        # import inside the first round would stall the event loop for seconds on a
+        # busy machine, and with it the heartbeats.
+        import flodl_trio.tensors  # noqa: F401
 
     salt = SessionSalt.from_hex(os.environ[SALT_ENV])
     data_salt = SessionSalt.from_hex(args.data_salt) if args.data_salt else salt
