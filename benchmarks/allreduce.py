@@ -990,7 +990,7 @@ class Suite:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+        fig, axes = plt.subplots(3, 2, figsize=(13, 13))
         panels: dict[str, list[Row]] = defaultdict(list)
         for row in self.rows:
             kind = ("loopback" if row.workload.startswith("loopback") else "twohost" if row.workload.startswith("2 hosts")
@@ -1011,6 +1011,8 @@ class Suite:
                     return r.result.rounds_per_s
                 if metric == "mbps":
                     return r.model_bytes / (r.result.median_ms / 1e3) / 1e6
+                if metric == "cpu":
+                    return r.result.cpu_ms_per_round
                 return r.result.median_ms
 
             for j, system in enumerate(("flodl_trio", "gloo")):
@@ -1027,6 +1029,7 @@ class Suite:
                                rotation=20, fontsize=8)
             ax.set_ylabel({"rate": "rounds/s (higher is better)",
                            "mbps": "model MB / median round s (higher is better)",
+                           "cpu": "CPU ms per round, all processes",
                            "ms": "median round ms (lower is better)"}[metric])
             ax.set_title(title)
             ax.legend(fontsize=8)
@@ -1034,6 +1037,8 @@ class Suite:
         bars(axes[0][0], panels["loopback"], "one host, loopback (ranks x MiB of f32)", "mbps")
         bars(axes[0][1], panels["twohost"], f"two namespaces, veth shaped to {self.args.link_rate}, 2+2 ranks, 16 MiB", "ms")
         bars(axes[1][0], panels["small"], "4 KiB, 4 ranks, one host", "rate")
+        bars(axes[2][0], panels["loopback"], "CPU per round, one host", "cpu")
+        bars(axes[2][1], panels["twohost"], f"CPU per round, two hosts ({os.cpu_count()} cores shared)", "cpu")
         ax = axes[1][1]
         if self.memory:
             ws = sorted(self.memory)
