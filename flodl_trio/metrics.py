@@ -50,6 +50,11 @@ class ControllerCollector(Collector):
         yield _gauge("flodl_controller_accepted_mass", "Realized-work mass of the last round", stats.last_mass)
         yield _counter("flodl_controller_mac_failures", "Records whose MAC did not verify", stats.mac_failures)
         yield _counter("flodl_controller_rejected_connections", "Connections refused", stats.rejected)
+        yield _counter(
+            "flodl_controller_rounds_finished_ahead",
+            "Rounds whose consensus was computed and signed while the last host frame arrived",
+            stats.rounds_finished_ahead,
+        )
 
 
 class RelayCollector(Collector):
@@ -64,6 +69,13 @@ class RelayCollector(Collector):
         rejected = CounterMetricFamily("flodl_relay_rejected_connections", "Rank connections refused", labels=labels)
         ratio = GaugeMetricFamily("flodl_relay_fold_ratio", "Local bytes in per uplink byte", labels=labels)
         macs = CounterMetricFamily("flodl_relay_mac_failures", "Rank frames whose MAC did not verify", labels=labels)
+        ahead = CounterMetricFamily(
+            "flodl_relay_rounds_finished_ahead", "Host frames computed and signed while the last rank frame arrived",
+            labels=labels,
+        )
+        streamed = CounterMetricFamily(
+            "flodl_relay_broadcasts_streamed", "Consensus frames fanned out while still arriving", labels=labels
+        )
         for kind, handle in self.handles.items():
             key = [handle.host_name, kind.value]
             s = handle.stats
@@ -74,7 +86,9 @@ class RelayCollector(Collector):
             rejected.add_metric(key, s.rejected)
             ratio.add_metric(key, s.fold_ratio)
             macs.add_metric(key, s.mac_failures)
-        yield from (rounds, traffic, live, rejected, ratio, macs)
+            ahead.add_metric(key, s.rounds_finished_ahead)
+            streamed.add_metric(key, s.broadcasts_streamed)
+        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -64,3 +64,27 @@ async def test_metrics_track_rounds_bytes_deaths_and_mac_failures(salt):
     assert rel[f"flodl_relay_rounds_total{key}"] == 3
     assert rel[f"flodl_relay_mac_failures_total{key}"] == 1
     assert 1.9 <= rel[f"flodl_relay_fold_ratio{key}"] <= 2.1  # two live ranks folded into one uplink
+
+
+async def test_metrics_count_the_streaming_paths(salt):
+    """Large rounds over two hosts: every consensus reaches host 0's ranks by
+    cut-through, and the finishing-ahead counters served are the daemons' own."""
+    async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt) as cluster:
+        relay = cluster.relays[0]
+        with serve_controller_metrics(("127.0.0.1", 0), cluster.controller) as ctl_port, \
+                serve_relay_metrics(("127.0.0.1", 0), {ChannelKind.DATA: relay}) as relay_port:
+
+            async def rank_main(r: int) -> None:
+                async with connect_reduce_client(cluster.relay_address(r), r, 3, salt) as client:
+                    for _ in range(3):
+                        await client.all_reduce_tensors([torch.full((100_000,), float(r))])
+
+            async with trio.open_nursery() as nursery:
+                for r in range(3):
+                    nursery.start_soon(rank_main, r)
+            ctl = await scrape(ctl_port)
+            rel = await scrape(relay_port)
+    key = '{channel="data",host="host0"}'
+    assert rel[f"flodl_relay_broadcasts_streamed_total{key}"] == 3
+    assert rel[f"flodl_relay_rounds_finished_ahead_total{key}"] == relay.stats.rounds_finished_ahead
+    assert ctl["flodl_controller_rounds_finished_ahead_total"] == cluster.controller.stats.rounds_finished_ahead
