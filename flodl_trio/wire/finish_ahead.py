@@ -44,7 +44,6 @@ from .salt import SessionSalt
 from .stream import ArrivalWatch, ReceiveBuffer, RunningMac, _mac_feeder
 
 _FRAME_HEADER = struct.Struct("<IIBd")
-_TENSOR_HEAD = struct.Struct("<BB")
 _U64 = struct.Struct("<Q")
 
 
@@ -53,19 +52,18 @@ class _Unfit(Exception):
 
 
 class _Tensor:
-    """Where one tensor's payload sits in the incoming and the outgoing frame."""
+    """One tensor position: where its payload sits in the incoming and the outgoing
+    frame, the folded sum it adds to, and how many elements are done."""
 
-    __slots__ = ("done", "dtype", "in_nbytes", "in_start", "numel", "out_nbytes", "out_start", "shape", "sum")
+    __slots__ = ("done", "dtype", "in_nbytes", "in_start", "numel", "out_start", "sum")
 
-    def __init__(self, dtype: int, shape: tuple[int, ...], in_start: int, in_nbytes: int,
-                 out_start: int, out_nbytes: int, total: npt.NDArray[np.float32] | None) -> None:
+    def __init__(self, dtype: int, numel: int, in_start: int, in_nbytes: int, out_start: int,
+                 total: npt.NDArray[np.float32]) -> None:
         self.dtype = dtype
-        self.shape = shape
-        self.numel = math.prod(shape)
+        self.numel = numel
         self.in_start = in_start
         self.in_nbytes = in_nbytes
         self.out_start = out_start
-        self.out_nbytes = out_nbytes
         self.sum = total
         self.done = 0  # elements written to the output
 
@@ -194,12 +192,11 @@ class FinishAhead:
         if nbytes not in (0, numel * itemsize(dtype)):
             raise _Unfit(f"tensor {index}: {nbytes} bytes for {numel} elements")
         want_dtype, want_shape, total = self._layout[index]
-        if (dtype, tuple(shape)) != (want_dtype, want_shape):
+        if (dtype, tuple(shape)) != (want_dtype, want_shape) or total is None:
             raise _Unfit(f"tensor {index}: schema differs from the folded frames")
-        out_nbytes = numel * itemsize(dtype)
-        self._emit(bytes(raw[:2 + 4 * ndim]) + _U64.pack(out_nbytes))
+        self._emit(bytes(raw[:2 + 4 * ndim]) + _U64.pack(numel * itemsize(dtype)))
         self._tensors_seen += 1
-        tensor = _Tensor(dtype, tuple(shape), self.pos, nbytes, self.out_pos, out_nbytes, total)
+        tensor = _Tensor(dtype, numel, self.pos, nbytes, self.out_pos, total)
         if nbytes == 0:
             self._write_elided(tensor)  # all zeros: the folded sum alone
         else:
@@ -240,7 +237,6 @@ class FinishAhead:
         n = stop - start
         wide = self._wide[:n]
         values = wide.view(F32)
-        assert t.sum is not None
         if raw is None:  # the incoming tensor is elided (all zeros)
             np.copyto(values, t.sum[start:stop])
         else:
