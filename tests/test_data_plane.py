@@ -315,12 +315,16 @@ async def test_malformed_frame_from_live_relay_is_fatal_and_named(salt):
             await ctl.wait_finished()
 
 
-async def test_single_rank_host_forwards_frame_byte_identical(salt):
-    """A fake controller receives the relay's HostFrame: it is the rank's frame, byte for byte."""
+@pytest.mark.parametrize("numel", [3, 300_000], ids=["small", "large-signed-while-arriving"])
+async def test_single_rank_host_forwards_frame_byte_identical(salt, numel):
+    """A fake controller receives the relay's HostFrame: it is the rank's frame, byte
+    for byte, in a record whose MAC verifies. A large one's record MAC is computed
+    while the frame arrives (counted as finished ahead)."""
     seen: dict[str, bytes] = {}
     listeners = await trio.open_tcp_listeners(0, host=LOOP)
     port = listeners[0].socket.getsockname()[1]
-    frame = RoundFrame([TensorPayload(DTYPE_F32, (3,), np.array([1.5, -2.0, 3.25], "<f4")), TensorPayload(DTYPE_F32, (8, 8))], RoundKind.MODEL, 2.5)
+    values = np.linspace(-2.0, 3.25, numel, dtype="<f4")
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), values), TensorPayload(DTYPE_F32, (8, 8))], RoundKind.MODEL, 2.5)
     rank_bytes = encode_round_frame(frame, salt)
 
     async def fake_controller() -> None:
@@ -341,6 +345,7 @@ async def test_single_rank_host_forwards_frame_byte_identical(salt):
                               ranks=[0], world_size=1, salt=salt) as relay:
             async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
                 reply = await client.all_reduce(frame)
+            assert relay.stats.rounds_finished_ahead == (1 if numel > 1000 else 0)
     assert seen["kind"] is MuxKind.HOST_FRAME
     assert seen["payload"] == rank_bytes
     assert reply == frame

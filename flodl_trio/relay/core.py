@@ -47,6 +47,7 @@ from ..wire.constants import (
     CONTROL_FRAME_MAX_PAYLOAD,
     DEFAULT_FRAME_CEILING,
     MAC_LEN,
+    MUX_HEADER_LEN,
 )
 from ..wire.finish_ahead import FinishAhead
 from ..wire.fold import FoldAccumulator
@@ -69,6 +70,7 @@ from ..wire.mux import (
     decode_control_msg,
     encode_control_msg,
     encode_mux_record,
+    mux_signed_header,
 )
 from ..wire.netenv import handshake_timeout
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
@@ -79,8 +81,10 @@ from ..wire.stream import (
     BufferPool,
     MessageStream,
     ReceiveBuffer,
+    RunningMac,
     connect_with_retry,
     encode_enveloped_frame,
+    hash_as_it_lands,
     peer_host,
     receive_followed,
     tune_socket,
@@ -650,7 +654,10 @@ class DataChannel(_Channel):
         ahead = _AheadAttempt()
         try:
             what = f"rank {rank}'s {length}-byte frame"
-            if length > SMALL_RECORD and not self.single:
+            sealed: EncodedFrame | None = None
+            if length > SMALL_RECORD and self.single:
+                body, frame, sealed = await self._receive_signing_record(rank, buf, length, what)
+            elif length > SMALL_RECORD:
                 body, frame = await self._receive_finishing_ahead(rank, buf, length, what, ahead)
             else:
                 body, mac = await self.conns[rank].receive_round_frame_body(buf, length, self.config.salt, what)
@@ -667,12 +674,14 @@ class DataChannel(_Channel):
             self.stats.bytes_local += length + 4
             self._lend_second_buffer(length)
             if self.single:
-                await out.send(_RawHostFrame(body, buf))
+                if sealed is not None:
+                    self.stats.rounds_finished_ahead += 1
+                await out.send(_SealedHostFrame(sealed, buf) if sealed is not None else _RawHostFrame(body, buf))
                 handed_off = True
             elif self._commit_ahead(rank, ahead):
                 assert ahead.sealed is not None and ahead.out is not None
-                sealed, ahead.out = _SealedHostFrame(ahead.sealed, ahead.out), None
-                await out.send(sealed)
+                finished, ahead.out = _SealedHostFrame(ahead.sealed, ahead.out), None
+                await out.send(finished)
             else:
                 await self._deposit(rank, frame, out)
         finally:
@@ -716,6 +725,35 @@ class DataChannel(_Channel):
                 waiting.cancel()  # not the last frame by now: too late to help
 
         return await receive_followed(watch, receive, finish)
+
+    async def _receive_signing_record(
+        self, rank: int, buf: ReceiveBuffer, length: int, what: str
+    ) -> tuple[memoryview, RoundFrame, EncodedFrame | None]:
+        """A single rank's frame goes up byte for byte as the host's frame: receive and
+        verify it while the HostFrame record's MAC is computed over the same bytes,
+        so the record is ready the moment the frame verifies (None if it did not)."""
+        salt = self.config.salt
+        watch = ArrivalWatch(length)
+        signed = mux_signed_header(MuxKind.HOST_FRAME, length)
+        record_mac = salt.hmac()
+        record_mac.update(signed)
+        running = RunningMac(record_mac, length)
+        signed_ok: list[bool] = []
+
+        async def sign() -> None:
+            signed_ok.append(await hash_as_it_lands(buf, watch, running))
+
+        async def receive() -> tuple[memoryview, RoundFrame]:
+            body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
+            return body, decode_round_frame(
+                body, salt, ceiling=self.config.ceiling,
+                source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
+            )
+
+        body, frame = await receive_followed(watch, receive, sign)
+        if not (signed_ok and signed_ok[0]):
+            return body, frame, None
+        return body, frame, EncodedFrame([signed + running.tag(), body], MUX_HEADER_LEN + length)
 
     def _commit_ahead(self, rank: int, ahead: _AheadAttempt) -> bool:
         """Whether the HostFrame finished ahead closes the round (it was computed from

@@ -219,6 +219,26 @@ async def receive_followed(
     return result[0]
 
 
+async def hash_as_it_lands(buf: ReceiveBuffer, watch: ArrivalWatch, mac: RunningMac) -> bool:
+    """Feed ``mac`` the message ``watch`` follows, as its bytes land in ``buf``
+    (a follower for :func:`receive_followed`); True once every byte was fed and
+    the receive verified, False if it failed."""
+    fed = 0
+    async with _mac_feeder(mac, watch.length) as feed:
+        assert feed is not None
+        while fed < watch.length:
+            seen, done = watch.filled, watch.done
+            if done and not watch.ok:
+                return False
+            if seen > fed:
+                await feed(buf.view(seen)[fed:], fed)
+                fed = seen
+            elif not done:
+                await watch.wait_past(fed)
+    await watch.wait_done()
+    return watch.ok
+
+
 OnBytes = Callable[[memoryview, int], Awaitable[None]]
 # Messages at least this big are hashed by a worker thread while the event loop
 # keeps moving bytes (hashlib releases the GIL), in slices of HASH_SLICE.
