@@ -26,6 +26,7 @@ from flodl_trio import (
 )
 from flodl_trio.testing import (
     BandwidthCap,
+    CutAt,
     FlipBit,
     LocalCluster,
     Stall,
@@ -273,3 +274,69 @@ async def test_a_last_rank_frame_failing_its_mac_is_dropped_and_the_round_folds_
     for rank in (0, 2):
         for t, want in enumerate(expected([[0], [2]], 0)):
             np.testing.assert_array_equal(got[rank][t], want)
+
+
+async def test_a_last_rank_cut_mid_frame_frees_everything_and_the_host_carries_on(salt):
+    """Rank 1's frame is its host's last and its connection is cut half-way while relay
+    0 computes the HostFrame beside it. The work is dropped and both receive buffers
+    go back to the pool (round 1 needs them), rank 1 is gone, and both rounds
+    complete exactly from ranks 0 and 2."""
+    world, hosts = 3, [[0, 1], [2]]
+    cut = CutAt(at_byte=16 + 4 + FRAME_LEN // 2, direction="up")
+    got: dict[tuple[int, int], list[np.ndarray]] = {}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+        async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up"), cut]) as slow:
+
+            async def rank_main(rank: int) -> None:
+                address = slow.address if rank == 1 else cluster.relay_address(rank)
+                async with connect_reduce_client(address, rank, world, salt) as client:
+                    if rank == 1:
+                        with pytest.raises(FlodlError):
+                            await client.all_reduce(frame_of(values(rank, 0)))
+                        return
+                    for k in range(2):
+                        got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(world):
+                    nursery.start_soon(rank_main, rank)
+            assert slow.fired(cut)
+        assert cluster.relays[0].stats.rounds_finished_ahead == 0
+    for k in range(2):
+        for rank in (0, 2):
+            for t, want in enumerate(expected([[0], [2]], k)):
+                np.testing.assert_array_equal(got[rank, k][t], want)
+
+
+async def test_a_relay_cut_mid_frame_while_finished_ahead_leaves_the_other_host_its_rounds(salt):
+    """Host 1's HostFrame is the round's last and its uplink is cut half-way while the
+    controller computes the consensus beside it: host 1's ranks are dead, the work is
+    dropped, and host 0 gets both rounds exactly from its own two ranks."""
+    world, hosts = 3, [[0, 1], [2]]
+    hello = 25 + 1 + 1 + len(b"host1") + 1 + 1 + 1
+    cut = CutAt(at_byte=4 + hello + MUX_HEADER_LEN + FRAME_LEN // 2, direction="up")
+    faults = {1: [BandwidthCap(4_000_000, direction="up"), cut]}
+    got: dict[tuple[int, int], list[np.ndarray]] = {}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                if rank == 2:
+                    with pytest.raises(FlodlError):
+                        await client.all_reduce(frame_of(values(rank, 0)))
+                    return
+                for k in range(2):
+                    got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(world):
+                nursery.start_soon(rank_main, rank)
+        assert cluster.upstream_proxies[1].fired(cut)
+        assert cluster.controller.stats.rounds_finished_ahead == 0
+        assert cluster.controller.dead_ranks.is_dead(2)
+        with pytest.raises(FlodlError, match="relay host1: connection to the controller failed"):
+            await cluster.relays[1].wait_finished()
+    for k in range(2):
+        for rank in (0, 1):
+            for t, want in enumerate(expected([[0, 1]], k)):
+                np.testing.assert_array_equal(got[rank, k][t], want)
