@@ -455,3 +455,37 @@ async def test_buffer_pool_grows_only_up_to_its_limit():
     pool.release(first)
     pool.release(second)
     assert {id(await pool.acquire()), id(await pool.acquire())} == {id(first), id(second)}
+
+
+async def test_a_large_message_trickling_in_is_read_in_few_large_reads():
+    """4 MiB sent as 256 pieces of 16 KiB, a pause after each: without a receive
+    low-water mark the reader wakes for nearly every piece; with it, a read waits
+    for 256 KiB (and a read attempted right after may take a small rest)."""
+
+    class CountingWatch(stream_mod.ArrivalWatch):
+        reads = 0
+
+        def advance(self, filled: int) -> None:
+            self.reads += 1
+            super().advance(filled)
+
+    size, piece = 4 << 20, 16 << 10
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    sender = await trio.open_tcp_stream("127.0.0.1", listeners[0].socket.getsockname()[1])
+    receiver = await listeners[0].accept()
+    conn = stream_mod.MessageStream(receiver, "sender")
+    watch = CountingWatch(size)
+    payload = bytes(range(256)) * (size // 256)
+
+    async def trickle() -> None:
+        for i in range(0, size, piece):
+            await sender.send_all(payload[i:i + piece])
+            await trio.sleep(0.001)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle)
+        body = await conn.receive_into_buffer(stream_mod.ReceiveBuffer(), size, "a trickled message", watch=watch)
+    assert bytes(body) == payload
+    assert watch.reads <= 2 * size // stream_mod.RECEIVE_LOW_WATER + 40, watch.reads
+    for s in (sender, receiver, listeners[0]):
+        await s.aclose()

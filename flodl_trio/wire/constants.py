@@ -41,5 +41,3 @@ MODEL_SIGNATURE_LEN: Final = 32
 
 # Default ceiling for one length-framed message or MuxRecord payload.
 DEFAULT_FRAME_CEILING: Final = 1 << 30
-# Receive buffers grow at most this much per step, as bytes actually arrive.
-RECEIVE_GROWTH_STEP: Final = 64 << 20

@@ -55,6 +55,8 @@ _U32 = struct.Struct("<I")
 INITIAL_RECEIVE = 64 << 10
 # Pieces a write is split into, so "no progress" can be told from "slow".
 WRITE_PIECE = 4 << 20
+# Inside a large message, a read waits for at least this many bytes.
+RECEIVE_LOW_WATER = 256 << 10
 # Consecutive chunks smaller than this are joined into one send.
 SMALL_CHUNK = 64 << 10
 
@@ -306,6 +308,7 @@ class MessageStream:
         sock = getattr(stream, "socket", None)
         self._sock: trio.socket.SocketType | None = sock if isinstance(stream, trio.SocketStream) else None
         self._small = bytearray(8)
+        self._low_water = 1
         self.bytes_received = 0
         self.bytes_sent = 0
 
@@ -330,6 +333,7 @@ class MessageStream:
         """
         pos = 0
         while pos < len(view):
+            self._wake_for(total - filled - pos)
             n = -1
             with trio.move_on_after(MID_FRAME_STARVATION_S):
                 n = await self._recv_into(view[pos:])
@@ -347,6 +351,16 @@ class MessageStream:
                 await on_bytes(view[pos:pos + n], filled + pos)
             pos += n
         return filled + pos
+
+    def _wake_for(self, remaining: int) -> None:
+        """Inside a large message, have the kernel wake us only once RECEIVE_LOW_WATER
+        bytes are waiting (SO_RCVLOWAT): far fewer, fuller reads on a slow link.
+        Back to 1 for the message's last stretch, so its end and the next
+        message's header are read the moment they land."""
+        want = RECEIVE_LOW_WATER if remaining >= 2 * RECEIVE_LOW_WATER else 1
+        if want != self._low_water and self._sock is not None:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            self._low_water = want
 
     async def receive_into(self, view: memoryview, what: str, mac: RunningMac | None = None) -> None:
         """Fill a caller-owned view completely (feeding ``mac``); EOF or starvation is an error."""
