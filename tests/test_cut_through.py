@@ -21,6 +21,7 @@ from flodl_trio import (
     FlodlError,
     MacError,
     RoundFrame,
+    SessionSalt,
     TensorPayload,
     connect_reduce_client,
 )
@@ -246,62 +247,44 @@ async def test_a_last_frame_failing_its_mac_while_finished_ahead_is_fatal_and_se
     assert sorted(outcomes) == [0, 1, 2]
 
 
-async def test_a_last_rank_frame_failing_its_mac_is_dropped_and_the_round_folds_without_it(salt):
-    """Rank 1's frame is its host's last and is corrupted mid-payload while relay 0
-    computes the HostFrame beside it: that work is thrown away, rank 1 is dropped
-    (MAC failure), and the round completes from ranks 0 and 2 exactly."""
+async def run_with_a_victim(
+    addresses: dict[int, tuple[str, int]], world: int, salt: SessionSalt, *, victim: int, rounds: int,
+    got: dict[tuple[int, int], list[np.ndarray]],
+) -> None:
+    """Every rank runs ``rounds`` rounds into ``got``, except ``victim``, whose first
+    round must fail with a FlodlError."""
+
+    async def rank_main(rank: int) -> None:
+        async with connect_reduce_client(addresses[rank], rank, world, salt) as client:
+            if rank == victim:
+                with pytest.raises(FlodlError):
+                    await client.all_reduce(frame_of(values(rank, 0)))
+                return
+            for k in range(rounds):
+                got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
+
+    async with trio.open_nursery() as nursery:
+        for rank in range(world):
+            nursery.start_soon(rank_main, rank)
+
+
+@pytest.mark.parametrize("fault", ["flip", "cut"])
+async def test_a_last_rank_frame_that_fails_midway_is_dropped_and_the_host_carries_on(salt, fault):
+    """Rank 1's frame is its host's last; half-way through, a bit flips (the MAC
+    fails at the end) or the connection is cut, while relay 0 computes the
+    HostFrame beside it. That work is thrown away, rank 1 is dropped, and this
+    round and the next complete exactly from ranks 0 and 2."""
     world, hosts = 3, [[0, 1], [2]]
-    flip = FlipBit(at_byte=16 + 4 + FRAME_LEN // 2, bit=6, direction="up")
-    got: dict[int, list[np.ndarray]] = {}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
-        async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up"), flip]) as slow:
-
-            async def rank_main(rank: int) -> None:
-                address = slow.address if rank == 1 else cluster.relay_address(rank)
-                async with connect_reduce_client(address, rank, world, salt) as client:
-                    if rank == 1:
-                        with pytest.raises(FlodlError):
-                            await client.all_reduce(frame_of(values(rank, 0)))
-                        return
-                    got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
-
-            async with trio.open_nursery() as nursery:
-                for rank in range(world):
-                    nursery.start_soon(rank_main, rank)
-            assert slow.fired(flip)
-        stats = cluster.relays[0].stats
-        assert (stats.mac_failures, stats.rounds_finished_ahead) == (1, 0)
-    for rank in (0, 2):
-        for t, want in enumerate(expected([[0], [2]], 0)):
-            np.testing.assert_array_equal(got[rank][t], want)
-
-
-async def test_a_last_rank_cut_mid_frame_frees_everything_and_the_host_carries_on(salt):
-    """Rank 1's frame is its host's last and its connection is cut half-way while relay
-    0 computes the HostFrame beside it. The work is dropped and both receive buffers
-    go back to the pool (round 1 needs them), rank 1 is gone, and both rounds
-    complete exactly from ranks 0 and 2."""
-    world, hosts = 3, [[0, 1], [2]]
-    cut = CutAt(at_byte=16 + 4 + FRAME_LEN // 2, direction="up")
+    at = 16 + 4 + FRAME_LEN // 2
+    broken = FlipBit(at_byte=at, bit=6, direction="up") if fault == "flip" else CutAt(at_byte=at, direction="up")
     got: dict[tuple[int, int], list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
-        async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up"), cut]) as slow:
-
-            async def rank_main(rank: int) -> None:
-                address = slow.address if rank == 1 else cluster.relay_address(rank)
-                async with connect_reduce_client(address, rank, world, salt) as client:
-                    if rank == 1:
-                        with pytest.raises(FlodlError):
-                            await client.all_reduce(frame_of(values(rank, 0)))
-                        return
-                    for k in range(2):
-                        got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
-
-            async with trio.open_nursery() as nursery:
-                for rank in range(world):
-                    nursery.start_soon(rank_main, rank)
-            assert slow.fired(cut)
-        assert cluster.relays[0].stats.rounds_finished_ahead == 0
+        async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up"), broken]) as slow:
+            addresses = {r: slow.address if r == 1 else cluster.relay_address(r) for r in range(world)}
+            await run_with_a_victim(addresses, world, salt, victim=1, rounds=2, got=got)
+            assert slow.fired(broken)
+        stats = cluster.relays[0].stats
+        assert (stats.mac_failures, stats.rounds_finished_ahead) == (1 if fault == "flip" else 0, 0)
     for k in range(2):
         for rank in (0, 2):
             for t, want in enumerate(expected([[0], [2]], k)):
@@ -318,19 +301,8 @@ async def test_a_relay_cut_mid_frame_while_finished_ahead_leaves_the_other_host_
     faults = {1: [BandwidthCap(4_000_000, direction="up"), cut]}
     got: dict[tuple[int, int], list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
-
-        async def rank_main(rank: int) -> None:
-            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
-                if rank == 2:
-                    with pytest.raises(FlodlError):
-                        await client.all_reduce(frame_of(values(rank, 0)))
-                    return
-                for k in range(2):
-                    got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
-
-        async with trio.open_nursery() as nursery:
-            for rank in range(world):
-                nursery.start_soon(rank_main, rank)
+        addresses = {r: cluster.relay_address(r) for r in range(world)}
+        await run_with_a_victim(addresses, world, salt, victim=2, rounds=2, got=got)
         assert cluster.upstream_proxies[1].fired(cut)
         assert cluster.controller.stats.rounds_finished_ahead == 0
         assert cluster.controller.dead_ranks.is_dead(2)
