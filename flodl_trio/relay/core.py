@@ -660,11 +660,7 @@ class DataChannel(_Channel):
             elif length > SMALL_RECORD:
                 body, frame = await self._receive_finishing_ahead(rank, buf, length, what, ahead)
             else:
-                body, mac = await self.conns[rank].receive_round_frame_body(buf, length, self.config.salt, what)
-                frame = decode_round_frame(
-                    body, self.config.salt, ceiling=self.config.ceiling,
-                    source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
-                )
+                body, frame = await self._receive_verified(rank, buf, length, what)
             if rank in self.awaiting_reply:
                 raise DesyncError(
                     f"relay {self.config.host_name}: rank {rank} deposited twice in one round "
@@ -674,8 +670,7 @@ class DataChannel(_Channel):
             self.stats.bytes_local += length + 4
             self._lend_second_buffer(length)
             if self.single:
-                if sealed is not None:
-                    self.stats.rounds_finished_ahead += 1
+                self.stats.rounds_finished_ahead += sealed is not None
                 await out.send(_SealedHostFrame(sealed, buf) if sealed is not None else _RawHostFrame(body, buf))
                 handed_off = True
             elif self._commit_ahead(rank, ahead):
@@ -689,6 +684,18 @@ class DataChannel(_Channel):
                 self.pool.release(buf)
             if ahead.out is not None:
                 self.pool.release(ahead.out)
+
+    async def _receive_verified(
+        self, rank: int, buf: ReceiveBuffer, length: int, what: str, watch: ArrivalWatch | None = None
+    ) -> tuple[memoryview, RoundFrame]:
+        """``rank``'s frame, its MAC computed as the bytes land and checked at the end."""
+        salt = self.config.salt
+        body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
+        frame = decode_round_frame(
+            body, salt, ceiling=self.config.ceiling, source=f"rank {rank} on host {self.config.host_name}",
+            mac_of_body=mac,
+        )
+        return body, frame
 
     async def _receive_finishing_ahead(
         self, rank: int, buf: ReceiveBuffer, length: int, what: str, ahead: _AheadAttempt
@@ -716,11 +723,7 @@ class DataChannel(_Channel):
 
         async def receive() -> tuple[memoryview, RoundFrame]:
             try:
-                body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
-                return body, decode_round_frame(
-                    body, salt, ceiling=self.config.ceiling,
-                    source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
-                )
+                return await self._receive_verified(rank, buf, length, what, watch)
             finally:
                 waiting.cancel()  # not the last frame by now: too late to help
 
@@ -743,14 +746,7 @@ class DataChannel(_Channel):
         async def sign() -> None:
             signed_ok.append(await hash_as_it_lands(buf, watch, running))
 
-        async def receive() -> tuple[memoryview, RoundFrame]:
-            body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
-            return body, decode_round_frame(
-                body, salt, ceiling=self.config.ceiling,
-                source=f"rank {rank} on host {self.config.host_name}", mac_of_body=mac,
-            )
-
-        body, frame = await receive_followed(watch, receive, sign)
+        body, frame = await receive_followed(watch, partial(self._receive_verified, rank, buf, length, what, watch), sign)
         if not (signed_ok and signed_ok[0]):
             return body, frame, None
         return body, frame, EncodedFrame([signed + running.tag(), body], MUX_HEADER_LEN + length)
