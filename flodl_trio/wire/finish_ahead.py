@@ -28,6 +28,7 @@ import struct
 
 import numpy as np
 import numpy.typing as npt
+import trio
 
 from .bf16 import BLOCK, DTYPE_NAMES, F32, U16, U32, f32_to_bf16, itemsize
 from .constants import (
@@ -44,6 +45,8 @@ from .salt import SessionSalt
 from .stream import ArrivalWatch, ReceiveBuffer, RunningMac, _mac_feeder
 
 _FRAME_HEADER = struct.Struct("<IIBd")
+# Incoming bytes processed between two checkpoints of the event loop.
+FOLLOW_SLICE = 4 << 20
 _U64 = struct.Struct("<Q")
 
 
@@ -289,12 +292,17 @@ class FinishAhead:
                 seen, done = watch.filled, watch.done
                 if done and not watch.ok:
                     return None
-                for piece, offset in self.consume(buf.view(seen)):
+                # A slice at a time, so a burst of arrived bytes never holds the event loop long.
+                upto = min(seen, self.pos + FOLLOW_SLICE)
+                for piece, offset in self.consume(buf.view(upto)):
                     await feed_frame(piece, offset)
                     await feed_record(piece, offset)
-                if done:
+                if upto < seen:
+                    await trio.lowlevel.checkpoint()
+                elif done:
                     break  # everything that will ever arrive has been consumed
-                await watch.wait_past(seen)
+                else:
+                    await watch.wait_past(seen)
         if not self.complete:
             return None
         await watch.wait_done()
