@@ -156,8 +156,9 @@ class RunningMac:
 
 
 class ArrivalWatch:
-    """How much of a message being received has landed, for tasks that forward it
-    on while it arrives (cut-through) and must not release its end before it is verified.
+    """How much of a message being received has landed, for tasks that work on it
+    while it arrives (forwarding it, signing it, computing from it) and must not
+    let anything out before it is verified.
 
     The receiving task calls :meth:`advance` as bytes land, then exactly one of
     :meth:`verified` or :meth:`abort`; watchers wait with :meth:`wait_past`.
@@ -235,10 +236,12 @@ async def hash_as_it_lands(buf: ReceiveBuffer, watch: ArrivalWatch, mac: Running
             if seen > fed:
                 await feed(buf.view(seen)[fed:], fed)
                 fed = seen
-            elif not done:
+            elif done:
+                break
+            else:
                 await watch.wait_past(fed)
     await watch.wait_done()
-    return watch.ok
+    return watch.ok and fed == watch.length
 
 
 OnBytes = Callable[[memoryview, int], Awaitable[None]]
