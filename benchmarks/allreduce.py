@@ -88,6 +88,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _machine import cpu_model  # this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -1074,15 +1076,6 @@ def code_version() -> str:
         return "unknown (not a git checkout)"
     return head + (" + uncommitted changes in flodl_trio/" if dirty else "")
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def summarize_profiles(directory: Path, top: int = 12) -> str:

@@ -36,6 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _machine import cpu_model  # noqa: E402  (this script's folder is on sys.path)
+
 from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -55,15 +57,6 @@ BF16_TARGET_MBPS = 1000.0
 FOLD_TARGET_MBPS = 1000.0
 N_FOLD = 4
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def best_time(fn: Callable[[], object], reps: int) -> float:

@@ -28,17 +28,9 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _machine import cpu_model  # noqa: E402  (this script's folder is on sys.path)
 from flodl_trio.testing.matrix import MATRIX, Case, CaseRecord, run_case
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def machine() -> str:
