@@ -11,6 +11,7 @@ Expected values are computed independently with numpy.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import numpy as np
 import pytest
@@ -21,10 +22,9 @@ from flodl_trio import (
     FlodlError,
     MacError,
     RoundFrame,
-    SessionSalt,
     TensorPayload,
-    connect_reduce_client,
 )
+from flodl_trio.client import ReduceClient
 from flodl_trio.testing import (
     BandwidthCap,
     CutAt,
@@ -73,9 +73,9 @@ def arrays_of(reply: RoundFrame) -> list[np.ndarray]:
 
 
 async def bytes_to_ranks_during(
-    cluster: LocalCluster, stall: Stall, after: float, rank_main: Callable[[int, tuple[str, int]], Awaitable[None]]
+    cluster: LocalCluster, stall: Stall, after: float, rank_main: Callable[[int, ReduceClient], Awaitable[None]]
 ) -> dict[int, int]:
-    """Run ``rank_main(rank, address)`` for ranks 0 and 1, each behind a tap on its
+    """Run ``rank_main(rank, client)`` for ranks 0 and 1, each behind a tap on its
     loopback leg; return how many bytes each tap had passed on to its rank ``after``
     seconds into ``stall`` (on host 0's uplink)."""
     seen: dict[int, int] = {}
@@ -92,8 +92,8 @@ async def bytes_to_ranks_during(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(observe)
-            for rank, tap in taps.items():
-                nursery.start_soon(rank_main, rank, tap.address)
+            addresses = {rank: tap.address for rank, tap in taps.items()}
+            nursery.start_soon(partial(cluster.run_ranks, rank_main, taps, addresses=addresses))
     return seen
 
 
@@ -109,15 +109,11 @@ async def test_large_consensus_is_exact_through_cut_through(salt):
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=thin) as cluster:
         async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up")]) as slow:
 
-            async def rank_main(rank: int) -> None:
-                address = slow.address if rank == 1 else cluster.relay_address(rank)
-                async with connect_reduce_client(address, rank, world, salt) as client:
-                    for k in range(3):
-                        got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
+            async def rank_main(rank: int, client: ReduceClient) -> None:
+                for k in range(3):
+                    got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
 
-            async with trio.open_nursery() as nursery:
-                for rank in range(world):
-                    nursery.start_soon(rank_main, rank)
+            await cluster.run_ranks(rank_main, addresses={1: slow.address})
         assert cluster.relays[0].stats.broadcasts_streamed == 3
         assert cluster.relays[0].stats.rounds_finished_ahead == 3
         assert cluster.controller.stats.rounds_finished_ahead == 3
@@ -138,9 +134,8 @@ async def test_ranks_receive_the_consensus_while_it_is_still_arriving(salt):
     got: dict[int, list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults={0: [stall]}) as cluster:
 
-        async def rank_main(rank: int, address: tuple[str, int]) -> None:
-            async with connect_reduce_client(address, rank, world, salt) as client:
-                got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
+        async def rank_main(rank: int, client: ReduceClient) -> None:
+            got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
 
         # 0.5 s: well inside the 1 s stall.
         seen_during_stall = await bytes_to_ranks_during(cluster, stall, 0.5, rank_main)
@@ -168,11 +163,10 @@ async def test_a_broadcast_failing_its_record_mac_never_completes_at_a_rank(salt
     upstream_faults = {0: [flip, stall]}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=upstream_faults) as cluster:
 
-        async def rank_main(rank: int, address: tuple[str, int]) -> None:
-            async with connect_reduce_client(address, rank, world, salt) as client:
-                with pytest.raises(FlodlError) as info:
-                    await client.all_reduce(frame_of(values(rank, 0)))
-                errors[rank] = info.value
+        async def rank_main(rank: int, client: ReduceClient) -> None:
+            with pytest.raises(FlodlError) as info:
+                await client.all_reduce(frame_of(values(rank, 0)))
+            errors[rank] = info.value
 
         during_stall = await bytes_to_ranks_during(cluster, stall, 0.4, rank_main)
         with pytest.raises(MacError, match="MuxRecord"):
@@ -202,15 +196,12 @@ async def test_a_params_round_goes_through_the_outer_step_not_ahead(salt):
         world_size=world, hosts=hosts, salt=salt, upstream_faults=thin, outer_optimizer=doubled
     ) as cluster:
 
-        async def rank_main(rank: int) -> None:
-            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
-                await client.all_reduce_per_rank_f64([float(r) for r in range(world)])
-                got[rank, "params"] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
-                got[rank, "buffers"] = arrays_of(await client.all_reduce(frame_of(values(rank, 1))))
+        async def rank_main(rank: int, client: ReduceClient) -> None:
+            await client.all_reduce_per_rank_f64([float(r) for r in range(world)])
+            got[rank, "params"] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
+            got[rank, "buffers"] = arrays_of(await client.all_reduce(frame_of(values(rank, 1))))
 
-        async with trio.open_nursery() as nursery:
-            for rank in range(world):
-                nursery.start_soon(rank_main, rank)
+        await cluster.run_ranks(rank_main)
         assert cluster.controller.stats.rounds_finished_ahead == 1
     for rank in range(world):
         for t, want in enumerate(expected(hosts, 0)):
@@ -230,15 +221,12 @@ async def test_a_last_frame_failing_its_mac_while_finished_ahead_is_fatal_and_se
     outcomes: dict[int, BaseException] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
 
-        async def rank_main(rank: int) -> None:
-            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
-                with pytest.raises(FlodlError) as info:
-                    await client.all_reduce(frame_of(values(rank, 0)))
-                outcomes[rank] = info.value
+        async def rank_main(rank: int, client: ReduceClient) -> None:
+            with pytest.raises(FlodlError) as info:
+                await client.all_reduce(frame_of(values(rank, 0)))
+            outcomes[rank] = info.value
 
-        async with trio.open_nursery() as nursery:
-            for rank in range(world):
-                nursery.start_soon(rank_main, rank)
+        await cluster.run_ranks(rank_main)
         with pytest.raises(MacError, match="relay host1"):
             await cluster.controller.wait_finished()
         assert cluster.upstream_proxies[1].fired(flip)
@@ -248,24 +236,21 @@ async def test_a_last_frame_failing_its_mac_while_finished_ahead_is_fatal_and_se
 
 
 async def run_with_a_victim(
-    addresses: dict[int, tuple[str, int]], world: int, salt: SessionSalt, *, victim: int, rounds: int,
-    got: dict[tuple[int, int], list[np.ndarray]],
+    cluster: LocalCluster, *, victim: int, rounds: int, got: dict[tuple[int, int], list[np.ndarray]],
+    addresses: dict[int, tuple[str, int]] | None = None,
 ) -> None:
     """Every rank runs ``rounds`` rounds into ``got``, except ``victim``, whose first
     round must fail with a FlodlError."""
 
-    async def rank_main(rank: int) -> None:
-        async with connect_reduce_client(addresses[rank], rank, world, salt) as client:
-            if rank == victim:
-                with pytest.raises(FlodlError):
-                    await client.all_reduce(frame_of(values(rank, 0)))
-                return
-            for k in range(rounds):
-                got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
+    async def rank_main(rank: int, client: ReduceClient) -> None:
+        if rank == victim:
+            with pytest.raises(FlodlError):
+                await client.all_reduce(frame_of(values(rank, 0)))
+            return
+        for k in range(rounds):
+            got[rank, k] = arrays_of(await client.all_reduce(frame_of(values(rank, k))))
 
-    async with trio.open_nursery() as nursery:
-        for rank in range(world):
-            nursery.start_soon(rank_main, rank)
+    await cluster.run_ranks(rank_main, addresses=addresses)
 
 
 @pytest.mark.parametrize("fault", ["flip", "cut"])
@@ -280,8 +265,7 @@ async def test_a_last_rank_frame_that_fails_midway_is_dropped_and_the_host_carri
     got: dict[tuple[int, int], list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
         async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up"), broken]) as slow:
-            addresses = {r: slow.address if r == 1 else cluster.relay_address(r) for r in range(world)}
-            await run_with_a_victim(addresses, world, salt, victim=1, rounds=2, got=got)
+            await run_with_a_victim(cluster, victim=1, rounds=2, got=got, addresses={1: slow.address})
             assert slow.fired(broken)
         stats = cluster.relays[0].stats
         assert (stats.mac_failures, stats.rounds_finished_ahead) == (1 if fault == "flip" else 0, 0)
@@ -301,8 +285,7 @@ async def test_a_relay_cut_mid_frame_while_finished_ahead_leaves_the_other_host_
     faults = {1: [BandwidthCap(4_000_000, direction="up"), cut]}
     got: dict[tuple[int, int], list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
-        addresses = {r: cluster.relay_address(r) for r in range(world)}
-        await run_with_a_victim(addresses, world, salt, victim=2, rounds=2, got=got)
+        await run_with_a_victim(cluster, victim=2, rounds=2, got=got)
         assert cluster.upstream_proxies[1].fired(cut)
         assert cluster.controller.stats.rounds_finished_ahead == 0
         assert cluster.controller.dead_ranks.is_dead(2)

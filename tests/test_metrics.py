@@ -7,6 +7,7 @@ import torch
 import trio
 
 from flodl_trio import ChannelKind, connect_reduce_client
+from flodl_trio.client import ReduceClient
 from flodl_trio.metrics import serve_controller_metrics, serve_relay_metrics
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire import (
@@ -74,14 +75,11 @@ async def test_metrics_count_the_streaming_paths(salt):
         with serve_controller_metrics(("127.0.0.1", 0), cluster.controller) as ctl_port, \
                 serve_relay_metrics(("127.0.0.1", 0), {ChannelKind.DATA: relay}) as relay_port:
 
-            async def rank_main(r: int) -> None:
-                async with connect_reduce_client(cluster.relay_address(r), r, 3, salt) as client:
-                    for _ in range(3):
-                        await client.all_reduce_tensors([torch.full((100_000,), float(r))])
+            async def rank_main(r: int, client: ReduceClient) -> None:
+                for _ in range(3):
+                    await client.all_reduce_tensors([torch.full((100_000,), float(r))])
 
-            async with trio.open_nursery() as nursery:
-                for r in range(3):
-                    nursery.start_soon(rank_main, r)
+            await cluster.run_ranks(rank_main)
             ctl = await scrape(ctl_port)
             rel = await scrape(relay_port)
     key = '{channel="data",host="host0"}'

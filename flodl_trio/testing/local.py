@@ -13,12 +13,21 @@ controller leg for you (``cluster.upstream_proxies[host_index]``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING
 
 import attrs
+import trio
 
+from ..client import ReduceClient, connect_reduce_client
 from ..controller import ControllerHandle, open_controller
 from ..dead_ranks import DeadRanks
 from ..relay import ChannelKind, RelayHandle, open_relay
@@ -56,6 +65,29 @@ class LocalCluster:
     def relay_address(self, rank: int) -> tuple[str, int]:
         """The loopback address rank ``rank`` connects to."""
         return (LOOPBACK, self.relay_for(rank).port)
+
+    async def run_ranks(
+        self,
+        rank_main: Callable[[int, ReduceClient], Awaitable[None]],
+        ranks: Iterable[int] | None = None,
+        *,
+        addresses: Mapping[int, tuple[str, int]] | None = None,
+    ) -> None:
+        """Connect a client for each of ``ranks`` (default: every rank) and run
+        ``rank_main(rank, client)`` for all of them at once; return when all are done.
+
+        A rank connects to its host's relay, or to ``addresses[rank]`` (a fault
+        proxy in front of it, say). The client is closed when its ``rank_main`` ends.
+        """
+
+        async def run_one(rank: int) -> None:
+            address = addresses[rank] if addresses and rank in addresses else self.relay_address(rank)
+            async with connect_reduce_client(address, rank, self.world_size, self.salt) as client:
+                await rank_main(rank, client)
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(self.world_size) if ranks is None else ranks:
+                nursery.start_soon(run_one, rank)
 
     def control_address(self, rank: int) -> tuple[str, int]:
         """The loopback address of rank ``rank``'s control relay (``control=True`` clusters)."""
