@@ -80,6 +80,21 @@ async def start_daemon(nursery: trio.Nursery, module: str, *args: str, env: dict
     return daemon
 
 
+async def start_pair(
+    nursery: trio.Nursery, world_size: int, ranks: str, *, controller_args: tuple[str, ...] = (),
+    relay_args: tuple[str, ...] = (),
+) -> tuple[Daemon, Daemon, int]:
+    """A controller daemon and one data relay daemon (carrying ``ranks``) on free
+    loopback ports; returns both and the relay's data port."""
+    ctl_port, data_port = free_ports(2)
+    controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
+                                    "--world-size", str(world_size), *controller_args)
+    relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", ranks,
+                               "--world-size", str(world_size), "--channels", "data", "--data-port", str(data_port),
+                               *relay_args)
+    return controller, relay, data_port
+
+
 def run_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
@@ -188,12 +203,8 @@ async def scrape(port: int) -> str:
 
 @pytest.mark.deadline(40)
 async def test_sigterm_and_sigint_stop_cleanly_without_traceback():
-    ctl_port, data_port = free_ports(2)
     async with trio.open_nursery() as nursery:
-        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
-                                        "--world-size", "2", "--keep-serving")
-        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0",
-                                   "--world-size", "2", "--channels", "data", "--data-port", str(data_port))
+        controller, relay, _port = await start_pair(nursery, 2, "0", controller_args=("--keep-serving",))
         await controller.wait_for("controller started")
         await relay.wait_for("started")
         relay.process.send_signal(signal.SIGINT)
@@ -207,12 +218,8 @@ async def test_sigterm_and_sigint_stop_cleanly_without_traceback():
 
 @pytest.mark.deadline(40)
 async def test_keep_serving_outlives_the_ranks():
-    ctl_port, data_port = free_ports(2)
     async with trio.open_nursery() as nursery:
-        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
-                                        "--world-size", "1", "--keep-serving")
-        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0",
-                                   "--world-size", "1", "--channels", "data", "--data-port", str(data_port))
+        controller, relay, data_port = await start_pair(nursery, 1, "0", controller_args=("--keep-serving",))
         await relay.wait_for("started")
         async with connect_reduce_client((LOOP, data_port), 0, 1, salt_bytes()) as client:
             assert (await client.all_reduce_tensors([torch.ones(2)]))[0].tolist() == [1.0, 1.0]
@@ -228,12 +235,8 @@ async def test_keep_serving_outlives_the_ranks():
 
 @pytest.mark.deadline(40)
 async def test_frame_ceiling_refuses_an_oversize_frame():
-    ctl_port, data_port = free_ports(2)
     async with trio.open_nursery() as nursery:
-        await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port), "--world-size", "2")
-        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
-                                   "--world-size", "2", "--channels", "data", "--data-port", str(data_port),
-                                   "--frame-ceiling", "4096")
+        _controller, relay, data_port = await start_pair(nursery, 2, "0,1", relay_args=("--frame-ceiling", "4096"))
         await relay.wait_for("started")
         outcome = {}
 
