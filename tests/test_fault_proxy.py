@@ -32,6 +32,7 @@ from flodl_trio import (
     open_controller,
     open_relay,
 )
+from flodl_trio.client import ReduceClient
 from flodl_trio.testing import (
     BandwidthCap,
     CutAt,
@@ -740,21 +741,16 @@ async def test_flipped_bit_in_rank_frame_drops_only_that_rank(salt, caplog):
     errors: dict[int, BaseException] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
         async with open_fault_proxy(cluster.relay_address(0), [flip]) as proxy:
-            async def victim() -> None:
-                async with connect_reduce_client(proxy.address, 0, world, salt) as client:
+            async def rank_main(rank: int, client: ReduceClient) -> None:
+                if rank == 0:  # the victim, behind the proxy
                     with pytest.raises(FlodlError) as info:
                         await client.all_reduce(frame_of(rank_values(0, 0)))
                     errors[0] = info.value
+                    return
+                for k in range(2):
+                    results[k, rank] = as_array(await client.all_reduce(frame_of(rank_values(rank, k))))
 
-            async def survivor(rank: int) -> None:
-                async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
-                    for k in range(2):
-                        results[k, rank] = as_array(await client.all_reduce(frame_of(rank_values(rank, k))))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(victim)
-                for rank in (1, 2, 3):
-                    nursery.start_soon(survivor, rank)
+            await cluster.run_ranks(rank_main, addresses={0: proxy.address})
             (event,) = proxy.fired(flip)
             assert event.direction == "up"
         await cluster.controller.wait_finished()
@@ -942,23 +938,18 @@ async def test_reset_on_rank_leg_is_a_flodl_error_and_survivors_continue(salt, a
     errors: dict[int, BaseException] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
         async with open_fault_proxy(cluster.relay_address(0), [CutAt(at_byte, direction="down")]) as proxy:
-            async def victim() -> None:
-                async with connect_reduce_client(proxy.address, 0, world, salt) as client:
+            async def rank_main(rank: int, client: ReduceClient) -> None:
+                if rank == 0:  # the victim, behind the proxy
                     await trio.sleep(pause)  # > 0: the reset is already there when the frame is sent
                     try:
                         results[0, 0] = as_array(await client.all_reduce(frame_of(rank_values(0, 0))))
                     except Exception as exc:  # judged below, outside the nursery
                         errors[0] = exc
+                    return
+                for k in range(2):
+                    results[k, rank] = as_array(await client.all_reduce(frame_of(rank_values(rank, k))))
 
-            async def survivor(rank: int) -> None:
-                async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
-                    for k in range(2):
-                        results[k, rank] = as_array(await client.all_reduce(frame_of(rank_values(rank, k))))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(victim)
-                for rank in (1, 2, 3):
-                    nursery.start_soon(survivor, rank)
+            await cluster.run_ranks(rank_main, addresses={0: proxy.address})
             assert (await proxy.wait_closed(0)).outcome == "cut"
     # Round 1 never includes rank 0 (round 0 does only if its frame got in before the cut).
     want1 = consensus([[rank_values(1, 1)], [rank_values(2, 1), rank_values(3, 1)]])
