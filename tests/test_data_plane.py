@@ -29,6 +29,7 @@ from flodl_trio import (
     open_controller,
     open_relay,
 )
+from flodl_trio.client import ReduceClient
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire import encode_data_handshake, encode_round_frame
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
@@ -370,14 +371,11 @@ async def test_double_deposit_tears_the_channel_down(salt):
 async def test_relay_logs_one_summary_line(salt, caplog):
     caplog.set_level(logging.INFO, logger="flodl_trio.relay")
     async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
-        async def rank_main(r: int) -> None:
-            async with connect_reduce_client(cluster.relay_address(r), r, 2, salt) as c:
-                for _ in range(3):
-                    await c.all_reduce_tensors([torch.ones(1000)])
+        async def rank_main(_rank: int, client: ReduceClient) -> None:
+            for _ in range(3):
+                await client.all_reduce_tensors([torch.ones(1000)])
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(rank_main, 0)
-            nursery.start_soon(rank_main, 1)
+        await cluster.run_ranks(rank_main)
         await cluster.relays[0].wait_finished()
     lines = [r.getMessage() for r in caplog.records if "summary" in r.getMessage()]
     assert len(lines) == 1
