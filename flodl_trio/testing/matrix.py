@@ -333,17 +333,26 @@ def pause(round_index: int, seconds: float = 60.0) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
+SURVIVORS_FROM_ROUND_2 = after(2, range(4), [0, 1, 2])
+
+
+async def rank_3_lost_before_round_2(c: ProcessCluster, fault: Callable[[int], None]) -> float:
+    """Hit rank 3 with ``fault`` while it holds before round 2; once ranks 0-2 have
+    their rounds (all four before round 2, three from it on), the seconds from the
+    fault to their round 2."""
+    await c.wait_event(3, "paused", round=2)
+    t0 = mono()
+    fault(3)
+    rounds = await expect_consensus(c, [0, 1, 2], 4, SURVIVORS_FROM_ROUND_2)
+    return max(rounds[r][2]["time"] for r in rounds) - t0
+
+
 @case("rank-kill-before-frame", fault="rank SIGKILLed before sending its round-2 frame", leg="rank process")
 async def rank_kill_before_frame() -> Outcome:
     async with daemon_cluster(world_size=4, hosts=[[0, 1], [2, 3]], rounds=4, worker_args={3: pause(2)}) as c:
         with diagnose(c):
-            await c.wait_event(3, "paused", round=2)
-            t0 = mono()
-            c.kill(3)
-            who = after(2, range(4), [0, 1, 2])
-            rounds = await expect_consensus(c, [0, 1, 2], 4, who)
-            killed(c, 3, before_round=2, contributors=who)
-            seconds = max(rounds[r][2]["time"] for r in rounds) - t0
+            seconds = await rank_3_lost_before_round_2(c, c.kill)
+            killed(c, 3, before_round=2, contributors=SURVIVORS_FROM_ROUND_2)
     return Outcome("survivors 0,1,2 got the 3-rank consensus (mass 3) from round 2 on; rounds 0-1 had all 4", seconds)
 
 
@@ -399,16 +408,13 @@ async def rank_kill_after_frame() -> Outcome:
 async def rank_freeze_thaw() -> Outcome:
     async with daemon_cluster(world_size=4, hosts=[[0, 1], [2, 3]], rounds=4, worker_args={3: pause(2)}) as c:
         with diagnose(c):
-            await c.wait_event(3, "paused", round=2)
-            t0 = mono()
-            c.freeze(3)
-            who = after(2, range(4), [0, 1, 2])
-            rounds = await expect_consensus(c, [0, 1, 2], 4, who)
-            seconds = max(rounds[r][2]["time"] for r in rounds) - t0
+            seconds = await rank_3_lost_before_round_2(c, c.freeze)
             if seconds < HEARTBEAT_TIMEOUT * 0.9:
                 raise MatrixFailure(f"survivors moved on {seconds:.2f} s after the freeze, before the heartbeat timeout")
             c.thaw(3)
-            error = await expect_error(c, 3, before_round=2, contributors=who, fragments=("declared dead",))
+            error = await expect_error(
+                c, 3, before_round=2, contributors=SURVIVORS_FROM_ROUND_2, fragments=("declared dead",)
+            )
     return Outcome(
         f"declared dead after the heartbeat timeout, survivors 0,1,2 went on; thawed, it raised "
         f"{error['type']} ({short(error['message'], 60)})", seconds,
