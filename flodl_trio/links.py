@@ -32,6 +32,23 @@ from .wire.stream import MessageStream, ReceiveBuffer
 SMALL_RECORD = 64 << 10
 DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerClosedMidFrame, PeerTimeout)
 _ids = itertools.count()
+# What an outbox holds: the record, whether it is a round's Broadcast, and what
+# to call once it has been written whole (None: nothing).
+Outgoing = tuple[EncodedFrame, bool, Callable[[], None] | None]
+
+
+class AfterAllWrites:
+    """Runs ``then`` once ``count`` link writers have each written the same record
+    (give :meth:`one` as every link's ``on_written``)."""
+
+    def __init__(self, count: int, then: Callable[[], None]) -> None:
+        self.count = count
+        self.then = then
+
+    def one(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.then()
 
 
 @attrs.define(eq=False)
@@ -41,8 +58,8 @@ class RelayLink:
     host: str
     ranks: tuple[int, ...]
     conn: MessageStream
-    outbox: trio.MemorySendChannel[tuple[EncodedFrame, bool]]
-    inbox: trio.MemoryReceiveChannel[tuple[EncodedFrame, bool]]
+    outbox: trio.MemorySendChannel[Outgoing]
+    inbox: trio.MemoryReceiveChannel[Outgoing]
     model_sigs: tuple[bytes, ...] = ()
     id: int = attrs.field(factory=lambda: next(_ids))
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
@@ -54,7 +71,7 @@ class RelayLink:
 
     @classmethod
     def accept(cls, hello: Hello, conn: MessageStream, depth: int) -> RelayLink:
-        outbox, inbox = trio.open_memory_channel[tuple[EncodedFrame, bool]](depth)
+        outbox, inbox = trio.open_memory_channel[Outgoing](depth)
         link = cls(hello.host, hello.ranks, conn, outbox, inbox, hello.model_sigs)
         conn.peer = link.name
         return link
@@ -63,10 +80,16 @@ class RelayLink:
     def name(self) -> str:
         return f"relay {self.host} (ranks {list(self.ranks)})"
 
-    def queue(self, record: EncodedFrame, *, broadcast: bool = False) -> None:
-        """Queue a record without waiting; a relay too far behind to take it is cut off."""
+    def queue(
+        self, record: EncodedFrame, *, broadcast: bool = False, on_written: Callable[[], None] | None = None
+    ) -> None:
+        """Queue a record without waiting; a relay too far behind to take it is cut off.
+
+        ``on_written`` runs once the record has been written whole (never if
+        the link fails first).
+        """
         try:
-            self.outbox.send_nowait((record, broadcast))
+            self.outbox.send_nowait((record, broadcast, on_written))
         except trio.WouldBlock:
             self.scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -88,11 +111,11 @@ class RelayLink:
         return newly
 
     async def drain_outbox(
-        self, on_write_failure: Callable[[str], Awaitable[None]], on_written: Callable[[int], None] = lambda n: None
+        self, on_write_failure: Callable[[str], Awaitable[None]], on_written_bytes: Callable[[int], None] = lambda n: None
     ) -> None:
         """Be this link's sole writer until cancelled; report each record's size as it goes out."""
         async with self.inbox:
-            async for record, broadcast in self.inbox:
+            async for record, broadcast, on_written in self.inbox:
                 if broadcast:
                     # Cleared before the write: the relay's next frame may follow it at once.
                     self.awaiting_broadcast = False
@@ -101,8 +124,10 @@ class RelayLink:
                 except DISCONNECTS as exc:
                     await on_write_failure(f"write failed: {exc}")
                     return
-                on_written(record.nbytes)
+                on_written_bytes(record.nbytes)
                 del record  # a written consensus must not stay alive while we wait for the next
+                if on_written is not None:
+                    on_written()
 
 
 async def receive_hello(conn: MessageStream, salt: SessionSalt) -> Hello:

@@ -55,6 +55,11 @@ class ControllerCollector(Collector):
             "Rounds whose consensus was computed and signed while the last host frame arrived",
             stats.rounds_finished_ahead,
         )
+        yield _counter(
+            "flodl_controller_fold_images_reused",
+            "Model-sized f32 sum images reused from an earlier round instead of allocated",
+            stats.fold_images_reused,
+        )
 
 
 class RelayCollector(Collector):
@@ -76,6 +81,11 @@ class RelayCollector(Collector):
         streamed = CounterMetricFamily(
             "flodl_relay_broadcasts_streamed", "Consensus frames fanned out while still arriving", labels=labels
         )
+        reused = CounterMetricFamily(
+            "flodl_relay_fold_images_reused",
+            "Model-sized f32 fold images reused from an earlier round instead of allocated",
+            labels=labels,
+        )
         for kind, handle in self.handles.items():
             key = [handle.host_name, kind.value]
             s = handle.stats
@@ -88,7 +98,8 @@ class RelayCollector(Collector):
             macs.add_metric(key, s.mac_failures)
             ahead.add_metric(key, s.rounds_finished_ahead)
             streamed.add_metric(key, s.broadcasts_streamed)
-        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed)
+            reused.add_metric(key, s.fold_images_reused)
+        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

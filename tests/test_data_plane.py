@@ -382,3 +382,30 @@ async def test_relay_logs_one_summary_line(salt, caplog):
     assert "ranks=2 rounds=3" in lines[0], lines[0]
     ratio = float(re.search(r"fold-ratio=([0-9.]+)x", lines[0]).group(1))
     assert 1.95 <= ratio <= 2.0, lines[0]  # two ranks in, one frame (plus a mux header) up
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("hosts", [[[0, 1, 2]], [[0, 1], [2, 3]]], ids=["one-host", "two-hosts"])
+async def test_steady_rounds_reuse_fold_memory(salt, hosts, bf16):
+    """After the first round, relay and controller fold into the f32 images of an
+    earlier round instead of allocating new ones, and every consensus is still
+    exact (values change each round, so a stale image would show). Host 1's
+    ranks lag, so the controller's round always ends on host 1's frame."""
+    world = sum(len(h) for h in hosts)
+    rounds = 4
+    numel = 100_000
+
+    async def rank_main(rank: int, client: ReduceClient) -> None:
+        client.bf16_wire = bf16
+        for k in range(rounds):
+            if rank in hosts[-1] and len(hosts) > 1:
+                await trio.sleep(0.05)
+            [mean] = await client.all_reduce_tensors([torch.full((numel,), float(rank + 10 * k))])
+            want = (world - 1) / 2 + 10 * k
+            assert torch.equal(mean, torch.full((numel,), want)), (rank, k, mean[:4])
+
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+        await cluster.run_ranks(rank_main)
+        assert cluster.controller.stats.fold_images_reused == rounds - 1
+        for relay in cluster.relays:
+            assert relay.stats.fold_images_reused == rounds - 1

@@ -69,7 +69,8 @@ async def test_metrics_track_rounds_bytes_deaths_and_mac_failures(salt):
 
 async def test_metrics_count_the_streaming_paths(salt):
     """Large rounds over two hosts: every consensus reaches host 0's ranks by
-    cut-through, and the finishing-ahead counters served are the daemons' own."""
+    cut-through, and the finishing-ahead and memory-reuse counters served are the
+    daemons' own."""
     async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt) as cluster:
         relay = cluster.relays[0]
         with serve_controller_metrics(("127.0.0.1", 0), cluster.controller) as ctl_port, \
@@ -86,3 +87,6 @@ async def test_metrics_count_the_streaming_paths(salt):
     assert rel[f"flodl_relay_broadcasts_streamed_total{key}"] == 3
     assert rel[f"flodl_relay_rounds_finished_ahead_total{key}"] == relay.stats.rounds_finished_ahead
     assert ctl["flodl_controller_rounds_finished_ahead_total"] == cluster.controller.stats.rounds_finished_ahead
+    # Rounds after the first fold into the memory of an earlier one.
+    assert rel[f"flodl_relay_fold_images_reused_total{key}"] == relay.stats.fold_images_reused >= 1
+    assert ctl["flodl_controller_fold_images_reused_total"] == cluster.controller.stats.fold_images_reused >= 1

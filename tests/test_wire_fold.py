@@ -15,6 +15,7 @@ from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
     FoldAccumulator,
+    ImageCache,
     RoundFrame,
     RoundKind,
     SessionSalt,
@@ -24,6 +25,7 @@ from flodl_trio.wire import (
     encode_round_frame,
     f32_to_bf16,
     finish_consensus,
+    shares_sums,
     sum_frames,
 )
 
@@ -347,3 +349,58 @@ def test_mass_is_summed_in_f64():
     assert acc.weight == total
     assert acc.result().weight == total
     assert values_of(acc.result().tensors[0]).tolist() == [5.0]
+
+
+# -- reusing sum images across rounds ----------------------------------------------------------
+
+
+def test_image_cache_keeps_whole_rounds_and_matches_them_by_size():
+    cache = ImageCache(limit=2)
+    a, b, c = (np.empty(n, np.float32) for n in (8, 16, 8))
+    cache.give([a, None, b])  # one round: tensor 1 was elided, so it had no image
+    cache.give([a, None, b])  # the same round twice is kept once
+    cache.give([None, None])  # a round with no image at all is not kept
+    assert len(cache) == 1
+    assert cache.take([8, 4]) == [None, None]  # another schema: nothing
+    assert cache.take([8, 5, 15]) == [None] * 3  # sizes must match exactly
+    got = cache.take([8, 5, 16])
+    assert got[0] is a and got[1] is None and got[2] is b and cache.reused == 1
+    for images in ([a], [b], [c]):
+        cache.give(images)
+    assert len(cache) == 2  # [a], the oldest, was let go
+    assert cache.take([8])[0] is c and cache.take([8])[0] is None
+
+
+@pytest.mark.parametrize("dtype", [DTYPE_F32, DTYPE_BF16])
+def test_fold_into_reused_images_is_bit_identical(dtype):
+    """A round folded into images left over from an earlier round (full of its
+    sums, here poisoned with NaN) gives exactly the fresh fold: the first frame
+    overwrites every element."""
+    rng = np.random.default_rng(7 + dtype)
+    cache = ImageCache()
+    for round_index in range(3):
+        frames, _ = random_frames(rng, 3, dtype)
+        fresh = FoldAccumulator()
+        reused = FoldAccumulator(cache)
+        for source, frame in frames:
+            fresh.add(frame, source)
+            reused.add(frame, source)
+        assert cache.reused == round_index
+        want, got = finish_consensus(fresh), finish_consensus(reused)
+        assert encode_round_frame(got, SALT) == encode_round_frame(want, SALT)
+        # An f32 consensus is the sums themselves; a bf16 one was re-encoded.
+        assert shares_sums(reused, got) == (dtype == DTYPE_F32)
+        images = reused.sums()
+        for image in images:
+            image.fill(np.nan)
+        cache.give(images)
+
+
+def test_a_kept_round_of_another_shape_is_left_alone():
+    cache = ImageCache()
+    stale = np.full(5, 9.0, np.float32)
+    cache.give([stale])
+    acc = FoldAccumulator(cache)
+    acc.add(RoundFrame([f32_payload(np.arange(4.0))], RoundKind.MODEL, 1.0), "rank 0")
+    assert cache.reused == 0 and len(cache) == 1
+    np.testing.assert_array_equal(stale, 9.0)

@@ -23,7 +23,8 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -40,6 +41,7 @@ from ..errors import (
 from ..links import (
     DISCONNECTS,
     SMALL_RECORD,
+    AfterAllWrites,
     RelayLink,
     check_hello_ranks,
     receive_hello,
@@ -50,7 +52,7 @@ from ..wire.constants import (
     DEFAULT_FRAME_CEILING,
 )
 from ..wire.finish_ahead import FinishAhead
-from ..wire.fold import FoldAccumulator, finish_consensus
+from ..wire.fold import FoldAccumulator, ImageCache, finish_consensus, shares_sums
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
@@ -138,6 +140,7 @@ class ControllerStats:
     rejected: int = 0
     mac_failures: int = 0
     rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
+    fold_images_reused: int = 0  # f32 sum images taken from an earlier round instead of allocated
 
 
 @attrs.frozen
@@ -235,8 +238,8 @@ async def _serve_controller(
 class _Round:
     """State of the round in progress: the fold so far and who delivered it."""
 
-    def __init__(self) -> None:
-        self.acc = FoldAccumulator()
+    def __init__(self, images: ImageCache | None = None) -> None:
+        self.acc = FoldAccumulator(images)
         self.delivered: set[int] = set()
         self.started = 0.0  # when its first contribution arrived
 
@@ -257,15 +260,20 @@ class _Controller:
         self.checkpoint = checkpoint
         self.links: dict[int, RelayLink] = {}
         self.owner: dict[int, RelayLink] = {}
-        self.round = _Round()
+        self.images = ImageCache()
+        self.round = _Round(self.images)
         self.previous_kind: RoundKind | None = None
-        self.pool = BufferPool(2)
+        # One model-sized receive buffer; a second (sized by a verified record, so
+        # it never grows) once there are two relays whose frames can overlap.
+        self.pool = BufferPool(1, limit=2)
         self._scope = trio.CancelScope()
         self._deaths_send, self._deaths_receive = trio.open_memory_channel[int](2 * config.world_size + 1)
         self._forwarded: set[int] = set()
         self._round_changed = trio.Event()
         # A consensus to sign, or one signed already (computed ahead of the last frame).
-        self._consensus_send, self._consensus_receive = trio.open_memory_channel[RoundFrame | EncodedFrame](1)
+        self._consensus_send, self._consensus_receive = trio.open_memory_channel[
+            tuple[RoundFrame | EncodedFrame, list[Any]]
+        ](1)
 
     def _on_death(self, rank: int) -> None:
         """DeadRanks callback (runs outside any task: must never raise)."""
@@ -415,6 +423,13 @@ class _Controller:
             finally:
                 if big:
                     self.pool.release(buf)
+            if big:
+                self._lend_second_buffer(header.length)
+
+    def _lend_second_buffer(self, verified_length: int) -> None:
+        """Let two relays' frames arrive at once, once a verified record proved the size."""
+        if self.pool.size < self.pool.limit and len(self.links) > 1:
+            self.pool.add(ReceiveBuffer(verified_length))
 
     async def _read_record(self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer) -> bool:
         """Receive, verify and act on one record; False once the link is gone.
@@ -517,6 +532,8 @@ class _Controller:
             link.awaiting_broadcast = True
             self.stats.rounds_finished_ahead += 1
             self._complete_round(ahead.frame(self.config.salt), sealed)
+            # The consensus lives in the finisher's own buffer: the sums it read are free.
+            self.images.give(ahead.acc.sums())
             return
         self.round.acc.add(frame, link.name)
         self.round.delivered.add(link.id)
@@ -552,33 +569,52 @@ class _Controller:
 
     def _maybe_complete(self) -> None:
         if self._round_ready():
-            self._complete_round(finish_consensus(self.round.acc))
+            acc = self.round.acc
+            consensus = finish_consensus(acc)
+            # Only through the consensus could anyone still read the sums: free now if
+            # it does not alias them (re-encoded to bf16), else once every relay has
+            # been sent it - and never if a hook saw it (a hook may keep the frame).
+            sums = acc.sums()
+            if not shares_sums(acc, consensus):
+                self.images.give(sums)
+                sums = []
+            elif self.outer_optimizer is not None or self.checkpoint is not None:
+                sums = []
+            self._complete_round(consensus, reuse_after_write=sums)
 
-    def _complete_round(self, consensus: RoundFrame, sealed: EncodedFrame | None = None) -> None:
+    def _complete_round(
+        self, consensus: RoundFrame, sealed: EncodedFrame | None = None, reuse_after_write: list[Any] | None = None
+    ) -> None:
         """Account for the finished round and hand its consensus (signed already, when
-        computed ahead) to the broadcaster."""
-        finished, self.round = self.round, _Round()
+        computed ahead) to the broadcaster, with the sum images to reuse once it is written."""
+        finished, self.round = self.round, _Round(self.images)
         self._note_round_changed()
         self.stats.rounds += 1
+        self.stats.fold_images_reused = self.images.reused
         self.stats.round_seconds.observe(trio.current_time() - finished.started)
         self.stats.last_mass = consensus.weight
         hooked = self._apply_hooks(consensus)
         # Capacity 1 suffices: the next round cannot complete before this one's
         # consensus reached the relays, so the broadcaster never falls behind.
-        self._consensus_send.send_nowait(sealed if sealed is not None and hooked is consensus else hooked)
+        outgoing = sealed if sealed is not None and hooked is consensus else hooked
+        self._consensus_send.send_nowait((outgoing, reuse_after_write or []))
 
     async def _broadcaster(self) -> None:
         """Sign each consensus once (both MACs in parallel) and queue it to every live relay."""
-        async for consensus in self._consensus_receive:
+        async for consensus, reuse in self._consensus_receive:
             if isinstance(consensus, EncodedFrame):
                 record = consensus
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.config.salt)
-            for link in self.links.values():
-                if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks):
-                    link.queue(record, broadcast=True)
+            targets = [
+                link for link in self.links.values()
+                if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks)
+            ]
+            written = AfterAllWrites(len(targets), partial(self.images.give, reuse)) if reuse else None
+            for link in targets:
+                link.queue(record, broadcast=True, on_written=None if written is None else written.one)
             # Only the link outboxes may keep this round's consensus alive (until written).
-            del consensus, record
+            del consensus, record, reuse, written
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL

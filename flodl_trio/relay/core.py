@@ -50,7 +50,7 @@ from ..wire.constants import (
     MUX_HEADER_LEN,
 )
 from ..wire.finish_ahead import FinishAhead
-from ..wire.fold import FoldAccumulator
+from ..wire.fold import FoldAccumulator, ImageCache
 from ..wire.handshake import (
     CONTROL_HANDSHAKE_LEN,
     DATA_HANDSHAKE_LEN,
@@ -133,6 +133,7 @@ class RelayStats:
     mac_failures: int = 0
     broadcasts_streamed: int = 0  # consensus frames fanned out while still arriving
     rounds_finished_ahead: int = 0  # HostFrames computed and signed while the last frame arrived
+    fold_images_reused: int = 0  # f32 sum images taken from an earlier round instead of allocated
 
     @property
     def fold_ratio(self) -> float:
@@ -372,6 +373,15 @@ class _SealedHostFrame:
     buffer: ReceiveBuffer
 
 
+@attrs.frozen
+class _FoldedHostFrame:
+    """The host's fold, ready to sign and send; ``images`` (the fold's f32 sums, which
+    its payloads may alias) go back to the fold's cache once it has been written."""
+
+    frame: RoundFrame
+    images: list[Any]
+
+
 @attrs.define
 class _AheadAttempt:
     """What finishing a HostFrame ahead of the last frame got to (see DataChannel)."""
@@ -394,7 +404,8 @@ class HostFold:
         self.ranks = frozenset(ranks)
         self.dead: set[int] = set()
         self.deposited: set[int] = set()
-        self.acc = FoldAccumulator()
+        self.images = ImageCache()
+        self.acc = FoldAccumulator(self.images)
         self.changed = trio.Event()  # set (and replaced) whenever the barrier moves
 
     @property
@@ -405,14 +416,14 @@ class HostFold:
         self.changed.set()
         self.changed = trio.Event()
 
-    def deposit(self, rank: int, frame: RoundFrame) -> RoundFrame | None:
+    def deposit(self, rank: int, frame: RoundFrame) -> _FoldedHostFrame | None:
         """Fold one verified frame; the folded round when this deposit completes it."""
         self.acc.add(frame, f"rank {rank}")
         self.deposited.add(rank)
         self._note_change()
         return self._take_if_complete()
 
-    def mark_dead(self, rank: int) -> RoundFrame | None:
+    def mark_dead(self, rank: int) -> _FoldedHostFrame | None:
         """Drop ``rank`` from the barrier (a frame it already folded stays: realized work)."""
         self.dead.add(rank)
         self._note_change()
@@ -427,19 +438,22 @@ class HostFold:
         verified frame, if that is still exactly what the round needs."""
         if acc is not self.acc or not self.only_missing(rank):
             return False
-        self.acc = FoldAccumulator()
-        self.deposited.clear()
-        self._note_change()
+        self._next_round()
+        # The frame computed ahead has its own buffer: nothing reads these sums now.
+        self.images.give(acc.sums())
         return True
 
-    def _take_if_complete(self) -> RoundFrame | None:
+    def _take_if_complete(self) -> _FoldedHostFrame | None:
         if not self.deposited or not self.live <= self.deposited:
             return None
-        folded = self.acc.result()
-        self.acc = FoldAccumulator()
+        folded = _FoldedHostFrame(self.acc.result(), self.acc.sums())
+        self._next_round()
+        return folded
+
+    def _next_round(self) -> None:
+        self.acc = FoldAccumulator(self.images)
         self.deposited.clear()
         self._note_change()
-        return folded
 
 
 class _Channel:
@@ -782,7 +796,7 @@ class DataChannel(_Channel):
 
     async def _write_upstream(self, item: _Outbound) -> None:
         salt = self.config.salt
-        if isinstance(item, (_RawHostFrame, _SealedHostFrame, RoundFrame)):
+        if isinstance(item, (_RawHostFrame, _SealedHostFrame, _FoldedHostFrame)):
             self.expecting_broadcast = True  # before the write: the answer may beat our resumption
         if isinstance(item, _SealedHostFrame):
             record = item.record
@@ -796,12 +810,14 @@ class DataChannel(_Channel):
                 await self.upstream.send_chunks(record.chunks)
             finally:
                 self.pool.release(item.buffer)
-        elif isinstance(item, RoundFrame):
-            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, item, salt)
+        elif isinstance(item, _FoldedHostFrame):
+            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, item.frame, salt)
             await self.upstream.send_chunks(record.chunks)
+            self.fold.images.give(item.images)  # written: nothing reads them now
         else:
             return await super()._write_upstream(item)
         self.stats.rounds += 1
+        self.stats.fold_images_reused = self.fold.images.reused
         self.stats.bytes_up += record.nbytes
 
     async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:

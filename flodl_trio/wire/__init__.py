@@ -18,7 +18,14 @@ from .control_frame import (
     decode_control_frame,
     encode_control_frame,
 )
-from .fold import FoldAccumulator, check_payload, finish_consensus, sum_frames
+from .fold import (
+    FoldAccumulator,
+    ImageCache,
+    check_payload,
+    finish_consensus,
+    shares_sums,
+    sum_frames,
+)
 from .handshake import (
     RankHello,
     decode_control_ack,
@@ -69,6 +76,7 @@ __all__ = [
     "FoldAccumulator",
     "Hello",
     "HelloAck",
+    "ImageCache",
     "MuxKind",
     "MuxRecord",
     "RankExit",
@@ -102,6 +110,7 @@ __all__ = [
     "finish_consensus",
     "payload_as_f32",
     "scale_payload",
+    "shares_sums",
     "sum_frames",
     "timeout_scale",
     "warn_if_public_peer",

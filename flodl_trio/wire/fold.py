@@ -4,12 +4,15 @@ Relays fold their local ranks' frames and controllers fold hosts' frames with
 the same :class:`FoldAccumulator`; only the controller calls
 :func:`finish_consensus`, which divides by the accepted mass. Folding is
 streaming: each verified frame is added into one f32 image and can then be
-released, so memory does not grow with the number of contributors.
+released, so memory does not grow with the number of contributors. A daemon
+hands finished images back to an :class:`ImageCache`, so a steady state of
+rounds reuses them instead of asking the kernel for (and zeroing) a fresh
+model-sized block every round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -45,15 +48,52 @@ def check_payload(t: TensorPayload, index: int, source: str) -> None:
         )
 
 
+class ImageCache:
+    """The f32 sum images of finished rounds, kept a round at a time, for a later
+    round with the same tensor sizes to fold into.
+
+    Only an owner that knows a round's images are no longer read by anyone (its
+    frame was written, or a frame finished ahead no longer needs them) gives
+    them back. At most ``limit`` rounds are kept (alternating schemas, such as a
+    window's params and buffers rounds, each find theirs); beyond that the
+    oldest is let go.
+    """
+
+    def __init__(self, limit: int = 4) -> None:
+        self.limit = limit
+        self._free: list[list[npt.NDArray[np.float32] | None]] = []
+        self.reused = 0  # rounds that folded into images of an earlier one
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, numels: Sequence[int]) -> list[npt.NDArray[np.float32] | None]:
+        """Images for a round whose tensors have ``numels`` elements: a kept round's
+        where every image fits its position exactly, else none (all None)."""
+        for i, images in enumerate(self._free):
+            if len(images) == len(numels) and all(im is None or im.size == n for im, n in zip(images, numels)):
+                self.reused += 1
+                return self._free.pop(i)
+        return [None] * len(numels)
+
+    def give(self, images: Sequence[npt.NDArray[np.float32] | None]) -> None:
+        """Return one round's images (None where it had none), which nobody reads any more."""
+        kept = {id(im) for round_images in self._free for im in round_images if im is not None}
+        if any(im is not None for im in images) and not any(id(im) in kept for im in images if im is not None):
+            self._free.append(list(images))
+        del self._free[: max(0, len(self._free) - self.limit)]
+
+
 class _Slot:
     """Running f32 sum of one tensor position; None until a non-elided payload lands."""
 
-    __slots__ = ("dtype", "shape", "sum")
+    __slots__ = ("dtype", "shape", "spare", "sum")
 
-    def __init__(self, dtype: int, shape: tuple[int, ...]) -> None:
+    def __init__(self, dtype: int, shape: tuple[int, ...], spare: npt.NDArray[np.float32] | None = None) -> None:
         self.dtype = dtype
         self.shape = shape
         self.sum: npt.NDArray[np.float32] | None = None
+        self.spare = spare  # an earlier round's image to copy the first payload into
 
     def add(self, t: TensorPayload) -> None:
         if t.nbytes == 0:
@@ -62,11 +102,16 @@ class _Slot:
         # (torch gives the same without a warning); keep numpy quiet about them.
         with np.errstate(over="ignore", invalid="ignore"):
             if self.sum is None:
-                # The one required copy: the payload lives in a reused receive buffer.
+                # The one required copy (the payload lives in a reused receive
+                # buffer), into a reused image when the cache has one.
+                image, self.spare = self.spare, None
                 if t.dtype == DTYPE_F32:
-                    self.sum = np.frombuffer(t.data, dtype=F32).copy()
+                    source = np.frombuffer(t.data, dtype=F32)
+                    self.sum = source.copy() if image is None else image
+                    if image is not None:
+                        np.copyto(image, source)
                 else:
-                    self.sum = bf16_to_f32(np.frombuffer(t.data, dtype=U16))
+                    self.sum = bf16_to_f32(np.frombuffer(t.data, dtype=U16), out=image)
             elif t.dtype == DTYPE_F32:
                 np.add(self.sum, np.frombuffer(t.data, dtype=F32), out=self.sum)
             else:
@@ -75,9 +120,14 @@ class _Slot:
 
 
 class FoldAccumulator:
-    """Streaming element-wise sum of one round's frames; never divides."""
+    """Streaming element-wise sum of one round's frames; never divides.
 
-    def __init__(self) -> None:
+    ``images``: where the first frame's copy takes its f32 images from (a
+    daemon's cache of images from earlier rounds); fresh ones otherwise.
+    """
+
+    def __init__(self, images: ImageCache | None = None) -> None:
+        self.images = images
         self.reset()
 
     def reset(self) -> None:
@@ -96,11 +146,17 @@ class FoldAccumulator:
         if self.count == 0:
             self.kind = frame.kind
             self._first_source = source
-            self._slots = [_Slot(t.dtype, t.shape) for t in frame.tensors]
+            spares = self._spares_for(frame)
+            self._slots = [_Slot(t.dtype, t.shape, spare) for t, spare in zip(frame.tensors, spares)]
         for slot, t in zip(self._slots, frame.tensors):
             slot.add(t)
         self.weight += frame.weight
         self.count += 1
+
+    def _spares_for(self, frame: RoundFrame) -> list[npt.NDArray[np.float32] | None]:
+        if self.images is None:
+            return [None] * len(frame.tensors)
+        return self.images.take([t.numel for t in frame.tensors])
 
     def _check_schema(self, frame: RoundFrame, source: str) -> None:
         for i, t in enumerate(frame.tensors):
@@ -151,6 +207,16 @@ def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float) -> Roun
     return RoundFrame(tensors, kind, weight)
 
 
+def shares_sums(acc: FoldAccumulator, frame: RoundFrame) -> bool:
+    """Whether ``frame`` (``acc``'s result) still reads any of ``acc``'s sums.
+
+    An f32 result is the sums themselves; a bf16 one was re-encoded into
+    arrays of its own, so its sums are free as soon as the frame exists.
+    """
+    payloads = [t.data for t in frame.tensors if t.data.nbytes]
+    return any(np.may_share_memory(s, p) for s in acc.sums() if s is not None for p in payloads)
+
+
 def sum_frames(frames: Iterable[tuple[str, RoundFrame]]) -> RoundFrame:
     """Fold ``(source, frame)`` pairs; masses summed, values summed, nothing divided."""
     acc = FoldAccumulator()
@@ -181,7 +247,9 @@ __all__ = [
     "DTYPE_BF16",
     "DTYPE_F32",
     "FoldAccumulator",
+    "ImageCache",
     "check_payload",
     "finish_consensus",
+    "shares_sums",
     "sum_frames",
 ]
