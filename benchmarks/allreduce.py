@@ -13,7 +13,9 @@ Every role is its own OS process, on both sides: flodl_trio runs a
 controller, one data relay per host and one process per rank (``--worker
 flodl``); gloo runs one process per rank (``--worker gloo``). Rank processes
 of both systems run with OMP_NUM_THREADS=1 (``--rank-threads``), as torchrun
-sets it for multi-process jobs. Each rank times every round with
+sets it for multi-process jobs. Both systems reduce in place, into the
+rank's own f32 tensor: gloo with ``all_reduce`` then a divide, flodl_trio with
+``all_reduce_tensors(..., in_place=True)``. Each rank times every round with
 ``time.perf_counter`` after the warm-up rounds; a round's time is the slowest
 rank's, and the table shows the median over the timed rounds. Peak RSS is
 each process's ``ru_maxrss`` as returned by ``os.wait4`` when it exits (the
@@ -174,7 +176,7 @@ def worker_flodl(args: argparse.Namespace) -> None:
                     _mark_warm(args.rank)
                     start, cpu0 = time.perf_counter(), _cpu_seconds()
                 t0 = time.perf_counter()
-                out = await client.all_reduce_tensors([t])
+                out = await client.all_reduce_tensors([t], in_place=True)
                 dt = time.perf_counter() - t0
                 if i >= args.warmup:
                     times.append(dt)

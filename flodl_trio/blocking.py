@@ -173,14 +173,18 @@ class BlockingReduceClient:
     def all_reduce(self, frame: RoundFrame) -> RoundFrame:
         return self._run(lambda c: c.all_reduce(frame))
 
-    def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self._run(lambda c: c.all_reduce_tensors(tensors))
+    def all_reduce_tensors(self, tensors: Sequence[torch.Tensor], *, in_place: bool = False) -> list[torch.Tensor]:
+        return self._run(lambda c: c.all_reduce_tensors(tensors, in_place=in_place))
 
-    def all_reduce_scaled(self, tensors: Sequence[torch.Tensor], scale: float, kind: RoundKind, weight: float) -> tuple[list[torch.Tensor], float]:
-        return self._run(lambda c: c.all_reduce_scaled(tensors, scale, kind, weight))
+    def all_reduce_scaled(
+        self, tensors: Sequence[torch.Tensor], scale: float, kind: RoundKind, weight: float, *, in_place: bool = False
+    ) -> tuple[list[torch.Tensor], float]:
+        return self._run(lambda c: c.all_reduce_scaled(tensors, scale, kind, weight, in_place=in_place))
 
-    def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind: RoundKind, weight: float) -> tuple[list[torch.Tensor], float]:
-        return self._run(lambda c: c.all_reduce_weighted(tensors, kind, weight))
+    def all_reduce_weighted(
+        self, tensors: Sequence[torch.Tensor], kind: RoundKind, weight: float, *, in_place: bool = False
+    ) -> tuple[list[torch.Tensor], float]:
+        return self._run(lambda c: c.all_reduce_weighted(tensors, kind, weight, in_place=in_place))
 
     def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]:
         return self._run(lambda c: c.all_reduce_per_rank_f64(values))

@@ -96,6 +96,8 @@ class ReduceClient:
         self.pinned_decode = False
         self._armed_slot: int | None = None
         self._staging: dict[int, list[torch.Tensor]] = {}
+        # Replies that are decoded by copy land here, round after round.
+        self._reply_buffer = ReceiveBuffer()
         self._busy = False
         self._broken: str | None = None
         self.rounds = 0
@@ -117,13 +119,18 @@ class ReduceClient:
 
     async def all_reduce(self, frame: RoundFrame) -> RoundFrame:
         """Contribute ``frame`` and return the round's consensus (owning its bytes)."""
+        return await self._exchange(frame, reuse_reply_buffer=False)
+
+    async def _exchange(self, frame: RoundFrame, *, reuse_reply_buffer: bool) -> RoundFrame:
+        """One round; with ``reuse_reply_buffer`` the consensus lands in the client's
+        reply buffer, valid until the next round (for callers that copy it out)."""
         if self._busy:
             raise trio.BusyResourceError(f"rank {self.rank}: another round is already in flight on this client")
         if self._broken is not None:
             raise FlodlError(f"rank {self.rank}: client unusable ({self._broken})")
         self._busy = True
         try:
-            reply = await self._round_trip(frame)
+            reply = await self._round_trip(frame, self._reply_buffer if reuse_reply_buffer else None)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._broken = f"the connection to the relay broke: {exc}"
             raise RankDeadError(
@@ -139,7 +146,7 @@ class ReduceClient:
         self.rounds += 1
         return reply
 
-    async def _round_trip(self, frame: RoundFrame) -> RoundFrame:
+    async def _round_trip(self, frame: RoundFrame, into: ReceiveBuffer | None) -> RoundFrame:
         await self._conn.send_signed_frame(frame_body_chunks(frame), self._salt)
         bound = max_reply_len(frame)
         with trio.fail_after(math.inf if self.reply_timeout is None else self.reply_timeout):
@@ -155,10 +162,14 @@ class ReduceClient:
                 f"rank {self.rank}: the relay closed the connection while this rank waited for "
                 f"round {self.rounds}'s consensus (relay or controller gone, or this rank was declared dead)"
             )
-        # The bound is our own schema, so this allocation is trusted; the reply owns it.
-        body = np.empty(length, dtype=np.uint8)
+        # The bound is our own schema, so this allocation is trusted.
+        if into is None:
+            body = np.empty(length, dtype=np.uint8).data  # the reply owns it
+        else:
+            into.reserve(length)
+            body = into.view(length)
         mac = RunningMac(self._salt.hmac(), max(length - 8, 0))
-        await self._conn.receive_into(body.data, "the consensus frame", mac)
+        await self._conn.receive_into(body, "the consensus frame", mac)
         reply = decode_round_frame(
             body, self._salt, source=f"relay (rank {self.rank}'s consensus)", mac_of_body=mac.tag()
         )
@@ -196,37 +207,59 @@ class ReduceClient:
         # Control rounds carry counts and sums: always f32 (bf16 is exact only to 256).
         return DTYPE_BF16 if self.bf16_wire and kind == RoundKind.MODEL else DTYPE_F32
 
-    def _decode(self, reply: RoundFrame) -> list[torch.Tensor]:
-        from .tensors import round_frame_to_tensors, staging_like
+    def _pinned_destinations(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The armed pinned-decode slot's reusable tensors, shaped like ``tensors``
+        (the reply's schema), or None when no slot is armed."""
+        import torch
 
         slot, self._armed_slot = self._armed_slot, None
         if not self.pinned_decode or slot is None:
-            return round_frame_to_tensors(reply)
+            return None
+        shapes = [list(t.shape) for t in tensors]
         staging = self._staging.get(slot)
-        if staging is None or [list(t.shape) for t in staging] != [list(p.shape) for p in reply.tensors]:
-            staging = self._staging[slot] = staging_like(reply)
-        return round_frame_to_tensors(reply, out=staging)
+        if staging is None or [list(t.shape) for t in staging] != shapes:
+            staging = self._staging[slot] = [torch.empty(shape, dtype=torch.float32) for shape in shapes]
+        return staging
+
+    def _decode(self, reply: RoundFrame, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        from .tensors import round_frame_to_tensors
+
+        return round_frame_to_tensors(reply, out=out)
 
     async def all_reduce_scaled(
-        self, tensors: Sequence[torch.Tensor], scale: float, kind: RoundKind, weight: float
+        self, tensors: Sequence[torch.Tensor], scale: float, kind: RoundKind, weight: float, *, in_place: bool = False
     ) -> tuple[list[torch.Tensor], float]:
         """Send ``scale * tensors`` with mass ``weight`` (scaled on the wire bytes, no
-        caller-visible copy); return (consensus, accepted mass)."""
-        from .tensors import tensors_to_round_frame
+        caller-visible copy); return (consensus, accepted mass).
 
-        frame = tensors_to_round_frame(tensors, self._wire_dtype(kind), kind=kind, weight=weight, scale=scale)
-        reply = await self.all_reduce(frame)
-        return self._decode(reply), reply.weight
+        ``in_place``: write the consensus into ``tensors`` themselves (f32; the
+        way ``torch.distributed.all_reduce`` works) and return them; a round whose
+        accepted mass is 0 leaves them as they were. Steady-state rounds then
+        allocate nothing model-sized.
+        """
+        from .tensors import check_destinations, tensors_to_round_frame
+
+        if in_place:
+            check_destinations(tensors)  # before the round: a refusal costs nothing
+        wire = self._wire_dtype(kind)
+        out = list(tensors) if in_place else self._pinned_destinations(tensors)
+        frame = tensors_to_round_frame(tensors, wire, kind=kind, weight=weight, scale=scale)
+        # Decoded by copy (into ``out``, or widened from bf16): the reply may live in our buffer.
+        reply = await self._exchange(frame, reuse_reply_buffer=out is not None or wire == DTYPE_BF16)
+        if in_place and kind == RoundKind.MODEL and not reply.weight > 0:
+            return list(tensors), reply.weight
+        return self._decode(reply, out), reply.weight
 
     async def all_reduce_weighted(
-        self, tensors: Sequence[torch.Tensor], kind: RoundKind, weight: float
+        self, tensors: Sequence[torch.Tensor], kind: RoundKind, weight: float, *, in_place: bool = False
     ) -> tuple[list[torch.Tensor], float]:
         """Send already-scaled ``tensors`` with mass ``weight``; return (consensus, accepted mass)."""
-        return await self.all_reduce_scaled(tensors, 1.0, kind, weight)
+        return await self.all_reduce_scaled(tensors, 1.0, kind, weight, in_place=in_place)
 
-    async def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Plain mean over the live ranks (every rank counts 1)."""
-        result, _mass = await self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)
+    async def all_reduce_tensors(self, tensors: Sequence[torch.Tensor], *, in_place: bool = False) -> list[torch.Tensor]:
+        """Plain mean over the live ranks (every rank counts 1); ``in_place`` writes
+        it into ``tensors`` (see :meth:`all_reduce_scaled`)."""
+        result, _mass = await self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0, in_place=in_place)
         return result
 
     async def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]:
@@ -256,7 +289,8 @@ class ReduceClient:
             frame = tensors_to_round_frame(tensors, DTYPE_F32, kind=RoundKind.CONTROL, weight=0.0)
         else:
             frame = RoundFrame(elided_like(tensors), RoundKind.CONTROL, 0.0)
-        return self._decode(await self.all_reduce(frame))
+        out = self._pinned_destinations(tensors)
+        return self._decode(await self._exchange(frame, reuse_reply_buffer=out is not None), out)
 
 
 class _Connect:

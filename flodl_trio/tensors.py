@@ -2,8 +2,9 @@
 
 Encoding avoids copies where it can: a contiguous f32 CPU tensor on an f32
 wire is sent straight from its storage. Decoding always returns f32 tensors
-(the bf16 wire widens exactly); it can decode into caller-owned staging
-tensors (the pinned-decode slots) so steady-state rounds allocate nothing.
+(the bf16 wire widens exactly); it can decode into caller-owned tensors (the
+pinned-decode slots, or the caller's own tensors for an in-place all-reduce)
+so steady-state rounds allocate nothing.
 """
 
 from __future__ import annotations
@@ -102,30 +103,55 @@ def round_frame_to_tensors(
     return result
 
 
+def check_destinations(tensors: Sequence[torch.Tensor], what: str = "in-place destination") -> None:
+    """Tensors a consensus can be decoded into: f32, any device or layout."""
+    for i, t in enumerate(tensors):
+        if t.dtype != torch.float32:
+            raise SchemaError(f"tensor {i}: {what} is {dtype_name(t.dtype)}; the consensus is Float32")
+
+
 def _decode_one(p: TensorPayload, dest: torch.Tensor | None, index: int) -> torch.Tensor:
     shape = list(p.shape)
     if dest is not None and (list(dest.shape) != shape or dest.dtype != torch.float32):
         raise SchemaError(
-            f"tensor {index}: staging is {dtype_name(dest.dtype)}{list(dest.shape)}, "
+            f"tensor {index}: destination is {dtype_name(dest.dtype)}{list(dest.shape)}, "
             f"the frame carries Float32{shape}"
         )
     if p.elided:
         if dest is not None:
-            return dest.zero_()
+            dest.detach().zero_()
+            return dest
         if p.numel > MAX_DECODE_NUMEL:
             raise SchemaError(f"tensor {index}: elided shape {shape} has {p.numel} elements, more than any model tensor")
         return torch.zeros(shape, dtype=torch.float32)
+    if dest is not None:
+        _decode_into(p, dest)
+        return dest
     if p.dtype == DTYPE_F32:
         values = np.frombuffer(p.data, dtype=F32)
-        if dest is not None:
-            dest.numpy().reshape(-1)[:] = values
-            return dest
         if p.data.readonly:
             return torch.from_numpy(values.copy()).reshape(shape)
         return torch.from_numpy(values).reshape(shape)
-    target = dest if dest is not None else torch.empty(shape, dtype=torch.float32)
+    target = torch.empty(shape, dtype=torch.float32)
     bf16_to_f32(np.frombuffer(p.data, dtype="<u2"), out=target.numpy().reshape(-1))
     return target
+
+
+def _decode_into(p: TensorPayload, dest: torch.Tensor) -> None:
+    """Write a payload's values into ``dest`` (a parameter, say: autograd is bypassed).
+
+    A contiguous CPU destination is written directly (bf16 widens straight
+    into it); any other goes through one f32 temporary and ``copy_``.
+    """
+    target = dest.detach()
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    flat = target.numpy().reshape(-1) if direct else np.empty(p.numel, dtype=F32)
+    if p.dtype == DTYPE_F32:
+        np.copyto(flat, np.frombuffer(p.data, dtype=F32))
+    else:
+        bf16_to_f32(np.frombuffer(p.data, dtype="<u2"), out=flat)
+    if not direct:
+        target.copy_(torch.from_numpy(flat).view(target.shape))
 
 
 def staging_like(frame: RoundFrame) -> list[torch.Tensor]:
@@ -141,6 +167,7 @@ def numel_bytes(tensors: Sequence[torch.Tensor]) -> int:
 __all__ = [
     "DTYPE_BF16",
     "DTYPE_F32",
+    "check_destinations",
     "dtype_name",
     "elided_like",
     "numel_bytes",

@@ -212,9 +212,9 @@ def test_staging_mismatch_is_schema_error():
     frame = through_wire(tensors_to_round_frame([torch.ones(2, 3)]))
     with pytest.raises(SchemaError, match="staging holds 2 tensors"):
         round_frame_to_tensors(frame, out=[torch.empty(2, 3), torch.empty(1)])
-    with pytest.raises(SchemaError, match="tensor 0: staging is Float32"):
+    with pytest.raises(SchemaError, match="tensor 0: destination is Float32"):
         round_frame_to_tensors(frame, out=[torch.empty(3, 2)])
-    with pytest.raises(SchemaError, match="staging is Float64"):
+    with pytest.raises(SchemaError, match="destination is Float64"):
         round_frame_to_tensors(frame, out=[torch.empty(2, 3, dtype=torch.float64)])
 
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
@@ -261,6 +261,8 @@ class _Controller:
         self.links: dict[int, RelayLink] = {}
         self.owner: dict[int, RelayLink] = {}
         self.images = ImageCache()
+        # Buffers of consensus frames finished ahead and since sent to every relay.
+        self._consensus_buffers: list[ReceiveBuffer] = []
         self.round = _Round(self.images)
         self.previous_kind: RoundKind | None = None
         # One model-sized receive buffer; a second (sized by a verified record, so
@@ -272,7 +274,7 @@ class _Controller:
         self._round_changed = trio.Event()
         # A consensus to sign, or one signed already (computed ahead of the last frame).
         self._consensus_send, self._consensus_receive = trio.open_memory_channel[
-            tuple[RoundFrame | EncodedFrame, list[Any]]
+            tuple[RoundFrame | EncodedFrame, Callable[[], None] | None]
         ](1)
 
     def _on_death(self, rank: int) -> None:
@@ -440,24 +442,27 @@ class _Controller:
         ahead: FinishAhead | None = None
         sealed: EncodedFrame | None = None
         try:
-            if header.length > SMALL_RECORD and self._may_finish_ahead(link, header):
-                kind, payload, ahead, sealed = await self._receive_finishing_ahead(link, header, buf)
+            try:
+                if header.length > SMALL_RECORD and self._may_finish_ahead(link, header):
+                    kind, payload, ahead, sealed = await self._receive_finishing_ahead(link, header, buf)
+                else:
+                    kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt)
+            except _DISCONNECTS as exc:
+                await self._drop_link(link, f"read failed: {exc}")
+                return False
+            except MacError:
+                self.stats.mac_failures += 1
+                raise
+            self.stats.bytes_in += 25 + header.length
+            if kind is MuxKind.HOST_FRAME:
+                self._on_host_frame(link, payload, ahead if sealed is not None else None, sealed)
+            elif kind is MuxKind.CONTROL:
+                self._on_relay_control(link, decode_control_msg(payload))
             else:
-                kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt)
-        except _DISCONNECTS as exc:
-            await self._drop_link(link, f"read failed: {exc}")
-            return False
-        except MacError:
-            self.stats.mac_failures += 1
-            raise
-        self.stats.bytes_in += 25 + header.length
-        if kind is MuxKind.HOST_FRAME:
-            self._on_host_frame(link, payload, ahead if sealed is not None else None, sealed)
-        elif kind is MuxKind.CONTROL:
-            self._on_relay_control(link, decode_control_msg(payload))
-        else:
-            raise ProtocolError(f"unexpected {kind.name} record on the data channel")
-        return True
+                raise ProtocolError(f"unexpected {kind.name} record on the data channel")
+            return True
+        finally:
+            self._return_unused(ahead)
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
         if not isinstance(msg, RankExit):
@@ -479,8 +484,19 @@ class _Controller:
         """A FinishAhead if ``link``'s frame would now complete the round; else None."""
         if not self._completes(link) or all(self.dead.is_dead(r) for r in link.ranks):
             return None
-        ahead = FinishAhead(self.round.acc, divide=True, in_length=header.length)
-        return ahead if ahead.supported else None
+        # The output goes into the buffer of an earlier consensus sent everywhere, if any.
+        out = self._consensus_buffers.pop() if self._consensus_buffers else None
+        ahead = FinishAhead(self.round.acc, divide=True, in_length=header.length, out=out)
+        if ahead.supported:
+            return ahead
+        self._return_unused(ahead)
+        return None
+
+    def _return_unused(self, ahead: FinishAhead | None) -> None:
+        """An attempt that did not become the round's consensus gives its buffer back."""
+        if ahead is not None and not ahead.committed:
+            ahead.committed = True  # once
+            self._consensus_buffers.append(ahead.buffer)
 
     async def _receive_finishing_ahead(
         self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer
@@ -531,9 +547,13 @@ class _Controller:
             self.round.delivered.add(link.id)
             link.awaiting_broadcast = True
             self.stats.rounds_finished_ahead += 1
-            self._complete_round(ahead.frame(self.config.salt), sealed)
+            buffer = ahead.buffer
+            self._complete_round(
+                ahead.frame(self.config.salt), sealed, after_write=partial(self._consensus_buffers.append, buffer)
+            )
             # The consensus lives in the finisher's own buffer: the sums it read are free.
             self.images.give(ahead.acc.sums())
+            ahead.committed = True
             return
         self.round.acc.add(frame, link.name)
         self.round.delivered.add(link.id)
@@ -577,16 +597,20 @@ class _Controller:
             sums = acc.sums()
             if not shares_sums(acc, consensus):
                 self.images.give(sums)
-                sums = []
-            elif self.outer_optimizer is not None or self.checkpoint is not None:
-                sums = []
-            self._complete_round(consensus, reuse_after_write=sums)
+                self._complete_round(consensus)
+            else:
+                self._complete_round(consensus, after_write=partial(self.images.give, sums))
 
     def _complete_round(
-        self, consensus: RoundFrame, sealed: EncodedFrame | None = None, reuse_after_write: list[Any] | None = None
+        self, consensus: RoundFrame, sealed: EncodedFrame | None = None, after_write: Callable[[], None] | None = None
     ) -> None:
         """Account for the finished round and hand its consensus (signed already, when
-        computed ahead) to the broadcaster, with the sum images to reuse once it is written."""
+        computed ahead) to the broadcaster.
+
+        ``after_write`` (giving the consensus's memory back for reuse) runs once
+        every relay has been sent it - or never, if a hook saw the consensus
+        (the outer optimizer or a checkpoint sink may keep the frame).
+        """
         finished, self.round = self.round, _Round(self.images)
         self._note_round_changed()
         self.stats.rounds += 1
@@ -594,14 +618,16 @@ class _Controller:
         self.stats.round_seconds.observe(trio.current_time() - finished.started)
         self.stats.last_mass = consensus.weight
         hooked = self._apply_hooks(consensus)
+        if self.outer_optimizer is not None or self.checkpoint is not None:
+            after_write = None
         # Capacity 1 suffices: the next round cannot complete before this one's
         # consensus reached the relays, so the broadcaster never falls behind.
         outgoing = sealed if sealed is not None and hooked is consensus else hooked
-        self._consensus_send.send_nowait((outgoing, reuse_after_write or []))
+        self._consensus_send.send_nowait((outgoing, after_write))
 
     async def _broadcaster(self) -> None:
         """Sign each consensus once (both MACs in parallel) and queue it to every live relay."""
-        async for consensus, reuse in self._consensus_receive:
+        async for consensus, after_write in self._consensus_receive:
             if isinstance(consensus, EncodedFrame):
                 record = consensus
             else:
@@ -610,11 +636,11 @@ class _Controller:
                 link for link in self.links.values()
                 if not link.closed and any(not self.dead.is_dead(r) for r in link.ranks)
             ]
-            written = AfterAllWrites(len(targets), partial(self.images.give, reuse)) if reuse else None
+            written = None if after_write is None else AfterAllWrites(len(targets), after_write)
             for link in targets:
                 link.queue(record, broadcast=True, on_written=None if written is None else written.one)
             # Only the link outboxes may keep this round's consensus alive (until written).
-            del consensus, record, reuse, written
+            del consensus, record, after_write, written
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL

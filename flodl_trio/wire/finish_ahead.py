@@ -89,6 +89,7 @@ class FinishAhead:
         self.in_length = in_length
         self.abandoned: str | None = None
         self.complete = False
+        self.committed = False  # set by the owner once the output is the round's (its buffer is spoken for)
         self.pos = 0  # incoming bytes consumed
         self.out_pos = 0  # outgoing bytes final (handed to the MACs)
         self._layout = acc.layout()
@@ -269,6 +270,11 @@ class FinishAhead:
             self._write_block(t, None, start, min(start + BLOCK, t.numel))
 
     # -- results -------------------------------------------------------------
+
+    @property
+    def buffer(self) -> ReceiveBuffer:
+        """Where the output is written (the caller's ``out``, or a buffer of its own)."""
+        return self._out
 
     def output(self) -> memoryview:
         """Every outgoing byte (the frame's MAC last, once :meth:`seal` wrote it)."""
