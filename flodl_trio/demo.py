@@ -99,14 +99,11 @@ async def worker(args: argparse.Namespace) -> None:
             client.bf16_wire = args.bf16
             for window in range(args.windows):
                 local_loss = await trio.to_thread.run_sync(train_window)
+                # The window's averages land in the model's own parameters and buffers.
                 result = await average_window(
-                    client, params, buffers, args.inner_steps, rank=rank, world_size=WORLD
+                    client, params, buffers, args.inner_steps, rank=rank, world_size=WORLD, in_place=True
                 )
                 with torch.no_grad():
-                    for p, new in zip(params, result.params):
-                        p.copy_(new)
-                    for b, new in zip(buffers, result.buffers):
-                        b.copy_(new)
                     model.eval()
                     consensus_loss = torch.nn.functional.mse_loss(model(x_val), y_val).item()
                 emit(window=window, local_loss=local_loss, consensus_loss=consensus_loss,

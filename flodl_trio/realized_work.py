@@ -44,23 +44,24 @@ class _ReduceClientLike(Protocol):
     def arm_pinned_decode(self, slot: int) -> None: ...
 
     async def all_reduce_scaled(
-        self, tensors: Sequence[Any], scale: float, kind: RoundKind, weight: float
+        self, tensors: Sequence[Any], scale: float, kind: RoundKind, weight: float, *, in_place: bool = False
     ) -> tuple[list[Any], float]: ...
 
     async def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]: ...
 
 
 async def sumcount_reduce(
-    client: _ReduceClientLike, tensors: Sequence[torch.Tensor], weight: float, slot: int
+    client: _ReduceClientLike, tensors: Sequence[torch.Tensor], weight: float, slot: int, *, in_place: bool = False
 ) -> list[torch.Tensor]:
     """Weighted mean of ``tensors`` over the cluster, each rank counting ``weight``.
 
     Returns the local tensors unchanged when the accepted mass is 0 (nobody
-    realized any work: there is nothing better to adopt).
+    realized any work: there is nothing better to adopt). ``in_place``: the
+    mean is written into ``tensors`` themselves (a model's parameters, say).
     """
-    if client.pinned_decode:
+    if client.pinned_decode and not in_place:
         client.arm_pinned_decode(slot)
-    consensus, mass = await client.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight)
+    consensus, mass = await client.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight, in_place=in_place)
     if mass <= 0:
         return list(tensors)
     return consensus
@@ -84,14 +85,24 @@ async def average_window(
     rank: int,
     world_size: int,
     gamma: float = 1.0,
+    in_place: bool = False,
 ) -> WindowResult:
     """One Local-SGD window: gather step counts, average params by gamma mass,
-    then float buffers by mover mass. Dead ranks' counts come back 0."""
+    then float buffers by mover mass. Dead ranks' counts come back 0.
+
+    ``in_place``: the averages are written straight into ``params`` and
+    ``buffers`` (which the result then holds), so a window allocates nothing
+    model-sized.
+    """
     counts = [0.0] * world_size
     counts[rank] = float(steps)
     gathered = await client.all_reduce_per_rank_f64(counts)
-    new_params = await sumcount_reduce(client, params, gamma_mass(steps, gamma), DECODE_SLOT_PARAMS)
+    new_params = await sumcount_reduce(
+        client, params, gamma_mass(steps, gamma), DECODE_SLOT_PARAMS, in_place=in_place
+    )
     new_buffers = list(buffers)
     if buffers:
-        new_buffers = await sumcount_reduce(client, buffers, mover_mass(steps), DECODE_SLOT_BUFFERS)
+        new_buffers = await sumcount_reduce(
+            client, buffers, mover_mass(steps), DECODE_SLOT_BUFFERS, in_place=in_place
+        )
     return WindowResult(gathered, new_params, new_buffers)

@@ -83,8 +83,10 @@ async def test_uneven_hosts_weighted_rounds(salt, hosts):
             assert got_mass[k, rank] == sum(masses[k, r] for r in range(world))
 
 
-async def test_fifty_rounds_random_masses_against_numpy(salt):
-    """50 rounds, 2 hosts x 2 ranks, random masses (some zero), vs an independent numpy reduce."""
+@pytest.mark.parametrize("in_place", [False, True], ids=["returned", "in-place"])
+async def test_fifty_rounds_random_masses_against_numpy(salt, in_place):
+    """50 rounds, 2 hosts x 2 ranks, random masses (some zero), vs an independent numpy
+    reduce; in place, the mean lands in the rank's own tensor (mass 0: left as it was)."""
     world, hosts, rounds = 4, [[0, 1], [2, 3]], 50
     rng = np.random.default_rng(2026)
     values = rng.standard_normal((rounds, world, 64)).astype(np.float32)
@@ -99,8 +101,11 @@ async def test_fifty_rounds_random_masses_against_numpy(salt):
 
                 for k in range(rounds):
                     t = torch.from_numpy(values[k, rank].copy())
-                    out = await sumcount_reduce(client, [t], float(masses[k, rank]), DECODE_SLOT_PARAMS)
-                    results[k, rank] = out[0].numpy()
+                    out = await sumcount_reduce(
+                        client, [t], float(masses[k, rank]), DECODE_SLOT_PARAMS, in_place=in_place
+                    )
+                    assert (out[0] is t) == in_place or masses[k].sum() == 0
+                    results[k, rank] = (t if in_place else out[0]).numpy()
 
         async with trio.open_nursery() as nursery:
             for rank in range(world):
