@@ -62,6 +62,8 @@ from .wire.tasks import sole_exception
 if TYPE_CHECKING:
     import torch
 
+    from .tensors import SendStaging
+
 Address = tuple[str, int] | str
 
 
@@ -98,6 +100,8 @@ class ReduceClient:
         self._staging: dict[int, list[torch.Tensor]] = {}
         # Replies that are decoded by copy land here, round after round.
         self._reply_buffer = ReceiveBuffer()
+        # Converted (scaled, bf16, off-GPU) copies of this rank's tensors, round after round.
+        self._send_staging: SendStaging | None = None
         self._busy = False
         self._broken: str | None = None
         self.rounds = 0
@@ -121,13 +125,18 @@ class ReduceClient:
         """Contribute ``frame`` and return the round's consensus (owning its bytes)."""
         return await self._exchange(frame, reuse_reply_buffer=False)
 
-    async def _exchange(self, frame: RoundFrame, *, reuse_reply_buffer: bool) -> RoundFrame:
-        """One round; with ``reuse_reply_buffer`` the consensus lands in the client's
-        reply buffer, valid until the next round (for callers that copy it out)."""
+    def _check_ready(self) -> None:
+        """Refuse a round while another is in flight (its frame may sit in our staging)
+        or after the client broke."""
         if self._busy:
             raise trio.BusyResourceError(f"rank {self.rank}: another round is already in flight on this client")
         if self._broken is not None:
             raise FlodlError(f"rank {self.rank}: client unusable ({self._broken})")
+
+    async def _exchange(self, frame: RoundFrame, *, reuse_reply_buffer: bool) -> RoundFrame:
+        """One round; with ``reuse_reply_buffer`` the consensus lands in the client's
+        reply buffer, valid until the next round (for callers that copy it out)."""
+        self._check_ready()
         self._busy = True
         try:
             reply = await self._round_trip(frame, self._reply_buffer if reuse_reply_buffer else None)
@@ -237,13 +246,16 @@ class ReduceClient:
         accepted mass is 0 leaves them as they were. Steady-state rounds then
         allocate nothing model-sized.
         """
-        from .tensors import check_destinations, tensors_to_round_frame
+        from .tensors import SendStaging, check_destinations, tensors_to_round_frame
 
+        self._check_ready()  # before the frame is built into staging a round in flight may be sending
         if in_place:
             check_destinations(tensors)  # before the round: a refusal costs nothing
         wire = self._wire_dtype(kind)
         out = list(tensors) if in_place else self._pinned_destinations(tensors)
-        frame = tensors_to_round_frame(tensors, wire, kind=kind, weight=weight, scale=scale)
+        if self._send_staging is None:
+            self._send_staging = SendStaging()
+        frame = tensors_to_round_frame(tensors, wire, kind=kind, weight=weight, scale=scale, staging=self._send_staging)
         # Decoded by copy (into ``out``, or widened from bf16): the reply may live in our buffer.
         reply = await self._exchange(frame, reuse_reply_buffer=out is not None or wire == DTYPE_BF16)
         if in_place and kind == RoundKind.MODEL and not reply.weight > 0:

@@ -36,7 +36,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _TORCH_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def _wire_array(t: torch.Tensor, index: int, wire_dtype: int, scale: float | None) -> np.ndarray:
+class SendStaging:
+    """Host tensors a rank's converted frames are written into, one per tensor
+    position and dtype, reused round after round.
+
+    A frame needs a copy of a tensor when it is scaled, changes dtype for the
+    wire, or lives on another device; without staging every such round would
+    allocate (and page-fault) a model-sized block. A frame built into staging
+    is valid until the next frame is built into the same staging.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def get(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        slot = self._slots.get((index, dtype))
+        if slot is None or slot.numel() != numel:
+            slot = self._slots[(index, dtype)] = torch.empty(numel, dtype=dtype)
+        return slot
+
+
+def _wire_array(
+    t: torch.Tensor, index: int, wire_dtype: int, scale: float | None, staging: SendStaging | None
+) -> np.ndarray:
     """A tensor's (scaled) values in the wire dtype as a flat array; a view when unscaled f32."""
     if t.dtype not in (torch.float32, torch.bfloat16):
         raise SchemaError(
@@ -45,19 +67,31 @@ def _wire_array(t: torch.Tensor, index: int, wire_dtype: int, scale: float | Non
         )
     if wire_dtype not in (DTYPE_F32, DTYPE_BF16):
         raise SchemaError(f"unknown wire dtype tag {wire_dtype} (0 = f32, 1 = bf16)")
-    flat = t.detach().reshape(-1).cpu()
+    flat = t.detach().reshape(-1)
+    wire_torch = torch.bfloat16 if wire_dtype == DTYPE_BF16 else torch.float32
+
+    def converted(dtype: torch.dtype, source: torch.Tensor) -> torch.Tensor:
+        """``source`` as a CPU tensor of ``dtype`` (rounded as ``.to`` rounds), in staging when given."""
+        out = torch.empty(flat.numel(), dtype=dtype) if staging is None else staging.get(index, flat.numel(), dtype)
+        return out.copy_(source)
+
     if scale is not None and scale != 1.0:
         if flat.dtype == torch.bfloat16 and wire_dtype == DTYPE_BF16:
             # bf16 staging on a bf16 wire: scale the bits exactly as torch's bf16 mul would.
-            owned = flat.view(torch.int16).numpy().copy()
+            owned = converted(torch.bfloat16, flat).view(torch.int16).numpy()
             scale_payload(owned.view(np.uint8), DTYPE_BF16, scale)
             return owned
         # f32 math with the scalar rounded to f32 (torch's rule), then one rounding to the wire.
-        flat = flat.float() * float(np.float32(scale))
-    if wire_dtype == DTYPE_F32:
-        return flat.float().contiguous().numpy()
+        scaled = converted(torch.float32, flat).mul_(float(np.float32(scale)))
+        return _as_wire(scaled if wire_dtype == DTYPE_F32 else converted(torch.bfloat16, scaled))
+    if flat.dtype == wire_torch and flat.device.type == "cpu":
+        return _as_wire(flat.contiguous())  # sent straight from the tensor's storage
     # torch's own f32 -> bf16 is the reference rounding; a bf16 tensor goes verbatim.
-    return flat.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    return _as_wire(converted(wire_torch, flat))
+
+
+def _as_wire(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def tensors_to_round_frame(
@@ -67,14 +101,16 @@ def tensors_to_round_frame(
     kind: RoundKind = RoundKind.MODEL,
     weight: float = 1.0,
     scale: float | None = None,
+    staging: SendStaging | None = None,
 ) -> RoundFrame:
     """Serialize tensors for one round; ``scale`` multiplies them first (f32 math).
 
     Without ``scale`` an f32 CPU tensor is not copied: do not modify it until
-    the round's send has completed.
+    the round's send has completed. Copies (scaled, converted to bf16, moved
+    off a GPU) go into ``staging`` when given.
     """
     payloads = [
-        TensorPayload(wire_dtype, tuple(t.shape), _wire_array(t, i, wire_dtype, scale))
+        TensorPayload(wire_dtype, tuple(t.shape), _wire_array(t, i, wire_dtype, scale, staging))
         for i, t in enumerate(tensors)
     ]
     return RoundFrame(payloads, kind, weight)
@@ -167,6 +203,7 @@ def numel_bytes(tensors: Sequence[torch.Tensor]) -> int:
 __all__ = [
     "DTYPE_BF16",
     "DTYPE_F32",
+    "SendStaging",
     "check_destinations",
     "dtype_name",
     "elided_like",
