@@ -57,7 +57,7 @@ class ControllerCollector(Collector):
         )
         yield _counter(
             "flodl_controller_fold_images_reused",
-            "Model-sized f32 sum images reused from an earlier round instead of allocated",
+            "Rounds folded into the f32 sum images of an earlier round instead of new ones",
             stats.fold_images_reused,
         )
 
@@ -83,7 +83,7 @@ class RelayCollector(Collector):
         )
         reused = CounterMetricFamily(
             "flodl_relay_fold_images_reused",
-            "Model-sized f32 fold images reused from an earlier round instead of allocated",
+            "Rounds folded into the f32 images of an earlier round instead of new ones",
             labels=labels,
         )
         for kind, handle in self.handles.items():

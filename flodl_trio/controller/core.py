@@ -140,7 +140,7 @@ class ControllerStats:
     rejected: int = 0
     mac_failures: int = 0
     rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
-    fold_images_reused: int = 0  # f32 sum images taken from an earlier round instead of allocated
+    fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
 
 
 @attrs.frozen

@@ -133,7 +133,7 @@ class RelayStats:
     mac_failures: int = 0
     broadcasts_streamed: int = 0  # consensus frames fanned out while still arriving
     rounds_finished_ahead: int = 0  # HostFrames computed and signed while the last frame arrived
-    fold_images_reused: int = 0  # f32 sum images taken from an earlier round instead of allocated
+    fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
 
     @property
     def fold_ratio(self) -> float:
