@@ -16,8 +16,8 @@ import trio
 
 from flodl_trio import RoundKind
 from flodl_trio.client import ReduceClient
-from flodl_trio.errors import SchemaError
-from flodl_trio.testing import open_local_cluster
+from flodl_trio.errors import MacError, SchemaError
+from flodl_trio.testing import FlipBit, open_fault_proxy, open_local_cluster
 
 NUMEL = 100_000  # large enough for every streaming path (cut-through, finishing ahead)
 
@@ -75,6 +75,29 @@ async def test_in_place_refuses_a_non_f32_destination_before_the_round(salt):
 
     async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
         await cluster.run_ranks(rank_main)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+async def test_a_corrupted_consensus_never_touches_the_destination(salt, bf16):
+    """A bit flipped in rank 0's copy of the consensus (between relay and rank) fails
+    its MAC: the round raises and rank 0's tensor keeps every one of its values."""
+    flip = FlipBit(at_byte=8 + 4 + 25 + 1000, direction="down")  # ack, length prefix, into the payload
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
+        async with open_fault_proxy(cluster.relay_address(0), [flip]) as proxy:
+
+            async def rank_main(rank: int, client: ReduceClient) -> None:
+                client.bf16_wire = bf16
+                t = torch.full((NUMEL,), float(rank + 1))
+                if rank == 0:
+                    with pytest.raises(MacError):
+                        await client.all_reduce_tensors([t], in_place=True)
+                    assert torch.equal(t, torch.full((NUMEL,), 1.0))
+                else:
+                    await client.all_reduce_tensors([t], in_place=True)
+                    assert torch.equal(t, torch.full((NUMEL,), 1.5))
+
+            await cluster.run_ranks(rank_main, addresses={0: ("127.0.0.1", proxy.port)})
+            assert proxy.fired(flip)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
