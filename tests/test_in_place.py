@@ -117,16 +117,19 @@ async def test_results_of_earlier_rounds_stay_intact(salt, bf16):
         await cluster.run_ranks(rank_main)
 
 
+@pytest.mark.parametrize(("bf16", "numel"), [(False, 1 << 20), (True, 1 << 22)], ids=["f32", "bf16"])
 @pytest.mark.parametrize("hosts", [[[0, 1]], [[0, 1], [2, 3]]], ids=["one-host", "two-hosts"])
-async def test_steady_in_place_rounds_allocate_nothing_model_sized(salt, hosts):
+async def test_steady_in_place_rounds_allocate_nothing_model_sized(salt, hosts, bf16, numel):
     """Ranks, relays and controller run in this process: after two warm-up rounds,
-    three more f32 in-place rounds raise its traced peak by far less than the model.
+    three more in-place rounds raise its traced peak by far less than the model's
+    wire size (4 MiB f32, 8 MiB bf16; what remains is small per-call scratch).
     Host 1's ranks lag, so each round ends on host 1's frame (finished ahead)."""
     world = sum(len(h) for h in hosts)
-    numel = 1 << 20  # 4 MiB
+    wire_bytes = numel * (2 if bf16 else 4)
     growth: list[int] = []
 
     async def rank_main(rank: int, client: ReduceClient) -> None:
+        client.bf16_wire = bf16
         t = torch.full((numel,), float(rank))
         for k in range(5):
             if rank == 0 and k == 2:
@@ -144,4 +147,4 @@ async def test_steady_in_place_rounds_allocate_nothing_model_sized(salt, hosts):
             await cluster.run_ranks(rank_main)
     finally:
         tracemalloc.stop()
-    assert growth and growth[0] < numel * 4 // 4, f"{growth[0]} bytes allocated beyond the steady state"
+    assert growth and growth[0] < wire_bytes // 4, f"{growth[0]} bytes allocated beyond the steady state"

@@ -30,7 +30,7 @@ from flodl_trio.wire import (
     payload_as_f32,
     scale_payload,
 )
-from flodl_trio.wire.bf16 import BLOCK, encode_f32_as, itemsize
+from flodl_trio.wire.bf16 import BLOCK, encode_f32_as, f32_to_bf16_in_place, itemsize
 
 N_RANDOM = 1_000_000
 
@@ -384,3 +384,22 @@ def test_unknown_dtype_tags_are_schema_errors(bad):
         encode_f32_as(np.zeros(2, np.float32), bad)
     with pytest.raises(SchemaError, match="dtype"):
         scale_payload(bytearray(8), bad, 2.0)
+
+
+@pytest.mark.parametrize("n", [1, 7, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 3])
+def test_rounding_in_place_matches_the_copying_rounding(n):
+    """Over the first half of the values' own memory, block boundaries included:
+    random bit patterns (every NaN, inf and subnormal kind) and forced ties."""
+    rng = np.random.default_rng(n)
+    bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    bits[::5] = (bits[::5] & 0xFFFF0000) | 0x8000  # exact ties, both parities
+    values = bits.view(np.float32)
+    want = f32_to_bf16(values.copy())
+    got = f32_to_bf16_in_place(values)
+    assert np.array_equal(got, want)
+    assert np.shares_memory(got, values) and got.size == n
+
+
+def test_rounding_in_place_refuses_a_strided_array():
+    with pytest.raises(ValueError, match="contiguous"):
+        f32_to_bf16_in_place(np.zeros(10, np.float32)[::2])

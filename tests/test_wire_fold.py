@@ -404,3 +404,27 @@ def test_a_kept_round_of_another_shape_is_left_alone():
     acc.add(RoundFrame([f32_payload(np.arange(4.0))], RoundKind.MODEL, 1.0), "rank 0")
     assert cache.reused == 0 and len(cache) == 1
     np.testing.assert_array_equal(stale, 9.0)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_spent_sums_give_the_same_frame(n):
+    """Rounding bf16 over the sums themselves (no new arrays) changes no byte of the
+    result, for bf16, f32 and mixed frames; the frame then aliases the sums."""
+    rng = np.random.default_rng(40 + n)
+    for dtypes in ([DTYPE_BF16] * 3, [DTYPE_F32] * 3, [DTYPE_BF16, DTYPE_F32, DTYPE_BF16]):
+        frames = []
+        for r in range(n):
+            tensors = []
+            for dtype, shape in zip(dtypes, [(70_000,), (17,), (2, 2, 2)]):
+                v = (rng.standard_normal(shape) * 10).astype(np.float32)
+                v.reshape(-1)[:3] = [np.nan, np.inf, -0.0]
+                tensors.append(bf16_payload(v) if dtype == DTYPE_BF16 else f32_payload(v))
+            frames.append((f"rank {r}", RoundFrame(tensors, RoundKind.MODEL, 1.5)))
+        accs = [FoldAccumulator(), FoldAccumulator()]
+        for acc in accs:
+            for source, frame in frames:
+                acc.add(frame, source)
+        want = encode_round_frame(finish_consensus(accs[0]), SALT)
+        got = finish_consensus(accs[1], spend_sums=True)
+        assert encode_round_frame(got, SALT) == want
+        assert shares_sums(accs[1], got)

@@ -590,7 +590,9 @@ class _Controller:
     def _maybe_complete(self) -> None:
         if self._round_ready():
             acc = self.round.acc
-            consensus = finish_consensus(acc)
+            # Without hooks the consensus's memory is reused once written, so a bf16
+            # one may as well be rounded over the sums as into new arrays.
+            consensus = finish_consensus(acc, spend_sums=not self._hooked)
             # Only through the consensus could anyone still read the sums: free now if
             # it does not alias them (re-encoded to bf16), else once every relay has
             # been sent it - and never if a hook saw it (a hook may keep the frame).
@@ -618,7 +620,7 @@ class _Controller:
         self.stats.round_seconds.observe(trio.current_time() - finished.started)
         self.stats.last_mass = consensus.weight
         hooked = self._apply_hooks(consensus)
-        if self.outer_optimizer is not None or self.checkpoint is not None:
+        if self._hooked:
             after_write = None
         # Capacity 1 suffices: the next round cannot complete before this one's
         # consensus reached the relays, so the broadcaster never falls behind.
@@ -641,6 +643,11 @@ class _Controller:
                 link.queue(record, broadcast=True, on_written=None if written is None else written.one)
             # Only the link outboxes may keep this round's consensus alive (until written).
             del consensus, record, after_write, written
+
+    @property
+    def _hooked(self) -> bool:
+        """Whether an outer optimizer or checkpoint sink sees each consensus (and may keep it)."""
+        return self.outer_optimizer is not None or self.checkpoint is not None
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL

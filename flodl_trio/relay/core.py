@@ -446,7 +446,8 @@ class HostFold:
     def _take_if_complete(self) -> _FoldedHostFrame | None:
         if not self.deposited or not self.live <= self.deposited:
             return None
-        folded = _FoldedHostFrame(self.acc.result(), self.acc.sums())
+        # The frame may alias the sums (it always does for f32): they go back once it is written.
+        folded = _FoldedHostFrame(self.acc.result(spend_sums=True), self.acc.sums())
         self._next_round()
         return folded
 

@@ -96,6 +96,30 @@ def f32_to_bf16(
     return out
 
 
+def f32_to_bf16_in_place(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    """Round f32 values to bf16 (as :func:`f32_to_bf16`) over the first half of their
+    own memory, returned as a u16 view: no new model-sized block. The f32 values
+    are gone afterwards.
+
+    Block by block, each block's input copied to scratch first: its output
+    (bytes ``[2a, 2b)``) may overlap its own input (``[4a, 4b)``) but never a
+    later block's.
+    """
+    if not values.flags.c_contiguous:
+        raise ValueError("f32_to_bf16_in_place needs a contiguous array (a copy would defeat it)")
+    flat = values.reshape(-1)
+    bits_all = flat.view(U32)
+    out = flat.view(U16)[: flat.size]
+    scratch = _Scratch(flat.size)
+    block = np.empty(max(1, min(BLOCK, flat.size)), dtype=U32)
+    for start in range(0, flat.size, BLOCK):
+        stop = min(start + BLOCK, flat.size)
+        n = stop - start
+        np.copyto(block[:n], bits_all[start:stop])
+        _round_block(block[:n], block[:n].view(F32), out[start:stop], scratch.tmp[:n], scratch.nan[:n])
+    return out
+
+
 def bf16_to_f32(src: npt.NDArray[np.uint16], out: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
     """Widen bf16 bit patterns to f32 (exact: the pattern becomes the top 16 bits)."""
     flat = np.ascontiguousarray(src).reshape(-1)

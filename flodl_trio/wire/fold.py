@@ -25,6 +25,7 @@ from .bf16 import (
     add_bf16_into,
     bf16_to_f32,
     encode_f32_as,
+    f32_to_bf16_in_place,
     itemsize,
 )
 from .constants import DTYPE_BF16, DTYPE_F32
@@ -192,19 +193,27 @@ class FoldAccumulator:
         """The f32 running sums (None = every contribution was elided)."""
         return [slot.sum for slot in self._slots]
 
-    def result(self) -> RoundFrame:
-        """The folded frame, re-encoded in the input dtypes, mass = summed weights."""
+    def result(self, *, spend_sums: bool = False) -> RoundFrame:
+        """The folded frame, re-encoded in the input dtypes, mass = summed weights.
+
+        ``spend_sums``: bf16 tensors are rounded over their own f32 sums instead
+        of into new arrays (the frame then aliases every sum, as an f32 one
+        always does, and the sums are no longer f32 values).
+        """
         if self.count == 0 or self.kind is None:
             raise SchemaError("round fold: no frame was folded")
-        return _frame_from_sums(self._slots, self.kind, self.weight)
+        return _frame_from_sums(self._slots, self.kind, self.weight, spend_sums)
 
 
-def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float) -> RoundFrame:
-    tensors = [
-        TensorPayload(s.dtype, s.shape, b"" if s.sum is None else encode_f32_as(s.sum, s.dtype))
-        for s in slots
-    ]
-    return RoundFrame(tensors, kind, weight)
+def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float, spend_sums: bool = False) -> RoundFrame:
+    def encoded(s: _Slot) -> npt.NDArray[np.generic] | bytes:
+        if s.sum is None:
+            return b""
+        if spend_sums and s.dtype == DTYPE_BF16:
+            return f32_to_bf16_in_place(s.sum)
+        return encode_f32_as(s.sum, s.dtype)
+
+    return RoundFrame([TensorPayload(s.dtype, s.shape, encoded(s)) for s in slots], kind, weight)
 
 
 def shares_sums(acc: FoldAccumulator, frame: RoundFrame) -> bool:
@@ -225,7 +234,7 @@ def sum_frames(frames: Iterable[tuple[str, RoundFrame]]) -> RoundFrame:
     return acc.result()
 
 
-def finish_consensus(acc: FoldAccumulator) -> RoundFrame:
+def finish_consensus(acc: FoldAccumulator, *, spend_sums: bool = False) -> RoundFrame:
     """The controller's divide-once reduce over the accepted contributions.
 
     Model rounds with accepted mass > 0 are multiplied by the f32-rounded
@@ -240,7 +249,7 @@ def finish_consensus(acc: FoldAccumulator) -> RoundFrame:
             for s in acc.sums():
                 if s is not None:
                     np.multiply(s, reciprocal, out=s)
-    return acc.result()
+    return acc.result(spend_sums=spend_sums)
 
 
 __all__ = [
