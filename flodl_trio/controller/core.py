@@ -547,9 +547,8 @@ class _Controller:
             self.round.delivered.add(link.id)
             link.awaiting_broadcast = True
             self.stats.rounds_finished_ahead += 1
-            buffer = ahead.buffer
             self._complete_round(
-                ahead.frame(self.config.salt), sealed, after_write=partial(self._consensus_buffers.append, buffer)
+                ahead.frame(self.config.salt), sealed, after_write=partial(self._consensus_buffers.append, ahead.buffer)
             )
             # The consensus lives in the finisher's own buffer: the sums it read are free.
             self.images.give(ahead.acc.sums())
@@ -566,26 +565,20 @@ class _Controller:
         self._round_changed.set()
         self._round_changed = trio.Event()
 
-    def _completes(self, link: RelayLink) -> bool:
-        """Whether a frame from ``link`` now would complete the round."""
+    def _completes(self, link: RelayLink | None) -> bool:
+        """Whether every live rank's frame is in once ``link``'s is (None: as things stand)."""
         for rank in range(self.config.world_size):
+            if self.dead.is_dead(rank):
+                continue
             owner = self.owner.get(rank)
-            if not self.dead.is_dead(rank) and owner is not link and (owner is None or owner.id not in self.round.delivered):
+            if owner is None or (owner is not link and owner.id not in self.round.delivered):
                 return False
         return True
 
     # -- rounds and deaths ---------------------------------------------------
 
     def _round_ready(self) -> bool:
-        if self.round.acc.count == 0:
-            return False
-        for rank in range(self.config.world_size):
-            if self.dead.is_dead(rank):
-                continue
-            link = self.owner.get(rank)
-            if link is None or link.id not in self.round.delivered:
-                return False
-        return True
+        return self.round.acc.count > 0 and self._completes(None)
 
     def _maybe_complete(self) -> None:
         if self._round_ready():
@@ -619,12 +612,12 @@ class _Controller:
         self.stats.fold_images_reused = self.images.reused
         self.stats.round_seconds.observe(trio.current_time() - finished.started)
         self.stats.last_mass = consensus.weight
-        hooked = self._apply_hooks(consensus)
+        transformed = self._apply_hooks(consensus)
         if self._hooked:
             after_write = None
         # Capacity 1 suffices: the next round cannot complete before this one's
         # consensus reached the relays, so the broadcaster never falls behind.
-        outgoing = sealed if sealed is not None and hooked is consensus else hooked
+        outgoing = sealed if sealed is not None and transformed is consensus else transformed
         self._consensus_send.send_nowait((outgoing, after_write))
 
     async def _broadcaster(self) -> None:

@@ -108,9 +108,11 @@ class _Slot:
                 image, self.spare = self.spare, None
                 if t.dtype == DTYPE_F32:
                     source = np.frombuffer(t.data, dtype=F32)
-                    self.sum = source.copy() if image is None else image
-                    if image is not None:
+                    if image is None:
+                        image = source.copy()
+                    else:
                         np.copyto(image, source)
+                    self.sum = image
                 else:
                     self.sum = bf16_to_f32(np.frombuffer(t.data, dtype=U16), out=image)
             elif t.dtype == DTYPE_F32:
