@@ -861,14 +861,9 @@ class DataChannel(_Channel):
         sent = 0
         try:
             await conn.send_piece(_U32.pack(watch.length))
-            while sent < gate:
-                await watch.wait_past(sent)
-                if watch.done and not watch.ok:
-                    return
-                end = min(watch.filled, gate, sent + WRITE_PIECE)
-                if end > sent:
-                    await conn.send_piece(buf.view(end)[sent:])
-                    sent = end
+            while (end := await watch.landed_past(sent, step=WRITE_PIECE, stop=gate)) is not None:
+                await conn.send_piece(buf.view(end)[sent:])
+                sent = end
             await watch.wait_done()
             if watch.ok:
                 await conn.send_piece(buf.view(watch.length)[gate:])

@@ -28,7 +28,6 @@ import struct
 
 import numpy as np
 import numpy.typing as npt
-import trio
 
 from .bf16 import BLOCK, DTYPE_NAMES, F32, U16, U32, f32_to_bf16, itemsize
 from .constants import (
@@ -294,21 +293,16 @@ class FinishAhead:
         frame_mac, record_mac = RunningMac(salt.hmac(), body_len), RunningMac(record, body_len)
         async with _mac_feeder(frame_mac, body_len) as feed_frame, _mac_feeder(record_mac, body_len) as feed_record:
             assert feed_frame is not None and feed_record is not None
+            upto = 0
             while not self.complete and self.abandoned is None:
-                seen, done = watch.filled, watch.done
-                if done and not watch.ok:
-                    return None
                 # A slice at a time, so a burst of arrived bytes never holds the event loop long.
-                upto = min(seen, self.pos + FOLLOW_SLICE)
+                landed = await watch.landed_past(upto, step=FOLLOW_SLICE)
+                if landed is None:
+                    break  # everything that will ever arrive has been consumed
+                upto = landed
                 for piece, offset in self.consume(buf.view(upto)):
                     await feed_frame(piece, offset)
                     await feed_record(piece, offset)
-                if upto < seen:
-                    await trio.lowlevel.checkpoint()
-                elif done:
-                    break  # everything that will ever arrive has been consumed
-                else:
-                    await watch.wait_past(seen)
         if not self.complete:
             return None
         await watch.wait_done()

@@ -161,7 +161,8 @@ class ArrivalWatch:
     let anything out before it is verified.
 
     The receiving task calls :meth:`advance` as bytes land, then exactly one of
-    :meth:`verified` or :meth:`abort`; watchers wait with :meth:`wait_past`.
+    :meth:`verified` or :meth:`abort`; watchers step through the arrival with
+    :meth:`landed_past` and end with :meth:`wait_done`.
     """
 
     def __init__(self, length: int) -> None:
@@ -191,6 +192,23 @@ class ArrivalWatch:
         """Until more than ``n`` bytes have landed, or the message ended either way."""
         while self.filled <= n and not self.done:
             await self._changed.wait()
+
+    async def landed_past(self, pos: int, *, step: int | None = None, stop: int | None = None) -> int | None:
+        """Once more than ``pos`` bytes have landed, how far a watcher may now work: at
+        most ``step`` bytes past ``pos`` and never past ``stop`` (default: the whole
+        message). None when there is no more: ``stop`` reached, or the receive
+        failed (``ok`` tells which). Yields to the event loop at least once, so a
+        burst of landed bytes is worked through a step at a time."""
+        stop = self.length if stop is None else stop
+        if pos >= stop:
+            return None
+        if self.filled > pos or self.done:
+            await trio.lowlevel.checkpoint()
+        else:
+            await self.wait_past(pos)
+        if (self.done and not self.ok) or self.filled <= pos:
+            return None
+        return min(self.filled, stop, pos + step if step is not None else stop)
 
     async def wait_done(self) -> None:
         while not self.done:
@@ -229,17 +247,9 @@ async def hash_as_it_lands(buf: ReceiveBuffer, watch: ArrivalWatch, mac: Running
     fed = 0
     async with _mac_feeder(mac, watch.length) as feed:
         assert feed is not None
-        while fed < watch.length:
-            seen, done = watch.filled, watch.done
-            if done and not watch.ok:
-                return False
-            if seen > fed:
-                await feed(buf.view(seen)[fed:], fed)
-                fed = seen
-            elif done:
-                break
-            else:
-                await watch.wait_past(fed)
+        while (upto := await watch.landed_past(fed)) is not None:
+            await feed(buf.view(upto)[fed:], fed)
+            fed = upto
     await watch.wait_done()
     return watch.ok and fed == watch.length
 
