@@ -58,6 +58,15 @@ Targets (PASS/FAIL lines at the end; the exit code is 1 when one fails):
   ranks (max - min over 2, 4 and 8 ranks <= 0.25 x model bytes);
   controller peak RSS <= 3 x model bytes + 150 MiB.
 
+Each speed target's line also shows two floors. The *CPU floor* is
+flodl_trio's measured CPU time per round divided by the cores: what this
+implementation's work costs however well it overlaps. The *protocol floor*
+(benchmarks/_floor.py) prices only the work flodl's wire protocol makes
+mandatory - the hash passes every hop must do, the loopback copies, and the
+link time that cannot overlap - at this machine's measured HMAC and loopback
+speeds, spread perfectly over every core: when it is above a target, no
+implementation of the protocol meets that target on this machine.
+
 ``--timing`` runs every flodl_trio process with wall-time counters on its hot
 functions (MAC verify/sign, fold, bf16 codec; whichever of TIMED_FUNCTIONS the
 code has) and prints, per process, the milliseconds per round spent in each:
@@ -87,11 +96,12 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_model  # this script's folder is on sys.path
+from _floor import Floor, MachineCosts, measure_costs, one_host_floor, two_host_floor  # this script's folder is on sys.path
+from _machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -110,6 +120,8 @@ SMALL_RATE = 2.0
 RELAY_RSS_MODELS = 2
 CONTROLLER_RSS_MODELS = 3
 RSS_HEADROOM_MIB = 150
+TWOHOST_NUMEL = 16 * MiB // 4  # f32 parameters of the two-host workload
+TWOHOST_RANKS_PER_HOST = 2
 FOREIGN_LOAD_WARN = 0.15  # cores used by others during a run before its numbers are flagged
 RELAY_FLAT_FRACTION = 0.25
 
@@ -794,6 +806,20 @@ def cpu_floor(fl: RunResult, gl: RunResult) -> str:
     return f"; CPU floor {fl.cpu_ms_per_round:,.0f} ms CPU / {os.cpu_count()} cores = {floor:.0f} ms = {floor / gl.median_ms:.2f}x gloo"
 
 
+def protocol_floor(floor: Floor | None, costs: MachineCosts | None, gl: RunResult, target: float) -> str:
+    """The protocol floor (benchmarks/_floor.py) as a ratio to gloo, and whether it leaves the target reachable.
+
+    Unlike the CPU floor, which prices flodl_trio's own CPU time, this prices
+    only the work the wire protocol makes mandatory: above the target, no
+    implementation of the protocol meets the target on this machine.
+    """
+    if floor is None or costs is None:
+        return ""
+    ratio = floor.ms / gl.median_ms
+    verdict = "out of reach on this machine" if ratio > target else "within reach"
+    return f"; protocol floor {floor.ms:.0f} ms = {ratio:.2f}x gloo ({floor.describe(costs)}): {verdict}"
+
+
 def rss_text(r: RunResult) -> str:
     if r.profiled:
         return "not measured (processes ran under py-spy)"
@@ -820,6 +846,7 @@ class Suite:
         self.notes: list[str] = []
         self.checks: list[tuple[str, bool | None, str]] = []
         self.sweep: list[str] = []  # the two-host targets at --also-link-rates (not judged)
+        self.costs: MachineCosts | None = None  # this machine's price of the protocol's mandatory work
 
     def measure(self, run: Any) -> RunResult:
         """One run; on a shared machine, wait for quiet first and retry runs others disturbed."""
@@ -865,41 +892,53 @@ class Suite:
             self.loopback_cache[(world, mib)] = fl
             if world == 4 and mib == 64:
                 ratio = fl.median_ms / gl.median_ms
+                floor = one_host_floor(self.costs, frame_len(mib * MiB // 4, "f32"), world) if self.costs else None
                 self.checks.append((f"one host, 4 ranks x 64 MiB: flodl_trio <= {LOOPBACK_4X64:g} x gloo",
-                                    ratio <= LOOPBACK_4X64, f"{ratio:.2f}x{cpu_floor(fl, gl)}"))
+                                    ratio <= LOOPBACK_4X64,
+                                    f"{ratio:.2f}x{cpu_floor(fl, gl)}"
+                                    f"{protocol_floor(floor, self.costs, gl, LOOPBACK_4X64)}"))
 
     def twohost(self) -> None:
         results = self._twohost_at(self.args.link_rate, "")
         if results is None:
             self.checks.append(("two hosts (all three targets)", None, "skipped: no privilege for netns"))
             return
-        for name, ok, got in self._twohost_ratios(results):
+        for name, ok, got in self._twohost_ratios(results, self.args.link_rate):
             self.checks.append((name, ok, got))
         for rate in filter(None, self.args.also_link_rates.split(",")):
             more = self._twohost_at(rate, f" @ {rate}")
-            for name, ok, got in self._twohost_ratios(more) if more is not None else []:
+            for name, ok, got in self._twohost_ratios(more, rate) if more is not None else []:
                 self.sweep.append(f"at {rate}: {name}: {'met' if ok else 'not met'} (got {got})")
 
-    def _twohost_ratios(self, results: dict[tuple[str, str], RunResult]) -> list[tuple[str, bool, str]]:
+    def _twohost_ratios(self, results: dict[tuple[str, str], RunResult], rate: str) -> list[tuple[str, bool, str]]:
         """The three two-host targets as (name, met, detail) for one link rate's runs."""
         out = []
+        floors = {dtype: self._twohost_floor(dtype, rate) for dtype in ("f32", "bf16")}
         for dtype in ("f32", "bf16"):
             fl, gl = results[("flodl_trio", dtype)], results[("gloo", dtype)]
             ratio = fl.median_ms / gl.median_ms
             out.append((f"two hosts, {dtype} wire both sides: flodl_trio <= {TWOHOST_SAME_DTYPE:g} x gloo",
-                        ratio <= TWOHOST_SAME_DTYPE, f"{ratio:.2f}x{cpu_floor(fl, gl)}"))
+                        ratio <= TWOHOST_SAME_DTYPE,
+                        f"{ratio:.2f}x{cpu_floor(fl, gl)}"
+                        f"{protocol_floor(floors[dtype], self.costs, gl, TWOHOST_SAME_DTYPE)}"))
         fl_bf16, gl_f32 = results[("flodl_trio", "bf16")], results[("gloo", "f32")]
         ratio = fl_bf16.median_ms / gl_f32.median_ms
         out.append((f"two hosts, flodl_trio bf16 wire vs gloo f32: <= {TWOHOST_BF16_VS_F32:g} x gloo",
                     ratio <= TWOHOST_BF16_VS_F32,
-                    f"{ratio:.2f}x ({fl_bf16.median_ms:.0f} ms vs {gl_f32.median_ms:.0f} ms){cpu_floor(fl_bf16, gl_f32)}"))
+                    f"{ratio:.2f}x ({fl_bf16.median_ms:.0f} ms vs {gl_f32.median_ms:.0f} ms){cpu_floor(fl_bf16, gl_f32)}"
+                    f"{protocol_floor(floors['bf16'], self.costs, gl_f32, TWOHOST_BF16_VS_F32)}"))
         return out
+
+    def _twohost_floor(self, dtype: str, rate: str) -> Floor | None:
+        if self.costs is None:
+            return None
+        return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, TWOHOST_RANKS_PER_HOST)
 
     def _twohost_at(self, rate: str, suffix: str) -> dict[tuple[str, str], RunResult] | None:
         """Both systems, both wire dtypes, over a veth pair shaped to ``rate``; None without the privilege."""
         q = self.args.quick
         warmup, rounds = (1, 5) if q else (2, 12)
-        numel = 16 * MiB // 4
+        numel = TWOHOST_NUMEL
         try:
             pair = NetnsPair(rate)
             pair.__enter__()
@@ -915,7 +954,7 @@ class Suite:
                 f"two-host: namespaces {pair.ns[0]} / {pair.ns[1]}, veth {pair.dev[0]} <-> {pair.dev[1]}, "
                 f"tc tbf rate {rate} burst 256kb latency 50ms on both ends; created and deleted by this run"
             )
-            hosts = pair.hosts(2)
+            hosts = pair.hosts(TWOHOST_RANKS_PER_HOST)
             for dtype in ("f32", "bf16"):
                 name = f"2 hosts x 2 ranks, 16 MiB, {dtype} wire{suffix}"
                 for system in ("flodl_trio", "gloo"):
@@ -1087,6 +1126,24 @@ class Suite:
         fig.savefig(path, dpi=110)
 
 
+def machine_costs(suite: Suite) -> MachineCosts | None:
+    """This machine's HMAC and loopback prices, measured in a child process.
+
+    A child, so that this orchestrator's peak RSS (a floor under every
+    process it starts) stays small; after waiting for a quiet machine when
+    asked to, so that the prices are not inflated by other load.
+    """
+    if suite.args.wait_quiet > 0:
+        wait_quiet(suite.args.wait_quiet)
+    suite.log("measuring this machine's HMAC and loopback prices (the protocol floor)")
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure-costs"],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        suite.notes.append(f"protocol floor not computed: measuring machine costs failed: {r.stderr.strip()[-300:]}")
+        return None
+    return MachineCosts(**json.loads(r.stdout))
+
+
 def code_version() -> str:
     """The flodl_trio source measured: git commit, and whether flodl_trio/ has local changes."""
     try:
@@ -1170,7 +1227,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=5, help=argparse.SUPPRESS)
     ap.add_argument("--cprofile", help=argparse.SUPPRESS)
+    ap.add_argument("--measure-costs", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+
+    if args.measure_costs:
+        print(json.dumps(asdict(measure_costs())))
+        return 0
 
     if args.worker == "flodl":
         worker_flodl(args)
@@ -1195,6 +1257,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flodl-bench-") as tmp:
         bench = Bench(args, Path(tmp))
         suite = Suite(bench, args)
+        if {"loopback", "twohost"} & set(wanted):
+            suite.costs = machine_costs(suite)
         try:
             for name, fn in (("loopback", suite.loopback), ("twohost", suite.twohost),
                              ("small", suite.small), ("memory", suite.memory_workload)):
@@ -1233,6 +1297,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"other load = average cores used by processes outside this benchmark during each run "
           f"(/proc/stat busy time minus this benchmark's CPU time); {len(busy)} of {len(suite.rows)} runs "
           f"above {FOREIGN_LOAD_WARN} cores" + (": their times are suspect, rerun on a quiet machine" if busy else ""))
+    if suite.costs is not None:
+        print(f"protocol floor = the shortest round any implementation of flodl's protocol could reach here: "
+              f"only its mandatory hash passes and loopback copies, perfectly spread over every core, plus the "
+              f"link time that cannot overlap (benchmarks/_floor.py); machine costs: {suite.costs.describe()}")
     for note in suite.notes:
         print(f"note: {note}")
     print()
@@ -1256,7 +1324,9 @@ def main(argv: list[str] | None = None) -> int:
              "foreign_cores": r.result.foreign_cores}
             for r in suite.rows
         ]
-        Path(args.json).write_text(json.dumps({"rows": raw, "checks": suite.checks, "sweep": suite.sweep}, indent=1))
+        costs = asdict(suite.costs) if suite.costs is not None else None
+        Path(args.json).write_text(json.dumps({"rows": raw, "checks": suite.checks, "sweep": suite.sweep,
+                                               "machine_costs": costs}, indent=1))
     if args.timing:
         print("\ntiming: ms per round (warm-up included) each process spent inside each function "
               "(sync: trio thread blocked; async: wall; RunningMac.feed: any thread)")

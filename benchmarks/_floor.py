@@ -1,0 +1,158 @@
+"""The protocol floor: the shortest round any implementation of flodl's wire
+protocol could reach on this machine.
+
+The protocol makes some work mandatory whatever the code: every frame is
+signed by its sender and verified by its receiver (HMAC-SHA256 over all of
+it), a relay <-> controller record carries a second MAC over the same bytes,
+ranks reach their relay over loopback TCP, and - because a record's MAC comes
+before its payload and the consensus depends on every host - a host's uplink
+and the consensus's downlink cannot overlap. Pricing only that work at this
+machine's measured speeds, and assuming a perfect schedule on every core,
+gives a lower bound. When it is above a target, no implementation of the
+protocol meets that target on this machine; on one with more cores or a
+faster hash it may.
+
+Deliberately left out (so the bound stays a bound): the fold, the divide,
+bf16 conversions, copies into the rank's tensors, interpreter and event-loop
+cost, TCP/IP header bytes on the link, and everything the other host does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import resource
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+MUX_HEADER = 25  # bytes before a relay <-> controller record's payload (docs/wire.md)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """What this machine charges for the protocol's mandatory work."""
+
+    hmac_bytes_per_s: float  # HMAC-SHA256 throughput of one core
+    loopback_cpu_s_per_byte: float  # CPU of one loopback TCP transfer, sender and receiver together
+    cores: int
+
+    def describe(self) -> str:
+        return (f"HMAC-SHA256 {self.hmac_bytes_per_s / 1e9:.2f} GB/s on one core; a loopback TCP transfer "
+                f"{self.loopback_cpu_s_per_byte * (1 << 20) * 1e3:.2f} ms of CPU per MiB (sender + receiver); "
+                f"{self.cores} cores")
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A lower bound on one round, and what it is made of."""
+
+    ms: float
+    hash_passes: int
+    link_ms: float = 0.0
+
+    def describe(self, costs: MachineCosts) -> str:
+        link = f"{self.link_ms:.0f} ms on the link + " if self.link_ms else ""
+        return (f"{link}{self.hash_passes} hash passes at {costs.hmac_bytes_per_s / 1e9:.2f} GB/s and loopback "
+                f"copies on {costs.cores} cores")
+
+
+def parse_rate(rate: str) -> float:
+    """Bits per second of a tc rate such as ``1gbit``, ``500mbit`` or ``10mbps`` (bytes)."""
+    m = _RATE.match(rate)
+    if not m:
+        raise ValueError(f"cannot read the link rate {rate!r} (expected e.g. 1gbit, 500mbit, 100mbps)")
+    value, prefix, unit = float(m.group(1)), m.group(2).lower(), m.group(3).lower()
+    bits = value * _SCALE[prefix] * (8 if unit == "bps" else 1)
+    if bits <= 0:
+        raise ValueError(f"link rate {rate!r} is not positive")
+    return bits
+
+
+def _cpu_work_ms(costs: MachineCosts, frame_bytes: int, hash_passes: int, transfers: int) -> float:
+    """The mandatory CPU work, spread perfectly over every core."""
+    cpu_s = (hash_passes * frame_bytes / costs.hmac_bytes_per_s
+             + transfers * frame_bytes * costs.loopback_cpu_s_per_byte)
+    return cpu_s / costs.cores * 1e3
+
+
+def one_host_floor(costs: MachineCosts, frame_bytes: int, ranks: int) -> Floor:
+    """One host, one relay carrying ``ranks`` ranks, the controller beside it.
+
+    Hash passes: each rank signs its frame; the relay verifies each one and
+    signs its HostFrame twice (the frame's MAC and the record's); the
+    controller verifies the record and signs the Broadcast twice; the relay
+    verifies the Broadcast; each rank verifies the consensus: 3K + 6. Loopback
+    transfers: K up to the relay, one each way between relay and controller,
+    K back down: 2K + 2. All of it shares the machine's cores.
+    """
+    passes, transfers = 3 * ranks + 6, 2 * ranks + 2
+    return Floor(_cpu_work_ms(costs, frame_bytes, passes, transfers), passes)
+
+
+def two_host_floor(costs: MachineCosts, frame_bytes: int, rate: str, ranks_per_host: int) -> Floor:
+    """Two hosts joined by a ``rate`` link, the controller on host A.
+
+    The remote host's HostFrame must be on the controller before the
+    consensus can leave, and a record's MAC precedes its payload, so its
+    uplink and the downlink add up: 2 x (record bytes) at the link rate.
+    Between the consensus arriving at that host and its next HostFrame
+    leaving, its K ranks sign, its relay verifies K frames and signs the
+    HostFrame twice (2K + 2 hash passes), and K frames cross loopback; that
+    work cannot overlap either link transfer. Even with every core of this
+    machine given to it, it takes that CPU divided by the cores.
+    """
+    link_ms = 2 * (frame_bytes + MUX_HEADER) * 8 / parse_rate(rate) * 1e3
+    passes = 2 * ranks_per_host + 2
+    return Floor(link_ms + _cpu_work_ms(costs, frame_bytes, passes, ranks_per_host), passes, link_ms)
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure_hmac(nbytes: int, repeats: int) -> float:
+    """Best-of-``repeats`` HMAC-SHA256 throughput over ``nbytes``, bytes/s of wall time on one core."""
+    data = bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20)
+    key = os.urandom(16)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        hmac.new(key, data, hashlib.sha256).digest()
+        best = min(best, time.perf_counter() - t0)
+    return len(data) / best
+
+
+def measure_loopback(nbytes: int, repeats: int) -> float:
+    """Best-of-``repeats`` CPU seconds per byte of one loopback TCP transfer (both ends, this process)."""
+    payload = memoryview(bytearray(nbytes))
+    sink = bytearray(1 << 20)
+    best = float("inf")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for _ in range(repeats):
+            with socket.create_connection(server.getsockname()) as tx:
+                rx, _addr = server.accept()
+                with rx:
+                    sender = threading.Thread(target=tx.sendall, args=(payload,))
+                    cpu0 = _process_cpu_s()
+                    sender.start()
+                    got = 0
+                    while got < nbytes:
+                        n = rx.recv_into(sink)
+                        if n == 0:
+                            raise ConnectionError(f"loopback probe: peer closed after {got} of {nbytes} bytes")
+                        got += n
+                    sender.join()
+                    best = min(best, _process_cpu_s() - cpu0)
+    return best / nbytes
+
+
+def measure_costs(nbytes: int = 64 << 20, repeats: int = 3) -> MachineCosts:
+    """This machine's HMAC and loopback prices (about a second of work at 64 MiB)."""
+    return MachineCosts(measure_hmac(nbytes, repeats), measure_loopback(nbytes, repeats), os.cpu_count() or 1)
