@@ -1048,6 +1048,23 @@ class Suite:
                 lines.append(f"| {w} | {r.rss_of('relay')[0]:.0f} | {r.rss_of('controller')[0]:.0f} | {r.median_ms:.0f} |")
         return "\n".join(lines)
 
+    def _mark_twohost_target_and_floor(self, ax: Any, rows: list[Row], width: float) -> None:
+        """Across each flodl_trio bar of the two-host panel: the same-dtype target and the protocol floor."""
+        labels = list(dict.fromkeys(r.workload for r in rows))
+        for i, label in enumerate(labels):
+            gloo = [r for r in rows if r.workload == label and r.result.system == "gloo"]
+            if not gloo:
+                continue
+            x0, x1 = i - width, i  # the flodl_trio bar's extent
+            target = TWOHOST_SAME_DTYPE * gloo[0].result.median_ms
+            ax.hlines(target, x0, x1, colors="red", linestyles=":", lw=1.5,
+                      label=f"target ({TWOHOST_SAME_DTYPE:g}x gloo)" if i == 0 else None)
+            floor = self._twohost_floor("bf16" if "bf16" in label else "f32", self.args.link_rate)
+            if floor is not None:
+                ax.hlines(floor.ms, x0, x1, colors="black", linestyles="--", lw=1.5,
+                          label="protocol floor (this machine)" if i == 0 else None)
+        ax.legend(fontsize=8)
+
     def chart(self, path: Path) -> None:
         import matplotlib
 
@@ -1102,6 +1119,7 @@ class Suite:
 
         bars(axes[0][0], panels["loopback"], "one host, loopback (ranks x MiB of f32)", "mbps")
         bars(axes[0][1], panels["twohost"], f"two namespaces, veth shaped to {self.args.link_rate}, 2+2 ranks, 16 MiB", "ms")
+        self._mark_twohost_target_and_floor(axes[0][1], panels["twohost"], width=0.38)
         bars(axes[1][0], panels["small"], "4 KiB, 4 ranks, one host", "rate")
         bars(axes[2][0], panels["loopback"], "CPU per round, one host", "cpu")
         bars(axes[2][1], panels["twohost"], f"CPU per round, two hosts ({os.cpu_count()} cores shared)", "cpu")
