@@ -1155,8 +1155,12 @@ def machine_costs(suite: Suite) -> MachineCosts | None:
     if suite.args.wait_quiet > 0:
         wait_quiet(suite.args.wait_quiet)
     suite.log("measuring this machine's HMAC and loopback prices (the protocol floor)")
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure-costs"],
-                       capture_output=True, text=True, timeout=120)
+    try:
+        r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure-costs"],
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        suite.notes.append("protocol floor not computed: measuring machine costs took over 120 s")
+        return None
     if r.returncode != 0:
         suite.notes.append(f"protocol floor not computed: measuring machine costs failed: {r.stderr.strip()[-300:]}")
         return None
