@@ -8,6 +8,7 @@ Run from the repository root (root is needed only for the two-host workload)::
     python benchmarks/allreduce.py --wait-quiet 60 --retries 2   # on a shared machine
     python benchmarks/allreduce.py --timing            # + where each flodl_trio process spends its round
     python benchmarks/allreduce.py --workloads twohost --also-link-rates 500mbit,200mbit   # slower links too
+    python benchmarks/allreduce.py --workloads twohost --also-ranks-per-host 4   # + 4 ranks per host (INFO lines)
     python benchmarks/allreduce.py --profile /tmp/prof # py-spy every flodl_trio process
 
 Every role is its own OS process, on both sides: flodl_trio runs a
@@ -906,15 +907,25 @@ class Suite:
             return
         for name, ok, got in self._twohost_ratios(results, self.args.link_rate):
             self.checks.append((name, ok, got))
-        for rate in filter(None, self.args.also_link_rates.split(",")):
-            more = self._twohost_at(rate, f" @ {rate}")
-            for name, ok, got in self._twohost_ratios(more, rate) if more is not None else []:
-                self.sweep.append(f"at {rate}: {name}: {'met' if ok else 'not met'} (got {got})")
+        rates = list(filter(None, self.args.also_link_rates.split(",")))
+        for rate in rates:
+            self._twohost_info(rate, TWOHOST_RANKS_PER_HOST, f"at {rate}")
+        for per_host in sorted({int(k) for k in filter(None, self.args.also_ranks_per_host.split(","))}):
+            for rate in [self.args.link_rate, *rates]:
+                self._twohost_info(rate, per_host, f"at {rate}, {per_host} ranks per host")
 
-    def _twohost_ratios(self, results: dict[tuple[str, str], RunResult], rate: str) -> list[tuple[str, bool, str]]:
+    def _twohost_info(self, rate: str, per_host: int, where: str) -> None:
+        """The two-host workload at another link rate or host size: its ratios become INFO lines."""
+        more = self._twohost_at(rate, f" @ {rate}", per_host)
+        for name, ok, got in self._twohost_ratios(more, rate, per_host) if more is not None else []:
+            self.sweep.append(f"{where}: {name}: {'met' if ok else 'not met'} (got {got})")
+
+    def _twohost_ratios(
+        self, results: dict[tuple[str, str], RunResult], rate: str, per_host: int = TWOHOST_RANKS_PER_HOST
+    ) -> list[tuple[str, bool, str]]:
         """The three two-host targets as (name, met, detail) for one link rate's runs."""
         out = []
-        floors = {dtype: self._twohost_floor(dtype, rate) for dtype in ("f32", "bf16")}
+        floors = {dtype: self._twohost_floor(dtype, rate, per_host) for dtype in ("f32", "bf16")}
         for dtype in ("f32", "bf16"):
             fl, gl = results[("flodl_trio", dtype)], results[("gloo", dtype)]
             ratio = fl.median_ms / gl.median_ms
@@ -930,13 +941,16 @@ class Suite:
                     f"{protocol_floor(floors['bf16'], self.costs, gl_f32, TWOHOST_BF16_VS_F32)}"))
         return out
 
-    def _twohost_floor(self, dtype: str, rate: str) -> Floor | None:
+    def _twohost_floor(self, dtype: str, rate: str, per_host: int = TWOHOST_RANKS_PER_HOST) -> Floor | None:
         if self.costs is None:
             return None
-        return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, TWOHOST_RANKS_PER_HOST)
+        return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, per_host)
 
-    def _twohost_at(self, rate: str, suffix: str) -> dict[tuple[str, str], RunResult] | None:
-        """Both systems, both wire dtypes, over a veth pair shaped to ``rate``; None without the privilege."""
+    def _twohost_at(
+        self, rate: str, suffix: str, per_host: int = TWOHOST_RANKS_PER_HOST
+    ) -> dict[tuple[str, str], RunResult] | None:
+        """Both systems, both wire dtypes, ``per_host`` ranks in each of two namespaces
+        joined by a veth pair shaped to ``rate``; None without the privilege."""
         q = self.args.quick
         warmup, rounds = (1, 5) if q else (2, 12)
         numel = TWOHOST_NUMEL
@@ -955,15 +969,15 @@ class Suite:
                 f"two-host: namespaces {pair.ns[0]} / {pair.ns[1]}, veth {pair.dev[0]} <-> {pair.dev[1]}, "
                 f"tc tbf rate {rate} burst 256kb latency 50ms on both ends; created and deleted by this run"
             )
-            hosts = pair.hosts(TWOHOST_RANKS_PER_HOST)
+            hosts = pair.hosts(per_host)
             for dtype in ("f32", "bf16"):
-                name = f"2 hosts x 2 ranks, 16 MiB, {dtype} wire{suffix}"
+                name = f"2 hosts x {per_host} ranks, 16 MiB, {dtype} wire{suffix}"
                 for system in ("flodl_trio", "gloo"):
                     self.log(f"{name}: {system}")
                     def once(system: str = system, dtype: str = dtype) -> RunResult:
                         before = pair.counters()
                         if system == "flodl_trio":
-                            r = self.bench.run_flodl(hosts, numel, dtype, warmup, rounds, f"twohost_{dtype}")
+                            r = self.bench.run_flodl(hosts, numel, dtype, warmup, rounds, f"twohost{per_host}_{dtype}")
                         else:
                             r = self.bench.run_gloo(hosts, numel, dtype, warmup, rounds)
                         after = pair.counters()
@@ -972,7 +986,7 @@ class Suite:
 
                     results[(system, dtype)] = self.measure(once)
                 fl, gl = results[("flodl_trio", dtype)], results[("gloo", dtype)]
-                for res, computed in ((fl, flodl_links(hosts, numel, dtype)), (gl, gloo_links(4, numel, dtype))):
+                for res, computed in ((fl, flodl_links(hosts, numel, dtype)), (gl, gloo_links(2 * per_host, numel, dtype))):
                     veth = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in res.link_bytes.items())
                     self.rows.append(Row(name, name, res, f"veth {veth} (measured); {computed}",
                                          vs=gl if res is fl else None))
@@ -1228,6 +1242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--also-link-rates", default="", metavar="RATES",
                     help="comma-separated tc rates (e.g. 500mbit,200mbit) to run the two-host workload at as "
                          "well; their ratios are printed as INFO lines, the targets are judged at --link-rate")
+    ap.add_argument("--also-ranks-per-host", default="", metavar="COUNTS",
+                    help="comma-separated rank counts per host (e.g. 4) to run the two-host workload with as well, "
+                         "at --link-rate and every --also-link-rates; their ratios are printed as INFO lines")
     ap.add_argument("--rank-threads", type=int, default=1,
                     help="OMP_NUM_THREADS for every rank process of both systems, as torchrun sets it "
                     "(default 1; 0 = inherit the environment)")
