@@ -818,8 +818,8 @@ def protocol_floor(floor: Floor | None, costs: MachineCosts | None, gl: RunResul
         return ""
     ratio = floor.ms / gl.median_ms
     verdict = "out of reach on this machine" if ratio > target else "within reach"
-    # three significant digits: a floor of 1.405x must not print as the 1.40x it is out of reach of
-    return f"; protocol floor {floor.ms:.0f} ms = {ratio:.3g}x gloo ({floor.describe(costs)}): {verdict}"
+    # three decimals: a floor of 1.4005x must not print as the 1.40x it is out of reach of
+    return f"; protocol floor {floor.ms:.0f} ms = {ratio:.3f}x gloo ({floor.describe(costs)}): {verdict}"
 
 
 def rss_text(r: RunResult) -> str:
