@@ -129,16 +129,21 @@ def measure_hmac(nbytes: int, repeats: int) -> float:
     return len(data) / best
 
 
+PROBE_STALL_S = 30.0  # a loopback probe that moves nothing for this long is broken, not slow
+
+
 def measure_loopback(nbytes: int, repeats: int) -> float:
     """Best-of-``repeats`` CPU seconds per byte of one loopback TCP transfer (both ends, this process)."""
     payload = memoryview(bytearray(nbytes))
     sink = bytearray(1 << 20)
     best = float("inf")
     with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(PROBE_STALL_S)
         for _ in range(repeats):
-            with socket.create_connection(server.getsockname()) as tx:
+            with socket.create_connection(server.getsockname(), timeout=PROBE_STALL_S) as tx:
                 rx, _addr = server.accept()
                 with rx:
+                    rx.settimeout(PROBE_STALL_S)
                     sender = threading.Thread(target=tx.sendall, args=(payload,))
                     cpu0 = _process_cpu_s()
                     sender.start()
