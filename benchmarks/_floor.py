@@ -30,8 +30,9 @@ import time
 from dataclasses import dataclass
 
 MUX_HEADER = 25  # bytes before a relay <-> controller record's payload (docs/wire.md)
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(?:([kmgt]?)(i?)(bit|bps))?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_IEC = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,14 @@ class Floor:
 
 
 def parse_rate(rate: str) -> float:
-    """Bits per second of a tc rate such as ``1gbit``, ``500mbit`` or ``10mbps`` (bytes)."""
+    """Bits per second of a tc rate: ``1gbit``, ``500mbit``, ``10mbps`` (bytes), ``1mibit``
+    (binary prefix) or a bare number (bits), as tc reads them."""
     m = _RATE.match(rate)
     if not m:
         raise ValueError(f"cannot read the link rate {rate!r} (expected e.g. 1gbit, 500mbit, 100mbps)")
-    value, prefix, unit = float(m.group(1)), m.group(2).lower(), m.group(3).lower()
-    bits = value * _SCALE[prefix] * (8 if unit == "bps" else 1)
+    value, prefix, binary, unit = float(m.group(1)), (m.group(2) or "").lower(), m.group(3), (m.group(4) or "bit")
+    scale = (_IEC if binary else _SCALE)[prefix]
+    bits = value * scale * (8 if unit.lower() == "bps" else 1)
     if bits <= 0:
         raise ValueError(f"link rate {rate!r} is not positive")
     return bits

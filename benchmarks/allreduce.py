@@ -101,7 +101,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _floor import Floor, MachineCosts, measure_costs, one_host_floor, two_host_floor  # this script's folder is on sys.path
+from _floor import (  # this script's folder is on sys.path
+    Floor,
+    MachineCosts,
+    measure_costs,
+    one_host_floor,
+    parse_rate,
+    two_host_floor,
+)
 from _machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1285,6 +1292,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(wanted) - {"loopback", "twohost", "small", "memory"}
     if unknown:
         ap.error(f"unknown workloads {sorted(unknown)}")
+    for rate in [args.link_rate, *filter(None, args.also_link_rates.split(","))]:
+        try:
+            parse_rate(rate)  # tc would fail later, and look like a missing privilege
+        except ValueError as exc:
+            ap.error(str(exc))
+    for count in filter(None, args.also_ranks_per_host.split(",")):
+        if not count.strip().isdigit() or int(count) < 1:
+            ap.error(f"--also-ranks-per-host takes positive rank counts, got {count!r}")
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
 

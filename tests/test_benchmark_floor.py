@@ -29,13 +29,16 @@ def test_mux_header_matches_the_wire_layer() -> None:
 
 @pytest.mark.parametrize(
     ("rate", "bits"),
-    [("1gbit", 1e9), ("500mbit", 5e8), ("200Mbit", 2e8), ("64kbit", 64e3), ("10mbps", 8e7), ("1.5gbit", 1.5e9)],
+    [
+        ("1gbit", 1e9), ("500mbit", 5e8), ("200Mbit", 2e8), ("64kbit", 64e3), ("10mbps", 8e7), ("1.5gbit", 1.5e9),
+        ("1000000", 1e6), ("8bit", 8.0), ("1mibit", 2**20), ("1KiBps", 8 * 2**10),
+    ],
 )
 def test_parse_rate_reads_tc_rates(rate: str, bits: float) -> None:
     assert floor.parse_rate(rate) == pytest.approx(bits)
 
 
-@pytest.mark.parametrize("rate", ["", "fast", "1 gigabit", "-1gbit", "0mbit"])
+@pytest.mark.parametrize("rate", ["", "fast", "1 gigabit", "-1gbit", "0mbit", "0", "1gbitt", "1xbit"])
 def test_parse_rate_names_what_it_cannot_read(rate: str) -> None:
     with pytest.raises(ValueError, match="rate"):
         floor.parse_rate(rate)
