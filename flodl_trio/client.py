@@ -219,15 +219,14 @@ class ReduceClient:
     def _pinned_destinations(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The armed pinned-decode slot's reusable tensors, shaped like ``tensors``
         (the reply's schema), or None when no slot is armed."""
-        import torch
+        from .tensors import staging_like
 
         slot, self._armed_slot = self._armed_slot, None
         if not self.pinned_decode or slot is None:
             return None
-        shapes = [list(t.shape) for t in tensors]
         staging = self._staging.get(slot)
-        if staging is None or [list(t.shape) for t in staging] != shapes:
-            staging = self._staging[slot] = [torch.empty(shape, dtype=torch.float32) for shape in shapes]
+        if staging is None or [t.shape for t in staging] != [t.shape for t in tensors]:
+            staging = self._staging[slot] = staging_like(tensors)
         return staging
 
     def _decode(self, reply: RoundFrame, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:

@@ -190,9 +190,10 @@ def _decode_into(p: TensorPayload, dest: torch.Tensor) -> None:
         target.copy_(torch.from_numpy(flat).view(target.shape))
 
 
-def staging_like(frame: RoundFrame) -> list[torch.Tensor]:
-    """Fresh f32 staging tensors matching a frame's shapes (a pinned-decode slot)."""
-    return [torch.empty(list(p.shape), dtype=torch.float32) for p in frame.tensors]
+def staging_like(shaped: Sequence[torch.Tensor | TensorPayload]) -> list[torch.Tensor]:
+    """Fresh f32 staging tensors with the shapes of ``shaped`` (tensors, or a frame's
+    payloads): a pinned-decode slot."""
+    return [torch.empty(list(t.shape), dtype=torch.float32) for t in shaped]
 
 
 def numel_bytes(tensors: Sequence[torch.Tensor]) -> int:

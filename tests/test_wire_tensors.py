@@ -210,7 +210,7 @@ def test_decode_into_staging():
     src = [torch.tensor(SEED_DATA).reshape(2, 3), torch.ones(4)]
     for wire in (DTYPE_F32, DTYPE_BF16):
         frame = through_wire(tensors_to_round_frame(src, wire))
-        staging = staging_like(frame)
+        staging = staging_like(frame.tensors)
         assert [s.shape for s in staging] == [torch.Size([2, 3]), torch.Size([4])]
         assert numel_bytes(staging) == (6 + 4) * 4
         out = round_frame_to_tensors(frame, out=staging)
