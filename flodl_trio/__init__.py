@@ -14,7 +14,7 @@ from typing import Any
 
 from .client import ReduceClient, connect_reduce_client
 from .controller import ControllerHandle, open_controller
-from .dead_ranks import DeadRanks
+from .controller.dead_ranks import DeadRanks
 from .errors import (
     ConfigError,
     ConnectFailed,

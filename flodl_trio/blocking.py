@@ -210,6 +210,6 @@ class BlockingReduceClient:
 
 
 def _unwrap(exc: BaseException) -> BaseException:
-    from .wire.tasks import sole_exception
+    from .transport.tasks import sole_exception
 
     return sole_exception(exc) if isinstance(exc, BaseExceptionGroup) else exc

@@ -148,7 +148,7 @@ def run_daemon(name: str, main: Callable[[], Awaitable[None]]) -> int:
         log.error("%s failed: %s", name, exc)
         return EXIT_FAILURE
     except BaseExceptionGroup as group:
-        from .wire.tasks import sole_exception
+        from .transport.tasks import sole_exception
 
         cause = sole_exception(group)
         if isinstance(cause, FlodlError):

@@ -34,8 +34,7 @@ import numpy.typing as npt
 from .errors import ConfigError, SchemaError
 from .wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
 from .wire.constants import DTYPE_F32
-from .wire.fold import check_payload
-from .wire.round_frame import RoundFrame, TensorPayload
+from .wire.round_frame import RoundFrame, TensorPayload, check_payload
 
 F32Array = npt.NDArray[np.float32]
 

@@ -17,8 +17,7 @@ import torch
 from .errors import SchemaError
 from .wire.bf16 import F32, bf16_to_f32, scale_payload
 from .wire.constants import DTYPE_BF16, DTYPE_F32
-from .wire.fold import check_payload
-from .wire.round_frame import RoundFrame, RoundKind, TensorPayload
+from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, check_payload
 
 # An elided (all-zero) tensor costs no wire bytes, so its shape alone must be sane.
 MAX_DECODE_NUMEL = 1 << 36

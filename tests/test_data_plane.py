@@ -31,6 +31,8 @@ from flodl_trio import (
 )
 from flodl_trio.client import ReduceClient
 from flodl_trio.testing import open_local_cluster
+from flodl_trio.transport.buffers import ReceiveBuffer
+from flodl_trio.transport.stream import MessageStream
 from flodl_trio.wire import encode_data_handshake, encode_round_frame
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
 from flodl_trio.wire.mux import (
@@ -40,7 +42,6 @@ from flodl_trio.wire.mux import (
     encode_control_record,
     encode_mux_record,
 )
-from flodl_trio.wire.stream import MessageStream, ReceiveBuffer
 
 LOOP = "127.0.0.1"
 

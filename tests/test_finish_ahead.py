@@ -1,4 +1,4 @@
-"""FinishAhead: the outgoing frame computed while the last contribution arrives must be
+"""SpeculativeFrame: the outgoing frame computed while the last contribution arrives must be
 byte-identical to folding, finishing and signing that contribution the ordinary way,
 however its bytes are split; and anything off the fast path must be abandoned."""
 
@@ -18,12 +18,12 @@ from flodl_trio import (
     SessionSalt,
     TensorPayload,
 )
+from flodl_trio.fold.accumulator import FoldAccumulator, finish_consensus
+from flodl_trio.fold.speculative import SpeculativeFrame
+from flodl_trio.transport import ArrivalWatch, ReceiveBuffer, encode_enveloped_frame
 from flodl_trio.wire import encode_round_frame
 from flodl_trio.wire.bf16 import f32_to_bf16
-from flodl_trio.wire.finish_ahead import FinishAhead
-from flodl_trio.wire.fold import FoldAccumulator, finish_consensus
 from flodl_trio.wire.mux import MuxKind
-from flodl_trio.wire.stream import ArrivalWatch, ReceiveBuffer, encode_enveloped_frame
 
 SALT = SessionSalt(b"\x42" * 16)
 
@@ -49,12 +49,12 @@ def ordinary(folded: list[RoundFrame], last: RoundFrame, divide: bool) -> bytes:
     return encode_round_frame(out, SALT)
 
 
-def ahead_over(folded: list[RoundFrame], last: RoundFrame, divide: bool, cuts: list[int]) -> FinishAhead:
+def ahead_over(folded: list[RoundFrame], last: RoundFrame, divide: bool, cuts: list[int]) -> SpeculativeFrame:
     acc = FoldAccumulator()
     for i, f in enumerate(folded):
         acc.add(f, f"host {i}")
     incoming = encode_round_frame(last, SALT)
-    ahead = FinishAhead(acc, divide=divide, in_length=len(incoming))
+    ahead = SpeculativeFrame(acc, divide=divide, in_length=len(incoming))
     produced = bytearray()
     for end in [*sorted(c % (len(incoming) + 1) for c in cuts), len(incoming)]:
         for piece, offset in ahead.consume(memoryview(incoming)[:end]):
@@ -94,14 +94,14 @@ def test_output_matches_the_ordinary_path_whatever_the_chunking(schema, n_folded
 
 def test_a_round_s_only_contribution_is_not_this_path():
     """Its output size would come from unverified bytes: nothing is allocated for it."""
-    assert not FinishAhead(FoldAccumulator(), divide=True, in_length=1 << 30).supported
+    assert not SpeculativeFrame(FoldAccumulator(), divide=True, in_length=1 << 30).supported
 
 
 def test_an_elided_folded_tensor_is_not_this_path():
     schema = [(DTYPE_F32, (4,)), (DTYPE_F32, (3,))]
     acc = FoldAccumulator()
     acc.add(make_frame(schema, 1, RoundKind.CONTROL, 0.0, elide={1}), "host 0")
-    assert not FinishAhead(acc, divide=True, in_length=100).supported
+    assert not SpeculativeFrame(acc, divide=True, in_length=100).supported
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_a_length_that_disagrees_with_the_frame_is_abandoned():
     acc = FoldAccumulator()
     acc.add(make_frame(schema, 1, RoundKind.MODEL, 1.0), "host 0")
     incoming = encode_round_frame(make_frame(schema, 2, RoundKind.MODEL, 1.0), SALT) + b"\0\0\0\0"
-    ahead = FinishAhead(acc, divide=True, in_length=len(incoming))
+    ahead = SpeculativeFrame(acc, divide=True, in_length=len(incoming))
     ahead.consume(memoryview(incoming))
     assert ahead.abandoned is not None and "ends at" in ahead.abandoned
 
@@ -136,7 +136,7 @@ def test_the_folded_accumulator_is_only_read():
     acc.add(make_frame(schema, 1, RoundKind.MODEL, 1.0), "host 0")
     before = [s.copy() for s in acc.sums()]
     incoming = encode_round_frame(make_frame(schema, 2, RoundKind.MODEL, 2.0), SALT)
-    ahead = FinishAhead(acc, divide=True, in_length=len(incoming))
+    ahead = SpeculativeFrame(acc, divide=True, in_length=len(incoming))
     ahead.consume(memoryview(incoming))
     assert ahead.complete and acc.count == 1 and acc.weight == 1.0
     for a, b in zip(before, acc.sums()):
@@ -174,7 +174,7 @@ async def test_follow_seals_the_same_record_as_encode_enveloped_frame(dtype):
     for i, f in enumerate(folded):
         acc.add(f, f"host {i}")
     incoming = encode_round_frame(last, SALT)
-    ahead = FinishAhead(acc, divide=True, in_length=len(incoming))
+    ahead = SpeculativeFrame(acc, divide=True, in_length=len(incoming))
     buf, watch = ReceiveBuffer(), ArrivalWatch(len(incoming))
     result = None
 
@@ -199,7 +199,7 @@ async def test_follow_gives_nothing_when_the_incoming_bytes_fail_verification():
     acc = FoldAccumulator()
     acc.add(make_frame(schema, 1, RoundKind.MODEL, 1.0), "host 0")
     incoming = encode_round_frame(make_frame(schema, 2, RoundKind.MODEL, 1.0), SALT)
-    ahead = FinishAhead(acc, divide=True, in_length=len(incoming))
+    ahead = SpeculativeFrame(acc, divide=True, in_length=len(incoming))
     buf, watch = ReceiveBuffer(), ArrivalWatch(len(incoming))
     results = []
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from flodl_trio.links import AfterAllWrites, RelayLink
+from flodl_trio.controller.links import AfterAllWrites, RelayLink
+from flodl_trio.transport import MessageStream
 from flodl_trio.wire import MuxKind, SessionSalt, encode_mux_record
 from flodl_trio.wire.mux import Hello
-from flodl_trio.wire.stream import MessageStream
 
 SALT = SessionSalt(b"\x42" * 16)
 RECORD = encode_mux_record(MuxKind.BROADCAST, bytes(range(256)) * 1024, SALT)

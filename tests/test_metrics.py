@@ -10,6 +10,7 @@ from flodl_trio import ChannelKind, connect_reduce_client
 from flodl_trio.client import ReduceClient
 from flodl_trio.metrics import serve_controller_metrics, serve_relay_metrics
 from flodl_trio.testing import open_local_cluster
+from flodl_trio.transport import MessageStream
 from flodl_trio.wire import (
     RoundFrame,
     TensorPayload,
@@ -17,7 +18,6 @@ from flodl_trio.wire import (
     encode_round_frame,
 )
 from flodl_trio.wire.salt import SessionSalt
-from flodl_trio.wire.stream import MessageStream
 
 
 async def scrape(port: int) -> dict[str, float]:

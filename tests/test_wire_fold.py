@@ -11,11 +11,16 @@ import numpy as np
 import pytest
 
 from flodl_trio.errors import SchemaError
+from flodl_trio.fold import (
+    FoldAccumulator,
+    ImageCache,
+    finish_consensus,
+    shares_sums,
+    sum_frames,
+)
 from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
-    FoldAccumulator,
-    ImageCache,
     RoundFrame,
     RoundKind,
     SessionSalt,
@@ -24,9 +29,6 @@ from flodl_trio.wire import (
     decode_round_frame,
     encode_round_frame,
     f32_to_bf16,
-    finish_consensus,
-    shares_sums,
-    sum_frames,
 )
 
 SALT = SessionSalt(b"\x42" * 16)
@@ -425,6 +427,6 @@ def test_spent_sums_give_the_same_frame(n):
             for source, frame in frames:
                 acc.add(frame, source)
         want = encode_round_frame(finish_consensus(accs[0]), SALT)
-        got = finish_consensus(accs[1], spend_sums=True)
+        got = finish_consensus(accs[1], overwrite_sums=True)
         assert encode_round_frame(got, SALT) == want
         assert shares_sums(accs[1], got)

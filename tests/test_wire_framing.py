@@ -14,13 +14,18 @@ import pytest
 import trio
 import trio.testing
 
+from flodl_trio import transport as stream_mod
 from flodl_trio.errors import (
+    ConnectFailed,
     FlodlError,
     FramingError,
     MacError,
     PeerClosedMidFrame,
     PeerTimeout,
 )
+from flodl_trio.settings import MID_FRAME_STARVATION_S
+from flodl_trio.transport import MessageStream, ReceiveBuffer
+from flodl_trio.transport.stream import RECEIVE_LOW_WATER
 from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -36,9 +41,6 @@ from flodl_trio.wire import (
     encode_round_frame,
     encode_round_frame_chunks,
 )
-from flodl_trio.wire import stream as stream_mod
-from flodl_trio.wire.netenv import MID_FRAME_STARVATION_S
-from flodl_trio.wire.stream import MessageStream, ReceiveBuffer
 
 SALT = SessionSalt(b"\x42" * 16)
 OTHER_SALT = SessionSalt(b"\x17" * 16)
@@ -403,7 +405,7 @@ async def test_connect_with_retry_gives_up_with_connect_failed():
     await sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there any more
-    with pytest.raises(stream_mod.ConnectFailed, match=r"after 2 attempts") as info:
+    with pytest.raises(ConnectFailed, match=r"after 2 attempts") as info:
         await stream_mod.connect_with_retry("127.0.0.1", port, "relay upstream", attempts=2, interval=0.01)
     assert isinstance(info.value, FlodlError)
     assert f"127.0.0.1:{port}" in str(info.value)
@@ -486,6 +488,6 @@ async def test_a_large_message_trickling_in_is_read_in_few_large_reads():
         nursery.start_soon(trickle)
         body = await conn.receive_into_buffer(stream_mod.ReceiveBuffer(), size, "a trickled message", watch=watch)
     assert bytes(body) == payload
-    assert watch.reads <= 2 * size // stream_mod.RECEIVE_LOW_WATER + 40, watch.reads
+    assert watch.reads <= 2 * size // RECEIVE_LOW_WATER + 40, watch.reads
     for s in (sender, receiver, listeners[0]):
         await s.aclose()

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl_trio.errors import FlodlError, FramingError, MacError, PeerClosedMidFrame
+from flodl_trio.transport import MessageStream, ReceiveBuffer
 from flodl_trio.wire import (
     DEFAULT_FRAME_CEILING,
     DTYPE_BF16,
@@ -51,7 +52,6 @@ from flodl_trio.wire import (
     encode_mux_record,
     encode_round_frame,
 )
-from flodl_trio.wire.stream import MessageStream, ReceiveBuffer
 
 SALT = SessionSalt(b"\x42" * 16)
 OTHER_SALT = SessionSalt(b"\x43" * 16)

@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from flodl_trio.transport import MessageStream, ReceiveBuffer
 from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -45,7 +46,6 @@ from flodl_trio.wire import (
     encode_round_frame,
     encode_round_frame_chunks,
 )
-from flodl_trio.wire.stream import MessageStream, ReceiveBuffer
 
 SALT = SessionSalt(b"\x42" * 16)
 

@@ -15,6 +15,7 @@ import struct
 import numpy as np
 import pytest
 
+from flodl_trio import settings as netenv
 from flodl_trio.errors import (
     ConfigError,
     FlodlError,
@@ -24,6 +25,7 @@ from flodl_trio.errors import (
     ProtocolError,
     SchemaError,
 )
+from flodl_trio.transport import connect as peers
 from flodl_trio.wire import (
     DTYPE_F32,
     ControlFrame,
@@ -54,7 +56,6 @@ from flodl_trio.wire import (
     encode_data_handshake,
     encode_mux_record,
     encode_round_frame,
-    netenv,
 )
 
 SALT = SessionSalt(b"\x42" * 16)
@@ -497,7 +498,7 @@ def test_data_and_control_handshakes_are_not_interchangeable():
 def fresh_netenv(monkeypatch, caplog):
     monkeypatch.delenv(netenv.TIMEOUT_SCALE_ENV, raising=False)
     monkeypatch.setattr(netenv, "_warned_scale_values", set())
-    monkeypatch.setattr(netenv, "_warned_peers", set())
+    monkeypatch.setattr(peers, "_warned_peers", set())
     caplog.set_level(logging.WARNING, logger="flodl_trio.net")
     return caplog
 
@@ -570,14 +571,14 @@ def test_timeout_scale_each_bad_value_warns_once(fresh_netenv, monkeypatch):
     ],
 )
 def test_no_warning_for_private_peers(fresh_netenv, host):
-    assert netenv.warn_if_public_peer("relay", host) is False
+    assert peers.warn_if_public_peer("relay", host) is False
     assert _warnings(fresh_netenv) == []
 
 
 @pytest.mark.parametrize("host", ["8.8.8.8", "172.32.0.1", "100.128.0.1", "2001:4860:4860::8888", "::ffff:8.8.8.8"])
 def test_one_warning_per_public_peer(fresh_netenv, host):
-    assert netenv.warn_if_public_peer("relay", host) is True
-    assert netenv.warn_if_public_peer("relay", host) is False
+    assert peers.warn_if_public_peer("relay", host) is True
+    assert peers.warn_if_public_peer("relay", host) is False
     records = _warnings(fresh_netenv)
     assert len(records) == 1
     message = records[0].getMessage()
@@ -585,9 +586,9 @@ def test_one_warning_per_public_peer(fresh_netenv, host):
 
 
 def test_public_peer_warning_is_per_address(fresh_netenv):
-    assert netenv.warn_if_public_peer("controller", "8.8.8.8") is True
-    assert netenv.warn_if_public_peer("controller", "1.1.1.1") is True
-    assert netenv.warn_if_public_peer("relay", "8.8.8.8") is False
+    assert peers.warn_if_public_peer("controller", "8.8.8.8") is True
+    assert peers.warn_if_public_peer("controller", "1.1.1.1") is True
+    assert peers.warn_if_public_peer("relay", "8.8.8.8") is False
     assert len(_warnings(fresh_netenv)) == 2
 
 

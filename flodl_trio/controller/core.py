@@ -29,8 +29,6 @@ from typing import Protocol
 import attrs
 import trio
 
-from ..coordinator import Coordinator
-from ..dead_ranks import DeadRanks
 from ..errors import (
     ConfigError,
     DesyncError,
@@ -38,21 +36,25 @@ from ..errors import (
     MacError,
     ProtocolError,
 )
-from ..links import (
-    DISCONNECTS,
-    SMALL_RECORD,
-    AfterAllWrites,
-    RelayLink,
-    check_hello_ranks,
-    receive_hello,
+from ..fold.accumulator import (
+    FoldAccumulator,
+    ImageCache,
+    finish_consensus,
+    shares_sums,
 )
+from ..fold.speculative import SpeculativeFrame
+from ..settings import channel_magic_timeout, handshake_timeout
+from ..transport.arrival import ArrivalWatch, receive_with_followers
+from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
+from ..transport.connect import peer_host, tune_socket, warn_if_public_peer
+from ..transport.hashing import encode_enveloped_frame
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..transport.tasks import service_nursery
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
     DEFAULT_FRAME_CEILING,
 )
-from ..wire.finish_ahead import FinishAhead
-from ..wire.fold import FoldAccumulator, ImageCache, finish_consensus, shares_sums
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
@@ -62,24 +64,19 @@ from ..wire.mux import (
     RelayControlMsg,
     decode_control_msg,
 )
-from ..wire.netenv import channel_magic_timeout, handshake_timeout, warn_if_public_peer
 from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame
 from ..wire.salt import SessionSalt
-from ..wire.stream import (
-    ArrivalWatch,
-    BufferPool,
-    MessageStream,
-    ReceiveBuffer,
-    encode_enveloped_frame,
-    peer_host,
-    receive_followed,
-    tune_socket,
+from .coordinator import Coordinator
+from .dead_ranks import DeadRanks
+from .links import (
+    AfterAllWrites,
+    RelayLink,
+    check_hello_ranks,
+    receive_hello,
 )
-from ..wire.tasks import service_nursery
 
 log = logging.getLogger("flodl_trio.controller")
 
-_DISCONNECTS = DISCONNECTS
 
 
 def _naming(exc: FlodlError, who: str) -> FlodlError:
@@ -336,7 +333,7 @@ class _Controller:
         try:
             with trio.fail_after(channel_magic_timeout()):
                 magic = await conn.receive_exactly(4, "the channel-select magic")
-        except (trio.TooSlowError, *_DISCONNECTS) as exc:
+        except (trio.TooSlowError, *CONNECTION_LOST) as exc:
             self._refuse(f"{conn.peer}: no channel magic ({'timed out' if isinstance(exc, trio.TooSlowError) else exc})")
             await conn.aclose()
             return
@@ -373,7 +370,7 @@ class _Controller:
         try:
             hello = await receive_hello(conn, self.config.salt)
             check_hello_ranks(hello, self.config.world_size, self.owner)
-        except (ProtocolError, trio.TooSlowError, *_DISCONNECTS) as exc:
+        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             if isinstance(exc, MacError):
                 self.stats.mac_failures += 1
             reason = "no Hello within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
@@ -394,7 +391,7 @@ class _Controller:
 
     async def _drop_link(self, link: RelayLink, why: str) -> None:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
-        await link.close_and_bury(self.dead, why, log)
+        await link.close_and_declare_dead(self.dead, why, log)
 
     # -- per relay tasks -----------------------------------------------------
 
@@ -413,11 +410,11 @@ class _Controller:
         while True:
             try:
                 header = await link.conn.receive_mux_header(self.config.ceiling)
-            except _DISCONNECTS as exc:
+            except CONNECTION_LOST as exc:
                 return await self._drop_link(link, f"read failed: {exc}")
             if header is None:
                 return await self._drop_link(link, "closed by the relay")
-            big = header.length > SMALL_RECORD
+            big = header.length > SMALL_MESSAGE
             buf = await self.pool.acquire() if big else link.small
             try:
                 if not await self._read_record(link, header, buf):
@@ -439,15 +436,15 @@ class _Controller:
         A function of its own so nothing model-sized it touched (a consensus
         computed ahead, say) outlives it while the reader waits for the next record.
         """
-        ahead: FinishAhead | None = None
+        ahead: SpeculativeFrame | None = None
         sealed: EncodedFrame | None = None
         try:
             try:
-                if header.length > SMALL_RECORD and self._may_finish_ahead(link, header):
+                if header.length > SMALL_MESSAGE and self._may_finish_ahead(link, header):
                     kind, payload, ahead, sealed = await self._receive_finishing_ahead(link, header, buf)
                 else:
                     kind, payload = await link.conn.receive_mux_payload(header, buf, self.config.salt)
-            except _DISCONNECTS as exc:
+            except CONNECTION_LOST as exc:
                 await self._drop_link(link, f"read failed: {exc}")
                 return False
             except MacError:
@@ -480,19 +477,19 @@ class _Controller:
         # A params round's consensus is transformed by the outer step before it is signed.
         return self.outer_optimizer is None or self.previous_kind != RoundKind.CONTROL
 
-    def _finish_ahead_now(self, link: RelayLink, header: MuxHeader) -> FinishAhead | None:
-        """A FinishAhead if ``link``'s frame would now complete the round; else None."""
+    def _finish_ahead_now(self, link: RelayLink, header: MuxHeader) -> SpeculativeFrame | None:
+        """A SpeculativeFrame if ``link``'s frame would now complete the round; else None."""
         if not self._completes(link) or all(self.dead.is_dead(r) for r in link.ranks):
             return None
         # The output goes into the buffer of an earlier consensus sent everywhere, if any.
         out = self._consensus_buffers.pop() if self._consensus_buffers else None
-        ahead = FinishAhead(self.round.acc, divide=True, in_length=header.length, out=out)
+        ahead = SpeculativeFrame(self.round.acc, divide=True, in_length=header.length, out=out)
         if ahead.supported:
             return ahead
         self._return_unused(ahead)
         return None
 
-    def _return_unused(self, ahead: FinishAhead | None) -> None:
+    def _return_unused(self, ahead: SpeculativeFrame | None) -> None:
         """An attempt that did not become the round's consensus gives its buffer back."""
         if ahead is not None and not ahead.committed:
             ahead.committed = True  # once
@@ -500,11 +497,11 @@ class _Controller:
 
     async def _receive_finishing_ahead(
         self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer
-    ) -> tuple[MuxKind, memoryview, FinishAhead | None, EncodedFrame | None]:
+    ) -> tuple[MuxKind, memoryview, SpeculativeFrame | None, EncodedFrame | None]:
         """Receive a HostFrame; as soon as it is the only one the round still waits for
         (at once, or when the others have landed), compute and sign the consensus beside it."""
         watch = ArrivalWatch(header.length)
-        ahead: FinishAhead | None = None
+        ahead: SpeculativeFrame | None = None
         sealed: EncodedFrame | None = None
         waiting = trio.CancelScope()
 
@@ -522,11 +519,11 @@ class _Controller:
             finally:
                 waiting.cancel()  # not the last one by now: too late to help
 
-        kind, payload = await receive_followed(watch, receive, finish)
+        kind, payload = await receive_with_followers(watch, receive, finish)
         return kind, payload, ahead, sealed
 
     def _on_host_frame(
-        self, link: RelayLink, payload: memoryview, ahead: FinishAhead | None = None, sealed: EncodedFrame | None = None
+        self, link: RelayLink, payload: memoryview, ahead: SpeculativeFrame | None = None, sealed: EncodedFrame | None = None
     ) -> None:
         if all(self.dead.is_dead(r) for r in link.ranks):
             log.info("controller: dropped a late frame from %s (all its ranks are dead)", link.name)
@@ -585,7 +582,7 @@ class _Controller:
             acc = self.round.acc
             # Without hooks the consensus's memory is reused once written, so a bf16
             # one may as well be rounded over the sums as into new arrays.
-            consensus = finish_consensus(acc, spend_sums=not self._hooked)
+            consensus = finish_consensus(acc, overwrite_sums=not self._hooked)
             # Only through the consensus could anyone still read the sums: free now if
             # it does not alias them (re-encoded to bf16), else once every relay has
             # been sent it - and never if a hook saw it (a hook may keep the frame).
@@ -679,7 +676,7 @@ class _Controller:
             while b"\r\n\r\n" not in request and len(request) < 8192:
                 try:
                     chunk = await conn.stream.receive_some(4096)
-                except _DISCONNECTS:
+                except CONNECTION_LOST:
                     break
                 if not chunk:
                     break
@@ -695,7 +692,7 @@ class _Controller:
         head = f"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         try:
             await conn.send_chunks([head, body])
-        except _DISCONNECTS:
+        except CONNECTION_LOST:
             pass
         await conn.aclose()
 

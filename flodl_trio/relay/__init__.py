@@ -1,17 +1,16 @@
 """The per-host relay: K local ranks in, one upstream connection out, per channel.
 
-See :mod:`flodl_trio.relay.core` for the task structure and
-:mod:`flodl_trio.relay.cli` for the daemon (``python -m flodl_trio.relay``).
+- :mod:`.core`: :func:`open_relay`, formation (accepting the host's ranks,
+  dialing the controller) and the handle;
+- :mod:`.channels`: the channel's tasks (rank readers, the outbound writer,
+  the upstream reader);
+- :mod:`.host_fold`: :class:`HostFold`, the host's round state, with no I/O;
+- :mod:`.cli`: the daemon (``python -m flodl_trio.relay``).
 """
 
-from .core import (
-    ChannelKind,
-    ControlChannel,
-    DataChannel,
-    HostFold,
-    RelayHandle,
-    RelayStats,
-    open_relay,
-)
+from .channels import ControlChannel, DataChannel
+from .config import ChannelKind, RelayStats
+from .core import RelayHandle, open_relay
+from .host_fold import HostFold
 
 __all__ = ["ChannelKind", "ControlChannel", "DataChannel", "HostFold", "RelayHandle", "RelayStats", "open_relay"]

@@ -27,7 +27,8 @@ from ..launch import (
     host_ranks_from_env,
 )
 from ..wire.salt import SessionSalt
-from .core import ChannelKind, RelayConfig, open_relay, validate_config
+from .config import ChannelKind, RelayConfig
+from .core import open_relay, validate_config
 
 log = logging.getLogger("flodl_trio.relay")
 

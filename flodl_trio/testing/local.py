@@ -29,10 +29,10 @@ import trio
 
 from ..client import ReduceClient, connect_reduce_client
 from ..controller import ControllerHandle, open_controller
-from ..dead_ranks import DeadRanks
+from ..controller.dead_ranks import DeadRanks
 from ..relay import ChannelKind, RelayHandle, open_relay
+from ..transport.tasks import service_nursery
 from ..wire.salt import SessionSalt
-from ..wire.tasks import service_nursery
 
 if TYPE_CHECKING:
     from .proxy import Fault, FaultProxy

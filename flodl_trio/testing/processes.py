@@ -39,8 +39,8 @@ from typing import Any
 import attrs
 import trio
 
+from ..transport.tasks import service_nursery
 from ..wire.salt import SessionSalt
-from ..wire.tasks import service_nursery
 from .local import LOOPBACK, LocalCluster, open_local_cluster
 from .proxy import Fault, FaultProxy
 

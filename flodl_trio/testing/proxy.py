@@ -33,9 +33,9 @@ from typing import Any, Literal, TypeAlias
 import attrs
 import trio
 
+from ..transport.tasks import service_nursery
 from ..wire.constants import MUX_HEADER_LEN
 from ..wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
-from ..wire.tasks import service_nursery
 from .local import LOOPBACK
 
 try:  # Linux: how many written bytes the peer has not acknowledged yet.

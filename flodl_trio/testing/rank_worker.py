@@ -180,7 +180,7 @@ async def run(args: argparse.Namespace) -> None:
             nursery.cancel_scope.cancel()
         emit("done", rank=args.rank)
     except BaseExceptionGroup as group:
-        from flodl_trio.wire.tasks import sole_exception
+        from flodl_trio.transport.tasks import sole_exception
 
         _report(args.rank, sole_exception(group), FlodlError)
     except Exception as exc:

@@ -1,7 +1,8 @@
-"""The wire layer: flodl's protocol as codecs (sans-IO) plus trio stream helpers.
+"""The wire layer: flodl's protocol as codecs, with no I/O.
 
-Everything a relay, controller or rank client puts on a socket is defined
-here; the roles share this package and nothing else.
+Everything a relay, controller or rank client puts on a socket is encoded and
+decoded here, from bytes to values and back; nothing here imports trio.
+:mod:`flodl_trio.transport` moves these bytes over streams.
 """
 
 from .bf16 import bf16_to_f32, f32_to_bf16, payload_as_f32, scale_payload
@@ -17,14 +18,6 @@ from .control_frame import (
     ControlKind,
     decode_control_frame,
     encode_control_frame,
-)
-from .fold import (
-    FoldAccumulator,
-    ImageCache,
-    check_payload,
-    finish_consensus,
-    shares_sums,
-    sum_frames,
 )
 from .handshake import (
     RankHello,
@@ -51,12 +44,12 @@ from .mux import (
     encode_control_record,
     encode_mux_record,
 )
-from .netenv import timeout_scale, warn_if_public_peer
 from .round_frame import (
     EncodedFrame,
     RoundFrame,
     RoundKind,
     TensorPayload,
+    check_payload,
     decode_round_frame,
     encode_round_frame,
     encode_round_frame_chunks,
@@ -73,10 +66,8 @@ __all__ = [
     "ControlKind",
     "DeclareDead",
     "EncodedFrame",
-    "FoldAccumulator",
     "Hello",
     "HelloAck",
-    "ImageCache",
     "MuxKind",
     "MuxRecord",
     "RankExit",
@@ -107,11 +98,6 @@ __all__ = [
     "encode_round_frame",
     "encode_round_frame_chunks",
     "f32_to_bf16",
-    "finish_consensus",
     "payload_as_f32",
     "scale_payload",
-    "shares_sums",
-    "sum_frames",
-    "timeout_scale",
-    "warn_if_public_peer",
 ]

@@ -135,6 +135,32 @@ def round_frame_len(tensors: Sequence[TensorPayload]) -> int:
     return FRAME_HEADER_LEN + MAC_LEN + sum(10 + 4 * len(t.shape) + t.nbytes for t in tensors)
 
 
+def schema_frame_len(schema: Iterable[tuple[int, Sequence[int]]]) -> int:
+    """Length of a frame of this ``(dtype, shape)`` schema with nothing elided: the
+    largest a consensus for it can be (known dtypes only)."""
+    return FRAME_HEADER_LEN + MAC_LEN + sum(
+        10 + 4 * len(shape) + math.prod(shape) * itemsize(dtype) for dtype, shape in schema
+    )
+
+
+def describe_dtype(dtype: int) -> str:
+    """A dtype tag as a reader wants it in an error ("bf16", or "dtype tag 7")."""
+    return DTYPE_NAMES.get(dtype, f"dtype tag {dtype}")
+
+
+def check_payload(t: TensorPayload, index: int, source: str) -> None:
+    """A payload's byte length must match numel x itemsize (or be the elision marker)."""
+    size = itemsize(t.dtype) if t.dtype in DTYPE_NAMES else None
+    if size is None:
+        raise SchemaError(f"{source} tensor {index}: unknown dtype tag {t.dtype} (0 = f32, 1 = bf16)")
+    expected = t.numel * size
+    if t.nbytes not in (0, expected):
+        raise SchemaError(
+            f"{source} tensor {index}: {t.nbytes} payload bytes, expected {expected} "
+            f"(numel {t.numel} x {size} bytes of {describe_dtype(t.dtype)})"
+        )
+
+
 @attrs.frozen
 class EncodedFrame:
     """A frame ready for the socket: buffers to write in order, and their total."""

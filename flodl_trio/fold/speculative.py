@@ -4,7 +4,7 @@ When the controller waits only for the last host's HostFrame, everything it
 will send next - the consensus, its frame MAC, the Broadcast record's MAC -
 depends on that frame's bytes alone. A record's MAC precedes its payload on
 the wire, so done afterwards this costs a fold and two hash passes over the
-model after the last byte lands. :class:`FinishAhead` instead computes the
+model after the last byte lands. :class:`SpeculativeFrame` instead computes the
 outgoing frame block by block as the bytes land, into a buffer of its own,
 and feeds both MACs as it goes; once the incoming record's MAC verifies, the
 outgoing record is ready at once.
@@ -17,8 +17,8 @@ the error. The result is byte-identical to folding, finishing and signing
 the verified frame the ordinary way (the same f32 operations in the same
 order; tests compare them).
 
-Sans-IO core (:meth:`FinishAhead.consume`) plus one async driver
-(:meth:`FinishAhead.follow`) that runs beside a receive.
+Sans-IO core (:meth:`SpeculativeFrame.consume`) plus one async driver
+(:meth:`SpeculativeFrame.follow`) that runs beside a receive.
 """
 
 from __future__ import annotations
@@ -29,19 +29,27 @@ import struct
 import numpy as np
 import numpy.typing as npt
 
-from .bf16 import BLOCK, DTYPE_NAMES, F32, U16, U32, f32_to_bf16, itemsize
-from .constants import (
+from ..transport.arrival import ArrivalWatch
+from ..transport.buffers import ReceiveBuffer
+from ..transport.hashing import RunningMac, mac_feeder
+from ..wire.bf16 import BLOCK, DTYPE_NAMES, F32, U16, U32, f32_to_bf16, itemsize
+from ..wire.constants import (
     DTYPE_BF16,
     MAC_LEN,
     MAX_TENSORS,
     MUX_HEADER_LEN,
     ROUND_FRAME_MAGIC,
 )
-from .fold import FoldAccumulator
-from .mux import MuxKind, mux_signed_header
-from .round_frame import EncodedFrame, RoundFrame, RoundKind, decode_round_frame
-from .salt import SessionSalt
-from .stream import ArrivalWatch, ReceiveBuffer, RunningMac, _mac_feeder
+from ..wire.mux import MuxKind, mux_signed_header
+from ..wire.round_frame import (
+    EncodedFrame,
+    RoundFrame,
+    RoundKind,
+    decode_round_frame,
+    schema_frame_len,
+)
+from ..wire.salt import SessionSalt
+from .accumulator import FoldAccumulator
 
 _FRAME_HEADER = struct.Struct("<IIBd")
 # Incoming bytes processed between two checkpoints of the event loop.
@@ -70,7 +78,7 @@ class _Tensor:
         self.done = 0  # elements written to the output
 
 
-class FinishAhead:
+class SpeculativeFrame:
     """The outgoing frame of a round, computed from ``acc`` plus one incoming frame as it arrives.
 
     ``divide``: the controller's consensus (multiply by f32(1 / total mass) for
@@ -116,8 +124,7 @@ class FinishAhead:
         """
         if self.acc.count == 0 or any(total is None for _dtype, _shape, total in self._layout):
             return None
-        body = sum(10 + 4 * len(shape) + math.prod(shape) * itemsize(dtype) for dtype, shape, _ in self._layout)
-        return 17 + body + MAC_LEN
+        return schema_frame_len((dtype, shape) for dtype, shape, _ in self._layout)
 
     @property
     def supported(self) -> bool:
@@ -291,12 +298,12 @@ class FinishAhead:
         record = salt.hmac()
         record.update(signed)
         frame_mac, record_mac = RunningMac(salt.hmac(), body_len), RunningMac(record, body_len)
-        async with _mac_feeder(frame_mac, body_len) as feed_frame, _mac_feeder(record_mac, body_len) as feed_record:
+        async with mac_feeder(frame_mac, body_len) as feed_frame, mac_feeder(record_mac, body_len) as feed_record:
             assert feed_frame is not None and feed_record is not None
             upto = 0
             while not self.complete and self.abandoned is None:
                 # A slice at a time, so a burst of arrived bytes never holds the event loop long.
-                landed = await watch.landed_past(upto, step=FOLLOW_SLICE)
+                landed = await watch.next_stretch(upto, step=FOLLOW_SLICE)
                 if landed is None:
                     break  # everything that will ever arrive has been consumed
                 upto = landed
@@ -319,4 +326,4 @@ class FinishAhead:
         return decode_round_frame(self.output(), salt, envelope_verified=True)
 
 
-__all__ = ["FinishAhead"]
+__all__ = ["SpeculativeFrame"]

@@ -14,9 +14,11 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from .dead_ranks import DeadRanks
-from .errors import HandshakeError, PeerClosedMidFrame, PeerTimeout
-from .wire.mux import (
+from ..errors import HandshakeError
+from ..settings import handshake_timeout
+from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..wire.mux import (
     Hello,
     MuxKind,
     RelayControlMsg,
@@ -24,13 +26,10 @@ from .wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from .wire.netenv import handshake_timeout
-from .wire.round_frame import EncodedFrame
-from .wire.salt import SessionSalt
-from .wire.stream import MessageStream, ReceiveBuffer
+from ..wire.round_frame import EncodedFrame
+from ..wire.salt import SessionSalt
+from .dead_ranks import DeadRanks
 
-SMALL_RECORD = 64 << 10
-DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerClosedMidFrame, PeerTimeout)
 _ids = itertools.count()
 # What an outbox holds: the record, whether it is a round's Broadcast, and what
 # to call once it has been written whole (None: nothing).
@@ -98,7 +97,7 @@ class RelayLink:
     def queue_control(self, msg: RelayControlMsg, salt: SessionSalt) -> None:
         self.queue(encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), salt))
 
-    async def close_and_bury(self, dead: DeadRanks, why: str, log: logging.Logger) -> list[int]:
+    async def close_and_declare_dead(self, dead: DeadRanks, why: str, log: logging.Logger) -> list[int]:
         """Close this link and declare its ranks dead (idempotent); returns the ranks newly dead."""
         if self.closed:
             return []
@@ -121,7 +120,7 @@ class RelayLink:
                     self.awaiting_broadcast = False
                 try:
                     await self.conn.send_chunks(record.chunks)
-                except DISCONNECTS as exc:
+                except CONNECTION_LOST as exc:
                     await on_write_failure(f"write failed: {exc}")
                     return
                 on_written_bytes(record.nbytes)
@@ -133,7 +132,7 @@ class RelayLink:
 async def receive_hello(conn: MessageStream, salt: SessionSalt) -> Hello:
     """The first record of a relay connection, which must be a MAC-valid Control(Hello)."""
     with trio.fail_after(handshake_timeout()):
-        header = await conn.receive_mux_header(SMALL_RECORD)
+        header = await conn.receive_mux_header(SMALL_MESSAGE)
         if header is None:
             raise HandshakeError("closed before sending Hello")
         kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)

@@ -8,7 +8,6 @@ nothing for a minute in the middle of a frame is broken, not slow.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import os
@@ -19,7 +18,6 @@ TIMEOUT_SCALE_ENV = "FLODL_NET_TIMEOUT_SCALE"
 MIN_TIMEOUT_SCALE = 0.1
 
 _warned_scale_values: set[str] = set()
-_warned_peers: set[str] = set()
 
 
 def timeout_scale() -> float:
@@ -63,40 +61,3 @@ def connect_retry_interval() -> float:
 
 CONNECT_RETRY_ATTEMPTS = 60
 MID_FRAME_STARVATION_S = 60.0
-
-
-_QUIET_NETWORKS = tuple(
-    ipaddress.ip_network(n)
-    for n in (
-        "127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
-        "169.254.0.0/16", "100.64.0.0/10", "::1/128", "fe80::/10", "fc00::/7",
-    )
-)
-
-
-def is_private_address(host: str) -> bool:
-    """True for loopback, RFC 1918, link-local, CGNAT and IPv6 ULA/link-local."""
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return any(addr.version == net.version and addr in net for net in _QUIET_NETWORKS)
-
-
-def warn_if_public_peer(role: str, host: str) -> bool:
-    """Warn once per peer address that this link is authenticated but not encrypted.
-
-    Returns True when a warning was printed (for tests).
-    """
-    if is_private_address(host) or host in _warned_peers:
-        return False
-    _warned_peers.add(host)
-    log.warning(
-        "%s: peer %s is outside private address space; flodl traffic is "
-        "authenticated (HMAC) but NOT encrypted - tunnel it (WireGuard, SSH) "
-        "across untrusted networks",
-        role, host,
-    )
-    return True

@@ -1,5 +1,6 @@
-"""Small trio idioms every role uses: running a service nursery inside an async
-context manager without turning the caller's own exception into an ExceptionGroup."""
+"""Small trio idioms every role uses: a service nursery inside an async context
+manager that does not turn the caller's own exception into an ExceptionGroup,
+unwrapping a group at an API boundary, and a signal for "something changed"."""
 
 from __future__ import annotations
 
@@ -45,3 +46,21 @@ async def service_nursery() -> AsyncIterator[trio.Nursery]:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise sole_exception(group) from None
+
+
+class ChangeSignal:
+    """Wakes every task waiting for the next change: an Event that is set, then renewed.
+
+    A waiter re-checks its condition after each wake-up, so a change it slept
+    through is never lost (it sees the new state), and ``notify`` never blocks.
+    """
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()

@@ -18,35 +18,22 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import SchemaError
-from .bf16 import (
-    DTYPE_NAMES,
+from ..wire.bf16 import (
     F32,
     U16,
     add_bf16_into,
     bf16_to_f32,
     encode_f32_as,
     f32_to_bf16_in_place,
-    itemsize,
 )
-from .constants import DTYPE_BF16, DTYPE_F32
-from .round_frame import RoundFrame, RoundKind, TensorPayload
-
-
-def _describe(dtype: int) -> str:
-    return DTYPE_NAMES.get(dtype, f"dtype tag {dtype}")
-
-
-def check_payload(t: TensorPayload, index: int, source: str) -> None:
-    """A payload's byte length must match numel x itemsize (or be the elision marker)."""
-    size = itemsize(t.dtype) if t.dtype in DTYPE_NAMES else None
-    if size is None:
-        raise SchemaError(f"{source} tensor {index}: unknown dtype tag {t.dtype} (0 = f32, 1 = bf16)")
-    expected = t.numel * size
-    if t.nbytes not in (0, expected):
-        raise SchemaError(
-            f"{source} tensor {index}: {t.nbytes} payload bytes, expected {expected} "
-            f"(numel {t.numel} x {size} bytes of {_describe(t.dtype)})"
-        )
+from ..wire.constants import DTYPE_BF16, DTYPE_F32
+from ..wire.round_frame import (
+    RoundFrame,
+    RoundKind,
+    TensorPayload,
+    check_payload,
+    describe_dtype,
+)
 
 
 class ImageCache:
@@ -178,8 +165,8 @@ class FoldAccumulator:
         for i, (slot, t) in enumerate(zip(self._slots, frame.tensors)):
             if t.dtype != slot.dtype:
                 raise SchemaError(
-                    f"round fold: {source} tensor {i} is {_describe(t.dtype)}, "
-                    f"{first} sent {_describe(slot.dtype)}"
+                    f"round fold: {source} tensor {i} is {describe_dtype(t.dtype)}, "
+                    f"{first} sent {describe_dtype(slot.dtype)}"
                 )
             if t.shape != slot.shape:
                 raise SchemaError(
@@ -195,23 +182,23 @@ class FoldAccumulator:
         """The f32 running sums (None = every contribution was elided)."""
         return [slot.sum for slot in self._slots]
 
-    def result(self, *, spend_sums: bool = False) -> RoundFrame:
+    def result(self, *, overwrite_sums: bool = False) -> RoundFrame:
         """The folded frame, re-encoded in the input dtypes, mass = summed weights.
 
-        ``spend_sums``: bf16 tensors are rounded over their own f32 sums instead
+        ``overwrite_sums``: bf16 tensors are rounded over their own f32 sums instead
         of into new arrays (the frame then aliases every sum, as an f32 one
         always does, and the sums are no longer f32 values).
         """
         if self.count == 0 or self.kind is None:
             raise SchemaError("round fold: no frame was folded")
-        return _frame_from_sums(self._slots, self.kind, self.weight, spend_sums)
+        return _frame_from_sums(self._slots, self.kind, self.weight, overwrite_sums)
 
 
-def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float, spend_sums: bool = False) -> RoundFrame:
+def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float, overwrite_sums: bool = False) -> RoundFrame:
     def encoded(s: _Slot) -> npt.NDArray[np.generic] | bytes:
         if s.sum is None:
             return b""
-        if spend_sums and s.dtype == DTYPE_BF16:
+        if overwrite_sums and s.dtype == DTYPE_BF16:
             return f32_to_bf16_in_place(s.sum)
         return encode_f32_as(s.sum, s.dtype)
 
@@ -236,7 +223,7 @@ def sum_frames(frames: Iterable[tuple[str, RoundFrame]]) -> RoundFrame:
     return acc.result()
 
 
-def finish_consensus(acc: FoldAccumulator, *, spend_sums: bool = False) -> RoundFrame:
+def finish_consensus(acc: FoldAccumulator, *, overwrite_sums: bool = False) -> RoundFrame:
     """The controller's divide-once reduce over the accepted contributions.
 
     Model rounds with accepted mass > 0 are multiplied by the f32-rounded
@@ -251,7 +238,7 @@ def finish_consensus(acc: FoldAccumulator, *, spend_sums: bool = False) -> Round
             for s in acc.sums():
                 if s is not None:
                     np.multiply(s, reciprocal, out=s)
-    return acc.result(spend_sums=spend_sums)
+    return acc.result(overwrite_sums=overwrite_sums)
 
 
 __all__ = [
@@ -259,7 +246,6 @@ __all__ = [
     "DTYPE_F32",
     "FoldAccumulator",
     "ImageCache",
-    "check_payload",
     "finish_consensus",
     "shares_sums",
     "sum_frames",

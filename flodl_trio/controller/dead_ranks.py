@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import trio
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 Subscriber = Callable[[int], None]
 

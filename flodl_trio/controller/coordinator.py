@@ -20,18 +20,17 @@ import logging
 
 import trio
 
-from .dead_ranks import DeadRanks
-from .errors import FlodlError, HandshakeError, MacError, ProtocolError
-from .links import (
-    DISCONNECTS,
-    SMALL_RECORD,
-    RelayLink,
-    check_hello_ranks,
-    receive_hello,
+from ..errors import FlodlError, HandshakeError, MacError, ProtocolError
+from ..settings import timeout_scale
+from ..transport.buffers import SMALL_MESSAGE
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..wire.control_frame import (
+    ControlFrame,
+    decode_control_frame,
+    encode_control_frame,
 )
-from .wire.control_frame import ControlFrame, decode_control_frame, encode_control_frame
-from .wire.liveness import Heartbeat, beacon_frame, decode_liveness, notice_frame
-from .wire.mux import (
+from ..wire.liveness import Heartbeat, beacon_frame, decode_liveness, notice_frame
+from ..wire.mux import (
     DeclareDead,
     Hello,
     HelloAck,
@@ -40,9 +39,13 @@ from .wire.mux import (
     decode_control_msg,
     encode_mux_record,
 )
-from .wire.netenv import timeout_scale
-from .wire.salt import SessionSalt
-from .wire.stream import MessageStream
+from ..wire.salt import SessionSalt
+from .dead_ranks import DeadRanks
+from .links import (
+    RelayLink,
+    check_hello_ranks,
+    receive_hello,
+)
 
 log = logging.getLogger("flodl_trio.coordinator")
 
@@ -148,7 +151,7 @@ class Coordinator:
                     nursery.start_soon(link.drain_outbox, self._writer_failed(link))
                     try:
                         await self._read_link(link)
-                    except DISCONNECTS:
+                    except CONNECTION_LOST:
                         pass  # the finally below makes its ranks dead
                     except FlodlError as exc:
                         log.error("coordinator: %s: %s; its ranks are dead", link.name, exc)
@@ -171,7 +174,7 @@ class Coordinator:
                     f"control Hello from host {hello.host!r} carries {len(hello.model_sigs)} model signatures "
                     f"for {len(hello.ranks)} ranks"
                 )
-        except (ProtocolError, trio.TooSlowError, *DISCONNECTS) as exc:
+        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             reason = "no Hello within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
             self._refuse(f"control relay {conn.peer} refused: {reason}")
             await conn.aclose()
@@ -227,7 +230,7 @@ class Coordinator:
 
     async def _read_link(self, link: RelayLink) -> None:
         while True:
-            header = await link.conn.receive_mux_header(SMALL_RECORD)
+            header = await link.conn.receive_mux_header(SMALL_MESSAGE)
             if header is None:
                 return
             kind, payload = await link.conn.receive_mux_payload(header, link.small, self.salt)
@@ -257,4 +260,4 @@ class Coordinator:
         if not link.closed:
             for rank in link.ranks:
                 self.death_reasons.setdefault(rank, f"{link.name}: {why}")
-        await link.close_and_bury(self.dead, why, log)
+        await link.close_and_declare_dead(self.dead, why, log)

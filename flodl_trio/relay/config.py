@@ -1,0 +1,62 @@
+"""What a relay channel is told (its config) and what it counts (its stats)."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from ..wire.constants import (
+    CHANNEL_MAGIC_CONTROL,
+    CHANNEL_MAGIC_DATA,
+    DEFAULT_FRAME_CEILING,
+)
+from ..wire.salt import SessionSalt
+
+
+class ChannelKind(enum.Enum):
+    """Which protocol a relay channel terminates toward its local ranks."""
+
+    DATA = "data"
+    CONTROL = "control"
+
+    @property
+    def magic(self) -> int:
+        return CHANNEL_MAGIC_DATA if self is ChannelKind.DATA else CHANNEL_MAGIC_CONTROL
+
+
+@attrs.define
+class RelayStats:
+    """Counters a relay keeps; the fold ratio is local bytes over uplink bytes."""
+
+    rounds: int = 0
+    bytes_local: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    rejected: int = 0
+    live_ranks: int = 0
+    mac_failures: int = 0
+    broadcasts_streamed: int = 0  # consensus frames fanned out while still arriving
+    rounds_finished_ahead: int = 0  # HostFrames computed and signed while the last frame arrived
+    fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
+
+    @property
+    def fold_ratio(self) -> float:
+        return self.bytes_local / self.bytes_up if self.bytes_up else 0.0
+
+
+@attrs.frozen
+class RelayConfig:
+    kind: ChannelKind
+    listen: tuple[str, int]
+    upstream: tuple[str, int]
+    host_name: str
+    ranks: tuple[int, ...]
+    world_size: int
+    salt: SessionSalt
+    ceiling: int = DEFAULT_FRAME_CEILING
+    connect_attempts: int = 60
+    connect_interval: float | None = None
+
+
+__all__ = ["ChannelKind", "RelayConfig", "RelayStats"]
