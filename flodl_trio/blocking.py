@@ -210,6 +210,6 @@ class BlockingReduceClient:
 
 
 def _unwrap(exc: BaseException) -> BaseException:
-    from .transport.tasks import sole_exception
+    from .transport.tasks import unwrap_group
 
-    return sole_exception(exc) if isinstance(exc, BaseExceptionGroup) else exc
+    return unwrap_group(exc) if isinstance(exc, BaseExceptionGroup) else exc

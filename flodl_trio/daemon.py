@@ -12,16 +12,14 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from .errors import ConfigError, FlodlError
-from .wire.salt import SessionSalt
 
-SALT_HEX_ENV = "FLODL_SALT_HEX"
-SALT_FILE_ENV = "FLODL_SALT_FILE"
+# Re-exported: a trainer reads the salt the way the daemons do (flodl_trio.settings).
+from .settings import SALT_FILE_ENV, SALT_HEX_ENV, load_salt  # noqa: F401
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -59,26 +57,6 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-format", default=env_default("FLODL_LOG_FORMAT", "logfmt"), choices=["logfmt", "json"],
         help="structured log line format [env FLODL_LOG_FORMAT; default logfmt]",
-    )
-
-
-def load_salt(salt_file: str | None) -> SessionSalt:
-    """The session salt from --salt-file / FLODL_SALT_FILE, else FLODL_SALT_HEX.
-
-    Never from a command-line value: argv is world-readable in /proc.
-    """
-    if salt_file:
-        try:
-            text = Path(salt_file).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the salt file {salt_file}: {exc.strerror}") from None
-        return SessionSalt.from_hex(text)
-    hex_text = os.environ.get(SALT_HEX_ENV)
-    if hex_text:
-        return SessionSalt.from_hex(hex_text)
-    raise ConfigError(
-        f"no session salt: pass --salt-file, or set {SALT_FILE_ENV} or {SALT_HEX_ENV} "
-        f"(generate one with: python -c 'import secrets; print(secrets.token_hex(16))')"
     )
 
 
@@ -148,9 +126,9 @@ def run_daemon(name: str, main: Callable[[], Awaitable[None]]) -> int:
         log.error("%s failed: %s", name, exc)
         return EXIT_FAILURE
     except BaseExceptionGroup as group:
-        from .transport.tasks import sole_exception
+        from .transport.tasks import unwrap_group
 
-        cause = sole_exception(group)
+        cause = unwrap_group(group)
         if isinstance(cause, FlodlError):
             log.error("%s failed: %s", name, cause)
             return EXIT_FAILURE

@@ -1,9 +1,12 @@
-"""Socket-level bounds and network hygiene shared by every role.
+"""Settings read from the environment, in one place: network bounds and the session salt.
 
-All bounds scale with ``FLODL_NET_TIMEOUT_SCALE`` (finite, >= 0.1, default 1),
-so a slow CI box or a congested WAN can stretch them without code changes.
-The mid-frame starvation bound is deliberately not scaled: a peer that sends
-nothing for a minute in the middle of a frame is broken, not slow.
+Everything that waits on a peer takes its bound from a :class:`NetBounds`
+that the caller owns and passes down (the way trio-websocket takes
+``connect_timeout=``): nothing below the public APIs reads the environment.
+The daemons and the in-process entry points (``open_relay``,
+``open_controller``, the rank clients) build one with
+:meth:`NetBounds.from_env` when they are not given one, so
+``FLODL_NET_TIMEOUT_SCALE`` stretches every bound of a process at once.
 """
 
 from __future__ import annotations
@@ -11,18 +14,81 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from .errors import ConfigError
+from .wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.net")
 
 TIMEOUT_SCALE_ENV = "FLODL_NET_TIMEOUT_SCALE"
 MIN_TIMEOUT_SCALE = 0.1
+SALT_HEX_ENV = "FLODL_SALT_HEX"
+SALT_FILE_ENV = "FLODL_SALT_FILE"
 
 _warned_scale_values: set[str] = set()
 
 
-def timeout_scale() -> float:
-    """Current multiplier for socket-level bounds; a bad value warns once and reads as 1."""
-    raw = os.environ.get(TIMEOUT_SCALE_ENV)
+def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"NetBounds.{attr.name} must be a finite number > 0, got {value!r}")
+
+
+def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"NetBounds.{attr.name} must be >= 1, got {value!r}")
+
+
+@attrs.frozen
+class NetBounds:
+    """How long a process waits on a peer before giving up on that peer (seconds).
+
+    The round itself has no bound (a slow host must not make Local SGD drop
+    work); these bound everything else, so a silent, slow or wedged peer costs
+    only its own connection.
+    """
+
+    #: a rank's handshake at its relay, a relay's Hello at the controller, the acks back
+    handshake: float = attrs.field(default=10.0, validator=_positive)
+    #: the controller's peek at a new connection's channel magic
+    channel_magic: float = attrs.field(default=5.0, validator=_positive)
+    #: a write that makes no progress this long: the reader is wedged
+    write_stall: float = attrs.field(default=30.0, validator=_positive)
+    #: a message that stops arriving after its first byte (not scaled: a peer silent
+    #: for a minute inside a frame is broken, not slow)
+    mid_frame_starvation: float = attrs.field(default=60.0, validator=_positive)
+    #: between two attempts to dial a peer that is not up yet
+    connect_interval: float = attrs.field(default=0.5, validator=_positive)
+    #: how many times to dial before ConnectFailed
+    connect_attempts: int = attrs.field(default=60, validator=_at_least_one)
+    #: a rank silent this long on the control channel is declared dead
+    heartbeat_timeout: float = attrs.field(default=30.0, validator=_positive)
+
+    @classmethod
+    def scaled(cls, scale: float) -> NetBounds:
+        """The defaults with every time bound but mid-frame starvation multiplied by ``scale``."""
+        base = cls()
+        return attrs.evolve(
+            base,
+            handshake=base.handshake * scale,
+            channel_magic=base.channel_magic * scale,
+            write_stall=base.write_stall * scale,
+            connect_interval=base.connect_interval * scale,
+            heartbeat_timeout=base.heartbeat_timeout * scale,
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> NetBounds:
+        """The defaults scaled by ``FLODL_NET_TIMEOUT_SCALE`` (finite, >= 0.1; default 1)."""
+        return cls.scaled(timeout_scale(os.environ if environ is None else environ))
+
+
+def timeout_scale(environ: Mapping[str, str]) -> float:
+    """``FLODL_NET_TIMEOUT_SCALE`` from ``environ``; a bad value warns once and reads as 1."""
+    raw = environ.get(TIMEOUT_SCALE_ENV)
     if raw is None or raw.strip() == "":
         return 1.0
     try:
@@ -33,31 +99,32 @@ def timeout_scale() -> float:
         return value
     if raw not in _warned_scale_values:
         _warned_scale_values.add(raw)
-        log.warning(
-            "%s=%r is not a finite number >= %s; using 1.0",
-            TIMEOUT_SCALE_ENV, raw, MIN_TIMEOUT_SCALE,
-        )
+        log.warning("%s=%r is not a finite number >= %s; using 1.0", TIMEOUT_SCALE_ENV, raw, MIN_TIMEOUT_SCALE)
     return 1.0
 
 
-def handshake_timeout() -> float:
-    """Bound on a rank's handshake (flodl has none; a silent rank would wedge a relay)."""
-    return 10.0 * timeout_scale()
+def load_salt(salt_file: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> SessionSalt:
+    """The session salt: from ``salt_file``, else the file named by ``FLODL_SALT_FILE``,
+    else the hex in ``FLODL_SALT_HEX``.
+
+    Never from a command-line value: argv is world-readable in /proc. Daemons
+    and trainers call this the same way, so one environment serves both.
+    """
+    env = os.environ if environ is None else environ
+    path = salt_file or env.get(SALT_FILE_ENV)
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the salt file {path}: {exc.strerror}") from exc
+        return SessionSalt.from_hex(text)
+    hex_text = env.get(SALT_HEX_ENV)
+    if hex_text:
+        return SessionSalt.from_hex(hex_text)
+    raise ConfigError(
+        f"no session salt: pass a salt file, or set {SALT_FILE_ENV} or {SALT_HEX_ENV} "
+        f"(generate one with: python -c 'import secrets; print(secrets.token_hex(16))')"
+    )
 
 
-def channel_magic_timeout() -> float:
-    """Bound on the controller's peek at a new connection's channel magic."""
-    return 5.0 * timeout_scale()
-
-
-def write_stall_timeout() -> float:
-    """A write that makes no progress this long means the reader is wedged."""
-    return 30.0 * timeout_scale()
-
-
-def connect_retry_interval() -> float:
-    return 0.5 * timeout_scale()
-
-
-CONNECT_RETRY_ATTEMPTS = 60
-MID_FRAME_STARVATION_S = 60.0
+__all__ = ["SALT_FILE_ENV", "SALT_HEX_ENV", "TIMEOUT_SCALE_ENV", "NetBounds", "load_salt", "timeout_scale"]

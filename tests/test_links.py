@@ -38,7 +38,7 @@ async def no_failure(why: str) -> None:
 async def test_on_written_waits_for_the_last_byte():
     link, reader = lockstep_link("h0")
     calls: list[str] = []
-    link.queue(RECORD, broadcast=True, on_written=lambda: calls.append("written"))
+    link.queue(RECORD, on_written=lambda: calls.append("written"))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.drain_outbox, no_failure)
         assert await read_exactly(reader, RECORD.nbytes - 1) == b"".join(bytes(c) for c in RECORD.chunks)[:-1]
@@ -72,7 +72,7 @@ async def test_after_all_writes_waits_for_the_slowest_link():
     done: list[str] = []
     after = AfterAllWrites(2, lambda: done.append("both"))
     for link in (fast, slow):
-        link.queue(RECORD, broadcast=True, on_written=after.one)
+        link.queue(RECORD, on_written=after.one)
     async with trio.open_nursery() as nursery:
         for link in (fast, slow):
             nursery.start_soon(link.drain_outbox, no_failure)

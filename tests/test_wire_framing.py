@@ -23,7 +23,7 @@ from flodl_trio.errors import (
     PeerClosedMidFrame,
     PeerTimeout,
 )
-from flodl_trio.settings import MID_FRAME_STARVATION_S
+from flodl_trio.settings import NetBounds
 from flodl_trio.transport import MessageStream, ReceiveBuffer
 from flodl_trio.transport.stream import RECEIVE_LOW_WATER
 from flodl_trio.wire import (
@@ -42,6 +42,7 @@ from flodl_trio.wire import (
     encode_round_frame_chunks,
 )
 
+MID_FRAME_STARVATION_S = NetBounds().mid_frame_starvation
 SALT = SessionSalt(b"\x42" * 16)
 OTHER_SALT = SessionSalt(b"\x17" * 16)
 
@@ -406,7 +407,7 @@ async def test_connect_with_retry_gives_up_with_connect_failed():
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there any more
     with pytest.raises(ConnectFailed, match=r"after 2 attempts") as info:
-        await stream_mod.connect_with_retry("127.0.0.1", port, "relay upstream", attempts=2, interval=0.01)
+        await stream_mod.connect_with_retry("127.0.0.1", port, "relay upstream", NetBounds(connect_attempts=2, connect_interval=0.01))
     assert isinstance(info.value, FlodlError)
     assert f"127.0.0.1:{port}" in str(info.value)
 
@@ -421,7 +422,7 @@ async def test_connect_with_retry_connects_and_tunes(caplog):
             accepted.append(await listeners[0].accept())
 
         nursery.start_soon(accept)
-        stream = await stream_mod.connect_with_retry("127.0.0.1", port, "rank 0", attempts=3, interval=0.01)
+        stream = await stream_mod.connect_with_retry("127.0.0.1", port, "rank 0", NetBounds(connect_attempts=3, connect_interval=0.01))
     assert stream.getsockopt(pysocket.IPPROTO_TCP, pysocket.TCP_NODELAY)
     assert stream.getsockopt(pysocket.SOL_SOCKET, pysocket.SO_KEEPALIVE)
     assert stream_mod.peer_host(stream) == "127.0.0.1"

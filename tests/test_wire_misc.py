@@ -10,6 +10,7 @@ import hmac
 import itertools
 import logging
 import math
+import os
 import struct
 
 import numpy as np
@@ -25,6 +26,7 @@ from flodl_trio.errors import (
     ProtocolError,
     SchemaError,
 )
+from flodl_trio.settings import NetBounds
 from flodl_trio.transport import connect as peers
 from flodl_trio.wire import (
     DTYPE_F32,
@@ -507,44 +509,65 @@ def _warnings(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "flodl_trio.net" and r.levelno == logging.WARNING]
 
 
+def _bounds() -> NetBounds:
+    """What a role builds at its API boundary: the defaults scaled by the environment."""
+    return NetBounds.from_env()
+
+
 def test_timeout_scale_default(fresh_netenv):
-    assert netenv.timeout_scale() == 1.0
-    assert netenv.handshake_timeout() == 10.0
-    assert netenv.write_stall_timeout() == 30.0
-    assert netenv.channel_magic_timeout() == 5.0
-    assert netenv.connect_retry_interval() == 0.5
+    bounds = _bounds()
+    assert netenv.timeout_scale(os.environ) == 1.0
+    assert bounds.handshake == 10.0
+    assert bounds.write_stall == 30.0
+    assert bounds.channel_magic == 5.0
+    assert bounds.connect_interval == 0.5
+    assert bounds == NetBounds()
     assert _warnings(fresh_netenv) == []
 
 
 def test_timeout_scale_empty_is_default(fresh_netenv, monkeypatch):
     monkeypatch.setenv(netenv.TIMEOUT_SCALE_ENV, "")
-    assert netenv.timeout_scale() == 1.0
+    assert netenv.timeout_scale(os.environ) == 1.0
     assert _warnings(fresh_netenv) == []
 
 
 @pytest.mark.parametrize(("raw", "value"), [("2.5", 2.5), ("0.1", 0.1), ("1", 1.0), (" 3 ", 3.0), ("1e2", 100.0)])
 def test_timeout_scale_valid(fresh_netenv, monkeypatch, raw, value):
     monkeypatch.setenv(netenv.TIMEOUT_SCALE_ENV, raw)
-    assert netenv.timeout_scale() == value
-    assert netenv.handshake_timeout() == pytest.approx(10.0 * value)
-    assert netenv.write_stall_timeout() == pytest.approx(30.0 * value)
+    assert netenv.timeout_scale(os.environ) == value
+    assert _bounds().handshake == pytest.approx(10.0 * value)
+    assert _bounds().write_stall == pytest.approx(30.0 * value)
     assert _warnings(fresh_netenv) == []
 
 
 def test_timeout_scale_scales_bounds(fresh_netenv, monkeypatch):
     monkeypatch.setenv(netenv.TIMEOUT_SCALE_ENV, "2.5")
-    assert netenv.handshake_timeout() == 25.0
-    assert netenv.write_stall_timeout() == 75.0
-    assert netenv.MID_FRAME_STARVATION_S == 60.0  # deliberately not scaled
+    assert _bounds().handshake == 25.0
+    assert _bounds().write_stall == 75.0
+    assert _bounds().heartbeat_timeout == 75.0
+    assert _bounds().mid_frame_starvation == 60.0  # deliberately not scaled
+    assert _bounds() == NetBounds.scaled(2.5)
+
+
+def test_bounds_come_from_the_given_environment_not_the_process(fresh_netenv):
+    assert NetBounds.from_env({netenv.TIMEOUT_SCALE_ENV: "3"}).handshake == 30.0
+    assert NetBounds.from_env({}).handshake == 10.0
+
+
+@pytest.mark.parametrize("field", ["handshake", "write_stall", "channel_magic", "heartbeat_timeout", "connect_interval"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_bounds_refuse_non_positive_values(field, value):
+    with pytest.raises(ConfigError, match=field):
+        NetBounds(**{field: value})
 
 
 @pytest.mark.parametrize("raw", ["0.05", "nan", "inf", "abc", "-1", "-inf", "0"])
 def test_timeout_scale_bad_value_warns_once(fresh_netenv, monkeypatch, raw):
     monkeypatch.setenv(netenv.TIMEOUT_SCALE_ENV, raw)
     for _ in range(3):
-        assert netenv.timeout_scale() == 1.0
-    assert netenv.handshake_timeout() == 10.0
-    assert netenv.write_stall_timeout() == 30.0
+        assert netenv.timeout_scale(os.environ) == 1.0
+    assert _bounds().handshake == 10.0
+    assert _bounds().write_stall == 30.0
     records = _warnings(fresh_netenv)
     assert len(records) == 1
     assert netenv.TIMEOUT_SCALE_ENV in records[0].getMessage()
@@ -555,7 +578,7 @@ def test_timeout_scale_each_bad_value_warns_once(fresh_netenv, monkeypatch):
     bad = ["0.05", "nan", "inf", "abc", "-1"]
     for raw in bad * 2:
         monkeypatch.setenv(netenv.TIMEOUT_SCALE_ENV, raw)
-        assert netenv.timeout_scale() == 1.0
+        assert netenv.timeout_scale(os.environ) == 1.0
     assert len(_warnings(fresh_netenv)) == len(bad)
 
 

@@ -8,7 +8,7 @@ the trainer's block, including a reduce it is waiting on.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import trio
@@ -18,15 +18,13 @@ from ..errors import (
     FlodlError,
     FramingError,
     MacError,
-    PeerClosedMidFrame,
-    PeerTimeout,
     RankDeadError,
 )
-from ..settings import CONNECT_RETRY_ATTEMPTS, handshake_timeout, timeout_scale
+from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
-from ..transport.connect import connect_with_retry
-from ..transport.stream import MessageStream
-from ..transport.tasks import sole_exception
+from ..transport.connect import Connector
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..transport.tasks import ChangeSignal, one_error
 from ..wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD
 from ..wire.control_frame import (
     ControlFrame,
@@ -40,13 +38,18 @@ from ..wire.handshake import (
 )
 from ..wire.liveness import Beacon, Notice, decode_liveness, heartbeat_frame
 from ..wire.salt import SessionSalt
-from .reduce import Address, parse_address
+from .reduce import Address, check_rank, dialing_bounds, open_handshaken
 
 BEACON_GRACE_S = 0.2
 
 
 class CoordinatorLost(FlodlError):
     """The coordinator went silent, closed, or failed authentication: the cluster is gone."""
+
+
+# The cluster's verdicts (the coordinator is gone; this rank is dead): when one
+# arrives together with another error from the block's body, it is the cause.
+_VERDICTS = (CoordinatorLost, RankDeadError)
 
 
 class ControlClient:
@@ -64,16 +67,7 @@ class ControlClient:
         self.beacon_timeout = beacon_timeout
         self.heartbeats_sent = 0
         self.last_beacon: Beacon | None = None
-        self.failure: FlodlError | None = None
-        self._pace_changed = trio.Event()
-
-    async def _watch(self, loop: Callable[[], Awaitable[None]]) -> None:
-        """Run a background loop; its FlodlError becomes this client's verdict."""
-        try:
-            await loop()
-        except FlodlError as exc:
-            self.failure = self.failure or exc
-            raise
+        self._pace_changed = ChangeSignal()
 
     async def _heartbeat_loop(self) -> None:
         """Beat every interval; runs in the trainer's task tree, so it beats while a reduce waits."""
@@ -82,11 +76,10 @@ class ControlClient:
             blob = encode_control_frame(heartbeat_frame(self.rank, self.heartbeats_sent), self._salt)
             try:
                 await self._conn.send_len_framed([blob], len(blob))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, PeerTimeout) as exc:
-                raise CoordinatorLost(f"rank {self.rank}: heartbeat could not be sent to the control relay: {exc}") from None
+            except CONNECTION_LOST as exc:
+                raise CoordinatorLost(f"rank {self.rank}: heartbeat could not be sent to the control relay: {exc}") from exc
             with trio.move_on_after(self.heartbeat_interval):
                 await self._pace_changed.wait()
-                self._pace_changed = trio.Event()
 
     async def _reader(self, inbox: trio.MemorySendChannel[ControlFrame | None]) -> None:
         """Read whole messages with no deadline (a timeout must never cut one in half)
@@ -100,8 +93,8 @@ class ControlClient:
         while True:
             try:
                 blob = await self._conn.receive_len_framed(buf, CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, FramingError) as exc:
-                raise CoordinatorLost(f"rank {self.rank}: control connection failed: {exc}") from None
+            except (*CONNECTION_LOST, FramingError) as exc:
+                raise CoordinatorLost(f"rank {self.rank}: control connection failed: {exc}") from exc
             if blob is None:
                 await inbox.send(None)
                 await inbox.aclose()
@@ -109,7 +102,7 @@ class ControlClient:
             try:
                 frame = decode_control_frame(blob, self._salt, source="the coordinator")
             except MacError as exc:
-                raise CoordinatorLost(f"rank {self.rank}: {exc}") from None
+                raise CoordinatorLost(f"rank {self.rank}: {exc}") from exc
             await inbox.send(frame)
 
     async def _next_message(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> ControlFrame | None:
@@ -131,17 +124,15 @@ class ControlClient:
         if 0 < wanted < self.heartbeat_interval:
             self.heartbeat_interval = wanted
             self.beacon_timeout = min(self.beacon_timeout, max(4 * wanted, 1e-3))
-            self._pace_changed.set()
+            self._pace_changed.notify()
 
     async def _receive_loop(self) -> None:
         """Beacons keep us alive; silence, EOF, a bad MAC or a death notice raise a clear error."""
         send, inbox = trio.open_memory_channel[ControlFrame | None](16)
-        try:
+        with one_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._reader, send)
                 await self._watch_beacons(inbox)
-        except BaseExceptionGroup as group:
-            raise sole_exception(group) from None
 
     async def _watch_beacons(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> None:
         while True:
@@ -175,56 +166,41 @@ async def connect_control_client(
     heartbeat_timeout: float | None = None,
     heartbeat_interval: float | None = None,
     beacon_timeout: float | None = None,
-    connect_attempts: int = CONNECT_RETRY_ATTEMPTS,
+    connect_attempts: int | None = None,
     connect_interval: float | None = None,
+    bounds: NetBounds | None = None,
+    connect: Connector = trio.open_tcp_stream,
 ) -> AsyncIterator[ControlClient]:
     """Join the coordinator through this host's control relay for the block.
 
     The heartbeat and beacon watch run as tasks beside the block's body; if the
     coordinator is lost (no beacon for ``beacon_timeout``, EOF, bad MAC) or this
     rank is declared dead, the body is cancelled - including a reduce it awaits
-    - and the block raises :class:`CoordinatorLost` / :class:`RankDeadError`.
-    Defaults follow the cluster's: ``heartbeat_timeout`` 30 s x
-    FLODL_NET_TIMEOUT_SCALE, beating 4x per timeout.
+    - and the block raises :class:`CoordinatorLost` / :class:`~flodl_trio.RankDeadError`. Defaults follow the cluster's:
+    ``heartbeat_timeout`` is ``bounds.heartbeat_timeout`` (30 s x
+    FLODL_NET_TIMEOUT_SCALE), beating 4x per timeout.
     """
-    if world_size <= 0:
-        raise ConfigError(f"world_size must be > 0, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank_id {rank} must be < world_size {world_size}")
+    check_rank(rank, world_size)
     session = SessionSalt.coerce(salt)
-    timeout = heartbeat_timeout if heartbeat_timeout is not None else 30.0 * timeout_scale()
-    host, port = parse_address(address)
-    stream = await connect_with_retry(host, port, f"rank {rank} -> control relay", attempts=connect_attempts, interval=connect_interval)
-    conn = MessageStream(stream, f"control relay {host}:{port}")
+    net = dialing_bounds(bounds, connect_attempts, connect_interval)
+    timeout = heartbeat_timeout if heartbeat_timeout is not None else net.heartbeat_timeout
+    conn, ack = await open_handshaken(
+        address, f"rank {rank}", "control relay", encode_control_handshake(rank, world_size, model_signature, session),
+        CONTROL_ACK_LEN,
+        f"it refused rank {rank}: wrong session salt, wrong world size, rank not on this host, "
+        "or rank already connected - see the relay's log",
+        net, connect,
+    )
     try:
-        await conn.send_chunks([encode_control_handshake(rank, world_size, model_signature, session)])
-        with trio.fail_after(handshake_timeout()):
-            ack = await conn.receive_exactly(CONTROL_ACK_LEN, "the control handshake ack")
         decode_control_ack(ack, session)
-    except PeerClosedMidFrame:
-        await conn.aclose()
-        raise FramingError(
-            f"rank {rank}: control relay {host}:{port} closed the connection before the handshake ack "
-            f"(it refused rank {rank}: wrong session salt, wrong world size, rank not on this host, "
-            "or rank already connected - see the relay's log)"
-        ) from None
-    except BaseException:
-        await conn.aclose()
-        raise
-    client = ControlClient(conn, rank, world_size, session, heartbeat_interval or timeout / 4, beacon_timeout or timeout)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(client._watch, client._heartbeat_loop)
-            nursery.start_soon(client._watch, client._receive_loop)
-            try:
-                yield client
-            finally:
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The cluster verdict (lost coordinator, declared dead) is the cause; a
-        # reduce that failed in the body at the same moment is its consequence.
-        raise client.failure or sole_exception(group) from None
+        client = ControlClient(conn, rank, world_size, session, heartbeat_interval or timeout / 4, beacon_timeout or timeout)
+        with one_error(prefer=_VERDICTS):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client._heartbeat_loop)
+                nursery.start_soon(client._receive_loop)
+                try:
+                    yield client
+                finally:
+                    nursery.cancel_scope.cancel()
     finally:
         await conn.aclose()
-    if client.failure is not None:
-        raise client.failure

@@ -16,6 +16,7 @@ from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import trio
 
@@ -29,9 +30,9 @@ from ..errors import (
     SchemaError,
 )
 from ..realized_work import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
-from ..settings import CONNECT_RETRY_ATTEMPTS, handshake_timeout
+from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
-from ..transport.connect import connect_with_retry
+from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
 from ..transport.stream import MessageStream
 from ..wire.constants import DTYPE_BF16, DTYPE_F32
@@ -307,52 +308,98 @@ class _Connect:
         await self._client.aclose()
 
 
+async def open_handshaken(
+    address: Address,
+    who: str,
+    relay_kind: str,
+    handshake: bytes,
+    ack_len: int,
+    refusal: str,
+    bounds: NetBounds,
+    connect: Connector,
+) -> tuple[MessageStream, bytes]:
+    """Dial ``who``'s ``relay_kind`` relay, send the handshake and read the ack within
+    ``bounds.handshake``.
+
+    A relay refuses by closing before the ack; that becomes a FramingError
+    saying why it might have (``refusal``). The connection is closed on any error.
+    """
+    host, port = parse_address(address)
+    stream = await connect_with_retry(host, port, f"{who} -> {relay_kind}", bounds, connect)
+    conn = MessageStream(stream, f"{relay_kind} {host}:{port}", bounds)
+    try:
+        await conn.send_chunks([handshake])
+        with trio.fail_after(bounds.handshake):
+            ack = await conn.receive_exactly(ack_len, f"the {relay_kind.split()[0]} handshake ack")
+    except PeerClosedMidFrame as exc:
+        await conn.aclose()
+        raise FramingError(
+            f"{who}: {relay_kind} {host}:{port} closed the connection before the handshake ack ({refusal})"
+        ) from exc
+    except trio.TooSlowError as exc:
+        await conn.aclose()
+        raise PeerTimeout(f"{who}: no handshake ack from {relay_kind} {host}:{port} within {bounds.handshake:.0f} s") from exc
+    except BaseException:
+        await conn.aclose()
+        raise
+    return conn, ack
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    """Argument errors, raised before any traffic."""
+    if world_size <= 0:
+        raise ConfigError(f"world_size must be > 0, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank_id {rank} must be < world_size {world_size}")
+
+
 def connect_reduce_client(
     address: Address,
     rank: int,
     world_size: int,
     salt: SessionSalt | bytes,
     *,
-    connect_attempts: int = CONNECT_RETRY_ATTEMPTS,
+    connect_attempts: int | None = None,
     connect_interval: float | None = None,
     reply_timeout: float | None = None,
+    bounds: NetBounds | None = None,
+    connect: Connector = trio.open_tcp_stream,
 ) -> _Connect:
     """Connect rank ``rank`` to its host's data relay at ``address``.
 
     Argument errors are raised before any network traffic. The relay refuses a
     wrong world size, a rank outside its host set or a duplicate rank by
     closing before the ack; that surfaces here as a handshake error.
+    ``bounds`` defaults to :meth:`NetBounds.from_env`; ``connect_attempts`` and
+    ``connect_interval`` override its dialing budget.
     """
-    if world_size <= 0:
-        raise ConfigError(f"world_size must be > 0, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank_id {rank} must be < world_size {world_size}")
+    check_rank(rank, world_size)
     session = SessionSalt.coerce(salt)
-    host, port = parse_address(address)
+    net = dialing_bounds(bounds, connect_attempts, connect_interval)
+    parse_address(address)  # a malformed address is an argument error too
 
-    async def connect() -> ReduceClient:
-        stream = await connect_with_retry(
-            host, port, f"rank {rank} -> data relay", attempts=connect_attempts, interval=connect_interval
+    async def open_client() -> ReduceClient:
+        conn, ack = await open_handshaken(
+            address, f"rank {rank}", "data relay", encode_data_handshake(rank, world_size), DATA_ACK_LEN,
+            f"it refused rank {rank} / world_size {world_size}: wrong world size, rank not on this host, "
+            "or rank already connected - see the relay's log",
+            net, connect,
         )
-        conn = MessageStream(stream, f"data relay {host}:{port}")
         try:
-            await conn.send_chunks([encode_data_handshake(rank, world_size)])
-            with trio.fail_after(handshake_timeout()):
-                ack = await conn.receive_exactly(DATA_ACK_LEN, "the data handshake ack")
             decode_data_ack(ack)
-        except PeerClosedMidFrame:
-            await conn.aclose()
-            raise FramingError(
-                f"rank {rank}: data relay {host}:{port} closed the connection before the handshake ack "
-                f"(it refused rank {rank} / world_size {world_size}: wrong world size, rank not on this "
-                "host, or rank already connected - see the relay's log)"
-            ) from None
-        except trio.TooSlowError:
-            await conn.aclose()
-            raise PeerTimeout(f"rank {rank}: no handshake ack from data relay {host}:{port} within {handshake_timeout():.0f} s") from None
         except BaseException:
             await conn.aclose()
             raise
         return ReduceClient(conn, rank, world_size, session, reply_timeout=reply_timeout)
 
-    return _Connect(connect)
+    return _Connect(open_client)
+
+
+def dialing_bounds(bounds: NetBounds | None, attempts: int | None, interval: float | None) -> NetBounds:
+    """``bounds`` (default: from the environment) with the dialing budget overridden where given."""
+    net = bounds if bounds is not None else NetBounds.from_env()
+    if attempts is not None:
+        net = attrs.evolve(net, connect_attempts=attempts)
+    if interval is not None:
+        net = attrs.evolve(net, connect_interval=interval)
+    return net

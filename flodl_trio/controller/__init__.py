@@ -1,22 +1,24 @@
 """The controller: one port, one connection per host relay, one consensus per round.
 
-See :mod:`flodl_trio.controller.core` for the task structure and
-:mod:`flodl_trio.controller.cli` for the daemon (``python -m flodl_trio.controller``).
+- :mod:`.core`: :func:`open_controller` and the tasks that move bytes;
+- :mod:`.round`: :class:`ControllerRound`, the round and its membership, with no I/O;
+- :mod:`.links`: a relay connection as the controller sees it (sole writer, outbox);
+- :mod:`.coordinator`: heartbeats, beacons and model signatures (the control channel);
+- :mod:`.dead_ranks`: :class:`DeadRanks`, the cluster's record of dead ranks;
+- :mod:`.stats`: the counters; :mod:`.cli`: the daemon (``python -m flodl_trio.controller``).
 """
 
-from .core import (
-    CheckpointSink,
-    ControllerHandle,
-    ControllerStats,
-    LatencyHistogram,
-    OuterOptimizer,
-    open_controller,
-)
+from .core import ControllerHandle, open_controller
+from .dead_ranks import DeadRanks
+from .round import CheckpointSink, ControllerRound, OuterOptimizer
+from .stats import ControllerStats, LatencyHistogram
 
 __all__ = [
     "CheckpointSink",
     "ControllerHandle",
+    "ControllerRound",
     "ControllerStats",
+    "DeadRanks",
     "LatencyHistogram",
     "OuterOptimizer",
     "open_controller",

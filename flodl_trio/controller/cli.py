@@ -21,6 +21,7 @@ from ..daemon import (
 from ..errors import ConfigError
 from ..launch import DEFAULT_CONTROLLER_PORT
 from ..outer import DiLoCoNesterov, PlainAverage, SlowMo
+from ..settings import NetBounds
 from ..wire.salt import SessionSalt
 from .core import OuterOptimizer, open_controller
 
@@ -77,6 +78,7 @@ class ControllerDaemonSettings:
     checkpoint_dir: str | None
     checkpoint_every: int
     checkpoint_keep: int
+    bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
 def make_outer(name: str, lr: float | None, momentum: float | None) -> OuterOptimizer | None:
@@ -119,7 +121,7 @@ async def serve_controller_daemon(
             open_controller(
                 settings.host, settings.port, world_size=settings.world_size, salt=settings.salt,
                 outer_optimizer=settings.outer, checkpoint=checkpoint, ceiling=ceiling,
-                heartbeat_timeout=settings.heartbeat_timeout,
+                heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
             )
         )
         if metrics is not None:
@@ -131,7 +133,7 @@ async def serve_controller_daemon(
         log.info(
             "controller started: listening on %s:%d world_size=%d heartbeat_timeout=%.1fs outer=%s checkpoints=%s",
             settings.host, handle.port, settings.world_size,
-            coordinator.heartbeat_timeout if coordinator else 0.0,
+            coordinator.heartbeat_timeout,
             type(settings.outer).__name__ if settings.outer else "none", settings.checkpoint_dir or "off",
         )
         await handle.wait_finished()

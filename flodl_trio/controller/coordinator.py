@@ -21,9 +21,10 @@ import logging
 import trio
 
 from ..errors import FlodlError, HandshakeError, MacError, ProtocolError
-from ..settings import timeout_scale
+from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE
 from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..transport.tasks import ChangeSignal
 from ..wire.control_frame import (
     ControlFrame,
     decode_control_frame,
@@ -43,18 +44,11 @@ from ..wire.salt import SessionSalt
 from .dead_ranks import DeadRanks
 from .links import (
     RelayLink,
-    check_hello_ranks,
     receive_hello,
 )
+from .round import check_hello_ranks
 
 log = logging.getLogger("flodl_trio.coordinator")
-
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
-
-
-def default_heartbeat_timeout() -> float:
-    return DEFAULT_HEARTBEAT_TIMEOUT_S * timeout_scale()
-
 
 class Coordinator:
     """Tracks one heartbeat per rank; declares silent ranks dead; beacons the living."""
@@ -67,11 +61,13 @@ class Coordinator:
         *,
         heartbeat_timeout: float | None = None,
         beacon_interval: float | None = None,
+        bounds: NetBounds | None = None,
     ) -> None:
         self.world_size = world_size
         self.salt = salt
         self.dead = dead
-        self.heartbeat_timeout = heartbeat_timeout if heartbeat_timeout is not None else default_heartbeat_timeout()
+        self.bounds = bounds if bounds is not None else NetBounds()
+        self.heartbeat_timeout = heartbeat_timeout if heartbeat_timeout is not None else self.bounds.heartbeat_timeout
         self.beacon_interval = beacon_interval if beacon_interval is not None else self.heartbeat_timeout / 4
         self.links: dict[int, RelayLink] = {}
         self.owner: dict[int, RelayLink] = {}
@@ -80,13 +76,14 @@ class Coordinator:
         self.rejections: list[str] = []
         self.death_reasons: dict[int, str] = {}
         self._beacon_seq = 0
-        self._deaths_send, self._deaths_receive = trio.open_memory_channel[int](2 * world_size + 1)
+        self._deaths_changed = ChangeSignal()
+        self._noticed: set[int] = set()
 
     # -- service tasks (run in the controller's nursery) ---------------------
 
     async def run(self) -> None:
         """Watchdog, beacons and death notices, until cancelled."""
-        unsubscribe = self.dead.subscribe(self._on_death)
+        unsubscribe = self.dead.subscribe(lambda _rank: self._deaths_changed.notify())
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watchdog)
@@ -94,12 +91,6 @@ class Coordinator:
                 nursery.start_soon(self._death_notices)
         finally:
             unsubscribe()
-
-    def _on_death(self, rank: int) -> None:
-        try:
-            self._deaths_send.send_nowait(rank)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
     async def _watchdog(self) -> None:
         period = max(self.heartbeat_timeout / 8, 0.02)
@@ -125,11 +116,23 @@ class Coordinator:
             await trio.sleep(self.beacon_interval)
 
     async def _death_notices(self) -> None:
-        """Tell a dead rank why, then have its control relay close it."""
-        async for rank in self._deaths_receive:
-            self.last_seen.pop(rank, None)
+        """Tell each newly dead rank why, then have its control relay close it.
+
+        Noticing has no checkpoint, so no death can be declared between it and
+        the wait: none is missed.
+        """
+        while True:
+            self._notice_new_deaths()
+            await self._deaths_changed.wait()
+
+    def _notice_new_deaths(self) -> None:
+        for rank in sorted(self.dead.snapshot() - self._noticed):
             link = self.owner.get(rank)
-            if link is None or link.closed:
+            if link is None:
+                continue  # noticed once its relay joins (see _accept)
+            self._noticed.add(rank)
+            self.last_seen.pop(rank, None)
+            if link.closed:
                 continue
             reason = self.death_reasons.get(rank, "declared dead by the cluster")
             self._send_frame(link, rank, notice_frame(f"rank {rank} was declared dead: {reason}"))
@@ -141,23 +144,22 @@ class Coordinator:
     # -- control relay sessions ----------------------------------------------
 
     async def serve_connection(self, conn: MessageStream) -> None:
-        """One control relay connection, from its Hello to its end."""
+        """One control relay connection, from its Hello to its end (then its ranks are
+        dead; not when the controller is stopping, which cancels this)."""
         link = await self._accept(conn)
         if link is None:
             return
-        try:
-            with link.scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(link.drain_outbox, self._writer_failed(link))
-                    try:
-                        await self._read_link(link)
-                    except CONNECTION_LOST:
-                        pass  # the finally below makes its ranks dead
-                    except FlodlError as exc:
-                        log.error("coordinator: %s: %s; its ranks are dead", link.name, exc)
-                    nursery.cancel_scope.cancel()
-        finally:
-            await self._drop(link, "control connection closed")
+        with link.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(link.drain_outbox, self._writer_failed(link))
+                try:
+                    await self._read_link(link)
+                except CONNECTION_LOST:
+                    pass
+                except FlodlError as exc:
+                    log.error("coordinator: %s: %s; its ranks are dead", link.name, exc)
+                nursery.cancel_scope.cancel()
+        await self._drop(link, "control connection closed")
 
     def _writer_failed(self, link: RelayLink):  # type: ignore[no-untyped-def]
         async def failed(why: str) -> None:
@@ -167,8 +169,8 @@ class Coordinator:
 
     async def _accept(self, conn: MessageStream) -> RelayLink | None:
         try:
-            hello = await receive_hello(conn, self.salt)
-            check_hello_ranks(hello, self.world_size, self.owner)
+            hello = await receive_hello(conn, self.salt, self.bounds)
+            check_hello_ranks(hello, self.world_size, {rank: link.name for rank, link in self.owner.items()})
             if len(hello.model_sigs) != len(hello.ranks):
                 raise HandshakeError(
                     f"control Hello from host {hello.host!r} carries {len(hello.model_sigs)} model signatures "
@@ -190,8 +192,7 @@ class Coordinator:
         for rank in link.ranks:
             self.owner[rank] = link
             self.last_seen[rank] = now  # the grace period starts at formation
-            if self.dead.is_dead(rank):
-                self._on_death(rank)
+        self._deaths_changed.notify()  # ranks of this relay dead already get their notice now
         log.info("coordinator: accepted %s", link.name)
         return link
 

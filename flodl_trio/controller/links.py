@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from ..errors import HandshakeError
-from ..settings import handshake_timeout
+from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.mux import (
@@ -31,9 +31,10 @@ from ..wire.salt import SessionSalt
 from .dead_ranks import DeadRanks
 
 _ids = itertools.count()
-# What an outbox holds: the record, whether it is a round's Broadcast, and what
-# to call once it has been written whole (None: nothing).
-Outgoing = tuple[EncodedFrame, bool, Callable[[], None] | None]
+# What an outbox holds: the record, what to call just before writing it (a
+# consensus: the relay may answer it at once), and what to call once it has
+# been written whole (None: nothing).
+Outgoing = tuple[EncodedFrame, Callable[[], None] | None, Callable[[], None] | None]
 
 
 class AfterAllWrites:
@@ -64,9 +65,6 @@ class RelayLink:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: bool = False
     small: ReceiveBuffer = attrs.field(factory=ReceiveBuffer)
-    # Data channel: a HostFrame was accepted and its round's Broadcast has not
-    # gone out yet, so another HostFrame now would be a replay or a desync.
-    awaiting_broadcast: bool = False
 
     @classmethod
     def accept(cls, hello: Hello, conn: MessageStream, depth: int) -> RelayLink:
@@ -80,17 +78,22 @@ class RelayLink:
         return f"relay {self.host} (ranks {list(self.ranks)})"
 
     def queue(
-        self, record: EncodedFrame, *, broadcast: bool = False, on_written: Callable[[], None] | None = None
+        self,
+        record: EncodedFrame,
+        *,
+        before_write: Callable[[], None] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> None:
         """Queue a record without waiting; a relay too far behind to take it is cut off.
 
-        ``on_written`` runs once the record has been written whole (never if
-        the link fails first).
+        ``before_write`` runs just before the record's first byte goes out;
+        ``on_written`` once it has been written whole (never if the link fails
+        first). A link already closed takes nothing: its relay is gone.
         """
         try:
-            self.outbox.send_nowait((record, broadcast, on_written))
+            self.outbox.send_nowait((record, before_write, on_written))
         except trio.WouldBlock:
-            self.scope.cancel()
+            self.scope.cancel()  # its ranks are declared dead as the session ends
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
@@ -114,10 +117,9 @@ class RelayLink:
     ) -> None:
         """Be this link's sole writer until cancelled; report each record's size as it goes out."""
         async with self.inbox:
-            async for record, broadcast, on_written in self.inbox:
-                if broadcast:
-                    # Cleared before the write: the relay's next frame may follow it at once.
-                    self.awaiting_broadcast = False
+            async for record, before_write, on_written in self.inbox:
+                if before_write is not None:
+                    before_write()
                 try:
                     await self.conn.send_chunks(record.chunks)
                 except CONNECTION_LOST as exc:
@@ -129,9 +131,9 @@ class RelayLink:
                     on_written()
 
 
-async def receive_hello(conn: MessageStream, salt: SessionSalt) -> Hello:
+async def receive_hello(conn: MessageStream, salt: SessionSalt, bounds: NetBounds) -> Hello:
     """The first record of a relay connection, which must be a MAC-valid Control(Hello)."""
-    with trio.fail_after(handshake_timeout()):
+    with trio.fail_after(bounds.handshake):
         header = await conn.receive_mux_header(SMALL_MESSAGE)
         if header is None:
             raise HandshakeError("closed before sending Hello")
@@ -140,18 +142,3 @@ async def receive_hello(conn: MessageStream, salt: SessionSalt) -> Hello:
     if not isinstance(hello, Hello):
         raise HandshakeError(f"first record must be Control(Hello), got {kind.name} {hello or ''}")
     return hello
-
-
-def check_hello_ranks(hello: Hello, world_size: int, owner: dict[int, RelayLink]) -> None:
-    """Ranks must be non-empty, sorted, unique, inside the world, and not carried already."""
-    if not hello.ranks:
-        raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
-    if list(hello.ranks) != sorted(set(hello.ranks)):
-        raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
-    for rank in hello.ranks:
-        if rank >= world_size:
-            raise HandshakeError(f"Hello from host {hello.host!r} announces rank {rank} >= world_size {world_size}")
-        if rank in owner:
-            raise HandshakeError(
-                f"Hello from host {hello.host!r} announces rank {rank}, already carried by {owner[rank].name}"
-            )

@@ -1,4 +1,5 @@
-"""Finish a round's outgoing frame while its last contribution is still arriving.
+"""A round's outgoing frame, computed speculatively while its last contribution
+arrives; the incoming frame's MAC check keeps it or throws it away.
 
 When the controller waits only for the last host's HostFrame, everything it
 will send next - the consensus, its frame MAC, the Broadcast record's MAC -
@@ -17,21 +18,28 @@ the error. The result is byte-identical to folding, finishing and signing
 the verified frame the ordinary way (the same f32 operations in the same
 order; tests compare them).
 
-Sans-IO core (:meth:`SpeculativeFrame.consume`) plus one async driver
-(:meth:`SpeculativeFrame.follow`) that runs beside a receive.
+Sans-IO core (:meth:`SpeculativeFrame.consume`), one async driver
+(:meth:`SpeculativeFrame.follow`) that runs beside a receive, and
+:func:`receive_speculating`, the one way the relay and the controller wire
+the two to a receive.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+import attrs
 import numpy as np
 import numpy.typing as npt
+import trio
 
-from ..transport.arrival import ArrivalWatch
+from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import ReceiveBuffer
 from ..transport.hashing import RunningMac, mac_feeder
+from ..transport.tasks import ChangeSignal
 from ..wire.bf16 import BLOCK, DTYPE_NAMES, F32, U16, U32, f32_to_bf16, itemsize
 from ..wire.constants import (
     DTYPE_BF16,
@@ -51,6 +59,7 @@ from ..wire.round_frame import (
 from ..wire.salt import SessionSalt
 from .accumulator import FoldAccumulator
 
+T = TypeVar("T")
 _FRAME_HEADER = struct.Struct("<IIBd")
 # Incoming bytes processed between two checkpoints of the event loop.
 FOLLOW_SLICE = 4 << 20
@@ -96,7 +105,6 @@ class SpeculativeFrame:
         self.in_length = in_length
         self.abandoned: str | None = None
         self.complete = False
-        self.committed = False  # set by the owner once the output is the round's (its buffer is spoken for)
         self.pos = 0  # incoming bytes consumed
         self.out_pos = 0  # outgoing bytes final (handed to the MACs)
         self._layout = acc.layout()
@@ -105,6 +113,7 @@ class SpeculativeFrame:
         self._tensor: _Tensor | None = None
         self._tensors_seen = 0
         self._wide = np.empty(BLOCK, dtype=U32)
+        self._salt: SessionSalt | None = None
         self.out_len: int | None = self._planned_length()
         # The output: a buffer of the caller's (a relay lends one of its receive
         # buffers) or a fresh one, sized once from the verified schema.
@@ -293,6 +302,7 @@ class SpeculativeFrame:
         """Run beside the receive that ``watch`` follows; the signed outgoing record once
         the incoming bytes verified, None if they did not or the path was abandoned."""
         assert self.out_len is not None
+        self._salt = salt
         body_len = self.out_len - MAC_LEN
         signed = mux_signed_header(kind, self.out_len)
         record = salt.hmac()
@@ -321,9 +331,63 @@ class SpeculativeFrame:
         header = signed + record_mac.tag()
         return EncodedFrame([header, self.output()], MUX_HEADER_LEN + self.out_len)
 
-    def frame(self, salt: SessionSalt) -> RoundFrame:
-        """The outgoing frame as a RoundFrame over the output buffer (zero-copy; built here, trusted)."""
-        return decode_round_frame(self.output(), salt, envelope_verified=True)
+    def frame(self) -> RoundFrame:
+        """The outgoing frame as a RoundFrame over the output buffer (zero-copy; built
+        here, trusted), once :meth:`follow` completed it."""
+        assert self._salt is not None, "the frame is complete only after follow()"
+        return decode_round_frame(self.output(), self._salt, envelope_verified=True)
 
 
-__all__ = ["SpeculativeFrame"]
+@attrs.frozen
+class Speculation:
+    """What speculating beside one receive got to: the frame (None if the incoming
+    frame never became the round's last, or could not be speculated on) and its
+    signed record (None unless the incoming bytes verified and it completed)."""
+
+    frame: SpeculativeFrame | None = None
+    record: EncodedFrame | None = None
+
+
+async def receive_speculating(
+    watch: ArrivalWatch,
+    receive: Callable[[], Awaitable[T]],
+    *,
+    is_last: Callable[[], bool],
+    begin: Callable[[], SpeculativeFrame | None],
+    changes: ChangeSignal,
+    buf: ReceiveBuffer,
+    kind: MuxKind,
+    salt: SessionSalt,
+) -> tuple[T, Speculation]:
+    """Run ``receive`` into ``buf``; as soon as its frame is the one the round still
+    waits for (``is_last()``, re-checked at every ``changes``), start the outgoing
+    frame (``begin()``; None: not possible this time) and compute it beside the
+    arrival.
+
+    The caller keeps the result only if the round is still exactly the one the
+    speculation assumed once the receive has returned (nothing folded meanwhile);
+    otherwise it takes the ordinary path and gives back ``frame``'s buffer.
+    """
+    waiting = trio.CancelScope()
+
+    async def speculate() -> Speculation:
+        frame = None
+        with waiting:
+            while not is_last():
+                await changes.wait()
+            frame = begin()
+        if frame is None:
+            return Speculation(frame)
+        return Speculation(frame, await frame.follow(buf, watch, kind, salt))
+
+    async def receive_then_stop_waiting() -> T:
+        try:
+            return await receive()
+        finally:
+            waiting.cancel()  # not the last frame by now: too late to help
+
+    received, (speculation,) = await receive_with_followers(watch, receive_then_stop_waiting, speculate)
+    return received, speculation
+
+
+__all__ = ["Speculation", "SpeculativeFrame", "receive_speculating"]

@@ -14,11 +14,11 @@ channel routes rank-tagged blobs without parsing them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 import attrs
 import trio
@@ -30,11 +30,12 @@ from ..errors import (
     ProtocolError,
     SchemaError,
 )
-from ..fold.speculative import SpeculativeFrame
+from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import RunningMac, encode_enveloped_frame, hash_as_it_lands
 from ..transport.stream import CONNECTION_LOST, WRITE_PIECE, MessageStream
+from ..transport.tasks import ChangeSignal
 from ..wire.constants import (
     CONTROL_FRAME_HEADER_LEN,
     CONTROL_FRAME_MAX_PAYLOAD,
@@ -75,7 +76,8 @@ _U32 = struct.Struct("<I")
 
 @attrs.frozen
 class _RawHostFrame:
-    """A single rank's verified frame, forwarded upstream byte for byte."""
+    """A single rank's verified frame, forwarded upstream byte for byte; ``buffer``
+    (lent from the pool) holds it until it has been written."""
 
     body: memoryview
     buffer: ReceiveBuffer
@@ -91,32 +93,28 @@ class _SealedHostFrame:
 
 
 @attrs.frozen
-class _FoldedHostFrame:
-    """The host's fold, ready to sign and send; ``images`` (the fold's f32 sums, which
-    its payloads may alias) go back to the fold's cache once it has been written."""
+class _DataRecord:
+    """A control-channel blob going upstream, tagged with its rank, never parsed."""
 
-    frame: RoundFrame
-    images: list[Any]
-
-
-@attrs.define
-class _AheadAttempt:
-    """What finishing a HostFrame ahead of the last frame got to (see DataChannel)."""
-
-    finisher: SpeculativeFrame | None = None
-    out: ReceiveBuffer | None = None
-    sealed: EncodedFrame | None = None
+    rank: int
+    payload: bytes
 
 
-# What rank readers and the upstream reader hand the outbound writer (defined
-# below): a folded frame, a single rank's frame verbatim, one sealed ahead, a
-# control-channel blob, or a control message.
-_Outbound = Any
+# What rank readers and the upstream reader hand the outbound writer.
+_Outbound = _RawHostFrame | _SealedHostFrame | FoldedHostFrame | _DataRecord | RankExit
+_HOST_FRAMES = (_RawHostFrame, _SealedHostFrame, FoldedHostFrame)
 
 
 class _Channel:
     """What both channel kinds share: the nursery, the sole upstream writer,
-    the upstream read loop, local exits and shutdown-by-cancellation."""
+    the upstream read loop, local exits and shutdown-by-cancellation.
+
+    How it ends: upstream EOF cancels the nursery (nothing more can be
+    written); the last local rank leaving stops the upstream reader, so every
+    producer has closed its clone of the outbound channel and the writer
+    drains what is queued (the ranks' RankExits) and returns; any error raised
+    by a task travels out through the nursery.
+    """
 
     def __init__(self, config: RelayConfig, conns: dict[int, MessageStream], upstream: MessageStream, stats: RelayStats) -> None:
         self.config = config
@@ -127,45 +125,30 @@ class _Channel:
         self.reader_scopes = {rank: trio.CancelScope() for rank in conns}
         self.pool = BufferPool(1, limit=RECEIVE_BUFFERS)
         self._small = ReceiveBuffer()
-        self._scope = trio.CancelScope()
-        self._error: BaseException | None = None
+        self._upstream_reading = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
 
     @property
     def live(self) -> set[int]:
         return set(self.conns) - self.gone
 
     async def run(self) -> None:
-        """Run until upstream EOF or the last rank leaves; raise a fatal error if one happened."""
+        """Run until upstream EOF or the last rank leaves; a task's error comes out of the nursery."""
         send, receive = trio.open_memory_channel[_Outbound](OUTBOUND_DEPTH)
         self.stats.live_ranks = len(self.live)
-        with self._scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._guard, self._outbound_writer, receive)
-                nursery.start_soon(self._guard, self._upstream_reader, send.clone())
-                for rank in self.conns:
-                    nursery.start_soon(self._guard, self._rank_reader, rank, send.clone())
-                await send.aclose()
-        await self.upstream.aclose()
-        if self._error is not None:
-            raise self._error
-
-    async def _guard(self, task: Callable[..., Awaitable[None]], *args: Any) -> None:
         try:
-            await task(*args)
-        except FlodlError as exc:
-            self._fail(exc)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._fail(FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {exc}"))
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._outbound_writer, receive)
+                nursery.start_soon(self._upstream_reader, send.clone())
+                for rank in self.conns:
+                    nursery.start_soon(self._rank_reader, rank, send.clone())
+                await send.aclose()
+        finally:
+            await self.upstream.aclose()
 
-    def _fail(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = exc
-        self._scope.cancel()
-
-    def _shutdown(self, why: str) -> None:
-        if not self._scope.cancel_called:
-            log.info("relay %s: shutting down: %s", self.config.host_name, why)
-        self._scope.cancel()
+    def _log_shutdown(self, why: str) -> None:
+        log.info("relay %s: shutting down: %s", self.config.host_name, why)
 
     # -- rank side -----------------------------------------------------------
 
@@ -200,7 +183,8 @@ class _Channel:
             await out.send(RankExit(rank))
         await self.conns[rank].aclose()
         if not self.live:
-            self._shutdown("every local rank has left")
+            self._log_shutdown("every local rank has left")
+            self._upstream_reading.cancel()  # the writer then drains the RankExits and returns
 
     async def _after_rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Channel-specific bookkeeping when a rank leaves (the data fold shrinks)."""
@@ -217,7 +201,10 @@ class _Channel:
     async def _outbound_writer(self, inbox: trio.MemoryReceiveChannel[_Outbound]) -> None:
         async with inbox:
             async for item in inbox:
-                await self._write_upstream(item)
+                try:
+                    await self._write_upstream(item)
+                except CONNECTION_LOST as exc:
+                    raise FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {exc}") from exc
                 del item  # a sent HostFrame must not outlive its write while we wait for the next
 
     async def _write_upstream(self, item: _Outbound) -> None:
@@ -225,24 +212,35 @@ class _Channel:
         if isinstance(item, _DataRecord):
             record = encode_mux_record(MuxKind.DATA, item.payload, salt, rank=item.rank)
             self.stats.bytes_up += record.nbytes
+        elif isinstance(item, RankExit):
+            record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(item), salt)
         else:
-            record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(item), salt)  # type: ignore[arg-type]
+            raise TypeError(f"the {self.config.kind.value} channel cannot send {type(item).__name__}")
         await self.upstream.send_chunks(record.chunks)
 
     async def _upstream_reader(self, out: trio.MemorySendChannel[_Outbound]) -> None:
         async with out:
-            while True:
-                header = await self.upstream.receive_mux_header(self.config.ceiling)
-                if header is None:
-                    self._shutdown("the controller closed the upstream connection")
-                    return
-                big = header.length > SMALL_MESSAGE
-                buf = await self.pool.acquire() if big else self._small
+            with self._upstream_reading:
                 try:
-                    await self._receive_record(header, buf, out)
-                finally:
-                    if big:
-                        self.pool.release(buf)
+                    await self._read_upstream(out)
+                except CONNECTION_LOST as exc:
+                    raise FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {exc}") from exc
+
+    async def _read_upstream(self, out: trio.MemorySendChannel[_Outbound]) -> None:
+        while True:
+            header = await self.upstream.receive_mux_header(self.config.ceiling)
+            if header is None:
+                self._log_shutdown("the controller closed the upstream connection")
+                assert self._nursery is not None
+                self._nursery.cancel_scope.cancel()
+                return
+            big = header.length > SMALL_MESSAGE
+            buf = await self.pool.acquire() if big else self._small
+            try:
+                await self._receive_record(header, buf, out)
+            finally:
+                if big:
+                    self.pool.release(buf)
 
     async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Receive and verify one record from the controller, then act on it."""
@@ -264,14 +262,6 @@ class _Channel:
                 await self._rank_gone(msg.rank, out, "declared dead by the controller; connection closed", report=False)
             return
         raise ProtocolError(f"relay {self.config.host_name}: unexpected {type(msg).__name__} from the controller mid-session")
-
-
-@attrs.frozen
-class _DataRecord:
-    """A control-channel blob going upstream, tagged with its rank, never parsed."""
-
-    rank: int
-    payload: bytes
 
 
 class ControlChannel(_Channel):
@@ -296,16 +286,17 @@ class ControlChannel(_Channel):
 
 
 class DataChannel(_Channel):
-    """The data channel folds: K local frames in, one HostFrame up, consensus fanned out."""
+    """The data channel folds: K local frames in, one HostFrame up, consensus fanned out.
+
+    Its round state is the :class:`HostFold`; the tasks only move bytes and
+    tell the fold what happened.
+    """
 
     def __init__(self, config: RelayConfig, conns: dict[int, MessageStream], upstream: MessageStream, stats: RelayStats) -> None:
         super().__init__(config, conns, upstream, stats)
-        self.fold = HostFold(list(conns))
+        self.fold_changed = ChangeSignal()
+        self.fold = HostFold(config.host_name, list(conns), on_change=self.fold_changed.notify)
         self.single = len(config.ranks) == 1
-        self.awaiting_reply: set[int] = set()
-        self.second_buffer_lent = False
-        # A HostFrame went up and its Broadcast has not come back: the only time one may.
-        self.expecting_broadcast = False
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         while True:
@@ -319,49 +310,55 @@ class DataChannel(_Channel):
 
         A function of its own so nothing model-sized it touched (the fold a
         HostFrame was finished ahead from, say) outlives it while the reader
-        waits for the rank's next frame.
+        waits for the rank's next frame. Pool buffers go back on the way out
+        unless a queued item took them over.
         """
-        buf = await self.pool.acquire()
-        handed_off = False
-        ahead = _AheadAttempt()
-        try:
-            what = f"rank {rank}'s {length}-byte frame"
-            sealed: EncodedFrame | None = None
-            if length > SMALL_MESSAGE and self.single:
-                body, frame, sealed = await self._receive_signing_record(rank, buf, length, what)
-            elif length > SMALL_MESSAGE:
-                body, frame = await self._receive_finishing_ahead(rank, buf, length, what, ahead)
-            else:
-                body, frame = await self._receive_verified(rank, buf, length, what)
-            if rank in self.awaiting_reply:
-                raise DesyncError(
-                    f"relay {self.config.host_name}: rank {rank} deposited twice in one round "
-                    "(sent a frame before receiving the last consensus; stream desynced)"
-                )
-            self.awaiting_reply.add(rank)
-            self.stats.bytes_local += length + 4
-            self._lend_second_buffer(length)
+        with contextlib.ExitStack() as owned:
+            buf = await self.pool.acquire()
+            owned.callback(self.pool.release, buf)
             if self.single:
-                self.stats.rounds_finished_ahead += sealed is not None
-                await out.send(_SealedHostFrame(sealed, buf) if sealed is not None else _RawHostFrame(body, buf))
-                handed_off = True
-            elif self._commit_ahead(rank, ahead):
-                assert ahead.sealed is not None and ahead.out is not None
-                finished, ahead.out = _SealedHostFrame(ahead.sealed, ahead.out), None
-                await out.send(finished)
-            else:
-                await self._deposit(rank, frame, out)
-        finally:
-            if not handed_off:
+                item = await self._receive_single(rank, buf, length)
+                self.fold.forward(rank)
+                self._count_frame(length)
+                owned.pop_all()  # the queued item owns the buffer now
+                await self._queue_owning(out, item)
+                return
+            frame, speculation = await self._receive_folding(rank, buf, length)
+            if speculation.frame is not None:
+                owned.callback(self.pool.release, speculation.frame.buffer)
+            if speculation.record is not None and speculation.frame is not None and self.fold.complete_ahead(rank, speculation.frame.acc):
+                self._count_frame(length)
+                self.stats.rounds_finished_ahead += 1
+                owned.pop_all()
                 self.pool.release(buf)
-            if ahead.out is not None:
-                self.pool.release(ahead.out)
+                await self._queue_owning(out, _SealedHostFrame(speculation.record, speculation.frame.buffer))
+                return
+            folded = self.fold.deposit(rank, frame)
+            self._count_frame(length)
+            if folded is not None:
+                await out.send(folded)
+
+    def _count_frame(self, length: int) -> None:
+        self.stats.bytes_local += length + 4
+        # Once a verified frame proved the model's size, let frames arrive two at a
+        # time (a single rank has nothing to overlap).
+        if self.pool.size < self.pool.limit and not self.single:
+            self.pool.add(ReceiveBuffer(length))
+
+    async def _queue_owning(self, out: trio.MemorySendChannel[_Outbound], item: _RawHostFrame | _SealedHostFrame) -> None:
+        """Queue an item that owns a pool buffer; the buffer comes back if it never gets queued."""
+        try:
+            await out.send(item)
+        except BaseException:
+            self.pool.release(item.buffer)
+            raise
 
     async def _receive_verified(
-        self, rank: int, buf: ReceiveBuffer, length: int, what: str, watch: ArrivalWatch | None = None
+        self, rank: int, buf: ReceiveBuffer, length: int, watch: ArrivalWatch | None = None
     ) -> tuple[memoryview, RoundFrame]:
         """``rank``'s frame, its MAC computed as the bytes land and checked at the end."""
         salt = self.config.salt
+        what = f"rank {rank}'s {length}-byte frame"
         body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
         frame = decode_round_frame(
             body, salt, ceiling=self.config.ceiling, source=f"rank {rank} on host {self.config.host_name}",
@@ -369,111 +366,74 @@ class DataChannel(_Channel):
         )
         return body, frame
 
-    async def _receive_finishing_ahead(
-        self, rank: int, buf: ReceiveBuffer, length: int, what: str, ahead: _AheadAttempt
-    ) -> tuple[memoryview, RoundFrame]:
-        """Receive and verify ``rank``'s frame; as soon as it is the last one the host
-        waits for, compute and sign the HostFrame beside it (into ``ahead``)."""
+    async def _receive_folding(self, rank: int, buf: ReceiveBuffer, length: int) -> tuple[RoundFrame, Speculation]:
+        """Receive and verify ``rank``'s frame; a large one that is the last the host
+        waits for has its HostFrame computed and signed beside it."""
+        if length <= SMALL_MESSAGE:
+            return (await self._receive_verified(rank, buf, length))[1], Speculation()
         watch = ArrivalWatch(length)
-        waiting = trio.CancelScope()
-        salt = self.config.salt
 
-        async def finish() -> None:
-            with waiting:
-                while not self.fold.only_missing(rank):
-                    await self.fold.changed.wait()
-                # Nothing else arrives now: the pool's other buffer is free to hold the output.
-                ahead.out = self.pool.try_acquire()
-                if ahead.out is None:
-                    return
-                finisher = SpeculativeFrame(self.fold.acc, divide=False, in_length=length, out=ahead.out)
-                if not finisher.supported:
-                    return
-                ahead.finisher = finisher
-            if ahead.finisher is not None:
-                ahead.sealed = await ahead.finisher.follow(buf, watch, MuxKind.HOST_FRAME, salt)
+        def begin() -> SpeculativeFrame | None:
+            # Nothing else arrives now: the pool's other buffer is free to hold the output.
+            out = self.pool.try_acquire()
+            if out is None:
+                return None
+            frame = SpeculativeFrame(self.fold.acc, divide=False, in_length=length, out=out)
+            if not frame.supported:
+                self.pool.release(out)
+                return None
+            return frame
 
-        async def receive() -> tuple[memoryview, RoundFrame]:
-            try:
-                return await self._receive_verified(rank, buf, length, what, watch)
-            finally:
-                waiting.cancel()  # not the last frame by now: too late to help
+        (_body, frame), speculation = await receive_speculating(
+            watch, partial(self._receive_verified, rank, buf, length, watch),
+            is_last=partial(self.fold.only_missing, rank), begin=begin, changes=self.fold_changed,
+            buf=buf, kind=MuxKind.HOST_FRAME, salt=self.config.salt,
+        )
+        return frame, speculation
 
-        return await receive_with_followers(watch, receive, finish)
-
-    async def _receive_signing_record(
-        self, rank: int, buf: ReceiveBuffer, length: int, what: str
-    ) -> tuple[memoryview, RoundFrame, EncodedFrame | None]:
-        """A single rank's frame goes up byte for byte as the host's frame: receive and
-        verify it while the HostFrame record's MAC is computed over the same bytes,
-        so the record is ready the moment the frame verifies (None if it did not)."""
+    async def _receive_single(self, rank: int, buf: ReceiveBuffer, length: int) -> _RawHostFrame | _SealedHostFrame:
+        """A single rank's frame goes up byte for byte as the host's frame. A large one
+        has its HostFrame record's MAC computed over the same bytes as they land,
+        so the record is ready the moment the frame verifies."""
+        if length <= SMALL_MESSAGE:
+            body, _frame = await self._receive_verified(rank, buf, length)
+            return _RawHostFrame(body, buf)
         salt = self.config.salt
         watch = ArrivalWatch(length)
         signed = mux_signed_header(MuxKind.HOST_FRAME, length)
         record_mac = salt.hmac()
         record_mac.update(signed)
         running = RunningMac(record_mac, length)
-        signed_ok: list[bool] = []
-
-        async def sign() -> None:
-            signed_ok.append(await hash_as_it_lands(buf, watch, running))
-
-        body, frame = await receive_with_followers(watch, partial(self._receive_verified, rank, buf, length, what, watch), sign)
-        if not (signed_ok and signed_ok[0]):
-            return body, frame, None
-        return body, frame, EncodedFrame([signed + running.tag(), body], MUX_HEADER_LEN + length)
-
-    def _commit_ahead(self, rank: int, ahead: _AheadAttempt) -> bool:
-        """Whether the HostFrame finished ahead closes the round (it was computed from
-        exactly the frames folded so far plus ``rank``'s, now verified)."""
-        if ahead.finisher is None or ahead.sealed is None:
-            return False
-        if not self.fold.complete_ahead(rank, ahead.finisher.acc):
-            return False
+        (body, _frame), (hashed_all,) = await receive_with_followers(
+            watch, partial(self._receive_verified, rank, buf, length, watch),
+            partial(hash_as_it_lands, buf, watch, running),
+        )
+        if not hashed_all:
+            return _RawHostFrame(body, buf)
         self.stats.rounds_finished_ahead += 1
-        return True
-
-    def _lend_second_buffer(self, verified_length: int) -> None:
-        """Once a verified frame proved the model's size, let frames arrive two at a time
-        (a single rank has nothing to overlap)."""
-        if not self.second_buffer_lent and not self.single:
-            self.second_buffer_lent = True
-            self.pool.add(ReceiveBuffer(verified_length))
-
-    async def _deposit(self, rank: int, frame: RoundFrame, out: trio.MemorySendChannel[_Outbound]) -> None:
-        """Fold a verified frame; ship the host's frame if it completed the round."""
-        folded = self.fold.deposit(rank, frame)
-        if folded is not None:
-            await out.send(folded)
+        return _SealedHostFrame(EncodedFrame([signed + running.tag(), body], MUX_HEADER_LEN + length), buf)
 
     async def _after_rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
-        self.awaiting_reply.discard(rank)
         folded = self.fold.mark_dead(rank)
         if folded is not None:
             await out.send(folded)
 
     async def _write_upstream(self, item: _Outbound) -> None:
-        salt = self.config.salt
-        if isinstance(item, (_RawHostFrame, _SealedHostFrame, FoldedHostFrame)):
-            self.expecting_broadcast = True  # before the write: the answer may beat our resumption
-        if isinstance(item, _SealedHostFrame):
-            record = item.record
-            try:
-                await self.upstream.send_chunks(record.chunks)
-            finally:
-                self.pool.release(item.buffer)
-        elif isinstance(item, _RawHostFrame):
-            try:
-                record = encode_mux_record(MuxKind.HOST_FRAME, item.body, salt)
-                await self.upstream.send_chunks(record.chunks)
-            finally:
-                self.pool.release(item.buffer)
-        elif isinstance(item, FoldedHostFrame):
-            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, item.frame, salt)
+        if not isinstance(item, _HOST_FRAMES):
+            return await super()._write_upstream(item)
+        self.fold.host_frame_sent()  # before the write: the answer may beat our resumption
+        if isinstance(item, FoldedHostFrame):
+            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, item.frame, self.config.salt)
             await self.upstream.send_chunks(record.chunks)
             self.fold.images.give(item.images)  # written: nothing reads them now
         else:
-            return await super()._write_upstream(item)
+            try:
+                record = item.record if isinstance(item, _SealedHostFrame) else encode_mux_record(
+                    MuxKind.HOST_FRAME, item.body, self.config.salt
+                )
+                await self.upstream.send_chunks(record.chunks)
+            finally:
+                self.pool.release(item.buffer)
         self.stats.rounds += 1
         self.stats.fold_images_reused = self.fold.images.reused
         self.stats.bytes_up += record.nbytes
@@ -481,7 +441,7 @@ class DataChannel(_Channel):
     async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:
         # The kind byte is not authenticated yet: it only picks the path. A record
         # that is not what it claims fails its MAC before any rank sees its end.
-        if header.kind == MuxKind.BROADCAST and self.expecting_broadcast and header.length > SMALL_MESSAGE:
+        if header.kind == MuxKind.BROADCAST and self.fold.host_frame_up and header.length > SMALL_MESSAGE:
             await self._cut_through_broadcast(header, buf, out)
         else:
             await super()._receive_record(header, buf, out)
@@ -497,9 +457,7 @@ class DataChannel(_Channel):
         If verification fails the relay stops, closing every rank connection
         mid-frame.
         """
-        self.expecting_broadcast = False
-        targets = sorted(self.awaiting_reply)
-        self.awaiting_reply.clear()
+        targets = self.fold.consensus_arrived()
         watch = ArrivalWatch(header.length)
         await receive_with_followers(
             watch,
@@ -530,17 +488,9 @@ class DataChannel(_Channel):
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         if kind is not MuxKind.BROADCAST:
             return await super()._on_record(kind, rank, payload, out)
-        if not self.expecting_broadcast:
-            raise DesyncError(
-                f"relay {self.config.host_name}: the controller sent a Broadcast this host did not ask for "
-                "(a replayed record, or the ping-pong broke)"
-            )
-        self.expecting_broadcast = False
         # Send the consensus to every rank waiting for it, concurrently.
-        targets = sorted(self.awaiting_reply)
-        self.awaiting_reply.clear()
         async with trio.open_nursery() as nursery:
-            for target in targets:
+            for target in self.fold.consensus_arrived():
                 nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
 
 

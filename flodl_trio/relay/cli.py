@@ -26,9 +26,10 @@ from ..launch import (
     controller_address,
     host_ranks_from_env,
 )
+from ..settings import NetBounds
 from ..wire.salt import SessionSalt
 from .config import ChannelKind, RelayConfig
-from .core import open_relay, validate_config
+from .core import open_relay
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -86,6 +87,7 @@ class RelayDaemonSettings:
     channels: dict[ChannelKind, int]
     listen_host: str
     salt: SessionSalt
+    bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
 def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
@@ -107,7 +109,7 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     settings = RelayDaemonSettings(
         controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file)
     )
-    validate_config(RelayConfig(ChannelKind.DATA, ("", 0), controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt))
+    RelayConfig(ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt).validate()
     return settings
 
 
@@ -120,7 +122,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                 open_relay(
                     kind, listen=(settings.listen_host, port), upstream=settings.controller,
                     host_name=settings.host_name, ranks=settings.ranks, world_size=settings.world_size,
-                    salt=settings.salt, ceiling=ceiling,
+                    salt=settings.salt, ceiling=ceiling, bounds=settings.bounds,
                 )
             )
         if metrics is not None:

@@ -6,6 +6,8 @@ import enum
 
 import attrs
 
+from ..errors import ConfigError
+from ..settings import NetBounds
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
@@ -47,16 +49,29 @@ class RelayStats:
 
 @attrs.frozen
 class RelayConfig:
+    """One relay channel's settings: which host it serves, where the controller is,
+    and the bounds on waiting for peers."""
+
     kind: ChannelKind
-    listen: tuple[str, int]
     upstream: tuple[str, int]
     host_name: str
     ranks: tuple[int, ...]
     world_size: int
     salt: SessionSalt
     ceiling: int = DEFAULT_FRAME_CEILING
-    connect_attempts: int = 60
-    connect_interval: float | None = None
+    bounds: NetBounds = attrs.field(factory=NetBounds)
+
+    def validate(self) -> None:
+        """Refuse a rank set no cluster could use (ConfigError, naming the host)."""
+        if self.world_size <= 0:
+            raise ConfigError(f"world_size must be > 0, got {self.world_size}")
+        if not self.ranks:
+            raise ConfigError(f"relay {self.host_name}: the host's rank set is empty")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ConfigError(f"relay {self.host_name}: duplicate ranks in {list(self.ranks)}")
+        outside = [r for r in self.ranks if not 0 <= r < self.world_size]
+        if outside:
+            raise ConfigError(f"relay {self.host_name}: ranks {outside} are outside world_size {self.world_size}")
 
 
 __all__ = ["ChannelKind", "RelayConfig", "RelayStats"]

@@ -1,19 +1,15 @@
-"""The per-host relay: K local ranks in, one upstream connection out, per channel.
+"""The per-host relay: formation, then one channel, as an async context manager.
 
-Task structure of one data channel (all in one nursery)::
+Formation accepts the host's ranks (each handshake in its own handler task,
+with a deadline, so a silent or slow client cannot block the others), and once
+every local rank is in, dials the controller and sends ``Hello``. The channel
+(:mod:`.channels`) then runs until it ends: upstream EOF, the last local rank
+leaving, or an error, which travels out of the nurseries to
+:func:`open_relay`'s boundary, where it is recorded for ``wait_finished``.
 
-    rank socket r0 --> rank_reader(r0) --\\
-    rank socket r1 --> rank_reader(r1) ---+--[outbound channel]--> outbound_writer --> controller
-    rank socket rk --> rank_reader(rk) --/                          (sole upstream writer)
-
-    controller --> upstream_reader --> fan-out to every rank socket (sole rank-socket writer)
-
-Rank readers verify each frame's MAC and fold it straight into one f32
-accumulator (the fold never divides). The deposit, exit or controller-declared
-death that completes the round ships one HostFrame. A host with a single rank
-forwards that rank's frame byte for byte. Shutdown - upstream EOF, a fatal
-error, or the last local rank leaving - cancels the nursery; writes in flight
-are shielded so no frame is left half-written.
+The relay serves whatever listeners it is given (``listeners=``; by default it
+binds TCP on ``listen``) and dials the controller with ``connect`` (by
+default ``trio.open_tcp_stream``), so a whole cluster can also run in memory.
 """
 
 from __future__ import annotations
@@ -22,21 +18,22 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import attrs
 import trio
 
-from ..errors import (
-    ConfigError,
-    HandshakeError,
-    ProtocolError,
-)
-from ..settings import handshake_timeout
+from ..errors import ConfigError, HandshakeError, ProtocolError
+from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import connect_with_retry, peer_host, tune_socket
-from ..transport.stream import MessageStream
-from ..transport.tasks import service_nursery
-from ..wire.constants import (
-    DEFAULT_FRAME_CEILING,
+from ..transport.connect import (
+    Connector,
+    connect_with_retry,
+    listener_port,
+    peer_host,
+    tune_socket,
 )
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..transport.tasks import RunOutcome, run_service, service_nursery
+from ..wire.constants import DEFAULT_FRAME_CEILING
 from ..wire.handshake import (
     CONTROL_HANDSHAKE_LEN,
     DATA_HANDSHAKE_LEN,
@@ -54,11 +51,12 @@ from ..wire.mux import (
     encode_mux_record,
 )
 from ..wire.salt import SessionSalt
+from .channels import ControlChannel, DataChannel
+from .config import ChannelKind, RelayConfig, RelayStats
 
 log = logging.getLogger("flodl_trio.relay")
 
-from .channels import ControlChannel, DataChannel
-from .config import ChannelKind, RelayConfig, RelayStats
+Listeners = Sequence[trio.abc.Listener[trio.abc.Stream]]
 
 
 class RelayHandle:
@@ -69,9 +67,7 @@ class RelayHandle:
         self.port = port
         self.stats = RelayStats()
         self.rejections: list[str] = []
-        self._finished = trio.Event()
-        self._error: BaseException | None = None
-        self._error_seen = False
+        self.outcome = RunOutcome()
 
     @property
     def host_name(self) -> str:
@@ -80,130 +76,107 @@ class RelayHandle:
     async def wait_finished(self) -> None:
         """Wait until the relay ends on its own (last rank gone, controller closed);
         raise the error that stopped it, if one did."""
-        await self._finished.wait()
-        if self._error is not None:
-            self._error_seen = True
-            raise self._error
-
-
-def validate_config(config: RelayConfig) -> None:
-    if config.world_size <= 0:
-        raise ConfigError(f"world_size must be > 0, got {config.world_size}")
-    if not config.ranks:
-        raise ConfigError(f"relay {config.host_name}: the host's rank set is empty")
-    if len(set(config.ranks)) != len(config.ranks):
-        raise ConfigError(f"relay {config.host_name}: duplicate ranks in {list(config.ranks)}")
-    outside = [r for r in config.ranks if not 0 <= r < config.world_size]
-    if outside:
-        raise ConfigError(f"relay {config.host_name}: ranks {outside} are outside world_size {config.world_size}")
+        await self.outcome.wait()
 
 
 @asynccontextmanager
 async def open_relay(
     kind: ChannelKind,
     *,
-    listen: tuple[str, int],
+    listen: tuple[str, int] | None = None,
     upstream: tuple[str, int],
     host_name: str,
     ranks: Sequence[int],
     world_size: int,
     salt: SessionSalt | bytes,
     ceiling: int = DEFAULT_FRAME_CEILING,
-    connect_attempts: int = 60,
+    connect_attempts: int | None = None,
     connect_interval: float | None = None,
+    bounds: NetBounds | None = None,
+    listeners: Listeners | None = None,
+    connect: Connector = trio.open_tcp_stream,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
-    ``handle.port`` is bound on entry (port 0 picks a free one). Leaving the
-    block shuts the relay down; an error it hit that nobody awaited through
+    Ranks connect to ``listen`` (``(host, port)``; port 0 picks a free one),
+    or to the given ``listeners``; ``handle.port`` is bound on entry.
+    ``bounds`` defaults to :meth:`NetBounds.from_env`; ``connect_attempts``
+    and ``connect_interval`` override its dialing budget. Leaving the block
+    shuts the relay down; an error it hit that nobody awaited through
     ``wait_finished()`` is raised on exit.
     """
+    net = bounds if bounds is not None else NetBounds.from_env()
+    if connect_attempts is not None:
+        net = attrs.evolve(net, connect_attempts=connect_attempts)
+    if connect_interval is not None:
+        net = attrs.evolve(net, connect_interval=connect_interval)
     config = RelayConfig(
-        kind, listen, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt),
-        ceiling, connect_attempts, connect_interval,
+        kind, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt), ceiling, net
     )
-    validate_config(config)
+    config.validate()
+    if listeners is None:
+        if listen is None:
+            raise ConfigError(f"relay {host_name}: give listen=(host, port) or listeners=")
+        listeners = await trio.open_tcp_listeners(listen[1], host=listen[0])
+    handle = RelayHandle(config, listener_port(listeners[0]))
+    relay = _Relay(config, handle, listeners, connect)
     async with service_nursery() as nursery:
-        handle: RelayHandle = await nursery.start(_serve_relay, config)
+        nursery.start_soon(run_service, relay.run, handle.outcome, log, f"relay {host_name}")
         yield handle
-    if handle._error is not None and not handle._error_seen:
-        raise handle._error
-
-
-async def _serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[RelayHandle]) -> None:
-    listeners = await trio.open_tcp_listeners(config.listen[1], host=config.listen[0])
-    handle = RelayHandle(config, listeners[0].socket.getsockname()[1])
-    task_status.started(handle)
-    relay = _Relay(config, handle, listeners)
-    try:
-        await relay.run()
-    except Exception as exc:
-        handle._error = exc
-        log.error("relay %s: %s", config.host_name, exc)
-    finally:
-        for listener in listeners:
-            await listener.aclose()
-        relay.log_summary()
-        handle._finished.set()
+    if (error := handle.outcome.unreported_error()) is not None:
+        raise error
 
 
 class _Relay:
     """Formation (accept the host's ranks, dial the controller) then the channel."""
 
-    def __init__(self, config: RelayConfig, handle: RelayHandle, listeners: list[trio.SocketListener]) -> None:
+    def __init__(self, config: RelayConfig, handle: RelayHandle, listeners: Listeners, connect: Connector) -> None:
         self.config = config
         self.handle = handle
         self.listeners = listeners
+        self.connect = connect
         self.joined: dict[int, MessageStream] = {}
         self.signatures: dict[int, bytes] = {}
         self.all_joined = trio.Event()
 
     async def run(self) -> None:
-        error: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            for listener in self.listeners:
-                nursery.start_soon(self._accept_loop, listener, nursery)
-            try:
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, self._serve_rank_connection, self.listeners)
                 await self.all_joined.wait()
                 upstream = await self._dial_controller()
                 channel_type = DataChannel if self.config.kind is ChannelKind.DATA else ControlChannel
                 await channel_type(self.config, self.joined, upstream, self.handle.stats).run()
-            except Exception as exc:  # raised below, outside the nursery, unwrapped
-                error = exc
-            finally:
                 nursery.cancel_scope.cancel()
-                await self._close_all()
-        if error is not None:
-            raise error
+        finally:
+            for conn in self.joined.values():
+                await conn.aclose()
+            self._log_summary()
 
-    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # EMFILE and friends: back off, keep serving
-                log.warning("relay %s: accept failed: %s", self.config.host_name, exc)
-                await trio.sleep(0.1)
-                continue
-            tune_socket(stream)
-            nursery.start_soon(self._admit, stream)
+    async def _serve_rank_connection(self, stream: trio.abc.Stream) -> None:
+        """One rank connection's handler: the handshake, then hold the connection
+        until the channel is done with it (when this returns, the stream closes)."""
+        tune_socket(stream)
+        conn = MessageStream(stream, f"rank connection from {peer_host(stream)}", self.config.bounds)
+        if await self._admit(conn):
+            await conn.wait_closed()
 
-    async def _admit(self, stream: trio.SocketStream) -> None:
-        """Terminate one rank's handshake, refusing (and logging) anything wrong."""
-        conn = MessageStream(stream, f"rank connection from {peer_host(stream)}")
+    async def _admit(self, conn: MessageStream) -> bool:
+        """Terminate one rank's handshake; refuse (and log) anything wrong."""
         try:
-            with trio.fail_after(handshake_timeout()):
+            with trio.fail_after(self.config.bounds.handshake):
                 rank = await self._handshake(conn)
                 ack = encode_data_ack() if self.config.kind is ChannelKind.DATA else encode_control_ack(self.config.salt)
                 await conn.send_chunks([ack])
-        except (ProtocolError, OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+        except (ProtocolError, *CONNECTION_LOST, trio.TooSlowError) as exc:
             reason = "no complete handshake within the deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
             self._refuse(f"relay {self.config.host_name}: refused {conn.peer}: {reason}")
-            await conn.aclose()
-            return
+            return False
         conn.peer = f"rank {rank}"
         self.joined[rank] = conn
         if len(self.joined) == len(self.config.ranks):
             self.all_joined.set()
+        return True
 
     async def _handshake(self, conn: MessageStream) -> int:
         if self.config.kind is ChannelKind.DATA:
@@ -229,17 +202,15 @@ class _Relay:
 
     async def _dial_controller(self) -> MessageStream:
         host, port = self.config.upstream
-        stream = await connect_with_retry(
-            host, port, f"relay {self.config.host_name} upstream",
-            attempts=self.config.connect_attempts, interval=self.config.connect_interval,
-        )
-        upstream = MessageStream(stream, f"controller {host}:{port}")
+        bounds = self.config.bounds
+        stream = await connect_with_retry(host, port, f"relay {self.config.host_name} upstream", bounds, self.connect)
+        upstream = MessageStream(stream, f"controller {host}:{port}", bounds)
         salt = self.config.salt
         sigs = [self.signatures[r] for r in self.config.ranks] if self.config.kind is ChannelKind.CONTROL else []
         hello = Hello(self.config.host_name, self.config.ranks, sigs)
         magic = self.config.kind.magic.to_bytes(4, "little")
         await upstream.send_chunks([magic, *encode_mux_record(MuxKind.CONTROL, encode_control_msg(hello), salt).chunks])
-        with trio.fail_after(handshake_timeout()):
+        with trio.fail_after(bounds.handshake):
             header = await upstream.receive_mux_header(SMALL_MESSAGE)
             if header is None:
                 raise HandshakeError(f"relay {self.config.host_name}: controller {host}:{port} closed before HelloAck")
@@ -250,17 +221,14 @@ class _Relay:
         log.info("relay %s: joined controller %s:%d with ranks %s", self.config.host_name, host, port, list(self.config.ranks))
         return upstream
 
-    async def _close_all(self) -> None:
-        for conn in self.joined.values():
-            await conn.aclose()
-
-    def log_summary(self) -> None:
+    def _log_summary(self) -> None:
         s = self.handle.stats
+        folding = f" fold-ratio={s.fold_ratio:.2f}x" if self.config.kind is ChannelKind.DATA else ""
         log.info(
-            "relay %s %s summary: ranks=%d rounds=%d local=%.2fMB uplink=%.2fMB fold-ratio=%.2fx",
+            "relay %s %s summary: ranks=%d rounds=%d local=%.2fMB uplink=%.2fMB%s",
             self.config.host_name, self.config.kind.value, len(self.config.ranks), s.rounds,
-            s.bytes_local / 1e6, s.bytes_up / 1e6, s.fold_ratio,
+            s.bytes_local / 1e6, s.bytes_up / 1e6, folding,
         )
 
 
-__all__ = ["ChannelKind", "RelayConfig", "RelayHandle", "RelayStats", "open_relay", "validate_config"]
+__all__ = ["RelayHandle", "open_relay"]

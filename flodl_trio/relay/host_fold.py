@@ -1,18 +1,20 @@
-"""The host's fold barrier, free of I/O: which local ranks must deposit this
-round, who did, and the f32 sum of their frames.
+"""The host's round, free of I/O: which local ranks must deposit, who did, the f32
+sum of their frames, and who is owed the consensus.
 
-The relay's tasks call into it (a frame verified, a rank gone) and act on what
-it returns (a HostFrame to ship); it never awaits anything itself.
+The data channel's tasks call into it (a frame verified, a rank gone, a
+HostFrame written, a Broadcast arrived) and act on what it returns (a frame to
+ship, the ranks to answer); it never awaits anything, so it can be tested and
+read without trio.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import trio
 
+from ..errors import DesyncError
 from ..fold.accumulator import FoldAccumulator, ImageCache
 from ..wire.round_frame import RoundFrame
 
@@ -26,38 +28,47 @@ class FoldedHostFrame:
     images: list[Any]
 
 
+def _nothing() -> None:
+    pass
+
 
 class HostFold:
-    """The host's fold barrier: every live local rank deposits, then one frame ships."""
+    """The host's fold barrier: every live local rank deposits, then one frame ships.
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    A rank that deposited is owed the round's consensus; a second frame from
+    it before that consensus arrived breaks the ping-pong (``DesyncError``).
+    ``on_change`` is called whenever the set of frames the round waits for
+    moves (a task speculating on the last frame waits for that).
+    """
+
+    def __init__(self, host: str, ranks: Sequence[int], *, on_change: Callable[[], None] = _nothing) -> None:
+        self.host = host
         self.ranks = frozenset(ranks)
         self.dead: set[int] = set()
         self.deposited: set[int] = set()
+        self.awaiting_reply: set[int] = set()
+        self.host_frame_up = False
         self.images = ImageCache()
         self.acc = FoldAccumulator(self.images)
-        self.changed = trio.Event()  # set (and replaced) whenever the barrier moves
+        self._on_change = on_change
 
     @property
     def live(self) -> frozenset[int]:
         return self.ranks - self.dead
 
-    def _note_change(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
+    # -- frames in -----------------------------------------------------------
 
     def deposit(self, rank: int, frame: RoundFrame) -> FoldedHostFrame | None:
         """Fold one verified frame; the folded round when this deposit completes it."""
+        self._owe_reply(rank)
         self.acc.add(frame, f"rank {rank}")
         self.deposited.add(rank)
-        self._note_change()
+        self._on_change()
         return self._take_if_complete()
 
-    def mark_dead(self, rank: int) -> FoldedHostFrame | None:
-        """Drop ``rank`` from the barrier (a frame it already folded stays: realized work)."""
-        self.dead.add(rank)
-        self._note_change()
-        return self._take_if_complete()
+    def forward(self, rank: int) -> None:
+        """A single-rank host's verified frame, which goes up as it is (no fold)."""
+        self._owe_reply(rank)
 
     def only_missing(self, rank: int) -> bool:
         """Whether ``rank``'s frame is the last one this round waits for (after another)."""
@@ -66,12 +77,50 @@ class HostFold:
     def complete_ahead(self, rank: int, acc: FoldAccumulator) -> bool:
         """Close the round with a frame computed ahead from ``acc`` plus ``rank``'s
         verified frame, if that is still exactly what the round needs."""
+        if rank in self.awaiting_reply:
+            self._owe_reply(rank)  # raises: a second frame in one round
         if acc is not self.acc or not self.only_missing(rank):
             return False
+        self.awaiting_reply.add(rank)
         self._next_round()
         # The frame computed ahead has its own buffer: nothing reads these sums now.
         self.images.give(acc.sums())
         return True
+
+    def mark_dead(self, rank: int) -> FoldedHostFrame | None:
+        """Drop ``rank`` from the barrier (a frame it already folded stays: realized work)."""
+        self.dead.add(rank)
+        self.awaiting_reply.discard(rank)
+        self._on_change()
+        return self._take_if_complete()
+
+    # -- the consensus back --------------------------------------------------
+
+    def host_frame_sent(self) -> None:
+        """A HostFrame is going up: its Broadcast may come back (not before)."""
+        self.host_frame_up = True
+
+    def consensus_arrived(self) -> list[int]:
+        """A Broadcast came down: the ranks owed it, in rank order (they may deposit again)."""
+        if not self.host_frame_up:
+            raise DesyncError(
+                f"relay {self.host}: the controller sent a Broadcast this host did not ask for "
+                "(a replayed record, or the ping-pong broke)"
+            )
+        self.host_frame_up = False
+        targets = sorted(self.awaiting_reply)
+        self.awaiting_reply.clear()
+        return targets
+
+    # -- internals -----------------------------------------------------------
+
+    def _owe_reply(self, rank: int) -> None:
+        if rank in self.awaiting_reply:
+            raise DesyncError(
+                f"relay {self.host}: rank {rank} deposited twice in one round "
+                "(sent a frame before receiving the last consensus; stream desynced)"
+            )
+        self.awaiting_reply.add(rank)
 
     def _take_if_complete(self) -> FoldedHostFrame | None:
         if not self.deposited or not self.live <= self.deposited:
@@ -84,7 +133,7 @@ class HostFold:
     def _next_round(self) -> None:
         self.acc = FoldAccumulator(self.images)
         self.deposited.clear()
-        self._note_change()
+        self._on_change()
 
 
 __all__ = ["FoldedHostFrame", "HostFold"]

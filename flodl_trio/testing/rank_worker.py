@@ -180,9 +180,9 @@ async def run(args: argparse.Namespace) -> None:
             nursery.cancel_scope.cancel()
         emit("done", rank=args.rank)
     except BaseExceptionGroup as group:
-        from flodl_trio.transport.tasks import sole_exception
+        from flodl_trio.transport.tasks import unwrap_group
 
-        _report(args.rank, sole_exception(group), FlodlError)
+        _report(args.rank, unwrap_group(group), FlodlError)
     except Exception as exc:
         _report(args.rank, exc, FlodlError)
 

@@ -11,7 +11,7 @@ from .buffers import BufferPool, ReceiveBuffer
 from .connect import connect_with_retry, peer_host, tune_socket, warn_if_public_peer
 from .hashing import RunningMac, encode_enveloped_frame, hash_as_it_lands
 from .stream import MessageStream
-from .tasks import ChangeSignal, service_nursery, sole_exception
+from .tasks import ChangeSignal, service_nursery, unwrap_group
 
 __all__ = [
     "ArrivalWatch",
@@ -26,7 +26,7 @@ __all__ = [
     "peer_host",
     "receive_with_followers",
     "service_nursery",
-    "sole_exception",
+    "unwrap_group",
     "tune_socket",
     "warn_if_public_peer",
 ]

@@ -5,11 +5,11 @@ helpers beside the receive that must never act on bytes that fail to verify.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
-from .tasks import ChangeSignal, sole_exception
+from .tasks import ChangeSignal, one_error
 
 T = TypeVar("T")
 
@@ -71,25 +71,28 @@ class ArrivalWatch:
 
 
 async def receive_with_followers(
-    watch: ArrivalWatch, receive: Callable[[], Awaitable[T]], *followers: Callable[[], Awaitable[None]]
-) -> T:
-    """Run ``receive`` (which advances ``watch``) with ``followers`` working beside it.
+    watch: ArrivalWatch, receive: Callable[[], Awaitable[T]], *followers: Callable[[], Awaitable[Any]]
+) -> tuple[T, list[Any]]:
+    """Run ``receive`` (which advances ``watch``) with ``followers`` working beside it;
+    return the receive's result and each follower's, in order.
 
     The watch is marked verified when ``receive`` returns (it verifies before
     returning) and aborted if it raises, so a follower never acts on bytes that
     failed; the receive's own error comes out unwrapped.
     """
-    result: list[T] = []
-    try:
+    results: list[Any] = [None] * len(followers)
+
+    async def run_follower(index: int) -> None:
+        results[index] = await followers[index]()
+
+    with one_error():
         async with trio.open_nursery() as nursery:
-            for follower in followers:
-                nursery.start_soon(follower)
+            for index in range(len(followers)):
+                nursery.start_soon(run_follower, index)
             try:
-                result.append(await receive())
+                received = await receive()
             except BaseException:
                 watch.abort()
                 raise
             watch.verified()
-    except BaseExceptionGroup as group:
-        raise sole_exception(group) from None
-    return result[0]
+    return received, results

@@ -7,13 +7,18 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from ..errors import ConnectFailed
-from ..settings import CONNECT_RETRY_ATTEMPTS, connect_retry_interval
+from ..settings import NetBounds
 
 log = logging.getLogger("flodl_trio.net")
+
+# How a role dials a peer: ``trio.open_tcp_stream`` in production; tests may hand
+# in one that connects in memory. It raises OSError when nobody listens there.
+Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 _warned_peers: set[str] = set()
 
@@ -61,6 +66,14 @@ def tune_socket(stream: trio.abc.Stream) -> None:
         stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, True)
 
 
+def listener_port(listener: trio.abc.Listener[trio.abc.Stream]) -> int:
+    """The port a listener is bound to (a socket listener's, or a test listener's ``port``)."""
+    sock = getattr(listener, "socket", None)
+    if sock is not None:
+        return int(sock.getsockname()[1])
+    return int(getattr(listener, "port", 0))
+
+
 def peer_host(stream: trio.abc.Stream) -> str:
     if isinstance(stream, trio.SocketStream):
         try:
@@ -71,19 +84,16 @@ def peer_host(stream: trio.abc.Stream) -> str:
 
 
 async def connect_with_retry(
-    host: str,
-    port: int,
-    what: str,
-    *,
-    attempts: int = CONNECT_RETRY_ATTEMPTS,
-    interval: float | None = None,
-) -> trio.SocketStream:
-    """Dial ``host:port``, retrying while the peer is not up yet; ConnectFailed after the budget."""
-    delay = connect_retry_interval() if interval is None else interval
+    host: str, port: int, what: str, bounds: NetBounds, connect: Connector = trio.open_tcp_stream
+) -> trio.abc.Stream:
+    """Dial ``host:port`` with ``connect``, retrying while the peer is not up yet
+    (``bounds.connect_attempts`` tries, ``bounds.connect_interval`` apart);
+    ConnectFailed after the budget."""
+    attempts, delay = bounds.connect_attempts, bounds.connect_interval
     last: OSError | None = None
-    for attempt in range(max(attempts, 1)):
+    for attempt in range(attempts):
         try:
-            stream = await trio.open_tcp_stream(host, port)
+            stream = await connect(host, port)
         except OSError as exc:
             last = exc
             if attempt + 1 < attempts:

@@ -22,7 +22,7 @@ from ..wire.round_frame import (
 from ..wire.salt import SessionSalt
 from .arrival import ArrivalWatch
 from .buffers import ReceiveBuffer
-from .tasks import sole_exception
+from .tasks import one_error
 
 
 class RunningMac:
@@ -103,7 +103,7 @@ async def mac_feeder(mac: RunningMac | None, length: int) -> AsyncIterator[OnByt
         async for items in receive:
             await trio.to_thread.run_sync(hash_batch, items)
 
-    try:
+    with one_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(worker)
             try:
@@ -112,8 +112,6 @@ async def mac_feeder(mac: RunningMac | None, length: int) -> AsyncIterator[OnByt
                     await send.send(batch)
             finally:
                 send.close()
-    except BaseExceptionGroup as group:
-        raise sole_exception(group) from None
 
 
 # Below this, two worker threads cost more than the hashing they would split.

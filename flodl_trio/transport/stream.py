@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import trio
 
 from ..errors import FramingError, PeerClosedMidFrame, PeerTimeout
-from ..settings import MID_FRAME_STARVATION_S, write_stall_timeout
+from ..settings import NetBounds
 from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN, MUX_HEADER_LEN
 from ..wire.mux import MuxHeader, MuxKind, parse_mux_header, verify_mux_payload
 from ..wire.round_frame import EncodedFrame
@@ -45,9 +45,11 @@ CONNECTION_LOST = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, 
 class MessageStream:
     """A trio stream plus the protocol's framing, bounds and fast paths."""
 
-    def __init__(self, stream: trio.abc.Stream, peer: str = "peer") -> None:
+    def __init__(self, stream: trio.abc.Stream, peer: str = "peer", bounds: NetBounds | None = None) -> None:
         self.stream = stream
         self.peer = peer
+        self.bounds = bounds if bounds is not None else NetBounds()
+        self._closed = trio.Event()
         sock = getattr(stream, "socket", None)
         self._sock: trio.socket.SocketType | None = sock if isinstance(stream, trio.SocketStream) else None
         self._small = bytearray(8)
@@ -78,11 +80,12 @@ class MessageStream:
         while pos < len(view):
             self._wake_for(total - filled - pos)
             n = -1
-            with trio.move_on_after(MID_FRAME_STARVATION_S):
+            starvation = self.bounds.mid_frame_starvation
+            with trio.move_on_after(starvation):
                 n = await self._recv_into(view[pos:])
             if n < 0:
                 raise PeerTimeout(
-                    f"{self.peer}: no progress for {MID_FRAME_STARVATION_S:.0f} s inside {what} "
+                    f"{self.peer}: no progress for {starvation:.0f} s inside {what} "
                     f"after {filled + pos} of {total} bytes"
                 )
             if n == 0:
@@ -198,7 +201,7 @@ class MessageStream:
 
     async def send_chunks(self, chunks: Sequence[Buffer]) -> None:
         """Write one message; shielded so it is never half-written, each piece stall-bounded."""
-        stall = write_stall_timeout()
+        stall = self.bounds.write_stall
         with trio.CancelScope(shield=True):
             for piece in _pieces(chunks):
                 await self._send_piece(piece, stall)
@@ -209,7 +212,7 @@ class MessageStream:
         Not shielded: the caller owns the message's integrity (a forwarder that
         is cancelled half-way closes the connection).
         """
-        await self._send_piece(piece, write_stall_timeout())
+        await self._send_piece(piece, self.bounds.write_stall)
 
     async def _send_piece(self, piece: Buffer, stall: float) -> None:
         with trio.move_on_after(stall) as scope:
@@ -235,7 +238,7 @@ class MessageStream:
             await self.send_len_framed([*body.chunks, salt.mac8_of(body.chunks)], total)
             return
         mac = RunningMac(salt.hmac(), body.nbytes)
-        stall = write_stall_timeout()
+        stall = self.bounds.write_stall
         with trio.CancelScope(shield=True):
             await self._send_piece(_U32.pack(total), stall)
             async with mac_feeder(mac, body.nbytes) as feed:
@@ -250,6 +253,12 @@ class MessageStream:
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
             await self.stream.aclose()
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        """Until someone closed this stream (a server's handler waits here while
+        another task serves the connection)."""
+        await self._closed.wait()
 
     async def finish_gracefully(self) -> None:
         """Half-close and drain until the peer closes too.

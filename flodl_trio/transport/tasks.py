@@ -4,31 +4,65 @@ unwrapping a group at an API boundary, and a signal for "something changed"."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
+from ..errors import FlodlError
 
-def sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The single real leaf of a (nested) exception group, or the group itself.
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def unwrap_group(
+    group: BaseExceptionGroup[BaseException], prefer: tuple[type[BaseException], ...] = ()
+) -> BaseException:
+    """The one error a caller should see for what a nursery raised, or the group itself.
 
     ``trio.Cancelled`` leaves are not counted: a task cancelled because its
-    sibling failed is a consequence, not a second error (cancellation is
-    level-triggered, so it still takes effect at the next checkpoint).
+    sibling failed is a consequence, not a second error. Several FlodlErrors
+    at once (two tasks failing in the same instant) come out as one, with the
+    others as notes: the first of the ``prefer`` types if there is one (a
+    cause beside its consequences), else the first. Anything else that is not
+    a single leaf (a bug beside an error) stays a group, so nothing is hidden.
     """
-    leaves: list[BaseException] = []
+    real = [leaf for leaf in _leaves(group) if not isinstance(leaf, trio.Cancelled)]
+    if len(real) == 1:
+        return real[0]
+    if real and all(isinstance(leaf, FlodlError) for leaf in real):
+        real.sort(key=lambda leaf: not isinstance(leaf, prefer))  # stable: preferred first
+        first = real[0]
+        for other in real[1:]:
+            first.add_note(f"at the same time: {type(other).__name__}: {other}")
+        return first
+    return group
 
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
 
-    walk(group)
-    real = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)]
-    return real[0] if len(real) == 1 else group
+@contextmanager
+def one_error(prefer: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Re-raise an exception group from the block as :func:`unwrap_group`'s one error.
+
+    Used once, at an API boundary. The error keeps its own traceback, cause
+    and context (the group it travelled in is not shown as its context).
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = unwrap_group(group, prefer)
+        if error is group:
+            raise
+        context = error.__context__
+        try:
+            raise error
+        finally:
+            error.__context__ = context
 
 
 @asynccontextmanager
@@ -38,14 +72,12 @@ async def service_nursery() -> AsyncIterator[trio.Nursery]:
     The caller's body exception comes out as itself, not wrapped in a group;
     leaving the block cancels the services.
     """
-    try:
+    with one_error():
         async with trio.open_nursery() as nursery:
             try:
                 yield nursery
             finally:
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        raise sole_exception(group) from None
 
 
 class ChangeSignal:
@@ -64,3 +96,56 @@ class ChangeSignal:
 
     async def wait(self) -> None:
         await self._event.wait()
+
+
+class RunOutcome:
+    """How a service started by an ``open_*`` context manager ended.
+
+    Recorded once, at the API boundary, by the task that ran the service (its
+    tasks' errors travel there through their nurseries); read by the handle's
+    ``wait_finished``. An error nobody awaited is raised when the block exits.
+    """
+
+    def __init__(self) -> None:
+        self._ended = trio.Event()
+        self._error: FlodlError | None = None
+        self._reported = False
+
+    @property
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    def end(self, error: FlodlError | None = None) -> None:
+        """The service finished, or ``error`` stopped it. The first error is kept even
+        after a clean end (a failure that takes every rank down looks like a
+        finish first); an awaiter that already returned sees it on block exit."""
+        if error is not None and self._error is None:
+            self._error = error
+        self._ended.set()
+
+    async def wait(self) -> None:
+        """Until the service ended; raise the error that stopped it, if one did."""
+        await self._ended.wait()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+
+    def unreported_error(self) -> FlodlError | None:
+        return None if self._reported else self._error
+
+
+async def run_service(run: Callable[[], Awaitable[None]], outcome: RunOutcome, log: logging.Logger, name: str) -> None:
+    """Run a role's service and record how it ended in ``outcome``.
+
+    The one place its errors are caught: a FlodlError (a peer or the network
+    broke something the role cannot carry on without) is logged and recorded;
+    anything else is a bug and propagates, crashing the caller's block.
+    """
+    try:
+        with one_error():
+            await run()
+    except FlodlError as exc:
+        log.error("%s stopped: %s", name, exc)
+        outcome.end(exc)
+    else:
+        outcome.end()

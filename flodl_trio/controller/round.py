@@ -1,0 +1,309 @@
+"""The controller's round and membership, free of I/O.
+
+Who must deliver (every live rank's relay), who delivered, the f32 sum of
+their frames and its accepted mass, and what to send whom: the controller's
+tasks tell a :class:`ControllerRound` what happened (a relay joined or left,
+a HostFrame verified, a rank died, a Broadcast went out) and act on what it
+returns (a :class:`Consensus` to sign and queue, the relays to queue it to).
+It never awaits, so it reads and tests without trio.
+
+Deaths come from the shared :class:`DeadRanks` ledger, read directly: a death
+declared anywhere counts the moment it is declared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Protocol
+
+import attrs
+
+from ..errors import DesyncError, HandshakeError
+from ..fold.accumulator import (
+    FoldAccumulator,
+    ImageCache,
+    finish_consensus,
+    shares_sums,
+)
+from ..fold.speculative import SpeculativeFrame
+from ..transport.buffers import ReceiveBuffer
+from ..wire.mux import Hello, MuxKind
+from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind
+from .dead_ranks import DeadRanks
+from .stats import ControllerStats
+
+
+class OuterOptimizer(Protocol):
+    """Transforms the params consensus of each window (DiLoCo, SlowMo, ...)."""
+
+    def __call__(self, consensus: RoundFrame) -> RoundFrame: ...
+
+
+class CheckpointSink(Protocol):
+    """Receives every round's consensus (Model and Control); must return quickly (write elsewhere).
+
+    Windows are told apart by ``consensus.kind``: a Control round opens a
+    window, the first Model round after it is the params round (already
+    transformed by the outer optimizer: what the ranks receive), the second
+    the buffers round. See ``flodl_trio.controller.checkpointer.ConsensusCheckpointer``.
+    """
+
+    def __call__(self, round_index: int, consensus: RoundFrame) -> None: ...
+
+
+@attrs.frozen
+class Consensus:
+    """A finished round's answer: a frame to sign, or a record signed already (computed
+    while the last frame arrived). ``after_write`` gives its memory back for reuse
+    once every relay has been sent it (None: never, a hook may keep it)."""
+
+    outgoing: RoundFrame | EncodedFrame
+    after_write: Callable[[], None] | None = None
+
+
+@attrs.define(eq=False)
+class Seat:
+    """One accepted data relay, as the round sees it."""
+
+    name: str
+    ranks: tuple[int, ...]
+    # A HostFrame was accepted and its round's Broadcast has not gone out yet:
+    # another HostFrame now would be a replay or a desync.
+    awaiting_broadcast: bool = False
+    connected: bool = True
+
+
+def _nothing() -> None:
+    pass
+
+
+class ControllerRound:
+    """The round in progress plus the membership it is computed over.
+
+    A round completes when every rank of the world is dead or carried by a
+    relay that delivered; the sum is divided once by the accepted mass.
+    ``on_change`` is called whenever the set of frames the round waits for
+    moves (a task speculating on the last frame waits for that).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        dead: DeadRanks,
+        stats: ControllerStats,
+        *,
+        outer_optimizer: OuterOptimizer | None = None,
+        checkpoint: CheckpointSink | None = None,
+        on_change: Callable[[], None] = _nothing,
+    ) -> None:
+        self.world_size = world_size
+        self.dead = dead
+        self.stats = stats
+        self.outer_optimizer = outer_optimizer
+        self.checkpoint = checkpoint
+        self._on_change = on_change
+        self.seats: dict[int, Seat] = {}
+        self.owner: dict[int, int] = {}  # rank -> seat id
+        self.images = ImageCache()
+        self.acc = FoldAccumulator(self.images)
+        self.delivered: set[int] = set()
+        self.started: float | None = None  # when the round's first contribution arrived
+        self.previous_kind: RoundKind | None = None
+        # Buffers of consensus frames computed ahead and since sent to every relay.
+        self._spare_buffers: list[ReceiveBuffer] = []
+
+    # -- membership ----------------------------------------------------------
+
+    def check_hello(self, hello: Hello) -> None:
+        """Ranks must be non-empty, sorted, unique, inside the world, and not carried already."""
+        check_hello_ranks(hello, self.world_size, {rank: self.seats[seat].name for rank, seat in self.owner.items()})
+
+    def seat(self, seat_id: int, hello: Hello, name: str) -> None:
+        """An accepted relay (its Hello passed :meth:`check_hello`) now carries its ranks."""
+        self.seats[seat_id] = Seat(name, tuple(hello.ranks))
+        for rank in hello.ranks:
+            self.owner[rank] = seat_id
+
+    def unseat(self, seat_id: int) -> None:
+        """A relay's connection is gone (its ranks are declared dead by the caller)."""
+        self.seats[seat_id].connected = False
+
+    def seat_of(self, rank: int) -> int | None:
+        """The connected relay carrying ``rank``, if any."""
+        seat_id = self.owner.get(rank)
+        return seat_id if seat_id is not None and self.seats[seat_id].connected else None
+
+    def has_live_rank(self, seat_id: int) -> bool:
+        return any(not self.dead.is_dead(rank) for rank in self.seats[seat_id].ranks)
+
+    def broadcast_targets(self) -> list[int]:
+        """The relays a consensus goes to: connected, with a live rank."""
+        return [sid for sid, seat in self.seats.items() if seat.connected and self.has_live_rank(sid)]
+
+    # -- frames in -----------------------------------------------------------
+
+    def completes(self, seat_id: int | None) -> bool:
+        """Whether every live rank's frame is in once ``seat_id``'s is (None: as things stand)."""
+        for rank in range(self.world_size):
+            if self.dead.is_dead(rank):
+                continue
+            owner = self.owner.get(rank)
+            if owner is None or (owner != seat_id and owner not in self.delivered):
+                return False
+        return True
+
+    def accepts_host_frame(self, seat_id: int) -> bool:
+        """Whether a HostFrame from this relay counts: False for a late frame whose
+        ranks are all dead (dropped); DesyncError for a second frame in one round."""
+        if not self.has_live_rank(seat_id):
+            return False
+        if self.seats[seat_id].awaiting_broadcast:
+            raise DesyncError(
+                "sent a HostFrame before the consensus of its previous one went out "
+                "(a replayed record, or the ping-pong broke)"
+            )
+        return True
+
+    def deposit(self, seat_id: int, frame: RoundFrame, now: float) -> Consensus | None:
+        """Fold a verified HostFrame (accepted by :meth:`accepts_host_frame`); the
+        consensus when it completes the round."""
+        if self.acc.count == 0:
+            self.started = now
+        self.acc.add(frame, self.seats[seat_id].name)
+        self._delivered_by(seat_id)
+        self._on_change()
+        return self.consensus_if_complete(now)
+
+    def rank_died(self, now: float) -> Consensus | None:
+        """A death was declared: the round may now be complete without it."""
+        self._on_change()
+        return self.consensus_if_complete(now)
+
+    def consensus_if_complete(self, now: float) -> Consensus | None:
+        if self.acc.count == 0 or not self.completes(None):
+            return None
+        acc = self.acc
+        # Without hooks the consensus's memory is reused once written, so a bf16
+        # one may as well be rounded over the sums as into new arrays.
+        consensus = finish_consensus(acc, overwrite_sums=not self.hooked)
+        # Only through the consensus could anyone still read the sums: free now if
+        # it does not alias them (re-encoded to bf16), else once every relay has
+        # been sent it - and never if a hook saw it (a hook may keep the frame).
+        sums = acc.sums()
+        if shares_sums(acc, consensus):
+            return self._finish(consensus, None, partial(self.images.give, sums), now)
+        self.images.give(sums)
+        return self._finish(consensus, None, None, now)
+
+    # -- speculation: the consensus computed while the last frame arrives ------
+
+    def may_speculate(self, seat_id: int, kind: int) -> bool:
+        """Whether a record (by its still unverified header) may be a HostFrame whose
+        consensus goes out unchanged, should it become the round's last."""
+        if kind != MuxKind.HOST_FRAME or self.seats[seat_id].awaiting_broadcast or seat_id in self.delivered:
+            return False
+        # A params round's consensus is transformed by the outer step before it is signed.
+        return self.outer_optimizer is None or self.previous_kind != RoundKind.CONTROL
+
+    def is_last(self, seat_id: int) -> bool:
+        """Whether ``seat_id``'s frame is now the only one the round waits for."""
+        return self.completes(seat_id) and self.has_live_rank(seat_id)
+
+    def begin_speculation(self, in_length: int) -> SpeculativeFrame | None:
+        """A speculative consensus over the round as it stands (None: not possible)."""
+        out = self._spare_buffers.pop() if self._spare_buffers else None
+        frame = SpeculativeFrame(self.acc, divide=True, in_length=in_length, out=out)
+        if frame.supported:
+            return frame
+        self._spare_buffers.append(frame.buffer)
+        return None
+
+    def commit_speculation(self, seat_id: int, frame: SpeculativeFrame, record: EncodedFrame, now: float) -> Consensus | None:
+        """Close the round with a consensus computed ahead from the round's fold plus
+        ``seat_id``'s verified frame, if that is still exactly what the round needs
+        (None: it is not; the caller deposits the frame the ordinary way)."""
+        if frame.acc is not self.acc or not self.completes(seat_id):
+            return None
+        if self.acc.count == 0:
+            self.started = now
+        self._delivered_by(seat_id)
+        self.stats.rounds_finished_ahead += 1
+        # The consensus lives in the speculation's own buffer: the sums it read are free.
+        self.images.give(frame.acc.sums())
+        return self._finish(frame.frame(), record, partial(self._spare_buffers.append, frame.buffer), now)
+
+    def give_back(self, frame: SpeculativeFrame | None) -> None:
+        """A speculation that did not become the round's consensus returns its buffer."""
+        if frame is not None:
+            self._spare_buffers.append(frame.buffer)
+
+    # -- the consensus out ---------------------------------------------------
+
+    def broadcast_going_out(self, seat_id: int) -> None:
+        """The relay is being written its consensus: its next HostFrame may follow at once."""
+        self.seats[seat_id].awaiting_broadcast = False
+
+    @property
+    def hooked(self) -> bool:
+        """Whether an outer optimizer or checkpoint sink sees each consensus (and may keep it)."""
+        return self.outer_optimizer is not None or self.checkpoint is not None
+
+    # -- internals -----------------------------------------------------------
+
+    def _delivered_by(self, seat_id: int) -> None:
+        self.delivered.add(seat_id)
+        self.seats[seat_id].awaiting_broadcast = True
+
+    def _finish(
+        self, consensus: RoundFrame, record: EncodedFrame | None, after_write: Callable[[], None] | None, now: float
+    ) -> Consensus:
+        """Account for the finished round, start the next, and apply the hooks."""
+        started = self.started if self.started is not None else now
+        self.acc = FoldAccumulator(self.images)
+        self.delivered = set()
+        self.started = None
+        self._on_change()
+        self.stats.rounds += 1
+        self.stats.fold_images_reused = self.images.reused
+        self.stats.round_seconds.observe(now - started)
+        self.stats.last_mass = consensus.weight
+        transformed = self._apply_hooks(consensus)
+        if self.hooked:
+            after_write = None
+        if record is not None and transformed is consensus:
+            return Consensus(record, after_write)
+        return Consensus(transformed, after_write)
+
+    def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
+        is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL
+        self.previous_kind = consensus.kind
+        if is_params_round and self.outer_optimizer is not None and consensus.weight > 0:
+            consensus = self.outer_optimizer(consensus)
+        if self.checkpoint is not None:
+            self.checkpoint(self.stats.rounds, consensus)
+        return consensus
+
+
+def check_hello_ranks(hello: Hello, world_size: int, carried_by: dict[int, str]) -> None:
+    """Ranks must be non-empty, sorted, unique, inside the world, and not carried
+    already (``carried_by``: rank -> the name of the relay that does)."""
+    if not hello.ranks:
+        raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
+    if list(hello.ranks) != sorted(set(hello.ranks)):
+        raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
+    for rank in hello.ranks:
+        if rank >= world_size:
+            raise HandshakeError(f"Hello from host {hello.host!r} announces rank {rank} >= world_size {world_size}")
+        if rank in carried_by:
+            raise HandshakeError(f"Hello from host {hello.host!r} announces rank {rank}, already carried by {carried_by[rank]}")
+
+
+__all__ = [
+    "CheckpointSink",
+    "Consensus",
+    "ControllerRound",
+    "OuterOptimizer",
+    "Seat",
+    "check_hello_ranks",
+]

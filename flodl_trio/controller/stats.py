@@ -1,0 +1,40 @@
+"""What a running controller counts (read by the status page and the metrics endpoint)."""
+
+from __future__ import annotations
+
+import attrs
+
+ROUND_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+@attrs.define
+class LatencyHistogram:
+    """Cumulative-bucket histogram of round latencies (exported as a Prometheus histogram)."""
+
+    bounds: tuple[float, ...] = ROUND_SECONDS_BUCKETS
+    counts: list[int] = attrs.field(factory=lambda: [0] * (len(ROUND_SECONDS_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if seconds <= bound), len(self.bounds))
+        self.counts[index] += 1
+        self.total += seconds
+
+
+@attrs.define
+class ControllerStats:
+    """Counters of a running controller (read by the metrics endpoint)."""
+
+    round_seconds: LatencyHistogram = attrs.field(factory=LatencyHistogram)
+    rounds: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    last_mass: float = 0.0
+    relays: int = 0
+    rejected: int = 0
+    mac_failures: int = 0
+    rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
+    fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
+
+
+__all__ = ["ControllerStats", "LatencyHistogram"]
