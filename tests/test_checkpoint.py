@@ -1,8 +1,10 @@
-"""Consensus checkpoints: the sink's window tracking, the atomic safetensors writer,
-loading, pruning, falling behind, restoring a torch module, and a real cluster
-whose controller runs an outer optimizer and a checkpointer.
+"""Consensus checkpoints: the sink's window tracking, the trio writer (latest wins,
+flush on leaving), the atomic writer and the reader over the safetensors library,
+loading, pruning, restoring a torch module, and a real cluster whose controller
+runs an outer optimizer and a checkpointer.
 
-Expected values are computed independently in each test.
+Expected values are computed independently in each test; files are checked with
+the safetensors library itself.
 """
 
 from __future__ import annotations
@@ -10,16 +12,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors
 import safetensors.numpy
 import safetensors.torch
 import torch
 import trio
 
 import flodl_trio
+import flodl_trio.checkpoint
 from flodl_trio import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -31,15 +40,17 @@ from flodl_trio import (
     connect_reduce_client,
 )
 from flodl_trio.checkpoint import (
+    FORMAT,
     Checkpoint,
     CheckpointError,
-    ConsensusCheckpointer,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     restore_module,
     write_safetensors_atomic,
 )
+from flodl_trio.controller import checkpointer as checkpointer_module
+from flodl_trio.controller.checkpointer import ConsensusCheckpointer
 from flodl_trio.errors import ConfigError
 from flodl_trio.outer import DiLoCoNesterov, SlowMo
 from flodl_trio.testing import open_local_cluster
@@ -47,6 +58,7 @@ from flodl_trio.wire.bf16 import bf16_to_f32, f32_to_bf16
 
 PARAM_SHAPES = [(2, 3), (2,)]
 BUFFER_SHAPES = [(2,)]
+WRITE_DEADLINE_S = 10.0
 
 
 def model_frame(values: list[np.ndarray], weight: float, dtype: int = DTYPE_F32) -> RoundFrame:
@@ -77,8 +89,18 @@ def feed_window(sink, round_index: int, params, buffers, mass: float = 4.0, dtyp
     return round_index + 2
 
 
+async def written(sink: ConsensusCheckpointer) -> None:
+    """Wait until the sink's writer has written everything submitted (a writer that falls behind skips windows)."""
+    with trio.fail_after(WRITE_DEADLINE_S):
+        await sink.wait_idle()
+
+
 def files_in(directory) -> list[str]:
     return sorted(os.listdir(directory))
+
+
+def window_files(*windows: int) -> list[str]:
+    return [f"window-{k:06d}.safetensors" for k in windows]
 
 
 # ---------------------------------------------------------------------------
@@ -86,16 +108,16 @@ def files_in(directory) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def test_windows_written_with_values_and_metadata(tmp_path):
+async def test_windows_written_with_values_and_metadata(tmp_path):
     rng = np.random.default_rng(1)
     windows = [random_window(rng) for _ in range(3)]
-    with ConsensusCheckpointer(tmp_path, keep=5) as sink:
+    async with ConsensusCheckpointer(tmp_path, keep=5) as sink:
         r = 1
         for params, buffers in windows:
             r = feed_window(sink, r, params, buffers, mass=6.5)
-            assert sink.wait_idle(10)  # a writer that falls behind skips windows (tested below)
-    assert files_in(tmp_path) == [f"window-{k:06d}.safetensors" for k in range(3)]
-    assert sink.written == [tmp_path / f"window-{k:06d}.safetensors" for k in range(3)]
+            await written(sink)
+    assert files_in(tmp_path) == window_files(0, 1, 2)
+    assert sink.written == [tmp_path / name for name in window_files(0, 1, 2)]
     for k, (params, buffers) in enumerate(windows):
         ckpt = load_checkpoint(tmp_path / f"window-{k:06d}.safetensors")
         assert ckpt.window == k
@@ -108,63 +130,64 @@ def test_windows_written_with_values_and_metadata(tmp_path):
         assert [a.dtype for a in ckpt.params + ckpt.buffers] == [np.float32] * 3
         for got, want in zip(ckpt.params + ckpt.buffers, params + buffers):
             np.testing.assert_array_equal(got, want)
-        # the reference implementation reads the same file
-        official = safetensors.numpy.load_file(str(ckpt.path))
-        assert sorted(official) == ["buffers.0", "params.0", "params.1"]
-        for i, want in enumerate(params):
-            np.testing.assert_array_equal(official[f"params.{i}"], want)
-        torch_official = safetensors.torch.load_file(str(ckpt.path))
-        assert torch_official["params.0"].dtype == torch.float32
+        # the reference implementation, opened independently of load_checkpoint
         with safetensors.safe_open(str(ckpt.path), framework="np") as f:
+            assert sorted(f.keys()) == ["buffers.0", "params.0", "params.1"]
+            for name, want in [("params.0", params[0]), ("params.1", params[1]), ("buffers.0", buffers[0])]:
+                got = f.get_tensor(name)
+                assert got.dtype == np.float32 and got.shape == want.shape
+                np.testing.assert_array_equal(got, want)
             assert f.metadata()["window"] == str(k)
             assert f.metadata()["format"] == "flodl_trio.checkpoint.v1"
+        torch_official = safetensors.torch.load_file(str(ckpt.path))
+        assert torch_official["params.0"].dtype == torch.float32
 
 
-def test_keep_prunes_and_latest_checkpoint(tmp_path):
+async def test_keep_prunes_and_latest_checkpoint(tmp_path):
     rng = np.random.default_rng(2)
-    with ConsensusCheckpointer(tmp_path, keep=2) as sink:
+    async with ConsensusCheckpointer(tmp_path, keep=2) as sink:
         r = 1
         for _ in range(5):
             params, buffers = random_window(rng)
             r = feed_window(sink, r, params, buffers)
-            assert sink.wait_idle(10)
-    assert files_in(tmp_path) == ["window-000003.safetensors", "window-000004.safetensors"]
+            await written(sink)
+    assert files_in(tmp_path) == window_files(3, 4)
     assert latest_checkpoint(tmp_path) == tmp_path / "window-000004.safetensors"
     assert [w for w, _ in list_checkpoints(tmp_path)] == [3, 4]
     assert latest_checkpoint(tmp_path / "nowhere") is None
 
 
-def test_every_n_windows(tmp_path):
+async def test_every_n_windows(tmp_path):
     rng = np.random.default_rng(3)
-    with ConsensusCheckpointer(tmp_path, every=2, keep=10) as sink:
+    async with ConsensusCheckpointer(tmp_path, every=2, keep=10) as sink:
         r = 1
         for _ in range(5):
             r = feed_window(sink, r, *random_window(rng))
-            assert sink.wait_idle(10)
-    assert files_in(tmp_path) == [f"window-{k:06d}.safetensors" for k in (0, 2, 4)]
+            await written(sink)
+    assert files_in(tmp_path) == window_files(0, 2, 4)
 
 
-def test_window_without_buffers_round_completes_at_next_control_or_close(tmp_path):
+async def test_window_without_buffers_round_completes_at_next_control_or_on_leaving(tmp_path):
     rng = np.random.default_rng(4)
     p0, _ = random_window(rng)
     p1, _ = random_window(rng)
-    with ConsensusCheckpointer(tmp_path) as sink:
+    async with ConsensusCheckpointer(tmp_path) as sink:
         feed_window(sink, 1, p0, None)
         sink(3, control_frame())  # next window opens: window 0 is complete
-        assert sink.wait_idle(10)
-        assert files_in(tmp_path) == ["window-000000.safetensors"]
+        await written(sink)
+        assert files_in(tmp_path) == window_files(0)
         sink(4, model_frame(p1, 1.0))
-    # close wrote window 1 (no buffers round came)
-    assert files_in(tmp_path) == ["window-000000.safetensors", "window-000001.safetensors"]
+    # leaving the block wrote window 1 (no buffers round came)
+    assert files_in(tmp_path) == window_files(0, 1)
     ckpt = load_checkpoint(tmp_path / "window-000001.safetensors")
     assert ckpt.buffers == [] and ckpt.metadata["buffers"] == "none"
     np.testing.assert_array_equal(ckpt.params[0], p1[0])
 
 
-def test_bf16_consensus_saved_as_f32(tmp_path):
+async def test_bf16_consensus_saved_as_f32(tmp_path):
     rng = np.random.default_rng(5)
     params, buffers = random_window(rng)
-    with ConsensusCheckpointer(tmp_path) as sink:
+    async with ConsensusCheckpointer(tmp_path) as sink:
         feed_window(sink, 1, params, buffers, dtype=DTYPE_BF16)
     ckpt = load_checkpoint(latest_checkpoint(tmp_path))
     assert ckpt.wire_dtype == "bf16"
@@ -173,21 +196,21 @@ def test_bf16_consensus_saved_as_f32(tmp_path):
         np.testing.assert_array_equal(got.reshape(-1), bf16_to_f32(f32_to_bf16(want.reshape(-1))))
 
 
-def test_zero_mass_window_and_unwindowed_rounds_are_not_saved(tmp_path):
+async def test_zero_mass_window_and_unwindowed_rounds_are_not_saved(tmp_path):
     rng = np.random.default_rng(6)
-    with ConsensusCheckpointer(tmp_path) as sink:
+    async with ConsensusCheckpointer(tmp_path) as sink:
         sink(1, model_frame(random_window(rng)[0], 1.0))  # no Control round before it: not a window
         r = feed_window(sink, 2, *random_window(rng), mass=0.0)  # window 0: zero mass
         params, buffers = random_window(rng)
         feed_window(sink, r, params, buffers)  # window 1
-    assert files_in(tmp_path) == ["window-000001.safetensors"]
+    assert files_in(tmp_path) == window_files(1)
     np.testing.assert_array_equal(load_checkpoint(tmp_path / "window-000001.safetensors").params[1], params[1])
 
 
-def test_zero_mass_buffers_round_marks_buffers_absent(tmp_path):
+async def test_zero_mass_buffers_round_marks_buffers_absent(tmp_path):
     rng = np.random.default_rng(7)
     params, buffers = random_window(rng)
-    with ConsensusCheckpointer(tmp_path) as sink:
+    async with ConsensusCheckpointer(tmp_path) as sink:
         sink(1, control_frame())
         sink(2, model_frame(params, 3.0))
         sink(3, model_frame(buffers, 0.0))
@@ -201,16 +224,16 @@ def test_zero_mass_buffers_round_marks_buffers_absent(tmp_path):
     np.testing.assert_array_equal(module.weight.detach().numpy(), params[0])
 
 
-def test_consensus_is_copied_before_the_writer_sees_it(tmp_path):
+async def test_consensus_is_copied_before_the_writer_sees_it(tmp_path):
     rng = np.random.default_rng(8)
     params, buffers = random_window(rng)
     frame_params = [p.copy() for p in params]
     release = threading.Event()
-    with ConsensusCheckpointer(tmp_path) as sink:
+    async with ConsensusCheckpointer(tmp_path) as sink:
         original_write = sink._write
 
-        def slow_write(snap):
-            release.wait(10)
+        def slow_write(snap):  # runs in the writer's worker thread
+            release.wait(WRITE_DEADLINE_S)
             return original_write(snap)
 
         sink._write = slow_write  # type: ignore[method-assign]
@@ -225,50 +248,134 @@ def test_consensus_is_copied_before_the_writer_sees_it(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-def test_falling_behind_skips_to_the_latest_window(tmp_path, caplog):
+async def test_falling_behind_skips_to_the_latest_window(tmp_path, caplog):
     rng = np.random.default_rng(9)
     windows = [random_window(rng) for _ in range(5)]
-    started = threading.Event()
+    started = trio.Event()
     release = threading.Event()
-    with ConsensusCheckpointer(tmp_path, keep=10) as sink:
+    async with ConsensusCheckpointer(tmp_path, keep=10) as sink:
         original_write = sink._write
 
-        def slow_write(snap):
-            started.set()
-            release.wait(10)
+        def slow_write(snap):  # runs in the writer's worker thread
+            trio.from_thread.run_sync(started.set)
+            release.wait(WRITE_DEADLINE_S)
             return original_write(snap)
 
         sink._write = slow_write  # type: ignore[method-assign]
-        with caplog.at_level(logging.WARNING, logger="flodl_trio.checkpoint"):
-            r = feed_window(sink, 1, *windows[0])
-            assert started.wait(10)  # window 0 is being written, slowly
-            for params, buffers in windows[1:]:
-                r = feed_window(sink, r, params, buffers)
-        release.set()
+        try:
+            with caplog.at_level(logging.WARNING, logger="flodl_trio.checkpoint"):
+                r = feed_window(sink, 1, *windows[0])
+                await started.wait()  # window 0 is being written, slowly
+                for params, buffers in windows[1:]:
+                    r = feed_window(sink, r, params, buffers)
+        finally:
+            release.set()
     assert sink.skipped_windows == [1, 2, 3]
-    assert files_in(tmp_path) == ["window-000000.safetensors", "window-000004.safetensors"]
+    assert files_in(tmp_path) == window_files(0, 4)
     assert "writer is behind; window 1 skipped" in caplog.text
     np.testing.assert_array_equal(load_checkpoint(tmp_path / "window-000004.safetensors").params[0], windows[4][0][0])
 
 
-def test_start_window_continues_after_existing_files_and_stale_temps_are_removed(tmp_path):
+async def test_latest_wins_while_the_file_write_is_blocked(tmp_path, monkeypatch, caplog):
+    """Window 0 is stuck in the disk write; window 1 waits; window 2 replaces it.
+
+    Only the write itself is blocked (the module's atomic writer), so this is the
+    writer task and its worker thread as the controller runs them.
+    """
+    rng = np.random.default_rng(14)
+    windows = [random_window(rng) for _ in range(3)]
+    writing = trio.Event()
+    release = threading.Event()
+    real_write = checkpointer_module.write_safetensors_atomic
+
+    def blocked_write(path, tensors, metadata):  # runs in the writer's worker thread
+        trio.from_thread.run_sync(writing.set)
+        release.wait(WRITE_DEADLINE_S)
+        real_write(path, tensors, metadata)
+
+    monkeypatch.setattr(checkpointer_module, "write_safetensors_atomic", blocked_write)
+    with caplog.at_level(logging.WARNING, logger="flodl_trio.checkpoint"):
+        async with ConsensusCheckpointer(tmp_path, keep=10) as sink:
+            try:
+                r = feed_window(sink, 1, *windows[0])
+                await writing.wait()  # the writer holds window 0
+                r = feed_window(sink, r, *windows[1])
+                assert sink.skipped_windows == []  # one pending is allowed
+                feed_window(sink, r, *windows[2])
+                assert sink.skipped_windows == [1]  # the pending one was replaced, not queued
+                with trio.move_on_after(0.1) as still_writing:
+                    await sink.wait_idle()
+                assert still_writing.cancelled_caught  # not idle while window 0 is stuck
+            finally:
+                release.set()
+            await written(sink)
+            assert sink.written == [tmp_path / name for name in window_files(0, 2)]
+    assert sink.failures == 0
+    assert files_in(tmp_path) == window_files(0, 2)
+    assert "window 1 skipped, window 2 replaces it (latest wins)" in caplog.text
+    for got, want in zip(load_checkpoint(tmp_path / "window-000002.safetensors").params, windows[2][0]):
+        np.testing.assert_array_equal(got, want)
+
+
+async def test_leaving_the_block_by_an_error_still_writes_the_last_window(tmp_path):
+    rng = np.random.default_rng(15)
+    params, _ = random_window(rng)
+    with pytest.raises(RuntimeError, match="the controller failed"):  # itself, not an ExceptionGroup
+        async with ConsensusCheckpointer(tmp_path) as sink:
+            sink(1, control_frame())
+            sink(2, model_frame(params, 1.0))  # window 0, still waiting for its buffers round
+            raise RuntimeError("the controller failed")
+    assert files_in(tmp_path) == window_files(0)
+    np.testing.assert_array_equal(load_checkpoint(tmp_path / "window-000000.safetensors").params[0], params[0])
+
+
+async def test_leaving_the_block_by_cancellation_still_writes_what_was_submitted(tmp_path):
+    rng = np.random.default_rng(16)
+    params, buffers = random_window(rng)
+    with trio.CancelScope() as scope:
+        async with ConsensusCheckpointer(tmp_path) as sink:
+            feed_window(sink, 1, params, buffers)
+            scope.cancel()
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    assert sink.written == [tmp_path / "window-000000.safetensors"]
+    np.testing.assert_array_equal(load_checkpoint(tmp_path / "window-000000.safetensors").buffers[0], buffers[0])
+
+
+async def test_windows_before_the_block_wait_for_it_and_windows_after_it_are_dropped(tmp_path, caplog):
+    rng = np.random.default_rng(17)
+    sink = ConsensusCheckpointer(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="flodl_trio.checkpoint"):
+        r = feed_window(sink, 1, *random_window(rng))
+        assert "used before its async with block" in caplog.text
+        assert files_in(tmp_path) == []
+        async with sink:
+            await written(sink)
+            assert files_in(tmp_path) == window_files(0)
+        feed_window(sink, r, *random_window(rng))
+    assert "window 1 completed after the checkpointer closed; not saved" in caplog.text
+    assert files_in(tmp_path) == window_files(0)
+    assert sink.failures == 0
+
+
+async def test_start_window_continues_after_existing_files_and_stale_temps_are_removed(tmp_path):
     rng = np.random.default_rng(10)
-    with ConsensusCheckpointer(tmp_path) as sink:
+    async with ConsensusCheckpointer(tmp_path) as sink:
         feed_window(sink, 1, *random_window(rng))
-        assert sink.wait_idle(10)
+        await written(sink)
         feed_window(sink, 4, *random_window(rng))
     (tmp_path / ".window-000002.safetensors.tmp-123-abcd").write_bytes(b"partial")
     resumed = ConsensusCheckpointer(tmp_path, keep=2)
     assert resumed.next_window == 2
-    with resumed:
-        assert files_in(tmp_path) == ["window-000000.safetensors", "window-000001.safetensors"]
+    async with resumed:
+        assert files_in(tmp_path) == window_files(0, 1)
         feed_window(resumed, 1, *random_window(rng))
-    assert files_in(tmp_path) == ["window-000001.safetensors", "window-000002.safetensors"]
+    assert files_in(tmp_path) == window_files(1, 2)
     assert load_checkpoint(tmp_path / "window-000002.safetensors").round_index == 2
 
 
-def test_sink_never_raises(tmp_path, caplog):
-    with ConsensusCheckpointer(tmp_path) as sink:
+async def test_sink_never_raises(tmp_path, caplog):
+    async with ConsensusCheckpointer(tmp_path) as sink:
         sink(1, control_frame())
         bad = RoundFrame([TensorPayload(DTYPE_F32, (4,), b"\x00" * 7)], RoundKind.MODEL, 1.0)
         with caplog.at_level(logging.ERROR, logger="flodl_trio.checkpoint"):
@@ -278,22 +385,48 @@ def test_sink_never_raises(tmp_path, caplog):
     assert files_in(tmp_path) == []
 
 
-def test_config_validation(tmp_path):
+async def test_write_failure_is_counted_and_the_next_window_still_written(tmp_path, monkeypatch, caplog):
+    rng = np.random.default_rng(18)
+    real_write = checkpointer_module.write_safetensors_atomic
+    calls = 0
+
+    def first_write_fails(path, tensors, metadata):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise OSError(28, "No space left on device")
+        real_write(path, tensors, metadata)
+
+    monkeypatch.setattr(checkpointer_module, "write_safetensors_atomic", first_write_fails)
+    with caplog.at_level(logging.ERROR, logger="flodl_trio.checkpoint"):
+        async with ConsensusCheckpointer(tmp_path) as sink:
+            r = feed_window(sink, 1, *random_window(rng))
+            await written(sink)
+            feed_window(sink, r, *random_window(rng))
+    assert sink.failures == 1 and isinstance(sink.last_error, OSError)
+    assert "writing window 0 failed" in caplog.text
+    assert files_in(tmp_path) == window_files(1)
+
+
+async def test_config_validation(tmp_path):
     with pytest.raises(ConfigError):
         ConsensusCheckpointer(tmp_path, keep=0)
     with pytest.raises(ConfigError):
         ConsensusCheckpointer(tmp_path, every=0)
     sink = ConsensusCheckpointer(tmp_path)
-    sink.start()
-    sink.close()
+    async with sink:
+        with pytest.raises(ConfigError, match="is open"):
+            async with sink:
+                pass
     with pytest.raises(ConfigError, match="closed"):
-        sink.start()
+        async with sink:
+            pass
 
 
-def test_outer_state_saved_and_reloadable(tmp_path):
+async def test_outer_state_saved_and_reloadable(tmp_path):
     rng = np.random.default_rng(11)
     outer = SlowMo(lr=0.9, momentum=0.6)
-    with ConsensusCheckpointer(tmp_path, keep=10, outer=outer) as sink:
+    async with ConsensusCheckpointer(tmp_path, keep=10, outer=outer) as sink:
         r = 1
         for _ in range(3):
             params, buffers = random_window(rng)
@@ -302,7 +435,7 @@ def test_outer_state_saved_and_reloadable(tmp_path):
             sink(r + 1, transformed)
             sink(r + 2, model_frame(buffers, 2.0))
             r += 3
-            assert sink.wait_idle(10)
+            await written(sink)
         expected_state = outer.state_dict()
     ckpt = load_checkpoint(tmp_path / "window-000002.safetensors")
     assert ckpt.outer_config == {"type": "SlowMo", "lr": 0.9, "momentum": 0.6}
@@ -320,6 +453,48 @@ def test_outer_state_saved_and_reloadable(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# module boundaries
+# ---------------------------------------------------------------------------
+
+
+def test_checkpoint_module_imports_neither_trio_nor_the_controller():
+    """A rank reads checkpoints without the controller or trio.
+
+    ``flodl_trio/__init__.py`` imports the controller itself, so the subprocess
+    stands in an empty package for it and imports ``flodl_trio.checkpoint``
+    alone: whatever that module (or anything it imports) pulls in shows up.
+    """
+    code = textwrap.dedent(
+        """
+        import importlib.util, sys, types
+        spec = importlib.util.find_spec("flodl_trio")  # locates the package without running it
+        package = types.ModuleType("flodl_trio")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["flodl_trio"] = package
+
+        import flodl_trio.checkpoint
+        heavy = sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in ("trio", "torch")}
+                       | {m for m in sys.modules if m.startswith("flodl_trio.controller")})
+        assert not heavy, f"importing flodl_trio.checkpoint imported {heavy}"
+
+        from flodl_trio.checkpoint import ConsensusCheckpointer  # the old name, resolved on use
+        assert ConsensusCheckpointer.__module__ == "flodl_trio.controller.checkpointer"
+        assert "trio" in sys.modules
+        """
+    )
+    root = Path(flodl_trio.__file__).resolve().parents[1]  # the checkout under test
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_old_import_path_is_the_controller_checkpointer():
+    assert flodl_trio.checkpoint.ConsensusCheckpointer is ConsensusCheckpointer
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        flodl_trio.checkpoint.Nope  # noqa: B018
+
+
+# ---------------------------------------------------------------------------
 # file format and atomicity
 # ---------------------------------------------------------------------------
 
@@ -329,12 +504,21 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
     write_safetensors_atomic(target, [("params.0", np.ones(3, np.float32))], {"format": "x"})
     before = target.read_bytes()
 
+    # the library refuses the array
+    with pytest.raises(CheckpointError, match=r"window-000000\.safetensors: cannot write: .*complex128") as info:
+        write_safetensors_atomic(target, [("params.0", np.zeros(3, np.complex128))], {"format": "x"})
+    assert isinstance(info.value.__cause__, safetensors.SafetensorError)
+    assert files_in(tmp_path) == ["window-000000.safetensors"]
+    assert target.read_bytes() == before
+
+    # the disk fails after the library wrote the temp file
     def broken_fsync(fd):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", broken_fsync)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CheckpointError, match="No space") as info:
         write_safetensors_atomic(target, [("params.0", np.zeros(3, np.float32))], {"format": "x"})
+    assert isinstance(info.value.__cause__, OSError)
     assert files_in(tmp_path) == ["window-000000.safetensors"]
     assert target.read_bytes() == before
 
@@ -342,38 +526,72 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
 def test_load_checkpoint_rejects_bad_files(tmp_path):
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\xff" * 40)
-    with pytest.raises(CheckpointError, match="header length"):
+    with pytest.raises(CheckpointError, match=r"garbage\.safetensors: not a readable safetensors file") as info:
         load_checkpoint(garbage)
+    assert isinstance(info.value.__cause__, safetensors.SafetensorError)
+
+    good = tmp_path / "good.safetensors"
+    write_safetensors_atomic(good, [("params.0", np.arange(64, dtype=np.float32))], {"format": FORMAT})
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-16])  # a partial copy
+    with pytest.raises(CheckpointError, match=r"truncated\.safetensors: not a readable safetensors file"):
+        load_checkpoint(truncated)
+
     foreign = tmp_path / "foreign.safetensors"
     safetensors.numpy.save_file({"weight": np.zeros(2, np.float32)}, str(foreign))
-    with pytest.raises(CheckpointError, match="not a flodl_trio checkpoint"):
+    with pytest.raises(CheckpointError, match=r"foreign\.safetensors: not a flodl_trio checkpoint \(format None"):
         load_checkpoint(foreign)
+
     gappy = tmp_path / "gappy.safetensors"
     write_safetensors_atomic(
-        gappy, [("params.0", np.zeros(2, np.float32)), ("params.2", np.zeros(2, np.float32))],
-        {"format": "flodl_trio.checkpoint.v1"},
+        gappy, [("params.0", np.zeros(2, np.float32)), ("params.2", np.zeros(2, np.float32))], {"format": FORMAT},
     )
     with pytest.raises(CheckpointError, match=r"params\.N tensors are not numbered 0..n-1: \[0, 2\]"):
         load_checkpoint(gappy)
-    with pytest.raises(CheckpointError, match="cannot read"):
+
+    short = tmp_path / "short.safetensors"
+    write_safetensors_atomic(short, [("params.0", np.zeros(2, np.float32))], {"format": FORMAT, "params_count": "2"})
+    with pytest.raises(CheckpointError, match="metadata declares 2 params tensors, the file holds 1"):
+        load_checkpoint(short)
+
+    extra = tmp_path / "extra.safetensors"
+    write_safetensors_atomic(extra, [("params.0", np.zeros(2, np.float32)), ("loss", np.zeros(1))], {"format": FORMAT})
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \['loss'\]"):
+        load_checkpoint(extra)
+
+    with pytest.raises(CheckpointError, match=r"missing\.safetensors: cannot read") as info:
         load_checkpoint(tmp_path / "missing.safetensors")
+    assert isinstance(info.value.__cause__, OSError)
 
 
-def test_writer_output_matches_the_reference_library_byte_for_byte_when_read(tmp_path):
-    arrays = {"params.0": np.arange(6, dtype=np.float32).reshape(2, 3), "outer.windows": np.array([7], np.int64),
-              "params.1": np.array(2.5, dtype=np.float32), "buffers.0": np.zeros((0,), np.float32)}
+def test_written_files_are_what_the_library_reads(tmp_path):
+    arrays = {
+        "params.0": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "params.1": np.array(2.5, dtype=np.float32),  # 0-d stays 0-d
+        "params.2": np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2],  # a strided view
+        "buffers.0": np.zeros((0,), np.float32),
+        "outer.windows": np.array([7], np.int64),
+    }
     path = tmp_path / "x.safetensors"
-    write_safetensors_atomic(path, list(arrays.items()), {"format": "flodl_trio.checkpoint.v1", "k": "v"})
-    official = safetensors.numpy.load_file(str(path))
-    assert sorted(official) == sorted(arrays)
-    for name, value in arrays.items():
-        assert official[name].dtype == value.dtype and official[name].shape == value.shape
-        np.testing.assert_array_equal(official[name], value)
-    # and we read what the library writes
+    write_safetensors_atomic(path, list(arrays.items()), {"format": FORMAT, "k": "v"})
+    assert files_in(tmp_path) == ["x.safetensors"]  # no temp file left
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # ranks on other accounts can read it
+    with safetensors.safe_open(str(path), framework="np") as f:
+        assert f.metadata() == {"format": FORMAT, "k": "v"}
+        assert sorted(f.keys()) == sorted(arrays)
+        for name, value in arrays.items():
+            got = f.get_tensor(name)
+            assert got.dtype == value.dtype and got.shape == value.shape, name
+            np.testing.assert_array_equal(got, value)
+    with pytest.raises(CheckpointError, match="duplicate tensor name 'params.0'"):
+        write_safetensors_atomic(path, [("params.0", arrays["params.0"])] * 2, {})
+    # and load_checkpoint reads a file the library wrote on its own
     other = tmp_path / "lib.safetensors"
-    safetensors.numpy.save_file(arrays, str(other), metadata={"format": "flodl_trio.checkpoint.v1"})
+    safetensors.numpy.save_file({k: v.copy() for k, v in arrays.items()}, str(other), metadata={"format": FORMAT})
     ckpt = load_checkpoint(other)
-    np.testing.assert_array_equal(ckpt.params[0], arrays["params.0"])
+    for i in range(3):
+        np.testing.assert_array_equal(ckpt.params[i], arrays[f"params.{i}"])
+    assert ckpt.params[1].shape == ()
     assert ckpt.outer["windows"].tolist() == [7]
 
 
@@ -413,6 +631,13 @@ def test_restore_module_mismatches_name_index_and_shapes():
         restore_module(module, make_checkpoint([np.zeros((2, 3), np.float32), np.zeros(2, np.float32)], [np.zeros(2, np.float32)]))
     for p, b in zip(module.parameters(), before):  # nothing was copied
         assert torch.equal(p.detach(), b)
+
+
+def test_restore_module_zero_dim_parameter():
+    module = torch.nn.Module()
+    module.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    restore_module(module, make_checkpoint([np.array(0.25, np.float32)], []))
+    assert module.temperature.shape == () and module.temperature.item() == 0.25
 
 
 def test_restore_module_casts_to_the_module_dtype():

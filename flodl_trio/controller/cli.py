@@ -9,7 +9,6 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from ..checkpoint import ConsensusCheckpointer
 from ..daemon import (
     add_common_flags,
     configure_logging,
@@ -23,6 +22,7 @@ from ..launch import DEFAULT_CONTROLLER_PORT
 from ..outer import DiLoCoNesterov, PlainAverage, SlowMo
 from ..settings import NetBounds
 from ..wire.salt import SessionSalt
+from .checkpointer import ConsensusCheckpointer
 from .core import OuterOptimizer, open_controller
 
 log = logging.getLogger("flodl_trio.controller")
