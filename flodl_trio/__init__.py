@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._version import __version__ as __version__
 from .client import ReduceClient, connect_reduce_client
 from .controller import ControllerHandle, open_controller
 from .controller.dead_ranks import DeadRanks
@@ -47,8 +48,6 @@ from .wire import (
     SessionSalt,
     TensorPayload,
 )
-
-__version__ = "0.1.0"
 
 _TENSOR_API = {"tensors_to_round_frame", "round_frame_to_tensors", "pinned_decode_affordable"}
 

@@ -5,9 +5,11 @@
 - :mod:`.links`: a relay connection as the controller sees it (sole writer, outbox);
 - :mod:`.coordinator`: heartbeats, beacons and model signatures (the control channel);
 - :mod:`.dead_ranks`: :class:`DeadRanks`, the cluster's record of dead ranks;
+- :mod:`.checkpointer`: :class:`ConsensusCheckpointer`, each window's consensus to disk;
 - :mod:`.stats`: the counters; :mod:`.cli`: the daemon (``python -m flodl_trio.controller``).
 """
 
+from .checkpointer import ConsensusCheckpointer
 from .core import ControllerHandle, open_controller
 from .dead_ranks import DeadRanks
 from .round import CheckpointSink, ControllerRound, OuterOptimizer
@@ -15,6 +17,7 @@ from .stats import ControllerStats, LatencyHistogram
 
 __all__ = [
     "CheckpointSink",
+    "ConsensusCheckpointer",
     "ControllerHandle",
     "ControllerRound",
     "ControllerStats",

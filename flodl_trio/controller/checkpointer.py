@@ -53,9 +53,9 @@ from ..checkpoint import (
 )
 from ..errors import ConfigError
 from ..outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
+from ..transport.tasks import one_error
 from ..wire.bf16 import DTYPE_NAMES
 from ..wire.round_frame import RoundFrame, RoundKind
-from ..wire.tasks import sole_exception
 
 # The name operators already filter on; the checkpointer's messages keep it.
 log = logging.getLogger("flodl_trio.checkpoint")
@@ -211,16 +211,14 @@ class ConsensusCheckpointer:
     @asynccontextmanager
     async def _run_writer(self) -> AsyncIterator[None]:
         await trio.to_thread.run_sync(self._remove_stale_temps)
-        try:
+        # The writer never raises: a group holds the caller's own exception; give it back as itself.
+        with one_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write_submitted)
                 try:
                     yield
                 finally:
                     self._close_intake()
-        except BaseExceptionGroup as group:
-            # The writer never raises: the group holds the caller's own exception; give it back as itself.
-            raise sole_exception(group) from None
 
     def _close_intake(self) -> None:
         """Submit the window being recorded, then end the writer's input (it drains what is there)."""
