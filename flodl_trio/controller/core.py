@@ -185,6 +185,7 @@ class _Controller:
         self.pool = BufferPool(1, limit=2)
         self._deaths_changed = ChangeSignal()
         self._forwarded: set[int] = set()
+        self._exited: set[int] = set()  # ranks whose own relay reported them gone (no DeclareDead needed)
         # Capacity 1 suffices: the next round cannot complete before this one's
         # consensus has been queued to the relays (every relay that delivered
         # waits for it), so a second send_nowait here would be a bug and raise.
@@ -388,6 +389,7 @@ class _Controller:
             raise ProtocolError(f"unexpected {type(msg).__name__} mid-session")
         if msg.rank not in link.ranks:
             raise ProtocolError(f"RankExit for rank {msg.rank}, which this relay does not carry")
+        self._exited.add(msg.rank)
         if self.dead.declare_dead(msg.rank):
             log.info("controller: rank %d exited (%s)", msg.rank, link.name)
 
@@ -428,7 +430,7 @@ class _Controller:
         for rank in sorted(new):
             self._forwarded.add(rank)
             seat_id = self.round.seat_of(rank)
-            if seat_id is not None:
+            if seat_id is not None and rank not in self._exited:
                 self.links[seat_id].queue_control(DeclareDead(rank), self.config.salt)
         consensus = self.round.rank_died(trio.current_time())
         if consensus is not None:

@@ -113,7 +113,6 @@ class SpeculativeFrame:
         self._tensor: _Tensor | None = None
         self._tensors_seen = 0
         self._wide = np.empty(BLOCK, dtype=U32)
-        self._salt: SessionSalt | None = None
         self.out_len: int | None = self._planned_length()
         # The output: a buffer of the caller's (a relay lends one of its receive
         # buffers) or a fresh one, sized once from the verified schema.
@@ -302,7 +301,6 @@ class SpeculativeFrame:
         """Run beside the receive that ``watch`` follows; the signed outgoing record once
         the incoming bytes verified, None if they did not or the path was abandoned."""
         assert self.out_len is not None
-        self._salt = salt
         body_len = self.out_len - MAC_LEN
         signed = mux_signed_header(kind, self.out_len)
         record = salt.hmac()
@@ -333,9 +331,9 @@ class SpeculativeFrame:
 
     def frame(self) -> RoundFrame:
         """The outgoing frame as a RoundFrame over the output buffer (zero-copy; built
-        here, trusted), once :meth:`follow` completed it."""
-        assert self._salt is not None, "the frame is complete only after follow()"
-        return decode_round_frame(self.output(), self._salt, envelope_verified=True)
+        here, so trusted), once it is :attr:`complete`."""
+        assert self.complete, "the outgoing frame is not complete yet"
+        return decode_round_frame(self.output(), None, envelope_verified=True)
 
 
 @attrs.frozen

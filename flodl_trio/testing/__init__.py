@@ -5,12 +5,15 @@
   you can ``kill``, ``freeze`` (SIGSTOP) and ``thaw`` (SIGCONT); with
   ``daemons=True`` the controller and relays are daemon processes too.
 - :class:`FaultProxy`: a TCP proxy that breaks one leg on purpose.
+- :class:`MemoryNetwork`: listeners and a connect function in memory, for
+  whole clusters in virtual time (``trio.testing.MockClock``).
 - :mod:`flodl_trio.testing.matrix`: the fault matrix the project passes.
 
 See docs/fault-injection.md.
 """
 
-from .local import LOOPBACK, LocalCluster, open_local_cluster
+from .local import LocalCluster, open_local_cluster
+from .memory import MemoryListener, MemoryNetwork
 from .processes import (
     ChildProcess,
     DaemonProcess,
@@ -20,6 +23,7 @@ from .processes import (
     open_process_cluster,
 )
 from .proxy import (
+    LOOPBACK,
     BandwidthCap,
     ConnectionRecord,
     CutAt,
@@ -53,6 +57,8 @@ __all__ = [
     "FlowRecord",
     "HalfClose",
     "LocalCluster",
+    "MemoryListener",
+    "MemoryNetwork",
     "ProcessCluster",
     "RankProcess",
     "Stall",

@@ -22,7 +22,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import trio
@@ -30,14 +30,14 @@ import trio
 from ..client import ReduceClient, connect_reduce_client
 from ..controller import ControllerHandle, open_controller
 from ..controller.dead_ranks import DeadRanks
+from ..errors import ConfigError
 from ..relay import ChannelKind, RelayHandle, open_relay
+from ..settings import NetBounds
+from ..transport.connect import Connector
 from ..transport.tasks import service_nursery
 from ..wire.salt import SessionSalt
-
-if TYPE_CHECKING:
-    from .proxy import Fault, FaultProxy
-
-LOOPBACK = "127.0.0.1"
+from .memory import MEMORY_HOST, MemoryNetwork
+from .proxy import LOOPBACK, Fault, FaultProxy
 
 
 @attrs.define
@@ -51,10 +51,21 @@ class LocalCluster:
     salt: SessionSalt
     control_relays: list[RelayHandle] = attrs.field(factory=list)
     upstream_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
+    network: MemoryNetwork | None = None
+
+    @property
+    def host(self) -> str:
+        """Where every role listens: loopback, or the memory network's host."""
+        return LOOPBACK if self.network is None else MEMORY_HOST
+
+    @property
+    def connect(self) -> Connector:
+        """How a client reaches this cluster's relays (pass it as ``connect=``)."""
+        return trio.open_tcp_stream if self.network is None else self.network.connect
 
     @property
     def controller_address(self) -> tuple[str, int]:
-        return (LOOPBACK, self.controller.port)
+        return (self.host, self.controller.port)
 
     def relay_for(self, rank: int) -> RelayHandle:
         for relay, ranks in zip(self.relays, self.hosts):
@@ -63,8 +74,8 @@ class LocalCluster:
         raise KeyError(f"rank {rank} is on no host of this cluster")
 
     def relay_address(self, rank: int) -> tuple[str, int]:
-        """The loopback address rank ``rank`` connects to."""
-        return (LOOPBACK, self.relay_for(rank).port)
+        """The address rank ``rank`` connects to (through :attr:`connect`)."""
+        return (self.host, self.relay_for(rank).port)
 
     async def run_ranks(
         self,
@@ -82,7 +93,7 @@ class LocalCluster:
 
         async def run_one(rank: int) -> None:
             address = addresses[rank] if addresses and rank in addresses else self.relay_address(rank)
-            async with connect_reduce_client(address, rank, self.world_size, self.salt) as client:
+            async with connect_reduce_client(address, rank, self.world_size, self.salt, connect=self.connect) as client:
                 await rank_main(rank, client)
 
         async with trio.open_nursery() as nursery:
@@ -90,10 +101,10 @@ class LocalCluster:
                 nursery.start_soon(run_one, rank)
 
     def control_address(self, rank: int) -> tuple[str, int]:
-        """The loopback address of rank ``rank``'s control relay (``control=True`` clusters)."""
+        """The address of rank ``rank``'s control relay (``control=True`` clusters)."""
         for relay, ranks in zip(self.control_relays, self.hosts):
             if rank in ranks:
-                return (LOOPBACK, relay.port)
+                return (self.host, relay.port)
         raise KeyError(f"rank {rank} has no control relay (open the cluster with control=True)")
 
 
@@ -107,7 +118,9 @@ async def open_local_cluster(
     upstream: tuple[str, int] | None = None,
     control: bool = False,
     upstream_faults: Mapping[int, Sequence[Fault]] | None = None,
-    **controller_options: object,
+    network: MemoryNetwork | None = None,
+    bounds: NetBounds | None = None,
+    **controller_options: Any,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
     (and one control relay per host with ``control=True``).
@@ -115,16 +128,25 @@ async def open_local_cluster(
     ``upstream`` points the relays somewhere else than the controller (a
     fault proxy in front of it, say). ``upstream_faults`` starts a
     :class:`~flodl_trio.testing.FaultProxy` in front of the controller for
-    the data relay of each host index it names.
+    the data relay of each host index it names. ``network``: run every role
+    on a :class:`~flodl_trio.testing.MemoryNetwork` instead of TCP (for
+    tests in virtual time; no fault proxies there). ``bounds`` goes to every
+    role (default: each reads the environment).
     """
-    from .proxy import FaultProxy
-
+    if network is not None and (upstream_faults or upstream):
+        raise ConfigError("a cluster on a memory network takes no TCP upstream or fault proxies")
     session = SessionSalt.coerce(salt)
+    connect: Connector = trio.open_tcp_stream if network is None else network.connect
+
+    def listeners() -> dict[str, Any]:
+        return {"listeners": [network.listen()]} if network is not None else {}
+
     async with AsyncExitStack() as stack:
         controller = await stack.enter_async_context(
-            open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, **controller_options)  # type: ignore[arg-type]
+            open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, bounds=bounds,
+                            **listeners(), **controller_options)
         )
-        target = upstream or (LOOPBACK, controller.port)
+        target = upstream or (LOOPBACK if network is None else MEMORY_HOST, controller.port)
         proxies: dict[int, FaultProxy] = {}
         if upstream_faults:
             nursery = await stack.enter_async_context(service_nursery())
@@ -146,9 +168,12 @@ async def open_local_cluster(
                     ranks=list(ranks),
                     world_size=world_size,
                     salt=session,
+                    bounds=bounds,
+                    connect=connect,
+                    **listeners(),
                 )
                 relays[kind].append(await stack.enter_async_context(relay))
         yield LocalCluster(
             controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
-            relays.get(ChannelKind.CONTROL, []), proxies,
+            relays.get(ChannelKind.CONTROL, []), proxies, network,
         )

@@ -36,7 +36,6 @@ import trio
 from ..transport.tasks import service_nursery
 from ..wire.constants import MUX_HEADER_LEN
 from ..wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
-from .local import LOOPBACK
 
 try:  # Linux: how many written bytes the peer has not acknowledged yet.
     import fcntl
@@ -45,6 +44,8 @@ try:  # Linux: how many written bytes the peer has not acknowledged yet.
     _TIOCOUTQ: int | None = termios.TIOCOUTQ
 except (ImportError, AttributeError):  # pragma: no cover - not Linux
     _TIOCOUTQ = None
+
+LOOPBACK = "127.0.0.1"
 
 Direction: TypeAlias = Literal["up", "down", "both"]
 Framing: TypeAlias = Literal["len", "mux"]
@@ -691,26 +692,14 @@ class FaultProxy:
         """Listen, hand the bound port to ``nursery.start``, proxy until cancelled."""
         listeners = await trio.open_tcp_listeners(self._requested_port, host=self.host)
         self._port = int(listeners[0].socket.getsockname()[1])
-        try:
-            async with trio.open_nursery() as nursery:
-                for listener in listeners:
-                    nursery.start_soon(self._accept_loop, listener, nursery)
-                task_status.started(self._port)
-        finally:
-            with trio.CancelScope(shield=True):
-                for listener in listeners:
-                    await listener.aclose()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._serve_client, listeners)
+            task_status.started(self._port)
 
-    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        while True:
-            try:
-                client = await listener.accept()
-            except OSError:  # EMFILE and friends: back off, keep serving
-                await trio.sleep(0.05)
-                continue
-            record = ConnectionRecord(len(self.connections), trio.current_time())
-            self.connections.append(record)
-            nursery.start_soon(self._serve_connection, client, record)
+    async def _serve_client(self, client: trio.SocketStream) -> None:
+        record = ConnectionRecord(len(self.connections), trio.current_time())
+        self.connections.append(record)
+        await self._serve_connection(client, record)
 
     async def _serve_connection(self, client: trio.SocketStream, record: ConnectionRecord) -> None:
         """Dial the target for this client (an unreachable target resets the client), then pump."""

@@ -42,13 +42,21 @@ def is_private_address(host: str) -> bool:
     return any(addr.version == net.version and addr in net for net in _QUIET_NETWORKS)
 
 
+def _is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
 def warn_if_public_peer(role: str, host: str) -> bool:
     """Warn once per peer address that this link is authenticated but not encrypted.
 
     Returns True when a warning was printed (for tests).
     """
-    if is_private_address(host) or host in _warned_peers:
-        return False
+    if is_private_address(host) or not _is_ip_address(host) or host in _warned_peers:
+        return False  # private, or not a network peer at all (an in-memory stream)
     _warned_peers.add(host)
     log.warning(
         "%s: peer %s is outside private address space; flodl traffic is "

@@ -247,7 +247,7 @@ class _Cursor:
 
 def decode_round_frame(
     body: Buffer | np.ndarray,
-    salt: SessionSalt,
+    salt: SessionSalt | None,
     *,
     ceiling: int = DEFAULT_FRAME_CEILING,
     source: str = "peer",
@@ -264,7 +264,8 @@ def decode_round_frame(
     ``mac_of_body`` is MAC8 of ``body[:-8]`` computed while the bytes arrived
     (so the check costs no second pass). ``envelope_verified`` says every byte
     of ``body`` was already authenticated, under the same key, by the MAC of
-    the MuxRecord that carried it; the frame's own tag is then not recomputed.
+    the MuxRecord that carried it; the frame's own tag is then not recomputed
+    (and ``salt`` may be None: only a frame this process built is trusted so).
     """
     view = _as_bytes_view(body)
     cur = _Cursor(view)
@@ -298,7 +299,9 @@ def decode_round_frame(
             f"its length prefix declared ({len(view)}): the stream is desynced"
         )
     if not envelope_verified:
-        expected = mac_of_body if mac_of_body is not None else salt.mac8(view[:signed_end])
+        if mac_of_body is None and salt is None:
+            raise TypeError("decode_round_frame needs the salt to verify the frame's MAC")
+        expected = mac_of_body if mac_of_body is not None else salt.mac8(view[:signed_end])  # type: ignore[union-attr]
         verify_mac(expected, tag, f"RoundFrame from {source}")
     tensors = [TensorPayload(d, s, p) for d, s, p in headers]
     return RoundFrame(tensors, RoundKind(kind), weight)

@@ -1,0 +1,327 @@
+"""The round objects, with no I/O: plain function calls, no trio, no sockets.
+
+:class:`HostFold` is the relay's round (who must deposit, who is owed the
+consensus); :class:`ControllerRound` is the controller's (who must deliver,
+who delivered, the accepted mass, what goes to whom). Every decision the
+roles' tasks act on is made here, so it is tested here directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flodl_trio import (
+    DTYPE_F32,
+    DesyncError,
+    HandshakeError,
+    RoundFrame,
+    RoundKind,
+    SchemaError,
+    TensorPayload,
+)
+from flodl_trio.controller import ControllerRound, ControllerStats, DeadRanks
+from flodl_trio.controller.round import Consensus
+from flodl_trio.fold import FoldAccumulator
+from flodl_trio.relay import HostFold
+from flodl_trio.wire import (
+    EncodedFrame,
+    Hello,
+    MuxKind,
+    SessionSalt,
+    encode_round_frame,
+)
+
+SALT = SessionSalt(b"\x42" * 16)
+
+
+def frame(values: list[float], weight: float = 1.0, kind: RoundKind = RoundKind.MODEL) -> RoundFrame:
+    arr = np.asarray(values, dtype="<f4")
+    return RoundFrame([TensorPayload(DTYPE_F32, arr.shape, arr)], kind, weight)
+
+
+def values(f: RoundFrame) -> list[float]:
+    return np.frombuffer(f.tensors[0].data, dtype="<f4").tolist()
+
+
+# -- HostFold ---------------------------------------------------------------------------------
+
+
+def test_host_fold_ships_once_every_live_rank_deposited():
+    fold = HostFold("h0", [0, 1, 2])
+    assert fold.deposit(0, frame([1, 2])) is None
+    assert fold.deposit(1, frame([3, 4])) is None
+    folded = fold.deposit(2, frame([5, 6], weight=2.0))
+    assert folded is not None
+    assert values(folded.frame) == [9, 12] and folded.frame.weight == 4.0  # summed, never divided
+    assert fold.deposited == set()  # the next round starts empty
+
+
+def test_host_fold_a_death_shrinks_the_barrier_and_can_complete_the_round():
+    fold = HostFold("h0", [0, 1, 2])
+    fold.deposit(0, frame([1]))
+    fold.deposit(2, frame([3]))
+    folded = fold.mark_dead(1)
+    assert folded is not None and values(folded.frame) == [4]
+    assert fold.live == {0, 2}
+
+
+def test_host_fold_a_frame_folded_before_its_rank_died_stays_in_the_round():
+    fold = HostFold("h0", [0, 1])
+    fold.deposit(0, frame([7]))
+    assert fold.mark_dead(0) is None  # rank 1 is still owed a frame
+    folded = fold.deposit(1, frame([1]))
+    assert folded is not None and values(folded.frame) == [8] and folded.frame.weight == 2.0
+
+
+def test_host_fold_second_frame_before_the_consensus_is_a_desync_naming_the_rank():
+    fold = HostFold("h7", [0, 1])
+    fold.deposit(0, frame([1]))
+    with pytest.raises(DesyncError, match=r"relay h7: rank 0 deposited twice"):
+        fold.deposit(0, frame([1]))
+
+
+def test_host_fold_owes_the_consensus_to_exactly_the_depositors_in_rank_order():
+    fold = HostFold("h0", [3, 1, 2])
+    fold.deposit(2, frame([1]))
+    fold.deposit(3, frame([1]))
+    fold.mark_dead(1)
+    fold.host_frame_sent()
+    assert fold.host_frame_up
+    assert fold.consensus_arrived() == [2, 3]
+    assert not fold.host_frame_up
+    fold.deposit(2, frame([1]))  # owed nothing now: a new round's frame is fine
+
+
+def test_host_fold_a_broadcast_nobody_asked_for_is_a_desync():
+    fold = HostFold("h0", [0])
+    with pytest.raises(DesyncError, match="did not ask for"):
+        fold.consensus_arrived()
+
+
+def test_host_fold_dead_ranks_are_not_owed_the_consensus():
+    fold = HostFold("h0", [0, 1])
+    fold.deposit(0, frame([1]))
+    fold.deposit(1, frame([1]))
+    fold.mark_dead(0)
+    fold.host_frame_sent()
+    assert fold.consensus_arrived() == [1]
+
+
+def test_host_fold_single_rank_forward_keeps_the_ping_pong():
+    fold = HostFold("h0", [5])
+    fold.forward(5)
+    with pytest.raises(DesyncError):
+        fold.forward(5)
+    fold.host_frame_sent()
+    assert fold.consensus_arrived() == [5]
+    fold.forward(5)
+
+
+def test_host_fold_only_missing_and_complete_ahead():
+    fold = HostFold("h0", [0, 1, 2])
+    assert not fold.only_missing(2)  # nothing folded yet: the size is unknown
+    fold.deposit(0, frame([1]))
+    assert not fold.only_missing(2)
+    fold.deposit(1, frame([1]))
+    assert fold.only_missing(2)
+    acc = fold.acc
+    assert not fold.complete_ahead(2, FoldAccumulator())  # computed over another round's fold
+    assert fold.complete_ahead(2, acc)
+    assert fold.deposited == set() and fold.awaiting_reply == {0, 1, 2}
+
+
+def test_host_fold_complete_ahead_refuses_when_the_round_changed():
+    fold = HostFold("h0", [0, 1, 2])
+    fold.deposit(0, frame([1]))
+    fold.deposit(1, frame([1]))
+    acc = fold.acc
+    fold.mark_dead(2)  # the death completed the round without rank 2's frame
+    assert not fold.complete_ahead(2, acc)
+
+
+def test_host_fold_tells_its_watcher_each_time_the_barrier_moves():
+    changes: list[int] = []
+    fold = HostFold("h0", [0, 1], on_change=lambda: changes.append(len(fold.deposited)))
+    fold.deposit(0, frame([1]))
+    fold.mark_dead(1)
+    assert len(changes) >= 3  # deposit, death, and the round that the death completed
+
+
+def test_host_fold_schema_error_names_the_rank():
+    fold = HostFold("h0", [0, 1])
+    fold.deposit(0, frame([1, 2]))
+    with pytest.raises(SchemaError, match="rank 1 tensor 0 has shape"):
+        fold.deposit(1, frame([1, 2, 3]))
+
+
+# -- ControllerRound -----------------------------------------------------------------------------
+
+
+def controller_round(world: int = 4, **hooks) -> tuple[ControllerRound, DeadRanks, ControllerStats]:
+    dead, stats = DeadRanks(world), ControllerStats()
+    return ControllerRound(world, dead, stats, **hooks), dead, stats
+
+
+def seat(round_: ControllerRound, seat_id: int, host: str, ranks: tuple[int, ...]) -> None:
+    hello = Hello(host, ranks)
+    round_.check_hello(hello)
+    round_.seat(seat_id, hello, f"relay {host}")
+
+
+def test_controller_round_completes_when_every_live_rank_is_delivered_and_divides_once():
+    r, _dead, stats = controller_round()
+    seat(r, 1, "a", (0, 1))
+    seat(r, 2, "b", (2, 3))
+    assert r.accepts_host_frame(1)
+    assert r.deposit(1, frame([2, 4], weight=2.0), now=10.0) is None
+    assert not r.completes(None) and r.completes(2)
+    consensus = r.deposit(2, frame([6, 8], weight=2.0), now=10.5)
+    assert isinstance(consensus, Consensus) and isinstance(consensus.outgoing, RoundFrame)
+    assert values(consensus.outgoing) == [2, 3] and consensus.outgoing.weight == 4.0
+    assert stats.rounds == 1 and stats.last_mass == 4.0
+    assert stats.round_seconds.total == pytest.approx(0.5)
+
+
+def test_controller_round_a_death_completes_the_round_without_that_host():
+    r, dead, _stats = controller_round()
+    seat(r, 1, "a", (0, 1))
+    seat(r, 2, "b", (2, 3))
+    assert r.deposit(1, frame([4], weight=2.0), now=0.0) is None
+    dead.declare_dead(2)
+    assert r.rank_died(now=1.0) is None  # rank 3 is still owed
+    dead.declare_dead(3)
+    consensus = r.rank_died(now=2.0)
+    assert consensus is not None and values(consensus.outgoing) == [2]  # divided by the accepted mass 2
+
+
+def test_controller_round_a_rank_no_relay_carries_holds_the_round_until_declared_dead():
+    r, dead, _stats = controller_round(world=3)
+    seat(r, 1, "a", (0, 1))
+    assert r.deposit(1, frame([3]), now=0.0) is None
+    assert not r.completes(None)
+    dead.declare_dead(2)
+    consensus = r.rank_died(now=1.0)
+    assert consensus is not None and values(consensus.outgoing) == [3]
+
+
+def test_controller_round_desync_and_late_frames():
+    r, dead, _stats = controller_round(world=2)
+    seat(r, 1, "a", (0,))
+    seat(r, 2, "b", (1,))
+    r.deposit(1, frame([1]), now=0.0)
+    with pytest.raises(DesyncError, match="before the consensus of its previous one"):
+        r.accepts_host_frame(1)
+    dead.declare_dead(1)
+    assert not r.accepts_host_frame(2)  # all its ranks are dead: a late frame, dropped
+
+
+def test_controller_round_a_broadcast_going_out_lets_the_next_frame_in():
+    r, _dead, _stats = controller_round(world=1)
+    seat(r, 1, "a", (0,))
+    consensus = r.deposit(1, frame([5]), now=0.0)
+    assert consensus is not None
+    with pytest.raises(DesyncError):
+        r.accepts_host_frame(1)
+    assert r.broadcast_targets() == [1]
+    r.broadcast_going_out(1)
+    assert r.accepts_host_frame(1)
+
+
+def test_controller_round_broadcast_targets_skip_gone_relays_and_relays_with_only_dead_ranks():
+    r, dead, _stats = controller_round()
+    seat(r, 1, "a", (0, 1))
+    seat(r, 2, "b", (2,))
+    seat(r, 3, "c", (3,))
+    dead.declare_dead(2)
+    r.unseat(3)
+    assert r.broadcast_targets() == [1]
+    assert r.seat_of(3) is None and r.seat_of(0) == 1
+
+
+def test_controller_round_refuses_a_hello_for_ranks_already_carried():
+    r, _dead, _stats = controller_round()
+    seat(r, 1, "a", (0, 1))
+    with pytest.raises(HandshakeError, match=r"rank 1, already carried by relay a"):
+        r.check_hello(Hello("b", (1, 2)))
+    with pytest.raises(HandshakeError, match=r"rank 4 >= world_size 4"):
+        r.check_hello(Hello("b", (4,)))
+    with pytest.raises(HandshakeError, match="not sorted and unique"):
+        r.check_hello(Hello("b", (3, 2)))
+
+
+def test_controller_round_outer_optimizer_sees_only_the_params_round_of_each_window():
+    seen: list[RoundKind] = []
+
+    def outer(consensus: RoundFrame) -> RoundFrame:
+        seen.append(consensus.kind)
+        return frame([v * 10 for v in values(consensus)], consensus.weight)
+
+    checkpoints: list[tuple[int, RoundKind]] = []
+    r, _dead, _stats = controller_round(world=1, outer_optimizer=outer,
+                                        checkpoint=lambda i, c: checkpoints.append((i, c.kind)))
+    seat(r, 1, "a", (0,))
+    kinds = [RoundKind.CONTROL, RoundKind.MODEL, RoundKind.MODEL]
+    outgoing = []
+    for kind in kinds:
+        consensus = r.deposit(1, frame([1], kind=kind), now=0.0)
+        assert consensus is not None and consensus.after_write is None  # a hook may keep it
+        outgoing.append(values(consensus.outgoing))
+        r.broadcast_going_out(1)
+    assert seen == [RoundKind.MODEL]  # the params round only
+    assert outgoing == [[1], [10], [1]]
+    assert checkpoints == [(1, RoundKind.CONTROL), (2, RoundKind.MODEL), (3, RoundKind.MODEL)]
+
+
+def test_controller_round_never_speculates_on_a_params_round_the_outer_optimizer_transforms():
+    r, _dead, _stats = controller_round(world=1, outer_optimizer=lambda consensus: consensus)
+    seat(r, 1, "a", (0,))
+    assert r.may_speculate(1, MuxKind.HOST_FRAME)  # no window open yet
+    r.deposit(1, frame([1], kind=RoundKind.CONTROL), now=0.0)
+    r.broadcast_going_out(1)
+    assert not r.may_speculate(1, MuxKind.HOST_FRAME)  # the next round is the params round
+    assert not r.may_speculate(1, MuxKind.CONTROL)
+
+
+def test_controller_round_without_hooks_gives_the_consensus_memory_back_after_writing():
+    r, _dead, stats = controller_round(world=1)
+    seat(r, 1, "a", (0,))
+    first = r.deposit(1, frame([1, 2]), now=0.0)
+    assert first is not None and first.after_write is not None
+    first.after_write()  # every relay was written it: its images may be reused
+    r.broadcast_going_out(1)
+    r.deposit(1, frame([3, 4]), now=1.0)
+    assert stats.fold_images_reused == 1
+
+
+def test_controller_round_speculation_commits_only_over_the_same_round():
+    r, dead, stats = controller_round(world=2)
+    seat(r, 1, "a", (0,))
+    seat(r, 2, "b", (1,))
+    r.deposit(1, frame([1, 2]), now=0.0)
+    assert r.is_last(2) and not r.is_last(1)
+    incoming = encode_round_frame(frame([3, 4]), SALT)
+    speculative = r.begin_speculation(in_length=len(incoming))
+    assert speculative is not None
+    speculative.consume(memoryview(incoming))
+    assert speculative.complete
+    record = EncodedFrame([b"signed-ahead"], 12)
+    dead.declare_dead(0)  # rank 0's frame, folded before it died, still counts ...
+    consensus = r.commit_speculation(2, speculative, record, now=1.0)
+    assert consensus is not None and consensus.outgoing is record  # ... and the fold is the same one
+    assert values(speculative.frame()) == [2, 3] and stats.last_mass == 2.0
+    assert stats.rounds_finished_ahead == 1
+    again = r.begin_speculation(in_length=39)
+    assert again is None  # nothing folded in the new round: the size is unknown
+
+
+def test_controller_round_speculation_over_an_older_fold_is_refused():
+    r, _dead, _stats = controller_round(world=2)
+    seat(r, 1, "a", (0,))
+    seat(r, 2, "b", (1,))
+    r.deposit(1, frame([1]), now=0.0)
+    speculative = r.begin_speculation(in_length=35)
+    assert speculative is not None
+    r.deposit(2, frame([1]), now=0.5)  # the ordinary path closed the round first
+    assert r.commit_speculation(2, speculative, EncodedFrame([b"x"], 1), now=1.0) is None
+    r.give_back(speculative)
