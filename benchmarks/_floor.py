@@ -30,6 +30,15 @@ import time
 from dataclasses import dataclass
 
 MUX_HEADER = 25  # bytes before a relay <-> controller record's payload (docs/wire.md)
+
+
+def frame_len(numel: int, dtype: str) -> int:
+    """One RoundFrame of a single 1-D tensor (docs/wire.md): header 17 + tensor header 14 + data + MAC 8.
+
+    Restated here because the orchestrator must not import numpy (its RSS floors
+    every measured process); a test pins it to the wire layer's own count.
+    """
+    return 25 + 14 + numel * (2 if dtype == "bf16" else 4)
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(?:([kmgt]?)(i?)(bit|bps))?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _IEC = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

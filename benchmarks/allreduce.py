@@ -104,6 +104,7 @@ from typing import Any
 from _floor import (  # this script's folder is on sys.path
     Floor,
     MachineCosts,
+    frame_len,
     measure_costs,
     one_host_floor,
     parse_rate,
@@ -764,11 +765,6 @@ class NetnsPair:
 # ---------------------------------------------------------------------------
 # Workloads, table, targets, chart
 # ---------------------------------------------------------------------------
-
-
-def frame_len(numel: int, dtype: str) -> int:
-    """One RoundFrame of a single 1-D tensor (docs/wire.md): header + tensor header + data + MAC."""
-    return 25 + 14 + numel * (2 if dtype == "bf16" else 4)
 
 
 def fmt_bytes(n: float) -> str:

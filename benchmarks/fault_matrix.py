@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _machine import cpu_model  # noqa: E402  (this script's folder is on sys.path)
-from flodl_trio.testing.matrix import MATRIX, Case, CaseRecord, run_case
 
+from flodl_trio.testing.matrix import MATRIX, Case, CaseRecord, run_case
 
 
 def machine() -> str:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flodl_trio.wire.constants import MUX_HEADER_LEN
+from flodl_trio.wire.constants import DTYPE_BF16, DTYPE_F32, MUX_HEADER_LEN
+from flodl_trio.wire.round_frame import schema_frame_len
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "_floor.py"
 _spec = importlib.util.spec_from_file_location("_floor", _PATH)
@@ -25,6 +26,12 @@ F32_FRAME_16MIB = 25 + 14 + 16 * MiB  # one 1-D f32 tensor: frame header + tenso
 
 def test_mux_header_matches_the_wire_layer() -> None:
     assert floor.MUX_HEADER == MUX_HEADER_LEN
+
+
+@pytest.mark.parametrize(("dtype", "tag"), [("f32", DTYPE_F32), ("bf16", DTYPE_BF16)])
+@pytest.mark.parametrize("numel", [0, 1, 1000, 4 * MiB])
+def test_frame_len_matches_the_wire_layer(dtype: str, tag: int, numel: int) -> None:
+    assert floor.frame_len(numel, dtype) == schema_frame_len([(tag, (numel,))])
 
 
 @pytest.mark.parametrize(

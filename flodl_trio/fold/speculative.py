@@ -291,7 +291,7 @@ class SpeculativeFrame:
         return self._out
 
     def output(self) -> memoryview:
-        """Every outgoing byte (the frame's MAC last, once :meth:`seal` wrote it)."""
+        """Every outgoing byte (the frame's MAC last, once :meth:`follow` wrote it)."""
         assert self.out_len is not None
         return self._reserve(self.out_len)
 

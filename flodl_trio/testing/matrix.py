@@ -42,6 +42,7 @@ from ..errors import ConnectFailed, FlodlError, FramingError
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
+    DTYPE_F32,
     MUX_MAGIC,
     MUX_VERSION,
 )
@@ -52,6 +53,7 @@ from ..wire.handshake import (
     encode_data_handshake,
 )
 from ..wire.mux import Hello, MuxKind, encode_control_msg, encode_mux_record
+from ..wire.round_frame import schema_frame_len
 from ..wire.salt import SessionSalt
 from .processes import ChildProcess, Event, ProcessCluster, open_process_cluster
 from .proxy import BandwidthCap, CutAt, Delay, DuplicateRecord, FlipBit, Stall
@@ -78,7 +80,8 @@ MUX_MAC = 17
 
 
 def frame_len(numel: int) -> int:
-    return 17 + 2 + 4 + 8 + 4 * numel + 8
+    """A rank's RoundFrame of one 1-d f32 tensor of ``numel`` elements."""
+    return schema_frame_len([(DTYPE_F32, (numel,))])
 
 
 def rank_frame_start(round_index: int, numel: int = 4) -> int:

@@ -39,7 +39,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..transport.tasks import service_nursery
+from ..transport.tasks import ChangeSignal, service_nursery
 from ..wire.salt import SessionSalt
 from .local import LOOPBACK, LocalCluster, open_local_cluster
 from .proxy import Fault, FaultProxy
@@ -83,7 +83,7 @@ class ChildProcess:
     name: str
     process: trio.Process
     output: bytearray = attrs.field(factory=bytearray)
-    _changed: trio.Event = attrs.field(factory=trio.Event)
+    _changed: ChangeSignal = attrs.field(factory=ChangeSignal)
     _stderr_done: bool = False
 
     @property
@@ -100,8 +100,7 @@ class ChildProcess:
         return self.output.decode(errors="replace")
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
 
     def signal(self, sig: signal.Signals) -> None:
         if self.process.returncode is None:

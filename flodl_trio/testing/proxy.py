@@ -33,7 +33,7 @@ from typing import Any, Literal, TypeAlias
 import attrs
 import trio
 
-from ..transport.tasks import service_nursery
+from ..transport.tasks import ChangeSignal, service_nursery
 from ..wire.constants import MUX_HEADER_LEN
 from ..wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
 
@@ -633,7 +633,7 @@ class FaultProxy:
         self.events: list[FaultEvent] = []
         self._requested_port = port
         self._port: int | None = None
-        self._changed = trio.Event()
+        self._changed = ChangeSignal()
 
     # -- where ---------------------------------------------------------------
 
@@ -680,8 +680,7 @@ class FaultProxy:
         self._notify()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
 
     async def _wait_change(self) -> None:
         await self._changed.wait()

@@ -46,6 +46,8 @@ from typing import Any
 
 import trio
 
+from flodl_trio.transport.tasks import ChangeSignal
+
 SALT_ENV = "FLODL_SALT_HEX"
 EXIT_ERROR = 3
 EXIT_CRASH = 4
@@ -77,7 +79,7 @@ class _Go:
 
     def __init__(self) -> None:
         self.available = 0
-        self.changed = trio.Event()
+        self.changed = ChangeSignal()
 
     async def read_stdin(self) -> None:
         stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
@@ -89,8 +91,7 @@ class _Go:
                 for line in lines:
                     if line.strip() == b"go":
                         self.available += 1
-                        self.changed.set()
-                        self.changed = trio.Event()
+                        self.changed.notify()
 
     async def wait(self, seconds: float) -> None:
         with trio.move_on_after(seconds):
