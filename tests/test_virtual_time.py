@@ -43,16 +43,21 @@ async def average_one(cluster, rank: int, value: float, salt: SessionSalt) -> fl
         return (await c.all_reduce_tensors([torch.tensor([value])]))[0].item()
 
 
+async def average_each(cluster, ranks: list[int], salt: SessionSalt, out: dict[int, float]) -> None:
+    """Every rank of ``ranks`` averages its own number once, at the same time, into ``out``."""
+
+    async def rank(r: int) -> None:
+        out[r] = await average_one(cluster, r, float(r), salt)
+
+    async with trio.open_nursery() as nursery:
+        for r in ranks:
+            nursery.start_soon(rank, r)
+
+
 async def test_a_memory_cluster_averages_exactly(autojump_clock, salt):
     out: dict[int, float] = {}
     async with memory_cluster(salt, world_size=4, hosts=[[0, 1], [2, 3]]) as cluster:
-
-        async def rank(r: int) -> None:
-            out[r] = await average_one(cluster, r, float(r), salt)
-
-        async with trio.open_nursery() as nursery:
-            for r in range(4):
-                nursery.start_soon(rank, r)
+        await average_each(cluster, [0, 1, 2, 3], salt, out)
         await cluster.controller.wait_finished()
     assert out == {r: 1.5 for r in range(4)}
     assert cluster.network is not None and cluster.network.connections >= 6  # 2 uplinks + 4 ranks
@@ -69,13 +74,7 @@ async def test_relay_handshake_deadline_refuses_silent_connection(autojump_clock
         assert any("deadline" in r for r in cluster.relays[0].rejections)
         # ...and real ranks still get in and average.
         out: dict[int, float] = {}
-
-        async def rank(r: int) -> None:
-            out[r] = await average_one(cluster, r, float(r), salt)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(rank, 0)
-            nursery.start_soon(rank, 1)
+        await average_each(cluster, [0, 1], salt, out)
     assert out == {0: 0.5, 1: 0.5}
 
 
@@ -219,13 +218,8 @@ async def test_a_relay_that_never_connects_leaves_the_others_waiting_until_decla
     async with open_local_cluster(world_size=4, hosts=[[0, 1]], salt=salt, network=network, bounds=DEFAULTS,
                                   dead_ranks=dead) as cluster:
         out: dict[int, float] = {}
-
-        async def rank(r: int) -> None:
-            out[r] = await average_one(cluster, r, float(r), salt)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(rank, 0)
-            nursery.start_soon(rank, 1)
+            nursery.start_soon(average_each, cluster, [0, 1], salt, out)
             await trio.sleep(3600)
             assert out == {}  # nobody waits on a timer; the round waits for every rank
             dead.declare_dead(2)

@@ -83,14 +83,10 @@ class Coordinator:
 
     async def run(self) -> None:
         """Watchdog, beacons and death notices, until cancelled."""
-        unsubscribe = self.dead.subscribe(lambda _rank: self._deaths_changed.notify())
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watchdog)
-                nursery.start_soon(self._beacons)
-                nursery.start_soon(self._death_notices)
-        finally:
-            unsubscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watchdog)
+            nursery.start_soon(self._beacons)
+            nursery.start_soon(self.dead.watch, self._notice_new_deaths)
 
     async def _watchdog(self) -> None:
         period = max(self.heartbeat_timeout / 8, 0.02)
@@ -115,17 +111,8 @@ class Coordinator:
                     self._send_frame(link, rank, frame)
             await trio.sleep(self.beacon_interval)
 
-    async def _death_notices(self) -> None:
-        """Tell each newly dead rank why, then have its control relay close it.
-
-        Noticing has no checkpoint, so no death can be declared between it and
-        the wait: none is missed.
-        """
-        while True:
-            self._notice_new_deaths()
-            await self._deaths_changed.wait()
-
     def _notice_new_deaths(self) -> None:
+        """Tell each newly dead rank why, then have its control relay close it."""
         for rank in sorted(self.dead.snapshot() - self._noticed):
             link = self.owner.get(rank)
             if link is None:
@@ -192,7 +179,7 @@ class Coordinator:
         for rank in link.ranks:
             self.owner[rank] = link
             self.last_seen[rank] = now  # the grace period starts at formation
-        self._deaths_changed.notify()  # ranks of this relay dead already get their notice now
+        self._notice_new_deaths()  # ranks of this relay dead already get their notice now
         log.info("coordinator: accepted %s", link.name)
         return link
 

@@ -9,7 +9,7 @@ Task structure::
     relay session (one per host):  link_reader  --HostFrame--> ControllerRound --Consensus-->
                                    link_writer  <--Broadcast / DeclareDead-- outbox channel
     broadcaster:    Consensus --> signed once --> every live relay's outbox
-    death_watcher:  DeadRanks changed --> DeclareDead to the owning relay; the round may complete
+    DeadRanks.watch: each new death --> DeclareDead to the owning relay; the round may complete
 
 The round and its membership live in :class:`~.round.ControllerRound`, which
 does no I/O; the tasks here move bytes and tell it what happened. A bad
@@ -183,7 +183,6 @@ class _Controller:
         # One model-sized receive buffer; a second (sized by a verified record, so
         # it never grows) once there are two relays whose frames can overlap.
         self.pool = BufferPool(1, limit=2)
-        self._deaths_changed = ChangeSignal()
         self._forwarded: set[int] = set()
         self._exited: set[int] = set()  # ranks whose own relay reported them gone (no DeclareDead needed)
         # Capacity 1 suffices: the next round cannot complete before this one's
@@ -192,15 +191,11 @@ class _Controller:
         self._consensus_send, self._consensus_receive = trio.open_memory_channel[Consensus](1)
 
     async def run(self) -> None:
-        unsubscribe = self.dead.subscribe(lambda _rank: self._deaths_changed.notify())
-        try:
-            async with self._consensus_send, trio.open_nursery() as nursery:
-                nursery.start_soon(self._death_watcher)
-                nursery.start_soon(self._broadcaster, self._consensus_receive)
-                nursery.start_soon(self.handle.coordinator.run)
-                await nursery.start(trio.serve_listeners, self._route, self.listeners)
-        finally:
-            unsubscribe()
+        async with self._consensus_send, trio.open_nursery() as nursery:
+            nursery.start_soon(self.dead.watch, self._forward_new_deaths)
+            nursery.start_soon(self._broadcaster, self._consensus_receive)
+            nursery.start_soon(self.handle.coordinator.run)
+            await nursery.start(trio.serve_listeners, self._route, self.listeners)
 
     def _refuse(self, message: str) -> None:
         log.warning("controller: %s", message)
@@ -413,17 +408,8 @@ class _Controller:
             # Only the link outboxes may keep this round's consensus alive (until written).
             del consensus, record, written
 
-    async def _death_watcher(self) -> None:
-        """Each new death: one DeclareDead to the relay carrying it; the round may complete.
-
-        Forwarding has no checkpoint, so no death can be declared between it and
-        the wait: none is missed.
-        """
-        while True:
-            self._forward_new_deaths()
-            await self._deaths_changed.wait()
-
     def _forward_new_deaths(self) -> None:
+        """Each new death: one DeclareDead to the relay carrying it; the round may complete."""
         new = self.dead.snapshot() - self._forwarded
         if not new:
             return

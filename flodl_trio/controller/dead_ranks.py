@@ -13,6 +13,7 @@ from collections.abc import Callable
 import trio
 
 from ..errors import ConfigError
+from ..transport.tasks import ChangeSignal
 
 Subscriber = Callable[[int], None]
 
@@ -78,6 +79,22 @@ class DeadRanks:
                     self._subscribers.remove(entry)
 
         return unsubscribe
+
+    async def watch(self, handle_deaths: Callable[[], None]) -> None:
+        """Call ``handle_deaths()`` now and after each new death, until cancelled.
+
+        ``handle_deaths`` compares the ledger with what it has handled and acts
+        on the difference. It must not await: then no death can be declared
+        between it and the wait, and none is missed.
+        """
+        changed = ChangeSignal()
+        unsubscribe = self.subscribe(lambda _rank: changed.notify())
+        try:
+            while True:
+                handle_deaths()
+                await changed.wait()
+        finally:
+            unsubscribe()
 
     def __repr__(self) -> str:
         return f"DeadRanks(world_size={self._world_size}, dead={sorted(self.snapshot())})"
