@@ -247,14 +247,15 @@ def worker_gloo(args: argparse.Namespace) -> None:
 # they are *used*, since the roles import them with `from ... import`.
 TIMED_FUNCTIONS = [
     (mod, name)
-    for mod in ("flodl_trio.relay.core", "flodl_trio.controller.core", "flodl_trio.client")
+    for mod in ("flodl_trio.relay.channels", "flodl_trio.controller.core", "flodl_trio.controller.round",
+                "flodl_trio.client.reduce")
     for name in ("decode_round_frame", "encode_round_frame_chunks", "encode_mux_record", "finish_consensus",
                  "encode_enveloped_frame")
 ] + [
-    ("flodl_trio.wire.stream", "verify_mux_payload"),
-    ("flodl_trio.wire.stream", "RunningMac.feed"),
-    ("flodl_trio.wire.fold", "FoldAccumulator.add"),
-    ("flodl_trio.wire.fold", "FoldAccumulator.result"),
+    ("flodl_trio.transport.stream", "verify_mux_payload"),
+    ("flodl_trio.transport.hashing", "RunningMac.feed"),
+    ("flodl_trio.fold.accumulator", "FoldAccumulator.add"),
+    ("flodl_trio.fold.accumulator", "FoldAccumulator.result"),
     ("flodl_trio.tensors", "tensors_to_round_frame"),
     ("flodl_trio.tensors", "round_frame_to_tensors"),
 ]
