@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _machine import cpu_model  # noqa: E402  (this script's folder is on sys.path)
 
+from flodl_trio.fold import FoldAccumulator
 from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
-    FoldAccumulator,
     RoundFrame,
     RoundKind,
     SessionSalt,
