@@ -151,6 +151,9 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
     ("docs/fault-injection.md", "async def test_a_dead_rank_and_a_corrupted_frame"): RunBy(
         "test_fault_injection_complete_example_passes_under_pytest"
     ),
+    ("docs/fault-injection.md", "async def test_a_silent_connection_is_refused"): RunBy(
+        "test_fault_injection_virtual_time_example_passes_under_pytest"
+    ),
     ("docs/outer-and-checkpoints.md", 'ConsensusCheckpointer("ckpt/"'): RunBy(
         "test_outer_and_checkpoints_write_then_resume"
     ),
@@ -843,6 +846,18 @@ async def test_fault_injection_complete_example_passes_under_pytest(tmp_path):
         output = await processes.run(
             "pytest", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "trio_mode=true",
                        "test_example.py"],
+            env=snippet_env(), cwd=tmp_path, seconds=80,
+        )
+    assert re.search(r"\b1 passed\b", output), output
+
+
+async def test_fault_injection_virtual_time_example_passes_under_pytest(tmp_path):
+    example = doc_snippet("docs/fault-injection.md", "async def test_a_silent_connection_is_refused")
+    (tmp_path / "test_virtual_example.py").write_text(example)
+    async with open_processes() as processes:
+        output = await processes.run(
+            "pytest", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "trio_mode=true",
+                       "test_virtual_example.py"],
             env=snippet_env(), cwd=tmp_path, seconds=80,
         )
     assert re.search(r"\b1 passed\b", output), output
