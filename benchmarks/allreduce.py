@@ -247,7 +247,7 @@ def worker_gloo(args: argparse.Namespace) -> None:
 # they are *used*, since the roles import them with `from ... import`.
 TIMED_FUNCTIONS = [
     (mod, name)
-    for mod in ("flodl_trio.relay.channels", "flodl_trio.controller.core", "flodl_trio.controller.round",
+    for mod in ("flodl_trio.relay.channels", "flodl_trio.controller.core", "flodl_trio.controller.round", "flodl_trio.transport.hashing",
                 "flodl_trio.client.reduce")
     for name in ("decode_round_frame", "encode_round_frame_chunks", "encode_mux_record", "finish_consensus",
                  "encode_enveloped_frame")

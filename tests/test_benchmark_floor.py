@@ -93,3 +93,28 @@ def test_measured_costs_are_this_machines_and_plausible() -> None:
     assert 0 < costs.loopback_cpu_s_per_byte < 1e-6  # a loopback byte costs less than a microsecond
     assert "GB/s" in costs.describe() and f"{costs.cores} cores" in costs.describe()
 
+
+
+def test_every_timed_function_of_the_timing_mode_exists() -> None:
+    """``--timing`` skips a target it cannot find, so a renamed module would silently time nothing."""
+    import importlib
+
+    bench_dir = str(_PATH.parent)
+    sys.path.insert(0, bench_dir)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_allreduce", _PATH.parent / "allreduce.py")
+        assert spec is not None and spec.loader is not None
+        bench = importlib.util.module_from_spec(spec)
+        sys.modules["bench_allreduce"] = bench  # dataclasses look their module up by name
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(bench_dir)
+        sys.modules.pop("bench_allreduce", None)
+    found: dict[str, int] = {}
+    for module_name, dotted in bench.TIMED_FUNCTIONS:
+        owner = importlib.import_module(module_name)  # every module named exists
+        for part in dotted.split("."):
+            owner = getattr(owner, part, None)
+        found[dotted] = found.get(dotted, 0) + (owner is not None)
+    missing = sorted(name for name, hits in found.items() if hits == 0)
+    assert missing == [], f"timed nowhere: {missing}"

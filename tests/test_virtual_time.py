@@ -253,3 +253,23 @@ async def test_a_memory_port_nobody_listens_on_refuses(autojump_clock):
     await listener.aclose()
     with pytest.raises(OSError):
         await network.connect("memory", listener.port)
+
+
+async def test_each_channel_logs_one_summary_and_only_the_data_channel_a_fold_ratio(autojump_clock, salt, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flodl_trio.relay")
+    async with memory_cluster(salt, world_size=2, hosts=[[0, 1]], control=True) as cluster:
+
+        async def member(rank: int) -> None:
+            async with connect_control_client(cluster.control_address(rank), rank, 2, salt, SIG, connect=cluster.connect):
+                await average_one(cluster, rank, 1.0, salt)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member, 0)
+            nursery.start_soon(member, 1)
+        await cluster.relays[0].wait_finished()
+        await cluster.control_relays[0].wait_finished()
+    summaries = {m.split()[2]: m for m in (r.getMessage() for r in caplog.records) if "summary:" in m}
+    assert set(summaries) == {"data", "control"}, summaries
+    assert "fold-ratio=" in summaries["data"] and "fold-ratio" not in summaries["control"], summaries
