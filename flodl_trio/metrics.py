@@ -49,6 +49,17 @@ class ControllerCollector(Collector):
         yield _gauge("flodl_controller_relays", "Data relays accepted so far", stats.relays)
         yield _gauge("flodl_controller_accepted_mass", "Realized-work mass of the last round", stats.last_mass)
         yield _counter("flodl_controller_mac_failures", "Records whose MAC did not verify", stats.mac_failures)
+        yield _counter(
+            "flodl_controller_relays_dropped", "Relay connections dropped for bytes that broke the protocol",
+            stats.relays_dropped,
+        )
+        ignored = CounterMetricFamily(
+            "flodl_controller_control_frames_ignored",
+            "Rank control frames the coordinator ignored (anything but a valid, fresh heartbeat)", labels=["reason"],
+        )
+        for reason, count in sorted(self.handle.coordinator.ignored.items()):
+            ignored.add_metric([reason], count)
+        yield ignored
         yield _counter("flodl_controller_rejected_connections", "Connections refused", stats.rejected)
         yield _counter(
             "flodl_controller_rounds_finished_ahead",

@@ -20,11 +20,11 @@ import logging
 
 import trio
 
-from ..errors import FlodlError, HandshakeError, MacError, ProtocolError
+from ..errors import FlodlError, HandshakeError, ProtocolError
 from ..settings import NetBounds
-from ..transport.buffers import SMALL_MESSAGE
+from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.stream import CONNECTION_LOST, MessageStream
-from ..transport.tasks import ChangeSignal
+from ..wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD
 from ..wire.control_frame import (
     ControlFrame,
     decode_control_frame,
@@ -49,6 +49,10 @@ from .links import (
 from .round import check_hello_ranks
 
 log = logging.getLogger("flodl_trio.coordinator")
+
+# A control-channel Data record carries one ControlFrame: its header and up to 16 MiB.
+CONTROL_RECORD_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
+
 
 class Coordinator:
     """Tracks one heartbeat per rank; declares silent ranks dead; beacons the living."""
@@ -76,8 +80,14 @@ class Coordinator:
         self.rejections: list[str] = []
         self.death_reasons: dict[int, str] = {}
         self._beacon_seq = 0
-        self._deaths_changed = ChangeSignal()
         self._noticed: set[int] = set()
+        # The last heartbeat sequence number accepted per rank, this connection epoch:
+        # a heartbeat must carry a higher one (a replayed copy keeps nobody alive).
+        self.last_seq: dict[int, int] = {}
+        # Control frames from ranks that were not a heartbeat the coordinator accepted,
+        # by why: they are ignored (docs/liveness.md), counted, and logged once per rank.
+        self.ignored: dict[str, int] = {}
+        self._ignored_logged: set[tuple[int, str]] = set()
 
     # -- service tasks (run in the controller's nursery) ---------------------
 
@@ -179,6 +189,7 @@ class Coordinator:
         for rank in link.ranks:
             self.owner[rank] = link
             self.last_seen[rank] = now  # the grace period starts at formation
+            self.last_seq[rank] = 0  # a new connection epoch: sequence numbers start again
         self._notice_new_deaths()  # ranks of this relay dead already get their notice now
         log.info("coordinator: accepted %s", link.name)
         return link
@@ -218,10 +229,13 @@ class Coordinator:
 
     async def _read_link(self, link: RelayLink) -> None:
         while True:
-            header = await link.conn.receive_mux_header(SMALL_MESSAGE)
+            header = await link.conn.receive_mux_header(CONTROL_RECORD_CEILING)
             if header is None:
                 return
-            kind, payload = await link.conn.receive_mux_payload(header, link.small, self.salt)
+            # Small records reuse the link's buffer; a rare large one gets one of its own,
+            # freed once read, so no link keeps megabytes between messages.
+            buf = link.small if header.length <= SMALL_MESSAGE else ReceiveBuffer()
+            kind, payload = await link.conn.receive_mux_payload(header, buf, self.salt)
             if kind is MuxKind.DATA:
                 self._on_rank_frame(link, header.rank, payload)
             elif kind is MuxKind.CONTROL:
@@ -234,15 +248,31 @@ class Coordinator:
                 raise ProtocolError(f"unexpected {kind.name} record on the control channel")
 
     def _on_rank_frame(self, link: RelayLink, rank: int, payload: memoryview) -> None:
+        """A rank's control frame. Only a valid, fresh heartbeat from that rank counts;
+        anything else is the rank's own business (or garbage) and is ignored - never
+        a reason to drop its relay, whose other ranks are innocent."""
         if rank not in link.ranks:
             raise ProtocolError(f"Data record for rank {rank}, which this relay does not carry")
         try:
             message = decode_liveness(decode_control_frame(payload, self.salt, source=f"rank {rank}"))
-        except MacError as exc:
-            log.warning("coordinator: dropped a control frame: %s", exc)
-            return
-        if isinstance(message, Heartbeat) and message.rank == rank and not self.dead.is_dead(rank):
+        except ProtocolError as exc:
+            return self._ignore(rank, "malformed or unauthenticated", str(exc))
+        if not isinstance(message, Heartbeat):
+            return self._ignore(rank, "not a heartbeat", f"{len(payload)} bytes of other control traffic")
+        if message.rank != rank:
+            return self._ignore(rank, "heartbeat for another rank", f"carries rank {message.rank}")
+        if message.seq <= self.last_seq.get(rank, 0):
+            return self._ignore(rank, "replayed heartbeat", f"sequence {message.seq} after {self.last_seq.get(rank, 0)}")
+        if not self.dead.is_dead(rank):
+            self.last_seq[rank] = message.seq
             self.last_seen[rank] = trio.current_time()
+
+    def _ignore(self, rank: int, why: str, detail: str) -> None:
+        self.ignored[why] = self.ignored.get(why, 0) + 1
+        if (rank, why) not in self._ignored_logged:
+            self._ignored_logged.add((rank, why))
+            log.warning("coordinator: ignored a control frame from rank %d (%s: %s); further ones are counted only",
+                        rank, why, detail)
 
     async def _drop(self, link: RelayLink, why: str) -> None:
         if not link.closed:

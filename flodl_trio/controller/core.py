@@ -231,26 +231,34 @@ class _Controller:
     async def _serve_relay(self, conn: MessageStream) -> None:
         """One data relay's session: a writer task beside the reader, until either ends.
 
-        When the session ends its ranks are dead. A FlodlError from the relay's
-        bytes leaves here naming the relay and stops the controller; so does a
-        cancellation (the controller is stopping): neither declares deaths,
-        which would only race the error to ``wait_finished``.
+        When the session ends its ranks are dead. Bytes from the relay that break
+        the protocol (a bad MAC, a malformed frame, a broken ping-pong) cost only
+        that relay: it is dropped, logged and counted, and the survivors' round
+        completes without it. Any other error is the controller's own and stops
+        it; it leaves here naming the relay. Neither that nor a cancellation (the
+        controller is stopping) declares deaths, which would race the error to
+        ``wait_finished``.
         """
         link = await self._accept_relay(conn)
         if link is None:
             return
+        why = "connection closed"
         try:
             with link.scope, one_error():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._link_writer, link)
                     await self._link_reader(link)
                     nursery.cancel_scope.cancel()
+        except ProtocolError as exc:
+            why = f"dropped for breaking the protocol ({exc})"
+            self.stats.relays_dropped += 1
+            log.warning("controller: %s %s; its ranks are dead", link.name, why)
         except FlodlError as exc:
             named = attributed_to(exc, link.name)
             if named is exc:
                 raise
             raise named from exc
-        await self._drop_link(link, "connection closed")
+        await self._drop_link(link, why)
 
     async def _accept_relay(self, conn: MessageStream) -> RelayLink | None:
         """Read and check the Hello; seat the relay or refuse it (logged, not fatal)."""

@@ -33,6 +33,7 @@ class ControllerStats:
     relays: int = 0
     rejected: int = 0
     mac_failures: int = 0
+    relays_dropped: int = 0  # relay connections ended for bytes that broke the protocol
     rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
 

@@ -12,6 +12,7 @@ model-sized block every round.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -133,6 +134,7 @@ class FoldAccumulator:
         On a schema error nothing of ``frame`` has been added.
         """
         self._check_schema(frame, source)
+        self._check_mass(frame, source)
         if self.count == 0:
             self.kind = frame.kind
             self._first_source = source
@@ -142,6 +144,17 @@ class FoldAccumulator:
             slot.add(t)
         self.weight += frame.weight
         self.count += 1
+
+    def _check_mass(self, frame: RoundFrame, source: str) -> None:
+        """Each weight is finite alone (the decoder checks); their sum must stay finite,
+        or the consensus could not even be encoded: the contribution that would
+        overflow it is refused, and costs only its sender."""
+        total = self.weight + frame.weight
+        if not math.isfinite(total):
+            raise SchemaError(
+                f"round fold: {source}'s weight {frame.weight!r} would make the round's accepted mass "
+                f"{total!r} (over the {self.count} contribution(s) so far); refused"
+            )
 
     def _spares_for(self, frame: RoundFrame) -> list[npt.NDArray[np.float32] | None]:
         if self.images is None:

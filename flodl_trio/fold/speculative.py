@@ -186,6 +186,8 @@ class SpeculativeFrame:
         if count != len(self._layout) or kind != self.acc.kind:
             raise _Unfit("schema differs from the folded frames")
         total = self.acc.weight + weight
+        if not math.isfinite(total):
+            raise _Unfit(f"weight {weight!r} would make the mass {total!r}")
         if self.divide and kind == RoundKind.MODEL and total > 0:
             self._scale = np.float32(1.0 / total)
         self._count = count

@@ -17,18 +17,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 
 import attrs
 import trio
 
 from ..errors import (
-    DesyncError,
     FlodlError,
     MacError,
     ProtocolError,
-    SchemaError,
 )
 from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
@@ -53,10 +51,16 @@ from ..wire.mux import (
     encode_mux_record,
     mux_signed_header,
 )
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
+from ..wire.round_frame import (
+    EncodedFrame,
+    RoundFrame,
+    check_payloads,
+    decode_round_frame,
+)
 from ..wire.salt import Buffer
 from .config import RelayConfig, RelayStats
 from .host_fold import FoldedHostFrame, HostFold
+from .host_ranks import HostRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -107,30 +111,52 @@ _HOST_FRAMES = (_RawHostFrame, _SealedHostFrame, FoldedHostFrame)
 
 class _Channel:
     """What both channel kinds share: the nursery, the sole upstream writer,
-    the upstream read loop, local exits and shutdown-by-cancellation.
+    the upstream read loop, ranks joining and leaving, and how it ends.
 
-    How it ends: upstream EOF cancels the nursery (nothing more can be
-    written); the last local rank leaving stops the upstream reader, so every
-    producer has closed its clone of the outbound channel and the writer
-    drains what is queued (the ranks' RankExits) and returns; any error raised
-    by a task travels out through the nursery.
+    Ranks join with :meth:`join` (the relay's connection handler calls it once
+    a rank's handshake is done); each gets a reader task in the channel's
+    nursery. How it ends: upstream EOF cancels the nursery (nothing more can
+    be written); the last of the host's ranks leaving stops the upstream
+    reader and the intake of joiners, so every producer has closed its clone
+    of the outbound channel and the writer drains what is queued (the ranks'
+    RankExits) and returns; any error raised by a task travels out through
+    the nursery.
     """
 
-    def __init__(self, config: RelayConfig, conns: dict[int, MessageStream], upstream: MessageStream, stats: RelayStats) -> None:
+    def __init__(
+        self, config: RelayConfig, upstream: MessageStream, stats: RelayStats, host: HostRanks,
+        ranks: Iterable[int] | None = None,
+    ) -> None:
         self.config = config
-        self.conns = conns
+        self.host = host
+        self.ranks = frozenset(config.ranks if ranks is None else ranks)
+        self.conns: dict[int, MessageStream] = {}
         self.upstream = upstream
         self.stats = stats
         self.gone: set[int] = set()
-        self.reader_scopes = {rank: trio.CancelScope() for rank in conns}
+        self.reader_scopes: dict[int, trio.CancelScope] = {}
         self.pool = BufferPool(1, limit=RECEIVE_BUFFERS)
         self._small = ReceiveBuffer()
         self._upstream_reading = trio.CancelScope()
+        self._admitting = trio.CancelScope()
+        # Each rank joins at most once: the queue never fills.
+        self._joins_send, self._joins = trio.open_memory_channel[int](len(self.ranks))
         self._nursery: trio.Nursery | None = None
 
     @property
     def live(self) -> set[int]:
-        return set(self.conns) - self.gone
+        """The host's ranks still in the barrier: joined, or not joined yet, and not gone."""
+        return set(self.ranks) - self.gone
+
+    def join(self, rank: int, conn: MessageStream) -> bool:
+        """A rank whose handshake is done enters the channel; False if it may not
+        (it left, or was declared dead, meanwhile)."""
+        if rank in self.gone or rank in self.conns:
+            return False
+        self.conns[rank] = conn
+        self.reader_scopes[rank] = trio.CancelScope()
+        self._joins_send.send_nowait(rank)
+        return True
 
     async def run(self) -> None:
         """Run until upstream EOF or the last rank leaves; a task's error comes out of the nursery."""
@@ -141,11 +167,17 @@ class _Channel:
                 self._nursery = nursery
                 nursery.start_soon(self._outbound_writer, receive)
                 nursery.start_soon(self._upstream_reader, send.clone())
-                for rank in self.conns:
-                    nursery.start_soon(self._rank_reader, rank, send.clone())
+                nursery.start_soon(self._admit_joiners, send.clone(), nursery)
                 await send.aclose()
         finally:
             await self.upstream.aclose()
+
+    async def _admit_joiners(self, out: trio.MemorySendChannel[_Outbound], nursery: trio.Nursery) -> None:
+        """Start a reader for each rank as it joins (each reader holds its own clone)."""
+        async with out:
+            with self._admitting:
+                async for rank in self._joins:
+                    nursery.start_soon(self._rank_reader, rank, out.clone())
 
     def _log_shutdown(self, why: str) -> None:
         log.info("relay %s: shutting down: %s", self.config.host_name, why)
@@ -153,14 +185,13 @@ class _Channel:
     # -- rank side -----------------------------------------------------------
 
     async def _rank_reader(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Read one rank until it leaves; its bad bytes cost only itself."""
         async with out:
             reason = "closed its connection"
             with self.reader_scopes[rank]:
                 try:
                     await self._read_rank(rank, out)
                 except (ProtocolError, *CONNECTION_LOST) as exc:
-                    if isinstance(exc, (SchemaError, DesyncError)):
-                        raise
                     if isinstance(exc, MacError):
                         self.stats.mac_failures += 1
                     reason = f"dropped: {exc}"
@@ -170,21 +201,27 @@ class _Channel:
         raise NotImplementedError
 
     async def _rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound], reason: str, *, report: bool = True) -> None:
-        """A local rank left (EOF, error, write failure, or declared dead)."""
+        """A local rank left (EOF, error, write failure, or declared dead, joined or not)."""
         if rank in self.gone:
             return
         self.gone.add(rank)
         self.stats.live_ranks = len(self.live)
         level = logging.WARNING if reason.startswith("dropped") else logging.INFO
         log.log(level, "relay %s: rank %d %s", self.config.host_name, rank, reason)
-        self.reader_scopes[rank].cancel()
+        scope = self.reader_scopes.get(rank)
+        if scope is not None:
+            scope.cancel()
         await self._after_rank_gone(rank, out)
         if report:
             await out.send(RankExit(rank))
-        await self.conns[rank].aclose()
+        conn = self.conns.get(rank)
+        if conn is not None:
+            await conn.aclose()
         if not self.live:
             self._log_shutdown("every local rank has left")
-            self._upstream_reading.cancel()  # the writer then drains the RankExits and returns
+            # The writer then drains the RankExits and returns.
+            self._upstream_reading.cancel()
+            self._admitting.cancel()
 
     async def _after_rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Channel-specific bookkeeping when a rank leaves (the data fold shrinks)."""
@@ -258,8 +295,11 @@ class _Channel:
 
     async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
         if isinstance(msg, DeclareDead):
-            if msg.rank in self.conns:
-                await self._rank_gone(msg.rank, out, "declared dead by the controller; connection closed", report=False)
+            if msg.rank in self.ranks:
+                # Joined or not: a rank that never connected leaves the barrier too.
+                self.host.declare_dead(msg.rank)
+                how = "connection closed" if msg.rank in self.conns else "it had not connected"
+                await self._rank_gone(msg.rank, out, f"declared dead by the controller; {how}", report=False)
             return
         raise ProtocolError(f"relay {self.config.host_name}: unexpected {type(msg).__name__} from the controller mid-session")
 
@@ -280,7 +320,7 @@ class ControlChannel(_Channel):
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         if kind is not MuxKind.DATA:
             await super()._on_record(kind, rank, payload, out)
-        elif rank in self.live:
+        elif rank in self.conns and rank not in self.gone:
             await self._send_to_rank(rank, [payload], len(payload), out)
         # else: the rank already left; its RankExit is on the way or delivered.
 
@@ -292,10 +332,10 @@ class DataChannel(_Channel):
     tell the fold what happened.
     """
 
-    def __init__(self, config: RelayConfig, conns: dict[int, MessageStream], upstream: MessageStream, stats: RelayStats) -> None:
-        super().__init__(config, conns, upstream, stats)
+    def __init__(self, config: RelayConfig, upstream: MessageStream, stats: RelayStats, host: HostRanks) -> None:
+        super().__init__(config, upstream, stats, host)
         self.fold_changed = ChangeSignal()
-        self.fold = HostFold(config.host_name, list(conns), on_change=self.fold_changed.notify)
+        self.fold = HostFold(config.host_name, config.ranks, on_change=self.fold_changed.notify)
         self.single = len(config.ranks) == 1
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
@@ -360,10 +400,11 @@ class DataChannel(_Channel):
         salt = self.config.salt
         what = f"rank {rank}'s {length}-byte frame"
         body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
-        frame = decode_round_frame(
-            body, salt, ceiling=self.config.ceiling, source=f"rank {rank} on host {self.config.host_name}",
-            mac_of_body=mac,
-        )
+        source = f"rank {rank} on host {self.config.host_name}"
+        frame = decode_round_frame(body, salt, ceiling=self.config.ceiling, source=source, mac_of_body=mac)
+        # Its bytes are authentic; now they must also make sense (checked here, at
+        # the first hop, so a single rank's frame is not forwarded unchecked).
+        check_payloads(frame, source)
         return body, frame
 
     async def _receive_folding(self, rank: int, buf: ReceiveBuffer, length: int) -> tuple[RoundFrame, Speculation]:

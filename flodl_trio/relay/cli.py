@@ -30,6 +30,7 @@ from ..settings import NetBounds
 from ..wire.salt import SessionSalt
 from .config import ChannelKind, RelayConfig
 from .core import open_relay
+from .host_ranks import HostRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -117,12 +118,13 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
     """Run the host's relay channels until they finish; raise the first failure."""
     async with AsyncExitStack() as stack:
         handles = {}
+        host = HostRanks(settings.ranks)  # shared by the host's channels
         for kind, port in settings.channels.items():
             handles[kind] = await stack.enter_async_context(
                 open_relay(
                     kind, listen=(settings.listen_host, port), upstream=settings.controller,
                     host_name=settings.host_name, ranks=settings.ranks, world_size=settings.world_size,
-                    salt=settings.salt, ceiling=ceiling, bounds=settings.bounds,
+                    salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, host=host,
                 )
             )
         if metrics is not None:

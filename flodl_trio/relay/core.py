@@ -53,6 +53,7 @@ from ..wire.mux import (
 from ..wire.salt import SessionSalt
 from .channels import ControlChannel, DataChannel
 from .config import ChannelKind, RelayConfig, RelayStats
+from .host_ranks import HostRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -95,15 +96,19 @@ async def open_relay(
     bounds: NetBounds | None = None,
     listeners: Listeners | None = None,
     connect: Connector = trio.open_tcp_stream,
+    host: HostRanks | None = None,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
     Ranks connect to ``listen`` (``(host, port)``; port 0 picks a free one),
     or to the given ``listeners``; ``handle.port`` is bound on entry.
     ``bounds`` defaults to :meth:`NetBounds.from_env`; ``connect_attempts``
-    and ``connect_interval`` override its dialing budget. Leaving the block
-    shuts the relay down; an error it hit that nobody awaited through
-    ``wait_finished()`` is raised on exit.
+    and ``connect_interval`` override its dialing budget. A host's data and
+    control channels should share one ``host`` (:class:`HostRanks`): then a
+    rank the cluster declares dead before it ever connected does not hold up
+    the control channel's formation. Leaving the block shuts the relay down;
+    an error it hit that nobody awaited through ``wait_finished()`` is raised
+    on exit.
     """
     net = bounds if bounds is not None else NetBounds.from_env()
     if connect_attempts is not None:
@@ -119,7 +124,7 @@ async def open_relay(
             raise ConfigError(f"relay {host_name}: give listen=(host, port) or listeners=")
         listeners = await trio.open_tcp_listeners(listen[1], host=listen[0])
     handle = RelayHandle(config, listener_port(listeners[0]))
-    relay = _Relay(config, handle, listeners, connect)
+    relay = _Relay(config, handle, listeners, connect, host if host is not None else HostRanks(config.ranks))
     async with service_nursery() as nursery:
         nursery.start_soon(run_service, relay.run, handle.outcome, log, f"relay {host_name}")
         yield handle
@@ -128,29 +133,56 @@ async def open_relay(
 
 
 class _Relay:
-    """Formation (accept the host's ranks, dial the controller) then the channel."""
+    """Formation (dial the controller; accept the host's ranks) then the channel.
 
-    def __init__(self, config: RelayConfig, handle: RelayHandle, listeners: Listeners, connect: Connector) -> None:
+    The data relay dials the controller at once, so the controller knows who
+    carries the host's ranks before they all arrive (a rank that never
+    connects can be declared dead and the others go on); ranks join the
+    running channel as their handshakes complete. The control relay waits
+    until each of its ranks has connected or been declared dead (the data
+    channel hears of that, through the :class:`HostRanks` both share): its
+    Hello carries the connected ranks' model signatures.
+    """
+
+    def __init__(
+        self, config: RelayConfig, handle: RelayHandle, listeners: Listeners, connect: Connector, host: HostRanks
+    ) -> None:
         self.config = config
         self.handle = handle
         self.listeners = listeners
         self.connect = connect
-        self.joined: dict[int, MessageStream] = {}
+        self.host = host
+        self.claimed: set[int] = set()  # ranks with a handshake under way or done: a second is a duplicate
+        self.waiting: dict[int, MessageStream] = {}  # handshaken before the channel started
         self.signatures: dict[int, bytes] = {}
-        self.all_joined = trio.Event()
+        self.channel: DataChannel | ControlChannel | None = None
 
     async def run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, self._serve_rank_connection, self.listeners)
-                await self.all_joined.wait()
-                upstream = await self._dial_controller()
-                channel_type = DataChannel if self.config.kind is ChannelKind.DATA else ControlChannel
-                await channel_type(self.config, self.joined, upstream, self.handle.stats).run()
+                if self.config.kind is ChannelKind.DATA:
+                    upstream = await self._dial_controller(self.config.ranks)
+                    self.channel = DataChannel(self.config, upstream, self.handle.stats, self.host)
+                else:
+                    ranks = await self._control_formation()
+                    if not ranks:
+                        log.info("relay %s: every rank of the host was declared dead before it connected",
+                                 self.config.host_name)
+                        return
+                    upstream = await self._dial_controller(ranks)
+                    self.channel = ControlChannel(self.config, upstream, self.handle.stats, self.host, ranks)
+                waiting, self.waiting = self.waiting, {}
+                for rank, conn in waiting.items():
+                    await self._hand_over(rank, conn)
+                await self.channel.run()
                 nursery.cancel_scope.cancel()
         finally:
-            for conn in self.joined.values():
+            for conn in self.waiting.values():
                 await conn.aclose()
+            if self.channel is not None:
+                for conn in self.channel.conns.values():
+                    await conn.aclose()
             self._log_summary()
 
     async def _serve_rank_connection(self, stream: trio.abc.Stream) -> None:
@@ -158,27 +190,51 @@ class _Relay:
         until the channel is done with it (when this returns, the stream closes)."""
         tune_socket(stream)
         conn = MessageStream(stream, f"rank connection from {peer_host(stream)}", self.config.bounds)
-        if await self._admit(conn):
-            await conn.wait_closed()
+        rank = await self._admit(conn)
+        if rank is None:
+            return
+        if self.channel is None:
+            self.waiting[rank] = conn
+            self.host.changed.notify()
+        else:
+            await self._hand_over(rank, conn)
+        await conn.wait_closed()
 
-    async def _admit(self, conn: MessageStream) -> bool:
+    async def _control_formation(self) -> tuple[int, ...]:
+        """The control channel's ranks: once every rank of the host has either completed
+        its handshake or been declared dead (heard through the data channel)."""
+        while not self.host.ranks <= set(self.waiting) | self.host.dead:
+            await self.host.changed.wait()
+        return tuple(sorted(set(self.waiting) - self.host.dead))
+
+    async def _hand_over(self, rank: int, conn: MessageStream) -> None:
+        """Give a handshaken rank to the channel; close it if the channel no longer takes it."""
+        assert self.channel is not None
+        if not self.channel.join(rank, conn):
+            log.info("relay %s: rank %d finished its handshake after it was declared dead; closed",
+                     self.config.host_name, rank)
+            await conn.aclose()
+
+    async def _admit(self, conn: MessageStream) -> int | None:
         """Terminate one rank's handshake; refuse (and log) anything wrong."""
+        rank: int | None = None
         try:
             with trio.fail_after(self.config.bounds.handshake):
                 rank = await self._handshake(conn)
                 ack = encode_data_ack() if self.config.kind is ChannelKind.DATA else encode_control_ack(self.config.salt)
                 await conn.send_chunks([ack])
         except (ProtocolError, *CONNECTION_LOST, trio.TooSlowError) as exc:
+            if rank is not None:
+                self.claimed.discard(rank)  # its handshake failed: the rank may try again
             reason = "no complete handshake within the deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
             self._refuse(f"relay {self.config.host_name}: refused {conn.peer}: {reason}")
-            return False
+            return None
         conn.peer = f"rank {rank}"
-        self.joined[rank] = conn
-        if len(self.joined) == len(self.config.ranks):
-            self.all_joined.set()
-        return True
+        return rank
 
     async def _handshake(self, conn: MessageStream) -> int:
+        """Read and check the handshake, then claim the rank (before any other await,
+        so of two simultaneous handshakes for one rank the second is refused)."""
         if self.config.kind is ChannelKind.DATA:
             raw = await conn.receive_exactly(DATA_HANDSHAKE_LEN, "the data handshake")
             hello = decode_data_handshake(raw, self.config.world_size)
@@ -189,25 +245,37 @@ class _Relay:
             raise HandshakeError(
                 f"rank {hello.rank} is not in host {self.config.host_name}'s rank set {list(self.config.ranks)}"
             )
-        if hello.rank in self.joined:
-            state = "already connected" if not self.all_joined.is_set() else "already joined; rejoin is not supported"
-            raise HandshakeError(f"duplicate rank {hello.rank}: {state}")
+        if hello.rank in self.host.dead:
+            raise HandshakeError(f"rank {hello.rank} was declared dead; rejoin is not supported")
+        if hello.rank in self.claimed:
+            raise HandshakeError(f"duplicate rank {hello.rank}: {self._claim_state(hello.rank)}")
+        self.claimed.add(hello.rank)
         self.signatures[hello.rank] = hello.model_signature
         return hello.rank
+
+    def _claim_state(self, rank: int) -> str:
+        """Why a rank already claimed cannot connect again, in words."""
+        if self.channel is not None and rank in self.channel.gone:
+            return "it left the cluster; rejoin is not supported"
+        if self.channel is not None and rank in self.channel.conns:
+            return "already joined"
+        return "already connected"
 
     def _refuse(self, message: str) -> None:
         log.warning("%s", message)
         self.handle.rejections.append(message)
         self.handle.stats.rejected += 1
 
-    async def _dial_controller(self) -> MessageStream:
+    async def _dial_controller(self, ranks: tuple[int, ...]) -> MessageStream:
+        """Connect upstream and announce ``ranks`` (with their model signatures on the
+        control channel); return once the controller acknowledged."""
         host, port = self.config.upstream
         bounds = self.config.bounds
         stream = await connect_with_retry(host, port, f"relay {self.config.host_name} upstream", bounds, self.connect)
         upstream = MessageStream(stream, f"controller {host}:{port}", bounds)
         salt = self.config.salt
-        sigs = [self.signatures[r] for r in self.config.ranks] if self.config.kind is ChannelKind.CONTROL else []
-        hello = Hello(self.config.host_name, self.config.ranks, sigs)
+        sigs = [self.signatures[r] for r in ranks] if self.config.kind is ChannelKind.CONTROL else []
+        hello = Hello(self.config.host_name, ranks, sigs)
         magic = self.config.kind.magic.to_bytes(4, "little")
         await upstream.send_chunks([magic, *encode_mux_record(MuxKind.CONTROL, encode_control_msg(hello), salt).chunks])
         with trio.fail_after(bounds.handshake):
@@ -218,7 +286,7 @@ class _Relay:
         reply = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
         if not isinstance(reply, HelloAck):
             raise HandshakeError(f"relay {self.config.host_name}: expected HelloAck from controller, got {kind.name} {reply}")
-        log.info("relay %s: joined controller %s:%d with ranks %s", self.config.host_name, host, port, list(self.config.ranks))
+        log.info("relay %s: joined controller %s:%d with ranks %s", self.config.host_name, host, port, list(ranks))
         return upstream
 
     def _log_summary(self) -> None:

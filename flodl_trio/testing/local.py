@@ -31,7 +31,7 @@ from ..client import ReduceClient, connect_reduce_client
 from ..controller import ControllerHandle, open_controller
 from ..controller.dead_ranks import DeadRanks
 from ..errors import ConfigError
-from ..relay import ChannelKind, RelayHandle, open_relay
+from ..relay import ChannelKind, HostRanks, RelayHandle, open_relay
 from ..settings import NetBounds
 from ..transport.connect import Connector
 from ..transport.tasks import service_nursery
@@ -157,6 +157,7 @@ async def open_local_cluster(
                 await nursery.start(proxies[index].serve)
         kinds = [ChannelKind.DATA, ChannelKind.CONTROL] if control else [ChannelKind.DATA]
         relays: dict[ChannelKind, list[RelayHandle]] = {kind: [] for kind in kinds}
+        shared = [HostRanks(ranks) for ranks in hosts]  # what each host's two channels share
         for kind in kinds:
             for index, ranks in enumerate(hosts):
                 proxy = proxies.get(index) if kind is ChannelKind.DATA else None
@@ -170,6 +171,7 @@ async def open_local_cluster(
                     salt=session,
                     bounds=bounds,
                     connect=connect,
+                    host=shared[index],
                     **listeners(),
                 )
                 relays[kind].append(await stack.enter_async_context(relay))

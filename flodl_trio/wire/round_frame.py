@@ -135,6 +135,13 @@ def round_frame_len(tensors: Sequence[TensorPayload]) -> int:
     return FRAME_HEADER_LEN + MAC_LEN + sum(10 + 4 * len(t.shape) + t.nbytes for t in tensors)
 
 
+def check_payloads(frame: RoundFrame, source: str) -> None:
+    """Every payload of ``frame`` has a known dtype and the byte count its shape needs
+    (or is elided): SchemaError naming ``source`` and the tensor otherwise."""
+    for index, tensor in enumerate(frame.tensors):
+        check_payload(tensor, index, source)
+
+
 def schema_frame_len(schema: Iterable[tuple[int, Sequence[int]]]) -> int:
     """Length of a frame of this ``(dtype, shape)`` schema with nothing elided: the
     largest a consensus for it can be (known dtypes only)."""

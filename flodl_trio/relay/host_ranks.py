@@ -1,0 +1,31 @@
+"""What a host's relay channels share about its ranks, free of I/O.
+
+A host runs a data channel and a control channel, each its own connection to
+the controller. Only the data channel hears the controller's ``DeclareDead``
+for a rank that never connected; the control channel must not wait for that
+rank before it sends its ``Hello`` (which carries every rank's model
+signature), or the host's other ranks would never reach the coordinator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..transport.tasks import ChangeSignal
+
+
+class HostRanks:
+    """The host's rank set, and which of its ranks the cluster declared dead."""
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        self.ranks = frozenset(ranks)
+        self.dead: set[int] = set()
+        self.changed = ChangeSignal()  # a rank declared dead, or a rank's handshake done
+
+    def declare_dead(self, rank: int) -> None:
+        if rank in self.ranks and rank not in self.dead:
+            self.dead.add(rank)
+            self.changed.notify()
+
+
+__all__ = ["HostRanks"]
