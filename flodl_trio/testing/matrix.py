@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
+import numpy as np
 import trio
 
 from ..client import connect_control_client, connect_reduce_client
@@ -46,14 +47,24 @@ from ..wire.constants import (
     MUX_MAGIC,
     MUX_VERSION,
 )
+from ..wire.control_frame import ControlFrame, ControlKind, encode_control_frame
 from ..wire.handshake import (
+    CONTROL_ACK_LEN,
     DATA_ACK_LEN,
     DATA_HANDSHAKE_LEN,
     encode_control_handshake,
     encode_data_handshake,
 )
+from ..wire.liveness import HEARTBEAT_TAG, heartbeat_frame
 from ..wire.mux import Hello, MuxKind, encode_control_msg, encode_mux_record
-from ..wire.round_frame import schema_frame_len
+from ..wire.round_frame import (
+    FRAME_HEADER_LEN,
+    RoundFrame,
+    RoundKind,
+    TensorPayload,
+    encode_round_frame,
+    schema_frame_len,
+)
 from ..wire.salt import SessionSalt
 from .processes import ChildProcess, Event, ProcessCluster, open_process_cluster
 from .proxy import BandwidthCap, CutAt, Delay, DuplicateRecord, FlipBit, Stall
@@ -1018,6 +1029,222 @@ async def world_size_disagreement() -> Outcome:
     return await _refused_rank(
         lambda c: _reduce_once(c.relay_address(0), 0, 5, SALT), "announced world_size 5, this side was started with 3"
     )
+
+
+# ---------------------------------------------------------------------------
+# Blast radius: a peer with the salt says something impossible
+# ---------------------------------------------------------------------------
+
+
+def contribution_frame(rank: int, round_index: int, numel: int = 4, *, weight: float = 1.0) -> RoundFrame:
+    """What rank_worker sends in round ``round_index`` (value (rank + 1) * (k + 1), mass 1)."""
+    values = np.full(numel, float((rank + 1) * (round_index + 1)), dtype="<f4")
+    return RoundFrame([TensorPayload(DTYPE_F32, (numel,), values)], RoundKind.MODEL, weight)
+
+
+def with_unknown_dtype(frame: RoundFrame) -> bytes:
+    """``frame`` signed correctly, its first tensor's dtype tag set to 9 (no such dtype)."""
+    body = bytearray(encode_round_frame(frame, SALT)[:-8])
+    body[FRAME_HEADER_LEN] = 9
+    return bytes(body) + SALT.mac8(bytes(body))
+
+
+async def raw_data_rank(address: tuple[str, int], rank: int, world: int) -> trio.SocketStream:
+    stream = await trio.open_tcp_stream(*address)
+    await stream.send_all(encode_data_handshake(rank, world))
+    await receive_exactly(stream, DATA_ACK_LEN)
+    return stream
+
+
+async def _bad_schema(hosts: list[list[int]], attacker: int, world: int = 3) -> Outcome:
+    honest = [r for r in range(world) if r != attacker]
+    async with daemon_cluster(world_size=world, hosts=hosts, rounds=2, control=False, external_ranks={attacker}) as c:
+        with diagnose(c):
+            stream = await raw_data_rank(c.relay_address(attacker), attacker, world)
+            async with stream:
+                await formed(c)
+                bad = with_unknown_dtype(contribution_frame(attacker, 0))
+                t0 = mono()
+                await stream.send_all(struct.pack("<I", len(bad)) + bad)
+                await wait_closed_by_peer(stream)
+                refused = mono() - t0
+            relay = c.relay_processes(c.host_of(attacker))[0]
+            await relay.wait_log(re.compile(rf"rank {attacker} dropped: .*unknown dtype tag 9"))
+            rounds = await expect_consensus(c, honest, 2, lambda _k: set(honest))
+            assert c.controller is not None
+            if "dropped for breaking the protocol" in c.controller.text:
+                raise MatrixFailure("the bad frame reached the controller")
+            seconds = max([rounds[r][1]["time"] for r in rounds] + [t0 + refused]) - t0
+    return Outcome(
+        f"its relay dropped rank {attacker} (SchemaError: unknown dtype tag 9); nothing reached the controller; "
+        f"ranks {fmt_ranks(honest)} got their {len(honest)}-rank consensus", seconds,
+    )
+
+
+@case("rank-bad-schema", fault="an authenticated frame with an unknown dtype tag, beside an honest rank", leg="rank -> relay (data)")
+async def rank_bad_schema() -> Outcome:
+    return await _bad_schema([[0, 1], [2]], attacker=1)
+
+
+@case("rank-bad-schema-alone", fault="an authenticated frame with an unknown dtype tag, alone on its host", leg="rank -> relay (data)")
+async def rank_bad_schema_alone() -> Outcome:
+    return await _bad_schema([[0], [1, 2]], attacker=0)
+
+
+@case("rank-mass-overflow", fault="two ranks of a host each send weight 1e308 (finite alone)", leg="rank -> relay (data)")
+async def rank_mass_overflow() -> Outcome:
+    """The second 1e308 would make the host's mass infinite: its sender is dropped. The
+    first is realized work: round 0's consensus is the honest values over a mass of
+    1e308 (0 in f32); after the first attacker leaves, round 1 is the honest mean."""
+    async with daemon_cluster(world_size=4, hosts=[[0, 1, 2], [3]], rounds=2, control=False, external_ranks={0, 1}) as c:
+        with diagnose(c):
+            streams = [await raw_data_rank(c.relay_address(r), r, 4) for r in (0, 1)]
+            await formed(c)
+            t0 = mono()
+            for rank, stream in zip((0, 1), streams):
+                frame = encode_round_frame(contribution_frame(rank, 0, weight=1e308), SALT)
+                await stream.send_all(struct.pack("<I", len(frame)) + frame)
+            relay = c.relay_processes(0)[0]
+            match = await relay.wait_log(re.compile(r"rank ([01]) dropped: .*accepted mass inf"))
+            first = await c.wait_round(2, 0)
+            for stream in streams:  # the survivor leaves too: round 1 is the honest ranks'
+                await stream.aclose()
+            for rank in (2, 3):
+                event = await c.wait_round(rank, 0)
+                if not (event["value"] == event["min"] == event["max"] == 0.0 and event["mass"] == 1e308):
+                    raise MatrixFailure(f"rank {rank} round 0: {event}; want 0.0 everywhere with mass 1e308")
+            final = [await c.wait_outcome(r) for r in (2, 3)]
+            for rank in (2, 3):
+                check_round(await c.wait_round(rank, 1), {2, 3})
+            if any(f["event"] != "done" for f in final):
+                raise MatrixFailure(f"the honest ranks did not finish: {final}")
+            seconds = first["time"] - t0
+    return Outcome(
+        f"relay dropped rank {match.group(1)} (its weight would make the mass inf); round 0 kept the other 1e308 "
+        "(honest ranks got 0 with mass 1e308), round 1 the honest mean", seconds,
+    )
+
+
+@case("duplicate-handshake-race", fault="two clients claim the same rank at the same instant", leg="rank -> relay (data)")
+async def duplicate_handshake_race() -> Outcome:
+    async with daemon_cluster(world_size=3, hosts=[[0, 1], [2]], rounds=2, control=False, external_ranks={0}) as c:
+        with diagnose(c):
+            streams = [await trio.open_tcp_stream(*c.relay_address(0)) for _ in range(2)]
+            t0 = mono()
+            for stream in streams:  # both handshakes are in before either is answered
+                await stream.send_all(encode_data_handshake(0, 3))
+            acks = []
+            for stream in streams:
+                got = b""
+                with trio.move_on_after(10):
+                    while len(got) < DATA_ACK_LEN and (chunk := await stream.receive_some(DATA_ACK_LEN - len(got))):
+                        got += chunk
+                acks.append(len(got) == DATA_ACK_LEN)
+            seconds = mono() - t0
+            if sorted(acks) != [False, True]:
+                raise MatrixFailure(f"acks {acks}: want exactly one of the two handshakes acknowledged")
+            # "already connected" or, once the first joined the running channel, "already joined"
+            await c.relay_processes(0)[0].wait_log("duplicate rank 0: already")
+            for stream in streams:  # rank 0 leaves; the others go on without it
+                await stream.aclose()
+            await expect_consensus(c, [1, 2], 2, lambda _k: {1, 2})
+    return Outcome("one acknowledged, the other refused (duplicate rank 0); ranks 1,2 went on", seconds)
+
+
+@case("never-connected-declared-dead", fault="a rank never starts; the operator declares it dead", leg="formation (operator)")
+async def never_connected_declared_dead() -> Outcome:
+    """Rank 1 never connects (data or control). Its host's data relay is connected from
+    the start, so once it is declared dead, rank 0's rounds complete, and the host's
+    control relay joins the coordinator without it (rank 0 keeps its beacons)."""
+    async with open_process_cluster(
+        world_size=3, hosts=[[0, 1], [2]], salt=SALT, rounds=3, pause=HEARTBEAT_TIMEOUT / 2, backend="numpy",
+        heartbeat_timeout=HEARTBEAT_TIMEOUT, external_ranks={1},
+    ) as c:
+        with diagnose(c):
+            assert c.local is not None
+            await c.wait_event(0, "sending", round=0)
+            await trio.sleep(HEARTBEAT_TIMEOUT / 2)
+            if c.ranks[0].rounds:
+                raise MatrixFailure("round 0 completed without rank 1 before it was declared dead")
+            t0 = mono()
+            c.local.controller.dead_ranks.declare_dead(1)
+            rounds = await expect_consensus(c, [0, 2], 3, lambda _k: {0, 2})
+            seconds = rounds[0][0]["time"] - t0
+    return Outcome("ranks 0,2 went on (3 rounds over 0,2; rank 0's control relay joined without rank 1)", seconds)
+
+
+@case("control-garbage", fault="a rank's control connection carries garbage, a short heartbeat and a 100 KiB Metrics frame", leg="rank -> relay (control)")
+async def control_garbage() -> Outcome:
+    """Rank 1 (played here) takes part in every data round, and on its control
+    connection sends its real heartbeats interleaved with bytes that are no
+    ControlFrame, a correctly tagged heartbeat of the wrong size and a legal 100 KiB
+    Metrics frame. The coordinator ignores and counts them; nobody dies."""
+    rounds = 3
+    async with daemon_cluster(world_size=3, hosts=[[0, 1], [2]], rounds=rounds, pause=HEARTBEAT_TIMEOUT / 2,
+                              external_ranks={1}) as c:
+        with diagnose(c):
+            control = await trio.open_tcp_stream(*c.control_address(1))
+            await control.send_all(encode_control_handshake(1, 3, SIGNATURE, SALT))
+            await receive_exactly(control, CONTROL_ACK_LEN)
+            junk = [
+                b"\x00\x01 this is not a control frame",
+                encode_control_frame(ControlFrame(ControlKind.HEARTBEAT, HEARTBEAT_TAG + b"\x01\x00\x00"), SALT),
+                encode_control_frame(ControlFrame(ControlKind.METRICS, bytes(100 << 10)), SALT),
+            ]
+
+            async def noisy_control() -> None:
+                seq = 0
+                while True:
+                    seq += 1
+                    for blob in (encode_control_frame(heartbeat_frame(1, seq), SALT), junk[seq % len(junk)]):
+                        await control.send_all(struct.pack("<I", len(blob)) + blob)
+                    await trio.sleep(HEARTBEAT_TIMEOUT / 6)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(noisy_control)
+                t0 = mono()
+                async with connect_reduce_client(c.relay_address(1), 1, 3, SALT) as client:
+                    for k in range(rounds):
+                        await client.all_reduce(contribution_frame(1, k))
+                    done = await expect_consensus(c, [0, 2], rounds, everyone(3))
+                    nursery.cancel_scope.cancel()  # before rank 1 leaves (its control connection then closes)
+            await control.aclose()
+            assert c.controller is not None
+            await c.controller.wait_log(re.compile(r"ignored a control frame from rank 1 \(malformed"))
+            await c.controller.wait_log(re.compile(r"ignored a control frame from rank 1 \(not a heartbeat"))
+            if "declared dead" in c.controller.text:
+                raise MatrixFailure("a rank was declared dead")
+            seconds = max(done[r][rounds - 1]["time"] for r in done) - t0
+    return Outcome(f"ignored and counted (malformed, not a heartbeat); nobody declared dead; {rounds} rounds over 0,1,2", seconds)
+
+
+@case("heartbeat-replay", fault="byte-identical copies of a frozen rank's last heartbeat record", leg="relay -> controller (control)")
+async def heartbeat_replay() -> Outcome:
+    """Rank 1's control relay (played here) sends one valid heartbeat record, then only
+    copies of it, as an attacker replaying captured bytes would: the copies' sequence
+    number does not increase, so rank 1 is declared dead on time and rank 0 goes on."""
+    async with daemon_cluster(world_size=2, hosts=[[0]], rounds=2) as c:
+        with diagnose(c):
+            assert c.controller is not None
+            stream = await trio.open_tcp_stream(*c.controller_address)
+            async with stream:
+                hello = encode_mux_record(MuxKind.CONTROL, encode_control_msg(Hello("replayer", (1,), (SIGNATURE,))), SALT)
+                await stream.send_all(CHANNEL_MAGIC_CONTROL.to_bytes(4, "little") + hello.tobytes())
+                await receive_exactly(stream, MUX_HEADER + 1)  # HelloAck
+                heartbeat = encode_control_frame(heartbeat_frame(1, 1), SALT)
+                record = encode_mux_record(MuxKind.DATA, heartbeat, SALT, rank=1).tobytes()
+                t0 = mono()
+                with trio.move_on_after(HEARTBEAT_TIMEOUT * 4):
+                    while "rank 1 declared dead" not in c.controller.text:
+                        await stream.send_all(record)
+                        await trio.sleep(HEARTBEAT_TIMEOUT / 8)
+                seconds = mono() - t0
+            await c.controller.wait_log(re.compile(r"rank 1 declared dead: no heartbeat"))
+            await c.controller.wait_log("replayed heartbeat")
+            if seconds > HEARTBEAT_TIMEOUT * 2:
+                raise MatrixFailure(f"rank 1 was declared dead only after {seconds:.2f} s of replays")
+            await expect_consensus(c, [0], 2, lambda _k: {0})
+    return Outcome("copies ignored (sequence not increasing); rank 1 declared dead on time; rank 0 went on alone", seconds)
 
 
 # ---------------------------------------------------------------------------
