@@ -14,7 +14,9 @@ import pytest
 from flodl_trio import (
     DTYPE_F32,
     DesyncError,
+    FlodlError,
     HandshakeError,
+    ProtocolError,
     RoundFrame,
     RoundKind,
     SchemaError,
@@ -325,3 +327,20 @@ def test_controller_round_speculation_over_an_older_fold_is_refused():
     r.deposit(2, frame([1]), now=0.5)  # the ordinary path closed the round first
     assert r.commit_speculation(2, speculative, EncodedFrame([b"x"], 1), now=1.0) is None
     r.give_back(speculative)
+
+
+def test_an_outer_optimizer_that_refuses_the_consensus_is_the_controllers_error_not_the_relays():
+    """A schema the outer optimizer cannot take is no relay's fault: the error is a plain
+    FlodlError (it stops the controller) rather than a ProtocolError (which would drop
+    the relay whose frame happened to close the round)."""
+
+    def outer(consensus: RoundFrame) -> RoundFrame:
+        raise SchemaError("params changed shape between windows")
+
+    r, _dead, _stats = controller_round(world=1, outer_optimizer=outer)
+    seat(r, 1, "a", (0,))
+    r.deposit(1, frame([1], kind=RoundKind.CONTROL), now=0.0)
+    r.broadcast_going_out(1)
+    with pytest.raises(FlodlError, match="outer optimizer refused") as info:
+        r.deposit(1, frame([1]), now=1.0)
+    assert not isinstance(info.value, ProtocolError)

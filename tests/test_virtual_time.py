@@ -273,3 +273,20 @@ async def test_each_channel_logs_one_summary_and_only_the_data_channel_a_fold_ra
     summaries = {m.split()[2]: m for m in (r.getMessage() for r in caplog.records) if "summary:" in m}
     assert set(summaries) == {"data", "control"}, summaries
     assert "fold-ratio=" in summaries["data"] and "fold-ratio" not in summaries["control"], summaries
+
+
+@pytest.mark.deadline(300)
+async def test_reply_timeout_raises_peer_timeout_naming_the_relay(autojump_clock, salt):
+    """Without a control channel, ``reply_timeout`` bounds the round wait: a FlodlError
+    (PeerTimeout), not trio's TooSlowError, after exactly that long."""
+    from flodl_trio import PeerTimeout
+
+    async with memory_cluster(salt, world_size=2, hosts=[[0, 1]]) as cluster:
+        async with connect_reduce_client(cluster.relay_address(0), 0, 2, salt, connect=cluster.connect,
+                                         reply_timeout=5.0) as client:
+            start = trio.current_time()
+            with pytest.raises(PeerTimeout, match=r"rank 0: no consensus from data relay .* within reply_timeout 5 s"):
+                await client.all_reduce_tensors([torch.ones(2)])  # rank 1 never comes
+            assert trio.current_time() - start == pytest.approx(5.0)
+            with pytest.raises(FlodlError, match="unusable"):
+                await client.all_reduce_tensors([torch.ones(2)])

@@ -141,16 +141,21 @@ class ReduceClient:
         return reply
 
     async def _round_trip(self, frame: RoundFrame, into: ReceiveBuffer | None) -> RoundFrame:
+        bound = max_reply_len(frame)  # before sending: an impossible frame costs no round
         await self._conn.send_signed_frame(frame_body_chunks(frame), self._salt)
-        bound = max_reply_len(frame)
-        with trio.fail_after(math.inf if self.reply_timeout is None else self.reply_timeout):
+        with trio.move_on_after(math.inf if self.reply_timeout is None else self.reply_timeout) as waiting:
             try:
                 length = await self._conn.receive_length_prefix(ceiling=bound)
             except FramingError as exc:
                 raise FramingError(
                     f"rank {self.rank}: consensus is larger than this round's schema allows "
                     f"({bound} bytes): {exc}"
-                ) from None
+                ) from exc
+        if waiting.cancelled_caught:
+            raise PeerTimeout(
+                f"rank {self.rank}: no consensus from {self._conn.peer} within reply_timeout "
+                f"{self.reply_timeout:g} s (round {self.rounds})"
+            )
         if length is None:
             raise RankDeadError(
                 f"rank {self.rank}: the relay closed the connection while this rank waited for "

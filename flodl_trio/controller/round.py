@@ -19,7 +19,7 @@ from typing import Protocol
 
 import attrs
 
-from ..errors import DesyncError, HandshakeError
+from ..errors import DesyncError, FlodlError, HandshakeError, ProtocolError
 from ..fold.accumulator import (
     FoldAccumulator,
     ImageCache,
@@ -279,7 +279,13 @@ class ControllerRound:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL
         self.previous_kind = consensus.kind
         if is_params_round and self.outer_optimizer is not None and consensus.weight > 0:
-            consensus = self.outer_optimizer(consensus)
+            try:
+                consensus = self.outer_optimizer(consensus)
+            except ProtocolError as exc:
+                # Not the fault of the relay whose frame closed the round: the controller's own.
+                raise FlodlError(
+                    f"the outer optimizer refused round {self.stats.rounds}'s params consensus: {exc}"
+                ) from exc
         if self.checkpoint is not None:
             self.checkpoint(self.stats.rounds, consensus)
         return consensus
