@@ -96,6 +96,9 @@ class MessageStream:
             if on_bytes is not None:
                 await on_bytes(view[pos:pos + n], filled + pos)
             pos += n
+        # The last read may have taken a whole large stretch at once: never leave the
+        # kernel waiting for RECEIVE_LOW_WATER bytes that a small next message lacks.
+        self._wake_for(0)
         return filled + pos
 
     def _wake_for(self, remaining: int) -> None:
