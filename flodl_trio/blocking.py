@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import trio
 
-from .client import Address, ReduceClient, connect_control_client, connect_reduce_client
+from .client import (
+    Address,
+    ClusterState,
+    ReduceClient,
+    connect_control_client,
+    connect_reduce_client,
+)
 from .errors import FlodlError
 from .wire.round_frame import RoundFrame, RoundKind
 from .wire.salt import SessionSalt
@@ -191,6 +197,13 @@ class BlockingReduceClient:
 
     def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int) -> list[torch.Tensor]:
         return self._run(lambda c: c.broadcast_from_root(tensors, root))
+
+    def join(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> int:
+        """Start from the cluster's consensus; see :meth:`ReduceClient.join`."""
+        return self._run(lambda c: c.join(params, buffers))
+
+    def fetch_state(self) -> ClusterState:
+        return self._run(lambda c: c.fetch_state())
 
     def close(self) -> None:
         """Leave the cluster and stop the helper thread."""

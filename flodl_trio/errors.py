@@ -57,3 +57,8 @@ class ConnectFailed(FlodlError, ConnectionError):
 
 class RankDeadError(FlodlError):
     """This rank was removed from the cluster (declared dead or evicted)."""
+
+
+class JoinRefused(FlodlError):
+    """The controller would not let this rank (re)join; the message says why
+    (a rank still live, a rejoin window that closed, rejoining switched off)."""

@@ -53,6 +53,12 @@ class ControllerCollector(Collector):
             "flodl_controller_relays_dropped", "Relay connections dropped for bytes that broke the protocol",
             stats.relays_dropped,
         )
+        yield _counter("flodl_controller_rejoins", "Dead ranks let back in at a window boundary", stats.rejoins)
+        yield _counter(
+            "flodl_controller_rejoins_refused", "Returns refused (a rank still live, rejoining off, too late)",
+            stats.rejoins_refused,
+        )
+        yield _counter("flodl_controller_states_served", "Window states sent to joining ranks", stats.states_served)
         ignored = CounterMetricFamily(
             "flodl_controller_control_frames_ignored",
             "Rank control frames the coordinator ignored (anything but a valid, fresh heartbeat)", labels=["reason"],

@@ -163,6 +163,10 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
     ("docs/outer-and-checkpoints.md", "restore_module(model, load_checkpoint(path))"): RunBy(
         "test_outer_and_checkpoints_write_then_resume"
     ),
+    ("docs/api.md", "start = await client.join(params, buffers)"): NotRun(
+        "a fragment (`...` for the inner steps, names it does not define); the same join-then-windows loop "
+        "runs for real as operations.md's trainer under torchrun, and with restarts in tests/test_rejoin*.py"
+    ),
     ("docs/wire.md", "benchmarks/codec.py"): NotRun(
         "a timing benchmark (64 MiB x 7 repetitions) whose exit status depends on this machine's speed",
         checked_by="test_benchmark_blocks_name_real_flags",

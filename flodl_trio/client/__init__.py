@@ -16,14 +16,17 @@ from .reduce import (
     max_reply_len,
     parse_address,
 )
+from .state import ClusterState, fetch_cluster_state
 
 __all__ = [
     "Address",
+    "ClusterState",
     "ControlClient",
     "CoordinatorLost",
     "ReduceClient",
     "connect_control_client",
     "connect_reduce_client",
+    "fetch_cluster_state",
     "max_reply_len",
     "parse_address",
 ]

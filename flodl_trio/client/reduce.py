@@ -46,6 +46,7 @@ from ..wire.round_frame import (
     schema_frame_len,
 )
 from ..wire.salt import SessionSalt
+from .state import ClusterState, fetch_cluster_state
 
 if TYPE_CHECKING:
     import torch
@@ -73,8 +74,22 @@ def max_reply_len(frame: RoundFrame) -> int:
 class ReduceClient:
     """One rank's connection to its relay. Not safe for concurrent rounds."""
 
-    def __init__(self, conn: MessageStream, rank: int, world_size: int, salt: SessionSalt, *, reply_timeout: float | None) -> None:
+    def __init__(
+        self,
+        conn: MessageStream,
+        rank: int,
+        world_size: int,
+        salt: SessionSalt,
+        *,
+        reply_timeout: float | None,
+        relay: tuple[str, int] = ("", 0),
+        bounds: NetBounds | None = None,
+        connect: Connector = trio.open_tcp_stream,
+    ) -> None:
         self._conn = conn
+        self.relay = relay  # where the relay listens (a joiner's state request goes there too)
+        self._bounds = bounds if bounds is not None else NetBounds()
+        self._connect = connect
         self.rank = rank
         self.world_size = world_size
         self._salt = salt
@@ -188,6 +203,43 @@ class ReduceClient:
                     f"rank {self.rank}: consensus tensor {i} is dtype {theirs.dtype} shape {list(theirs.shape)}, "
                     f"this rank sent dtype {mine.dtype} shape {list(mine.shape)}"
                 )
+
+    # -- joining -------------------------------------------------------------
+
+    async def fetch_state(self) -> ClusterState:
+        """The state this rank starts from (see :meth:`join`, which loads it): window -1
+        and no frames on a cluster that has not completed a window yet; for a rank
+        coming back, the consensus of the window before the one it enters."""
+        host, port = self.relay
+        return await fetch_cluster_state(
+            host, port, self.rank, self.world_size, self._salt, bounds=self._bounds, connect=self._connect,
+            reply_timeout=self.reply_timeout,
+        )
+
+    async def join(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> int:
+        """Start from the cluster's consensus: call it once, before the first window.
+
+        On a fresh cluster nothing changes and it returns 0. A rank that was
+        restarted (or comes late) waits for the next window boundary, where
+        the controller lets it back into its host's barrier; the averaged
+        ``params`` and float ``buffers`` of the window just completed are
+        written into these tensors in place, and the index of the window it
+        runs next is returned. A trainer calls it the same way at first start
+        and after a restart. The inner optimizer's state is the trainer's
+        own: a restarted rank starts it fresh. Raises :class:`JoinRefused`
+        (with the controller's reason) if the rank may not come back.
+        """
+        from ..tensors import check_destinations, round_frame_to_tensors
+
+        check_destinations([*params, *buffers], "join destination")
+        state = await self.fetch_state()
+        if state.params is None:
+            return 0
+        if state.params.weight > 0:  # a window with no realized work kept everyone's own params
+            round_frame_to_tensors(state.params, out=list(params))
+        if state.buffers is not None and state.buffers.weight > 0 and buffers:
+            round_frame_to_tensors(state.buffers, out=list(buffers))
+        return state.window + 1
 
     # -- tensor level --------------------------------------------------------
 
@@ -395,7 +447,10 @@ def connect_reduce_client(
         except BaseException:
             await conn.aclose()
             raise
-        return ReduceClient(conn, rank, world_size, session, reply_timeout=reply_timeout)
+        return ReduceClient(
+            conn, rank, world_size, session, reply_timeout=reply_timeout, relay=parse_address(address),
+            bounds=net, connect=connect,
+        )
 
     return _Connect(open_client)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from contextlib import AsyncExitStack
 
 import attrs
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoint every Nth window [env FLODL_CHECKPOINT_EVERY; default 1]")
     parser.add_argument("--checkpoint-keep", type=int, default=int(env_default("FLODL_CHECKPOINT_KEEP", 3)),
                         help="newest checkpoints to keep [env FLODL_CHECKPOINT_KEEP; default 3]")
+    parser.add_argument("--rejoin-timeout", type=float, default=env_default("FLODL_REJOIN_TIMEOUT", 0.0),
+                        help="seconds a dead rank may come back (restart it with the same settings; its trainer "
+                        "calls join) [env FLODL_REJOIN_TIMEOUT; default 0: dead is final]")
     parser.add_argument("--keep-serving", action="store_true", default=env_default("FLODL_KEEP_SERVING") == "1",
                         help="keep running after every rank has finished [env FLODL_KEEP_SERVING=1; default: exit 0]")
     add_common_flags(parser)
@@ -78,6 +82,7 @@ class ControllerDaemonSettings:
     checkpoint_dir: str | None
     checkpoint_every: int
     checkpoint_keep: int
+    rejoin_timeout: float = 0.0
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -100,10 +105,13 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
         raise ConfigError(f"--heartbeat-timeout must be > 0, got {timeout}")
     if args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 1")
+    rejoin = float(args.rejoin_timeout)
+    if not (math.isfinite(rejoin) and rejoin >= 0):
+        raise ConfigError(f"--rejoin-timeout must be a finite number of seconds >= 0, got {args.rejoin_timeout}")
     return ControllerDaemonSettings(
         args.host, args.port, world, load_salt(args.salt_file), timeout,
         make_outer(args.outer, args.outer_lr, args.outer_momentum),
-        args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep,
+        args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin,
     )
 
 
@@ -122,6 +130,7 @@ async def serve_controller_daemon(
                 settings.host, settings.port, world_size=settings.world_size, salt=settings.salt,
                 outer_optimizer=settings.outer, checkpoint=checkpoint, ceiling=ceiling,
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
+                rejoin_timeout=settings.rejoin_timeout,
             )
         )
         if metrics is not None:
@@ -131,9 +140,10 @@ async def serve_controller_daemon(
             log.info("controller metrics on http://%s:%d/metrics", metrics[0], port)
         coordinator = handle.coordinator
         log.info(
-            "controller started: listening on %s:%d world_size=%d heartbeat_timeout=%.1fs outer=%s checkpoints=%s",
+            "controller started: listening on %s:%d world_size=%d heartbeat_timeout=%.1fs rejoin_timeout=%gs "
+            "outer=%s checkpoints=%s",
             settings.host, handle.port, settings.world_size,
-            coordinator.heartbeat_timeout,
+            coordinator.heartbeat_timeout, settings.rejoin_timeout,
             type(settings.outer).__name__ if settings.outer else "none", settings.checkpoint_dir or "off",
         )
         await handle.wait_finished()

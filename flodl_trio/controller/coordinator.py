@@ -122,8 +122,16 @@ class Coordinator:
             await trio.sleep(self.beacon_interval)
 
     def _notice_new_deaths(self) -> None:
-        """Tell each newly dead rank why, then have its control relay close it."""
-        for rank in sorted(self.dead.snapshot() - self._noticed):
+        """Tell each newly dead rank why, then have its control relay close it; take a
+        rank that rejoined back (its heartbeat clock and sequence start again)."""
+        dead = self.dead.snapshot()
+        for rank in sorted(self._noticed - dead):
+            self._noticed.discard(rank)
+            self.death_reasons.pop(rank, None)
+            if rank in self.owner:
+                self.last_seen[rank] = trio.current_time()  # a new grace period
+                self.last_seq[rank] = 0  # a new connection epoch
+        for rank in sorted(dead - self._noticed):
             link = self.owner.get(rank)
             if link is None:
                 continue  # noticed once its relay joins (see _accept)
@@ -261,11 +269,12 @@ class Coordinator:
             return self._ignore(rank, "not a heartbeat", f"{len(payload)} bytes of other control traffic")
         if message.rank != rank:
             return self._ignore(rank, "heartbeat for another rank", f"carries rank {message.rank}")
+        if self.dead.is_dead(rank):
+            return  # a dead rank's heartbeats (one coming back, before it is let in) count for nothing
         if message.seq <= self.last_seq.get(rank, 0):
             return self._ignore(rank, "replayed heartbeat", f"sequence {message.seq} after {self.last_seq.get(rank, 0)}")
-        if not self.dead.is_dead(rank):
-            self.last_seq[rank] = message.seq
-            self.last_seen[rank] = trio.current_time()
+        self.last_seq[rank] = message.seq
+        self.last_seen[rank] = trio.current_time()
 
     def _ignore(self, rank: int, why: str, detail: str) -> None:
         self.ignored[why] = self.ignored.get(why, 0) + 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -53,6 +54,7 @@ from ..transport.tasks import (
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
+    CHANNEL_MAGIC_STATE,
     DEFAULT_FRAME_CEILING,
     MUX_HEADER_LEN,
 )
@@ -62,15 +64,33 @@ from ..wire.mux import (
     MuxHeader,
     MuxKind,
     RankExit,
+    RankJoin,
     RelayControlMsg,
     decode_control_msg,
+    record_payload,
 )
 from ..wire.round_frame import EncodedFrame, decode_round_frame
-from ..wire.salt import SessionSalt
+from ..wire.salt import Buffer, SessionSalt
+from ..wire.state import (
+    STATE_REQUEST_LEN,
+    StateReply,
+    StateRequest,
+    StateStatus,
+    decode_state_request,
+    encode_state_reply,
+)
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .links import AfterAllWrites, RelayLink, receive_hello
-from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer
+from .membership import Membership
+from .round import (
+    CheckpointSink,
+    Consensus,
+    ControllerRound,
+    OuterOptimizer,
+    WindowState,
+    WindowStore,
+)
 from .stats import ControllerStats
 
 log = logging.getLogger("flodl_trio.controller")
@@ -94,6 +114,38 @@ class ControllerConfig:
     salt: SessionSalt
     ceiling: int = DEFAULT_FRAME_CEILING
     bounds: NetBounds = attrs.field(factory=NetBounds)
+
+
+@attrs.define(eq=False)
+class _Joiner:
+    """A rank's state request, waiting for the boundary that lets it in (or a refusal)."""
+
+    decided: trio.Event = attrs.field(factory=trio.Event)
+    state: WindowState | None = None
+    refusal: str | None = None
+
+    @classmethod
+    def fresh(cls) -> _Joiner:
+        joiner = cls()
+        joiner.decided.set()
+        return joiner
+
+    def admit(self, state: WindowState) -> None:
+        self.state = state
+        self.decided.set()
+
+    def refuse(self, reason: str) -> None:
+        self.refusal = reason
+        self.decided.set()
+
+
+async def _cancel_on_eof(conn: MessageStream, scope: trio.CancelScope) -> None:
+    """A waiting state request has nothing more to say: any byte, or the end, ends the wait."""
+    try:
+        await conn.stream.receive_some(1)
+    except CONNECTION_LOST:
+        pass
+    scope.cancel()
 
 
 class ControllerHandle:
@@ -127,6 +179,7 @@ async def open_controller(
     beacon_interval: float | None = None,
     bounds: NetBounds | None = None,
     listeners: Listeners | None = None,
+    rejoin_timeout: float = 0.0,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -134,8 +187,12 @@ async def open_controller(
     The same port serves the coordinator (control channel): a rank silent for
     ``heartbeat_timeout`` (default ``bounds.heartbeat_timeout``, 30 s x
     FLODL_NET_TIMEOUT_SCALE) is declared dead. ``bounds`` defaults to
-    :meth:`NetBounds.from_env`.
+    :meth:`NetBounds.from_env`. A dead rank may rejoin for ``rejoin_timeout``
+    seconds after its death (0: never, as in flodl); the cluster is finished
+    once every rank is dead and none may come back.
     """
+    if not (math.isfinite(rejoin_timeout) and rejoin_timeout >= 0):
+        raise ConfigError(f"rejoin_timeout must be a finite number >= 0, got {rejoin_timeout!r}")
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
@@ -152,7 +209,7 @@ async def open_controller(
             raise ConfigError("open_controller needs a host to listen on, or listeners=")
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
-    controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint)
+    controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, Membership(world_size, rejoin_timeout))
     async with service_nursery() as nursery:
         nursery.start_soon(run_service, controller.run, handle.outcome, log, "controller")
         yield handle
@@ -168,8 +225,13 @@ class _Controller:
         listeners: Listeners,
         outer_optimizer: OuterOptimizer | None,
         checkpoint: CheckpointSink | None,
+        membership: Membership,
     ) -> None:
         self.config = config
+        self.membership = membership
+        self.membership_changed = ChangeSignal()
+        self.window_store = WindowStore()
+        self._joiners: dict[int, _Joiner] = {}  # rank -> its state request, waiting
         self.handle = handle
         self.listeners = listeners
         self.stats = handle.stats
@@ -178,6 +240,7 @@ class _Controller:
         self.round = ControllerRound(
             config.world_size, self.dead, self.stats,
             outer_optimizer=outer_optimizer, checkpoint=checkpoint, on_change=self.round_changed.notify,
+            keep_window_state=membership.rejoin_timeout > 0,
         )
         self.links: dict[int, RelayLink] = {}
         # One model-sized receive buffer; a second (sized by a verified record, so
@@ -193,6 +256,7 @@ class _Controller:
     async def run(self) -> None:
         async with self._consensus_send, trio.open_nursery() as nursery:
             nursery.start_soon(self.dead.watch, self._forward_new_deaths)
+            nursery.start_soon(self._finish_when_nobody_can_return)
             nursery.start_soon(self._broadcaster, self._consensus_receive)
             nursery.start_soon(self.handle.coordinator.run)
             await nursery.start(trio.serve_listeners, self._route, self.listeners)
@@ -222,6 +286,8 @@ class _Controller:
             await self._serve_relay(conn)
         elif value == CHANNEL_MAGIC_CONTROL:
             await self.handle.coordinator.serve_connection(conn)
+        elif value == CHANNEL_MAGIC_STATE:
+            await self._serve_state(conn, magic)
         elif magic in (b"GET ", b"POST"):
             await self._serve_status(conn)
         else:
@@ -286,6 +352,8 @@ class _Controller:
     async def _drop_link(self, link: RelayLink, why: str) -> None:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
         self.round.unseat(link.id)
+        for rank in self.membership.seat_gone(link.id):
+            self._call_off_return(rank, f"{link.name} left before it was let back in")
         await link.close_and_declare_dead(self.dead, why, log)
 
     # -- per relay tasks -----------------------------------------------------
@@ -388,13 +456,62 @@ class _Controller:
         return False
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
-        if not isinstance(msg, RankExit):
+        if not isinstance(msg, RankExit | RankJoin):
             raise ProtocolError(f"unexpected {type(msg).__name__} mid-session")
         if msg.rank not in link.ranks:
-            raise ProtocolError(f"RankExit for rank {msg.rank}, which this relay does not carry")
+            raise ProtocolError(f"{type(msg).__name__} for rank {msg.rank}, which this relay does not carry")
+        if isinstance(msg, RankJoin):
+            return self._on_rank_join(link, msg.rank)
         self._exited.add(msg.rank)
+        if msg.rank in self.membership.asked:
+            self._call_off_return(msg.rank, f"its connection to {link.name} closed before it was let back in")
         if self.dead.declare_dead(msg.rank):
             log.info("controller: rank %d exited (%s)", msg.rank, link.name)
+
+    def _on_rank_join(self, link: RelayLink, rank: int) -> None:
+        """A rank that had left reconnected to its relay: say no now, or let it in at
+        the next window boundary (once its state request is in too)."""
+        refusal = self.membership.refusal(rank, trio.current_time(), dead=self.dead.is_dead(rank))
+        if refusal is not None:
+            return self._refuse_return(rank, link, refusal)
+        self.membership.ask(rank, link.id)
+        log.info("controller: rank %d asks to rejoin (%s); it enters at the next window boundary", rank, link.name)
+
+    def _refuse_return(self, rank: int, link: RelayLink | None, reason: str) -> None:
+        self.stats.rejoins_refused += 1
+        log.warning("controller: rank %d may not rejoin: %s", rank, reason)
+        if link is not None:
+            link.queue_control(DeclareDead(rank), self.config.salt)  # its relay drops the connection
+        self._call_off_return(rank, reason)
+
+    def _call_off_return(self, rank: int, reason: str) -> None:
+        """A return cannot go on: forget both halves; a waiting state request is refused."""
+        self.membership.withdraw(rank)
+        joiner = self._joiners.get(rank)
+        if joiner is not None:
+            joiner.refuse(reason)
+
+    def _let_joiners_in(self, state: WindowState | None) -> None:
+        """A window boundary: every return whose both halves are in becomes live, and
+        its relay hears so before the window's last consensus (it enters the next
+        round, the window start); its state request gets the window just ended."""
+        now = trio.current_time()
+        for rank, seat in self.membership.ready():
+            link = self.links.get(seat)
+            refusal = self.membership.refusal(rank, now, dead=self.dead.is_dead(rank))
+            if link is None or link.closed or state is None or refusal is not None:
+                self._refuse_return(rank, None, refusal or "its relay left, or no window state is kept")
+                continue
+            link.queue_control(RankJoin(rank), self.config.salt)
+            self.membership.rejoined(rank)
+            self._forwarded.discard(rank)
+            self._exited.discard(rank)
+            self.dead.revive(rank)
+            self.stats.rejoins = self.membership.rejoins
+            self._joiners[rank].admit(state)
+            log.info("controller: rank %d rejoins (%s) with the consensus of window %d; it enters window %d",
+                     rank, link.name, state.window, state.window + 1)
+        self.membership_changed.notify()
 
     # -- the consensus out, and deaths -----------------------------------------
 
@@ -405,6 +522,12 @@ class _Controller:
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
+            if (
+                consensus.part is not None
+                and self.round.keep_window_state
+                and self.window_store.keep(consensus.part, record_payload(record))
+            ):
+                self._let_joiners_in(self.window_store.latest)
             targets = self.round.broadcast_targets()
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
             for seat_id in targets:
@@ -421,17 +544,111 @@ class _Controller:
         new = self.dead.snapshot() - self._forwarded
         if not new:
             return
+        now = trio.current_time()
         for rank in sorted(new):
             self._forwarded.add(rank)
+            self.membership.died(rank, now)
             seat_id = self.round.seat_of(rank)
             if seat_id is not None and rank not in self._exited:
                 self.links[seat_id].queue_control(DeclareDead(rank), self.config.salt)
-        consensus = self.round.rank_died(trio.current_time())
+        self.membership_changed.notify()
+        consensus = self.round.rank_died(now)
         if consensus is not None:
             self._consensus_send.send_nowait(consensus)
-        if self.dead.all_dead() and not self.handle.outcome.ended:
-            log.info("controller: every rank is dead or has exited; finished after %d rounds", self.stats.rounds)
-            self.handle.outcome.end()
+
+    async def _finish_when_nobody_can_return(self) -> None:
+        """End ``wait_finished`` once every rank is dead and none may rejoin any more
+        (at once when rejoining is off; else when the last rejoin window closes)."""
+        while True:
+            deadline = self.membership.finish_deadline(self.dead.snapshot())
+            if deadline is not None and trio.current_time() >= deadline:
+                log.info("controller: every rank is dead or has exited; finished after %d rounds", self.stats.rounds)
+                self.handle.outcome.end()
+                return
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self.membership_changed.wait()
+
+    # -- state for joiners ---------------------------------------------------
+
+    async def _serve_state(self, conn: MessageStream, magic: bytes) -> None:
+        """A rank asks (through its relay) for the state to start from: at once for a
+        fresh start or a refusal, at the next window boundary for a return. Nothing
+        is sent to a request that does not verify; the frames go out from the
+        memory they were kept in, so joiners cost no copy."""
+        try:
+            request = await self._read_state_request(conn, magic)
+            if request is not None:
+                await self._answer_state_request(conn, request)
+        except CONNECTION_LOST as exc:
+            log.info("controller: a state request's connection closed: %s", exc)
+        finally:
+            await conn.aclose()
+
+    async def _read_state_request(self, conn: MessageStream, magic: bytes) -> StateRequest | None:
+        try:
+            with trio.fail_after(self.config.bounds.handshake):
+                rest = await conn.receive_exactly(STATE_REQUEST_LEN - 4, "the state request")
+            return decode_state_request(magic + rest, self.config.world_size, self.config.salt)
+        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
+            if isinstance(exc, MacError):
+                self.stats.mac_failures += 1
+            reason = "no complete request within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._refuse(f"state request from {conn.peer} refused: {reason}")
+            return None
+
+    async def _answer_state_request(self, conn: MessageStream, request: StateRequest) -> None:
+        rank = request.rank
+        conn.peer = f"rank {rank} (state request)"
+        answer = await self._state_for(rank, conn)
+        if answer is None:
+            return  # the rank left while it waited
+        frames: list[EncodedFrame]
+        if isinstance(answer, str):
+            reply, frames = StateReply.refused(answer), []
+        elif answer.state is None:
+            reply, frames = StateReply(StateStatus.OK), []
+        else:
+            state = answer.state
+            frames = [state.params] + ([state.buffers] if state.buffers is not None else [])
+            reply = StateReply(StateStatus.OK, state.window, len(frames))
+        chunks: list[Buffer] = [encode_state_reply(reply, request.nonce, self.config.salt)]
+        for frame in frames:
+            chunks += [frame.nbytes.to_bytes(4, "little"), *frame.chunks]
+        await conn.send_chunks(chunks)
+        if frames:
+            self.stats.states_served += 1
+            log.info("controller: sent rank %d the consensus of window %d", rank, reply.window)
+
+    async def _state_for(self, rank: int, conn: MessageStream) -> _Joiner | str | None:
+        """What a state request gets: a fresh start (no window finished yet), a reason
+        to refuse, or - for a dead rank coming back - the state at the next boundary
+        (None if its connection closes first)."""
+        dead = self.dead.is_dead(rank)
+        if not dead and self.round.windows == 0:
+            return _Joiner.fresh()
+        refusal = self.membership.refusal(rank, trio.current_time(), dead=dead)
+        if refusal is None and rank in self._joiners:
+            refusal = f"rank {rank} already has a state request waiting"
+        if refusal is not None:
+            self.stats.rejoins_refused += 1
+            log.warning("controller: rank %d may not rejoin: %s", rank, refusal)
+            return refusal
+        joiner = self._joiners[rank] = _Joiner()
+        self.membership.wait_for_state(rank)
+        try:
+            with trio.CancelScope() as waiting:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_eof, conn, waiting)
+                    await joiner.decided.wait()
+                    nursery.cancel_scope.cancel()
+        finally:
+            del self._joiners[rank]
+            if not joiner.decided.is_set():
+                self.membership.withdraw(rank)
+        if waiting.cancelled_caught:
+            log.info("controller: rank %d left while it waited to rejoin", rank)
+            return None
+        return joiner.refusal if joiner.refusal is not None else joiner
 
     # -- status page ---------------------------------------------------------
 

@@ -1,8 +1,10 @@
-"""DeadRanks: the cluster's shared, monotonic record of which ranks are out.
+"""DeadRanks: the cluster's shared record of which ranks are out.
 
 The controller, the coordinator and tests (or an operator) all declare deaths
 here; the controller subscribes and turns each new death into one
-DeclareDead to the relay carrying that rank. Safe to call from any thread.
+DeclareDead to the relay carrying that rank. A rank that rejoins is revived
+by the controller, and nobody else: until then, dead is dead. Safe to call
+from any thread.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ Subscriber = Callable[[int], None]
 
 
 class DeadRanks:
-    """A set of dead global ranks that only grows."""
+    """The set of dead global ranks; a rank leaves it only by rejoining (:meth:`revive`)."""
 
     def __init__(self, world_size: int) -> None:
         if world_size <= 0:
@@ -28,25 +30,37 @@ class DeadRanks:
         self._dead: set[int] = set()
         self._lock = threading.Lock()
         self._subscribers: list[tuple[trio.lowlevel.TrioToken, Subscriber]] = []
+        self._watchers: list[tuple[trio.lowlevel.TrioToken, Callable[[], None]]] = []
 
     @property
     def world_size(self) -> int:
         return self._world_size
 
-    def declare_dead(self, rank: int) -> bool:
-        """Mark ``rank`` dead; True if it was alive. Subscribers hear about each death once."""
+    def _check(self, rank: int) -> None:
         if not 0 <= rank < self._world_size:
             raise ConfigError(f"rank {rank} is outside world_size {self._world_size}")
+
+    def declare_dead(self, rank: int) -> bool:
+        """Mark ``rank`` dead; True if it was alive. Subscribers hear about each death once."""
+        self._check(rank)
         with self._lock:
             if rank in self._dead:
                 return False
             self._dead.add(rank)
             subscribers = list(self._subscribers)
         for token, callback in subscribers:
-            try:
-                token.run_sync_soon(callback, rank)
-            except trio.RunFinishedError:
-                pass
+            _call_soon(token, callback, rank)
+        self._changed()
+        return True
+
+    def revive(self, rank: int) -> bool:
+        """A dead rank rejoined the cluster (the controller admitted it); True if it was dead."""
+        self._check(rank)
+        with self._lock:
+            if rank not in self._dead:
+                return False
+            self._dead.discard(rank)
+        self._changed()
         return True
 
     def is_dead(self, rank: int) -> bool:
@@ -80,21 +94,40 @@ class DeadRanks:
 
         return unsubscribe
 
-    async def watch(self, handle_deaths: Callable[[], None]) -> None:
-        """Call ``handle_deaths()`` now and after each new death, until cancelled.
+    async def watch(self, handle_changes: Callable[[], None]) -> None:
+        """Call ``handle_changes()`` now and after each death or revival, until cancelled.
 
-        ``handle_deaths`` compares the ledger with what it has handled and acts
-        on the difference. It must not await: then no death can be declared
-        between it and the wait, and none is missed.
+        ``handle_changes`` compares the ledger with what it has handled and acts
+        on the difference. It must not await: then no change can land between
+        it and the wait, and none is missed.
         """
         changed = ChangeSignal()
-        unsubscribe = self.subscribe(lambda _rank: changed.notify())
+        entry = (trio.lowlevel.current_trio_token(), changed.notify)
+        with self._lock:
+            self._watchers.append(entry)
         try:
             while True:
-                handle_deaths()
+                handle_changes()
                 await changed.wait()
         finally:
-            unsubscribe()
+            with self._lock:
+                self._watchers.remove(entry)
+
+    def _changed(self) -> None:
+        with self._lock:
+            watchers = list(self._watchers)
+        for token, notify in watchers:
+            _call_soon(token, notify)
 
     def __repr__(self) -> str:
         return f"DeadRanks(world_size={self._world_size}, dead={sorted(self.snapshot())})"
+
+
+def _call_soon(token: trio.lowlevel.TrioToken, callback: Callable[..., None], *args: object) -> None:
+    try:
+        token.run_sync_soon(callback, *args)
+    except trio.RunFinishedError:
+        pass
+
+
+__all__ = ["DeadRanks"]

@@ -53,13 +53,86 @@ class CheckpointSink(Protocol):
 
 
 @attrs.frozen
+class WindowPart:
+    """Where a round sits in the windows of ``average_window``: round ``index`` of
+    window ``window`` - 0 its Control round (the step-count gather, which opens
+    it), 1 the params round, 2 the float-buffers round (if the model has any)."""
+
+    window: int
+    index: int
+
+    @property
+    def kept(self) -> bool:
+        """Whether the round's consensus is part of the window's state for joiners."""
+        return self.index in (1, 2)
+
+
+@attrs.frozen
 class Consensus:
     """A finished round's answer: a frame to sign, or a record signed already (computed
     while the last frame arrived). ``after_write`` gives its memory back for reuse
-    once every relay has been sent it (None: never, a hook may keep it)."""
+    once every relay has been sent it (None: never - a hook may keep it, or the
+    frame is kept as the window's state for joiners). ``part``: the round's place
+    in a window, if it has one."""
 
     outgoing: RoundFrame | EncodedFrame
     after_write: Callable[[], None] | None = None
+    part: WindowPart | None = None
+
+
+@attrs.frozen
+class WindowState:
+    """The consensus of the last completed window, as the ranks received it: each
+    frame a RoundFrame's signed bytes (its own MAC last). What a joiner starts from."""
+
+    window: int
+    params: EncodedFrame
+    buffers: EncodedFrame | None
+
+
+class WindowStore:
+    """Keeps the signed consensus frames of the last completed window, fed every
+    window round's consensus in order; says when a window ends.
+
+    A window is a Control round and then the Model rounds up to the next
+    Control round; how many Model rounds is learned from each window for the
+    next (two with float buffers, one without). Knowing it, :meth:`keep`
+    says which consensus is a window's last *before* it goes out: the moment
+    the controller lets joiners in. Kept frames are never recycled; a
+    joiner's transfer holds references to the state it is sending, so
+    replacing it never changes bytes in flight.
+    """
+
+    def __init__(self) -> None:
+        self.latest: WindowState | None = None
+        self.model_rounds_per_window: int | None = None  # learned from the window before
+        self._window = -1
+        self._model_rounds = 0
+        self._params: EncodedFrame | None = None
+        self._buffers: EncodedFrame | None = None
+
+    def keep(self, part: WindowPart, frame: EncodedFrame) -> bool:
+        """Take a window round's consensus; True if it ends the window (a boundary)."""
+        if part.index == 0:
+            if self._window >= 0:
+                self.model_rounds_per_window = self._model_rounds
+                self._complete()  # a no-op if the window ended at its boundary already
+            self._window, self._model_rounds = part.window, 0
+            return False
+        self._model_rounds += 1
+        if part.index == 1:
+            self._params = frame
+        elif part.index == 2:
+            self._buffers = frame
+        if self._model_rounds == self.model_rounds_per_window:
+            self._complete()
+            return True
+        return False
+
+    def _complete(self) -> None:
+        if self._params is not None:
+            self.latest = WindowState(self._window, self._params, self._buffers)
+        self._params = self._buffers = None
 
 
 @attrs.define(eq=False)
@@ -96,8 +169,11 @@ class ControllerRound:
         outer_optimizer: OuterOptimizer | None = None,
         checkpoint: CheckpointSink | None = None,
         on_change: Callable[[], None] = _nothing,
+        keep_window_state: bool = False,
     ) -> None:
         self.world_size = world_size
+        # Whether windows' consensus frames are kept for joiners (else their memory is reused).
+        self.keep_window_state = keep_window_state
         self.dead = dead
         self.stats = stats
         self.outer_optimizer = outer_optimizer
@@ -110,6 +186,8 @@ class ControllerRound:
         self.delivered: set[int] = set()
         self.started: float | None = None  # when the round's first contribution arrived
         self.previous_kind: RoundKind | None = None
+        self.windows = 0  # Control rounds finished: windows opened
+        self._model_rounds_in_window = 0
         # Buffers of consensus frames computed ahead and since sent to every relay.
         self._spare_buffers: list[ReceiveBuffer] = []
 
@@ -269,11 +347,23 @@ class ControllerRound:
         self.stats.round_seconds.observe(now - started)
         self.stats.last_mass = consensus.weight
         transformed = self._apply_hooks(consensus)
-        if self.hooked:
-            after_write = None
+        part = self._window_part(consensus.kind)
+        if self.hooked or (self.keep_window_state and part is not None and part.kept):
+            after_write = None  # a hook may keep it; a window's params or buffers are kept for joiners
         if record is not None and transformed is consensus:
-            return Consensus(record, after_write)
-        return Consensus(transformed, after_write)
+            return Consensus(record, after_write, part)
+        return Consensus(transformed, after_write, part)
+
+    def _window_part(self, kind: RoundKind) -> WindowPart | None:
+        """Where the round just finished sits in the windows (None: before any window)."""
+        if kind == RoundKind.CONTROL:
+            self.windows += 1
+            self._model_rounds_in_window = 0
+            return WindowPart(self.windows - 1, 0)
+        if self.windows == 0:
+            return None
+        self._model_rounds_in_window += 1
+        return WindowPart(self.windows - 1, self._model_rounds_in_window)
 
     def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL
@@ -311,5 +401,8 @@ __all__ = [
     "ControllerRound",
     "OuterOptimizer",
     "Seat",
+    "WindowPart",
+    "WindowState",
+    "WindowStore",
     "check_hello_ranks",
 ]

@@ -34,6 +34,9 @@ class ControllerStats:
     rejected: int = 0
     mac_failures: int = 0
     relays_dropped: int = 0  # relay connections ended for bytes that broke the protocol
+    rejoins: int = 0  # dead ranks let back in
+    rejoins_refused: int = 0  # returns refused (a live rank, rejoining off, too late)
+    states_served: int = 0  # window states sent to joining ranks
     rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
 

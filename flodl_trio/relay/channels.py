@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import attrs
@@ -45,6 +46,7 @@ from ..wire.mux import (
     MuxHeader,
     MuxKind,
     RankExit,
+    RankJoin,
     RelayControlMsg,
     decode_control_msg,
     encode_control_msg,
@@ -105,7 +107,7 @@ class _DataRecord:
 
 
 # What rank readers and the upstream reader hand the outbound writer.
-_Outbound = _RawHostFrame | _SealedHostFrame | FoldedHostFrame | _DataRecord | RankExit
+_Outbound = _RawHostFrame | _SealedHostFrame | FoldedHostFrame | _DataRecord | RankExit | RankJoin
 _HOST_FRAMES = (_RawHostFrame, _SealedHostFrame, FoldedHostFrame)
 
 
@@ -125,10 +127,11 @@ class _Channel:
 
     def __init__(
         self, config: RelayConfig, upstream: MessageStream, stats: RelayStats, host: HostRanks,
-        ranks: Iterable[int] | None = None,
+        released: Callable[[int], None], ranks: Iterable[int] | None = None,
     ) -> None:
         self.config = config
         self.host = host
+        self._released = released  # told when a rank's connection is done with (it may connect again)
         self.ranks = frozenset(config.ranks if ranks is None else ranks)
         self.conns: dict[int, MessageStream] = {}
         self.upstream = upstream
@@ -139,8 +142,8 @@ class _Channel:
         self._small = ReceiveBuffer()
         self._upstream_reading = trio.CancelScope()
         self._admitting = trio.CancelScope()
-        # Each rank joins at most once: the queue never fills.
-        self._joins_send, self._joins = trio.open_memory_channel[int](len(self.ranks))
+        # (rank, whether it is coming back); unbounded, each entry is a rank's connection.
+        self._joins_send, self._joins = trio.open_memory_channel[tuple[int, bool]](math.inf)
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -150,13 +153,26 @@ class _Channel:
 
     def join(self, rank: int, conn: MessageStream) -> bool:
         """A rank whose handshake is done enters the channel; False if it may not
-        (it left, or was declared dead, meanwhile)."""
-        if rank in self.gone or rank in self.conns:
+        (not one of this channel's ranks, or it left or was declared dead meanwhile)."""
+        if rank not in self.ranks or rank in self.gone or rank in self.conns:
             return False
+        self._start_reader(rank, conn, rejoined=False)
+        return True
+
+    def rejoin(self, rank: int, conn: MessageStream) -> bool:
+        """A rank that had left reconnected; False if it is not one that left."""
+        if rank not in self.ranks or rank not in self.gone:
+            return False
+        self.gone.discard(rank)
+        self.stats.live_ranks = len(self.live)
+        log.info("relay %s: rank %d reconnected", self.config.host_name, rank)
+        self._start_reader(rank, conn, rejoined=True)
+        return True
+
+    def _start_reader(self, rank: int, conn: MessageStream, *, rejoined: bool) -> None:
         self.conns[rank] = conn
         self.reader_scopes[rank] = trio.CancelScope()
-        self._joins_send.send_nowait(rank)
-        return True
+        self._joins_send.send_nowait((rank, rejoined))
 
     async def run(self) -> None:
         """Run until upstream EOF or the last rank leaves; a task's error comes out of the nursery."""
@@ -176,8 +192,13 @@ class _Channel:
         """Start a reader for each rank as it joins (each reader holds its own clone)."""
         async with out:
             with self._admitting:
-                async for rank in self._joins:
+                async for rank, rejoined in self._joins:
+                    if rejoined:
+                        await self._on_rejoin(rank, out)
                     nursery.start_soon(self._rank_reader, rank, out.clone())
+
+    async def _on_rejoin(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Channel-specific: what a rank coming back means (the data channel asks the controller)."""
 
     def _log_shutdown(self, why: str) -> None:
         log.info("relay %s: shutting down: %s", self.config.host_name, why)
@@ -217,6 +238,7 @@ class _Channel:
         conn = self.conns.get(rank)
         if conn is not None:
             await conn.aclose()
+        self._released(rank)
         if not self.live:
             self._log_shutdown("every local rank has left")
             # The writer then drains the RankExits and returns.
@@ -249,7 +271,7 @@ class _Channel:
         if isinstance(item, _DataRecord):
             record = encode_mux_record(MuxKind.DATA, item.payload, salt, rank=item.rank)
             self.stats.bytes_up += record.nbytes
-        elif isinstance(item, RankExit):
+        elif isinstance(item, RankExit | RankJoin):
             record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(item), salt)
         else:
             raise TypeError(f"the {self.config.kind.value} channel cannot send {type(item).__name__}")
@@ -332,8 +354,11 @@ class DataChannel(_Channel):
     tell the fold what happened.
     """
 
-    def __init__(self, config: RelayConfig, upstream: MessageStream, stats: RelayStats, host: HostRanks) -> None:
-        super().__init__(config, upstream, stats, host)
+    def __init__(
+        self, config: RelayConfig, upstream: MessageStream, stats: RelayStats, host: HostRanks,
+        released: Callable[[int], None],
+    ) -> None:
+        super().__init__(config, upstream, stats, host, released)
         self.fold_changed = ChangeSignal()
         self.fold = HostFold(config.host_name, config.ranks, on_change=self.fold_changed.notify)
         self.single = len(config.ranks) == 1
@@ -459,6 +484,18 @@ class DataChannel(_Channel):
         if folded is not None:
             await out.send(folded)
 
+    async def _on_rejoin(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Ask the controller to let the rank back in; it stays out of the fold until then."""
+        self.fold.rejoin(rank)
+        await out.send(RankJoin(rank))
+
+    async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
+        if not isinstance(msg, RankJoin):
+            return await super()._on_control(msg, out)
+        if self.fold.approve(msg.rank):
+            self.host.revive(msg.rank)
+            log.info("relay %s: rank %d is let back in; it enters at the next window start", self.config.host_name, msg.rank)
+
     async def _write_upstream(self, item: _Outbound) -> None:
         if not isinstance(item, _HOST_FRAMES):
             return await super()._write_upstream(item)
@@ -499,6 +536,7 @@ class DataChannel(_Channel):
         mid-frame.
         """
         targets = self.fold.consensus_arrived()
+        await self._enter_approved(out)
         watch = ArrivalWatch(header.length)
         await receive_with_followers(
             watch,
@@ -530,9 +568,17 @@ class DataChannel(_Channel):
         if kind is not MuxKind.BROADCAST:
             return await super()._on_record(kind, rank, payload, out)
         # Send the consensus to every rank waiting for it, concurrently.
+        targets = self.fold.consensus_arrived()
+        await self._enter_approved(out)
         async with trio.open_nursery() as nursery:
-            for target in self.fold.consensus_arrived():
+            for target in targets:
                 nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
+
+    async def _enter_approved(self, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Ranks let back in join the barrier of the round this consensus opens."""
+        folded = self.fold.enter_approved()
+        if folded is not None:
+            await out.send(folded)
 
 
 __all__ = ["ControlChannel", "DataChannel"]

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from ..errors import ConfigError, HandshakeError, ProtocolError
+from ..errors import ConfigError, FlodlError, HandshakeError, ProtocolError
 from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import (
@@ -33,7 +33,7 @@ from ..transport.connect import (
 )
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import RunOutcome, run_service, service_nursery
-from ..wire.constants import DEFAULT_FRAME_CEILING
+from ..wire.constants import CHANNEL_MAGIC_STATE, DEFAULT_FRAME_CEILING
 from ..wire.handshake import (
     CONTROL_HANDSHAKE_LEN,
     DATA_HANDSHAKE_LEN,
@@ -51,6 +51,7 @@ from ..wire.mux import (
     encode_mux_record,
 )
 from ..wire.salt import SessionSalt
+from ..wire.state import STATE_REQUEST_LEN
 from .channels import ControlChannel, DataChannel
 from .config import ChannelKind, RelayConfig, RelayStats
 from .host_ranks import HostRanks
@@ -58,6 +59,18 @@ from .host_ranks import HostRanks
 log = logging.getLogger("flodl_trio.relay")
 
 Listeners = Sequence[trio.abc.Listener[trio.abc.Stream]]
+# Bytes moved at a time when piping a joiner's state from the controller.
+PIPE_CHUNK = 1 << 20
+
+
+async def _pipe(source: MessageStream, sink: MessageStream, done: trio.CancelScope) -> None:
+    """Copy bytes from ``source`` to ``sink`` until either closes, then end the pipe."""
+    try:
+        while chunk := await source.stream.receive_some(PIPE_CHUNK):
+            await sink.send_chunks([chunk])
+    except CONNECTION_LOST:
+        pass
+    done.cancel()
 
 
 class RelayHandle:
@@ -163,7 +176,7 @@ class _Relay:
                 await nursery.start(trio.serve_listeners, self._serve_rank_connection, self.listeners)
                 if self.config.kind is ChannelKind.DATA:
                     upstream = await self._dial_controller(self.config.ranks)
-                    self.channel = DataChannel(self.config, upstream, self.handle.stats, self.host)
+                    self.channel = DataChannel(self.config, upstream, self.handle.stats, self.host, self._released)
                 else:
                     ranks = await self._control_formation()
                     if not ranks:
@@ -171,7 +184,7 @@ class _Relay:
                                  self.config.host_name)
                         return
                     upstream = await self._dial_controller(ranks)
-                    self.channel = ControlChannel(self.config, upstream, self.handle.stats, self.host, ranks)
+                    self.channel = ControlChannel(self.config, upstream, self.handle.stats, self.host, self._released, ranks)
                 waiting, self.waiting = self.waiting, {}
                 for rank, conn in waiting.items():
                     await self._hand_over(rank, conn)
@@ -187,10 +200,21 @@ class _Relay:
 
     async def _serve_rank_connection(self, stream: trio.abc.Stream) -> None:
         """One rank connection's handler: the handshake, then hold the connection
-        until the channel is done with it (when this returns, the stream closes)."""
+        until the channel is done with it (when this returns, the stream closes).
+        A joining rank's state request (data port) is piped to the controller instead."""
         tune_socket(stream)
         conn = MessageStream(stream, f"rank connection from {peer_host(stream)}", self.config.bounds)
-        rank = await self._admit(conn)
+        try:
+            with trio.fail_after(self.config.bounds.handshake):
+                magic = await conn.receive_exactly(4, "the first 4 bytes")
+        except (*CONNECTION_LOST, trio.TooSlowError) as exc:
+            reason = "no complete handshake within the deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._refuse(f"relay {self.config.host_name}: refused {conn.peer}: {reason}")
+            return
+        if self.config.kind is ChannelKind.DATA and int.from_bytes(magic, "little") == CHANNEL_MAGIC_STATE:
+            await self._pipe_state(conn, magic)
+            return
+        rank = await self._admit(conn, magic)
         if rank is None:
             return
         if self.channel is None:
@@ -208,19 +232,27 @@ class _Relay:
         return tuple(sorted(set(self.waiting) - self.host.dead))
 
     async def _hand_over(self, rank: int, conn: MessageStream) -> None:
-        """Give a handshaken rank to the channel; close it if the channel no longer takes it."""
-        assert self.channel is not None
-        if not self.channel.join(rank, conn):
-            log.info("relay %s: rank %d finished its handshake after it was declared dead; closed",
-                     self.config.host_name, rank)
+        """Give a handshaken rank to the channel (as a rank coming back if it had left);
+        close it if the channel does not take it."""
+        channel = self.channel
+        assert channel is not None
+        taken = channel.rejoin(rank, conn) if rank in channel.gone else channel.join(rank, conn)
+        if not taken:
+            log.info("relay %s: rank %d is not part of this %s channel any more; closed",
+                     self.config.host_name, rank, self.config.kind.value)
+            self.claimed.discard(rank)
             await conn.aclose()
 
-    async def _admit(self, conn: MessageStream) -> int | None:
+    def _released(self, rank: int) -> None:
+        """The channel is done with ``rank``'s connection: the rank may connect again."""
+        self.claimed.discard(rank)
+
+    async def _admit(self, conn: MessageStream, magic: bytes) -> int | None:
         """Terminate one rank's handshake; refuse (and log) anything wrong."""
         rank: int | None = None
         try:
             with trio.fail_after(self.config.bounds.handshake):
-                rank = await self._handshake(conn)
+                rank = await self._handshake(conn, magic)
                 ack = encode_data_ack() if self.config.kind is ChannelKind.DATA else encode_control_ack(self.config.salt)
                 await conn.send_chunks([ack])
         except (ProtocolError, *CONNECTION_LOST, trio.TooSlowError) as exc:
@@ -232,26 +264,46 @@ class _Relay:
         conn.peer = f"rank {rank}"
         return rank
 
-    async def _handshake(self, conn: MessageStream) -> int:
+    async def _handshake(self, conn: MessageStream, magic: bytes) -> int:
         """Read and check the handshake, then claim the rank (before any other await,
         so of two simultaneous handshakes for one rank the second is refused)."""
         if self.config.kind is ChannelKind.DATA:
-            raw = await conn.receive_exactly(DATA_HANDSHAKE_LEN, "the data handshake")
+            raw = magic + await conn.receive_exactly(DATA_HANDSHAKE_LEN - 4, "the data handshake")
             hello = decode_data_handshake(raw, self.config.world_size)
         else:
-            raw = await conn.receive_exactly(CONTROL_HANDSHAKE_LEN, "the control handshake")
+            raw = magic + await conn.receive_exactly(CONTROL_HANDSHAKE_LEN - 4, "the control handshake")
             hello = decode_control_handshake(raw, self.config.world_size, self.config.salt)
         if hello.rank not in self.config.ranks:
             raise HandshakeError(
                 f"rank {hello.rank} is not in host {self.config.host_name}'s rank set {list(self.config.ranks)}"
             )
-        if hello.rank in self.host.dead:
-            raise HandshakeError(f"rank {hello.rank} was declared dead; rejoin is not supported")
         if hello.rank in self.claimed:
             raise HandshakeError(f"duplicate rank {hello.rank}: {self._claim_state(hello.rank)}")
         self.claimed.add(hello.rank)
         self.signatures[hello.rank] = hello.model_signature
         return hello.rank
+
+    async def _pipe_state(self, conn: MessageStream, magic: bytes) -> None:
+        """Pass a joining rank's state request to the controller and its reply back, as
+        bytes (both ends authenticate them with the salt; the relay only moves them).
+        The reply may wait for a window boundary, so the pipe has no deadline of its
+        own: either end closing closes the other."""
+        bounds = self.config.bounds
+        try:
+            with trio.fail_after(bounds.handshake):
+                request = magic + await conn.receive_exactly(STATE_REQUEST_LEN - 4, "the state request")
+            host, port = self.config.upstream
+            stream = await connect_with_retry(host, port, f"relay {self.config.host_name} state pipe", bounds, self.connect)
+            upstream = MessageStream(stream, f"controller {host}:{port} (state)", bounds)
+            try:
+                await upstream.send_chunks([request])
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_pipe, upstream, conn, nursery.cancel_scope)
+                    nursery.start_soon(_pipe, conn, upstream, nursery.cancel_scope)
+            finally:
+                await upstream.aclose()
+        except (FlodlError, *CONNECTION_LOST, trio.TooSlowError) as exc:
+            log.info("relay %s: state request from %s ended early: %s", self.config.host_name, conn.peer, exc or "timed out")
 
     def _claim_state(self, rank: int) -> str:
         """Why a rank already claimed cannot connect again, in words."""

@@ -14,9 +14,9 @@ from typing import Any
 
 import attrs
 
-from ..errors import DesyncError
+from ..errors import DesyncError, SchemaError
 from ..fold.accumulator import FoldAccumulator, ImageCache
-from ..wire.round_frame import RoundFrame
+from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
 
 
 @attrs.frozen
@@ -48,6 +48,11 @@ class HostFold:
         self.deposited: set[int] = set()
         self.awaiting_reply: set[int] = set()
         self.host_frame_up = False
+        # Ranks that left and came back; they enter the barrier only at a window start.
+        self.joining: set[int] = set()  # reconnected, not yet let back in by the controller
+        self.entering: set[int] = set()  # let back in: enter with the round after the next consensus
+        self.fresh: set[int] = set()  # entered, first frame not yet folded (it must be a Control frame)
+        self.held: dict[int, RoundFrame] = {}  # a joiner's early first frame (a copy), until it enters
         self.images = ImageCache()
         self.acc = FoldAccumulator(self.images)
         self._on_change = on_change
@@ -59,12 +64,72 @@ class HostFold:
     # -- frames in -----------------------------------------------------------
 
     def deposit(self, rank: int, frame: RoundFrame) -> FoldedHostFrame | None:
-        """Fold one verified frame; the folded round when this deposit completes it."""
+        """Fold one verified frame; the folded round when this deposit completes it.
+
+        A joiner's frame that arrives before it entered the barrier is held
+        until it does (see :meth:`enter_approved`).
+        """
+        if rank in self.joining or rank in self.entering:
+            self._hold(rank, frame)
+            return None
+        if rank in self.fresh:
+            self.fresh.discard(rank)
+            self._check_first_frame(rank, frame)
         self._owe_reply(rank)
         self.acc.add(frame, f"rank {rank}")
         self.deposited.add(rank)
         self._on_change()
         return self._take_if_complete()
+
+    # -- ranks that come back ----------------------------------------------------
+
+    def rejoin(self, rank: int) -> None:
+        """A rank that had left reconnected; it stays out of the barrier until it enters."""
+        self.joining.add(rank)
+
+    def approve(self, rank: int) -> bool:
+        """The controller let ``rank`` back in, just before the consensus that ends a
+        window: it enters the barrier with the round after that consensus. False if
+        the rank is not waiting to be let in (it left again meanwhile)."""
+        if rank not in self.joining:
+            return False
+        self.joining.discard(rank)
+        self.entering.add(rank)
+        return True
+
+    def enter_approved(self) -> FoldedHostFrame | None:
+        """A window's last consensus came down: approved joiners are in the barrier
+        from the next round (the window start) on; one that sent its first frame
+        early has it folded now."""
+        folded = None
+        for rank in sorted(self.entering):
+            self.entering.discard(rank)
+            self.dead.discard(rank)
+            self.fresh.add(rank)
+            self._on_change()
+            frame = self.held.pop(rank, None)
+            if frame is not None:
+                folded = self.deposit(rank, frame) or folded
+        return folded
+
+    def _hold(self, rank: int, frame: RoundFrame) -> None:
+        if rank in self.held:
+            raise DesyncError(
+                f"relay {self.host}: rank {rank} sent a second frame before the controller let it back in "
+                "(a rank coming back waits for its state first: call join() before the first window)"
+            )
+        self._check_first_frame(rank, frame)
+        # The frame's payloads live in a pooled receive buffer: keep a copy (a Control frame is small).
+        self.held[rank] = RoundFrame(
+            [TensorPayload(t.dtype, t.shape, bytes(t.data)) for t in frame.tensors], frame.kind, frame.weight
+        )
+
+    def _check_first_frame(self, rank: int, frame: RoundFrame) -> None:
+        if frame.kind != RoundKind.CONTROL:
+            raise SchemaError(
+                f"relay {self.host}: rank {rank} comes back with a {frame.kind.name} frame; it enters at a "
+                "window start, so its first frame must be a window's Control round (use average_window)"
+            )
 
     def forward(self, rank: int) -> None:
         """A single-rank host's verified frame, which goes up as it is (no fold)."""
@@ -91,6 +156,10 @@ class HostFold:
         """Drop ``rank`` from the barrier (a frame it already folded stays: realized work)."""
         self.dead.add(rank)
         self.awaiting_reply.discard(rank)
+        self.joining.discard(rank)
+        self.entering.discard(rank)
+        self.fresh.discard(rank)
+        self.held.pop(rank, None)
         self._on_change()
         return self._take_if_complete()
 

@@ -27,5 +27,9 @@ class HostRanks:
             self.dead.add(rank)
             self.changed.notify()
 
+    def revive(self, rank: int) -> None:
+        """The controller let ``rank`` back in."""
+        self.dead.discard(rank)
+
 
 __all__ = ["HostRanks"]

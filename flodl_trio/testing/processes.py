@@ -233,6 +233,11 @@ class ProcessCluster:
     controller_port: int = 0
     data_ports: list[int] = attrs.field(factory=list)
     control_ports: list[int | None] = attrs.field(factory=list)
+    # Earlier lives of restarted ranks, oldest first; how each rank was started (to start it again).
+    past_lives: dict[int, list[RankProcess]] = attrs.field(factory=dict)
+    _launches: dict[int, tuple[list[str], dict[str, str]]] = attrs.field(factory=dict)
+    _nursery: trio.Nursery | None = None
+    _started: list[ChildProcess] = attrs.field(factory=list)
 
     # -- where ---------------------------------------------------------------
 
@@ -279,6 +284,20 @@ class ProcessCluster:
             await stdin.send_all(b"go\n")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the rank has already exited (a fault ended it): nothing left to release
+
+    async def restart(self, rank: int) -> RankProcess:
+        """Start rank ``rank`` again with the command line and environment it first
+        had (as a launcher restarts a failed worker). Its last process must have
+        exited (kill it first); it stays in :attr:`past_lives`."""
+        old = self.ranks[rank]
+        if old.process.returncode is None:
+            raise RuntimeError(f"rank {rank} (pid {old.pid}) is still running: kill it before restarting it")
+        assert self._nursery is not None
+        cmd, env = self._launches[rank]
+        self.past_lives.setdefault(rank, []).append(old)
+        proc = await _launch_rank(self._nursery, rank, cmd, env, self._started)
+        self.ranks[rank] = proc
+        return proc
 
     async def wait_event(self, rank: int, event: str, **fields: object) -> Event:
         """The first event named ``event`` whose fields match ``fields``."""
@@ -334,8 +353,9 @@ class ProcessCluster:
         self._controller().thaw()
 
     def processes(self) -> list[ChildProcess]:
-        """Every process of the cluster: ranks, relays, controller."""
-        out: list[ChildProcess] = list(self.ranks.values())
+        """Every process of the cluster: ranks (earlier lives first), relays, controller."""
+        out: list[ChildProcess] = [proc for lives in self.past_lives.values() for proc in lives]
+        out += self.ranks.values()
         for host in self.relays:
             out.extend(host)
         if self.controller is not None:
@@ -389,6 +409,16 @@ async def _spawn(cmd: list[str], env: Mapping[str, str]) -> trio.Process:
     return await trio.lowlevel.open_process(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env),
     )
+
+
+async def _launch_rank(
+    nursery: trio.Nursery, rank: int, cmd: list[str], env: Mapping[str, str], started: list[ChildProcess]
+) -> RankProcess:
+    proc = RankProcess(f"rank {rank}", await _spawn(cmd, env), rank=rank)
+    started.append(proc)
+    nursery.start_soon(proc._pump_events)
+    nursery.start_soon(proc._pump_stderr)
+    return proc
 
 
 async def _start_daemon(
@@ -565,12 +595,10 @@ async def open_process_cluster(
                     data=cluster.proxies[rank].address if rank in cluster.proxies else None,
                     control=cluster.control_proxies[rank].address if rank in cluster.control_proxies else None,
                 )
-                process = await _spawn(cmd, {**base_env, **(worker_env or {}).get(rank, {})})
-                proc = RankProcess(f"rank {rank}", process, rank=rank)
-                started.append(proc)
-                cluster.ranks[rank] = proc
-                nursery.start_soon(proc._pump_events)
-                nursery.start_soon(proc._pump_stderr)
+                env = {**base_env, **(worker_env or {}).get(rank, {})}
+                cluster._launches[rank] = (cmd, env)
+                cluster.ranks[rank] = await _launch_rank(nursery, rank, cmd, env, started)
+            cluster._nursery, cluster._started = nursery, started
             yield cluster
         finally:
             with trio.CancelScope(shield=True):

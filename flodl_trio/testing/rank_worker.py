@@ -18,6 +18,13 @@ same clock in every process of the machine):
 - ``crash``: any other exception (``type``, ``message``, ``traceback``; exit status 4);
 - ``done``: every round completed (exit status 0).
 
+``--windows N`` runs Local SGD instead, as a trainer would: ``joined``
+(``start``: the window :meth:`ReduceClient.join` returned, with the loaded
+params' ``head`` and ``digest``), then per window a ``window`` event with the
+gathered ``counts``, the consensus params' first values (``head``), the
+buffers, and a ``digest`` of every byte. Window ``w`` adds
+:func:`window_delta` to the params and reports :func:`window_steps` steps.
+
 ``--backend numpy`` builds the frames with numpy instead of torch: the same
 bytes on the wire, and the process starts in a fraction of the time (no torch
 import), which matters when a test starts dozens of ranks on a small machine.
@@ -144,6 +151,58 @@ async def _rounds(args: argparse.Namespace, client: Any, go: _Go) -> None:
         await trio.sleep(args.pause)
 
 
+def window_steps(rank: int) -> int:
+    """Local steps rank ``rank`` reports each window: 2**rank, so the params round's
+    accepted mass (a sum of distinct powers of two) names exactly who made it in."""
+    return 1 << rank
+
+
+def window_delta(rank: int, window: int, numel: int) -> Any:
+    """What rank ``rank``'s "training" adds to its params in ``window`` (shared with the tests)."""
+    import numpy as np
+
+    return np.random.default_rng([rank, window]).standard_normal(numel).astype(np.float32)
+
+
+def _digest(tensors: list[Any]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+async def _windows(args: argparse.Namespace, client: Any, go: _Go) -> None:
+    """Local SGD as a trainer writes it: join (a no-op at first start, the consensus after
+    a restart), then ``average_window`` once per window, from the window join returns."""
+    import torch
+
+    from flodl_trio import average_window
+
+    params = [torch.zeros(args.numel)]
+    buffers = [torch.zeros(2)]
+    start = await client.join(params, buffers)
+    emit("joined", rank=args.rank, start=start, head=params[0][:8].tolist(), digest=_digest(params + buffers))
+    pauses = dict(args.pause_before or [])
+    for window in range(start, args.windows):
+        if window in pauses:
+            emit("paused", rank=args.rank, round=window)
+            await go.wait(pauses[window])
+        with torch.no_grad():
+            params[0].add_(torch.from_numpy(window_delta(args.rank, window, args.numel)))
+            buffers[0].add_(float(args.rank + 1))
+        emit("sending", rank=args.rank, round=window)
+        result = await average_window(
+            client, params, buffers, window_steps(args.rank), rank=args.rank, world_size=args.world_size, in_place=True
+        )
+        emit(
+            "window", rank=args.rank, window=window, counts=result.counts, head=params[0][:8].tolist(),
+            buffers=buffers[0].tolist(), digest=_digest(params + buffers),
+        )
+        await trio.sleep(args.pause)
+
+
 async def run(args: argparse.Namespace) -> None:
     from flodl_trio import FlodlError, SessionSalt, connect_reduce_client
     from flodl_trio.client import connect_control_client
@@ -177,7 +236,7 @@ async def run(args: argparse.Namespace) -> None:
             )
             client.bf16_wire = args.bf16
             emit("ready", rank=args.rank)
-            await _rounds(args, client, go)
+            await (_windows if args.windows is not None else _rounds)(args, client, go)
             nursery.cancel_scope.cancel()
         emit("done", rank=args.rank)
     except BaseExceptionGroup as group:
@@ -209,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True, help="host:port of this host's data relay")
     parser.add_argument("--control", help="host:port of this host's control relay")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--windows", type=int, default=None,
+        help="run Local SGD windows instead of rounds: join, then average_window per window (torch backend)",
+    )
     parser.add_argument("--numel", type=int, default=4)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
     parser.add_argument(
@@ -235,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.bf16 and args.backend == "numpy":
         build_parser().error("--bf16 needs --backend torch")
+    if args.windows is not None and (args.backend == "numpy" or not 0 <= args.rank < 30):
+        build_parser().error("--windows needs --backend torch and a rank below 30")
     if args.numel <= 0 or not math.isfinite(args.pause):
         build_parser().error("--numel must be > 0 and --pause finite")
     trio.run(run, args)

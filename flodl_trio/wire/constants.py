@@ -17,6 +17,11 @@ CHANNEL_MAGIC_RENDEZVOUS: Final = 0xF10D17E0
 CHANNEL_MAGIC_DATA: Final = 0xF10D17E1
 CHANNEL_MAGIC_CONTROL: Final = 0xF10D17E2
 CHANNEL_MAGIC_JOIN: Final = 0xF10D17E3
+# flodl_trio extension (docs/wire.md): a joiner asks for the last window's consensus.
+# The rank sends it to its relay, which pipes the connection to the controller as is.
+CHANNEL_MAGIC_STATE: Final = 0xF10D17E8
+STATE_REPLY_MAGIC: Final = 0xF10D17E9
+STATE_VERSION: Final = 1
 
 # MuxRecord (section 3.2).
 MUX_MAGIC: Final = 0xF10D17D0

@@ -41,14 +41,15 @@ class RankHello:
     model_signature: bytes = b""
 
 
-def _exact(data: Buffer, n: int, what: str) -> bytes:
+def exact_bytes(data: Buffer, n: int, what: str) -> bytes:
+    """A fixed-size message's bytes, refused unless exactly ``n`` (shared by every handshake-like message)."""
     raw = bytes(data)
     if len(raw) != n:
         raise HandshakeError(f"{what} is {len(raw)} bytes, want exactly {n}")
     return raw
 
 
-def _check_magic_version(magic: int, version: int, want_magic: int, want_version: int, what: str) -> None:
+def check_magic_version(magic: int, version: int, want_magic: int, want_version: int, what: str) -> None:
     if magic != want_magic:
         raise HandshakeError(f"{what}: bad magic 0x{magic:08X} (want 0x{want_magic:08X}); not a flodl peer?")
     if version != want_version:
@@ -57,7 +58,7 @@ def _check_magic_version(magic: int, version: int, want_magic: int, want_version
         )
 
 
-def _check_world(world_size: int, expected: int, rank: int, what: str) -> None:
+def check_world(world_size: int, expected: int, rank: int, what: str) -> None:
     if world_size != expected:
         raise HandshakeError(
             f"{what}: rank {rank} announced world_size {world_size}, this side was started with {expected}"
@@ -72,9 +73,9 @@ def encode_data_handshake(rank: int, world_size: int) -> bytes:
 
 
 def decode_data_handshake(data: Buffer, expected_world_size: int) -> RankHello:
-    magic, version, rank, world = _HELLO.unpack(_exact(data, DATA_HANDSHAKE_LEN, "data handshake"))
-    _check_magic_version(magic, version, DATA_HANDSHAKE_MAGIC, DATA_PROTOCOL_VERSION, "data handshake")
-    _check_world(world, expected_world_size, rank, "data handshake")
+    magic, version, rank, world = _HELLO.unpack(exact_bytes(data, DATA_HANDSHAKE_LEN, "data handshake"))
+    check_magic_version(magic, version, DATA_HANDSHAKE_MAGIC, DATA_PROTOCOL_VERSION, "data handshake")
+    check_world(world, expected_world_size, rank, "data handshake")
     return RankHello(rank, world)
 
 
@@ -83,8 +84,8 @@ def encode_data_ack() -> bytes:
 
 
 def decode_data_ack(data: Buffer) -> None:
-    magic, version = _ACK.unpack(_exact(data, DATA_ACK_LEN, "data handshake ack"))
-    _check_magic_version(magic, version, DATA_ACK_MAGIC, DATA_PROTOCOL_VERSION, "data handshake ack")
+    magic, version = _ACK.unpack(exact_bytes(data, DATA_ACK_LEN, "data handshake ack"))
+    check_magic_version(magic, version, DATA_ACK_MAGIC, DATA_PROTOCOL_VERSION, "data handshake ack")
 
 
 # -- control channel, v4 -----------------------------------------------------
@@ -100,10 +101,10 @@ def encode_control_handshake(rank: int, world_size: int, model_signature: bytes,
 
 
 def decode_control_handshake(data: Buffer, expected_world_size: int, salt: SessionSalt) -> RankHello:
-    raw = _exact(data, CONTROL_HANDSHAKE_LEN, "control handshake")
+    raw = exact_bytes(data, CONTROL_HANDSHAKE_LEN, "control handshake")
     magic, version, rank, world = _HELLO.unpack_from(raw)
-    _check_magic_version(magic, version, CONTROL_HANDSHAKE_MAGIC, CONTROL_PROTOCOL_VERSION, "control handshake")
-    _check_world(world, expected_world_size, rank, "control handshake")
+    check_magic_version(magic, version, CONTROL_HANDSHAKE_MAGIC, CONTROL_PROTOCOL_VERSION, "control handshake")
+    check_world(world, expected_world_size, rank, "control handshake")
     signed_end = _HELLO.size + MODEL_SIGNATURE_LEN
     verify_mac(salt.mac8(raw[:signed_end]), raw[signed_end:], f"control handshake of rank {rank}")
     return RankHello(rank, world, raw[_HELLO.size:signed_end])
@@ -115,7 +116,7 @@ def encode_control_ack(salt: SessionSalt) -> bytes:
 
 
 def decode_control_ack(data: Buffer, salt: SessionSalt) -> None:
-    raw = _exact(data, CONTROL_ACK_LEN, "control handshake ack")
+    raw = exact_bytes(data, CONTROL_ACK_LEN, "control handshake ack")
     magic, version = _ACK.unpack_from(raw)
-    _check_magic_version(magic, version, CONTROL_ACK_MAGIC, CONTROL_PROTOCOL_VERSION, "control handshake ack")
+    check_magic_version(magic, version, CONTROL_ACK_MAGIC, CONTROL_PROTOCOL_VERSION, "control handshake ack")
     verify_mac(salt.mac8(raw[:_ACK.size]), raw[_ACK.size:], "control handshake ack")

@@ -81,8 +81,21 @@ class DeclareDead:
     rank: int
 
 
-RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead
-_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3}
+@attrs.frozen
+class RankJoin:
+    """flodl_trio extension (variant 200; flodl peers never see it unless a rank rejoins).
+
+    Relay -> controller: a rank that had left reconnected and asks back in.
+    Controller -> relay: admitted; it enters the host's fold at the next
+    window start (a refusal is a ``DeclareDead``). See docs/wire.md.
+    """
+
+    rank: int
+
+
+RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin
+# flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
+_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200}
 
 
 def _check_u32(value: int, what: str) -> None:
@@ -113,7 +126,7 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 if len(sig) != MODEL_SIGNATURE_LEN:
                     raise ConfigError(f"model signature must be {MODEL_SIGNATURE_LEN} bytes, got {len(sig)}")
                 out += sig
-        case RankExit(rank=r) | DeclareDead(rank=r):
+        case RankExit(rank=r) | DeclareDead(rank=r) | RankJoin(rank=r):
             out += _varint(r)
         case HelloAck():
             pass
@@ -184,6 +197,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = RankExit(reader.varint("RankExit rank"))
     elif variant == 3:
         msg = DeclareDead(reader.varint("DeclareDead rank"))
+    elif variant == 200:
+        msg = RankJoin(reader.varint("RankJoin rank"))
     else:
         raise FramingError(f"RelayControlMsg: unknown variant index {variant}")
     if reader.pos != len(reader.data):
@@ -237,6 +252,20 @@ def encode_mux_record(
     if length < 4096:
         return EncodedFrame([header + b"".join(chunks)], MUX_HEADER_LEN + length)
     return EncodedFrame([header, *chunks], MUX_HEADER_LEN + length)
+
+
+def record_payload(record: EncodedFrame) -> EncodedFrame:
+    """The payload of an encoded MuxRecord (its bytes after the 25-byte header), zero-copy."""
+    views: list[Buffer] = []
+    skip = MUX_HEADER_LEN
+    for chunk in record.chunks:
+        view = memoryview(chunk).cast("B")
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        views.append(view[skip:])
+        skip = 0
+    return EncodedFrame(views, record.nbytes - MUX_HEADER_LEN)
 
 
 def encode_control_record(msg: RelayControlMsg, salt: SessionSalt) -> bytes:

@@ -1,0 +1,122 @@
+"""What a (re)starting rank fetches to start from the cluster's consensus.
+
+The controller keeps the consensus of the last completed window exactly as
+the ranks received it. A rank asks for it through its host's relay (which
+pipes the connection to the controller) with a request signed with the
+session salt; the reply is bound to the request's fresh nonce and each frame
+carries its own MAC, so a rank with another salt gets nothing and a tampered
+or replayed reply is refused. See docs/wire.md ("State for joiners").
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import trio
+
+from ..errors import (
+    FlodlError,
+    FramingError,
+    JoinRefused,
+    PeerClosedMidFrame,
+    PeerTimeout,
+)
+from ..settings import NetBounds
+from ..transport.buffers import ReceiveBuffer
+from ..transport.connect import Connector, connect_with_retry
+from ..transport.hashing import RunningMac
+from ..transport.stream import MessageStream
+from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN
+from ..wire.round_frame import RoundFrame, check_payloads, decode_round_frame
+from ..wire.salt import SessionSalt
+from ..wire.state import (
+    STATE_REPLY_HEADER_LEN,
+    StateReply,
+    StateStatus,
+    decode_state_reply,
+    decode_state_reply_header,
+    encode_state_request,
+    new_nonce,
+)
+
+
+@attrs.frozen
+class ClusterState:
+    """The last completed window's consensus: ``window`` is its index (-1 with no frames:
+    no window has completed yet); ``params``/``buffers`` are what every rank adopted."""
+
+    window: int
+    params: RoundFrame | None = None
+    buffers: RoundFrame | None = None
+
+
+async def fetch_cluster_state(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    salt: SessionSalt,
+    *,
+    bounds: NetBounds,
+    connect: Connector = trio.open_tcp_stream,
+    ceiling: int = DEFAULT_FRAME_CEILING,
+    reply_timeout: float | None = None,
+) -> ClusterState:
+    """Ask the controller, through the data relay at ``host:port``, for the state to start from.
+
+    A fresh cluster answers at once (window -1, nothing to load). For a rank
+    coming back the answer waits for the next window boundary - the wait of
+    a round, bounded by ``reply_timeout`` if given - where the controller
+    also lets it into its host's barrier. Raises :class:`JoinRefused` with
+    the controller's reason if it may not join.
+    """
+    stream = await connect_with_retry(host, port, f"rank {rank} -> data relay (state)", bounds, connect)
+    conn = MessageStream(stream, f"data relay {host}:{port} (state)", bounds)
+    try:
+        nonce = new_nonce()
+        await conn.send_chunks([encode_state_request(rank, world_size, nonce, salt)])
+        reply = await _receive_reply(conn, rank, nonce, salt, reply_timeout, f"data relay {host}:{port}")
+        if reply.status is StateStatus.REFUSED:
+            raise JoinRefused(f"rank {rank} may not join: {reply.reason}")
+        frames = [await _receive_frame(conn, rank, index, salt, ceiling) for index in range(reply.frames)]
+    finally:
+        await conn.aclose()
+    return ClusterState(reply.window, *frames)
+
+
+async def _receive_reply(
+    conn: MessageStream, rank: int, nonce: bytes, salt: SessionSalt, timeout: float | None, where: str
+) -> StateReply:
+    try:
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            header = await conn.receive_exactly(STATE_REPLY_HEADER_LEN, "the state reply")
+    except PeerClosedMidFrame as exc:
+        raise FlodlError(
+            f"rank {rank}: no state from the controller through {where}: the request was refused unread "
+            "(a different session salt? see the controller's log) or the controller is gone"
+        ) from exc
+    except trio.TooSlowError as exc:
+        raise PeerTimeout(f"rank {rank}: no state reply through {where} within reply_timeout {timeout:g} s") from exc
+    *_, reason_len = decode_state_reply_header(header)
+    with trio.fail_after(conn.bounds.handshake):
+        tail = await conn.receive_exactly(reason_len + MAC_LEN, "the state reply's reason and MAC")
+    return decode_state_reply(header, tail, nonce, salt)
+
+
+async def _receive_frame(conn: MessageStream, rank: int, index: int, salt: SessionSalt, ceiling: int) -> RoundFrame:
+    """One consensus frame of the reply, its MAC checked as it arrives (into a buffer that
+    grows only as bytes do: the length is not trusted before the MAC)."""
+    what = ("params", "buffers")[index]
+    length = await conn.receive_length_prefix(ceiling)
+    if length is None:
+        raise FramingError(f"rank {rank}: the state reply ended before its {what} frame")
+    mac = RunningMac(salt.hmac(), max(length - MAC_LEN, 0))
+    body = await conn.receive_into_buffer(ReceiveBuffer(), length, f"the {what} state frame", mac)
+    source = f"the cluster's {what} state"
+    frame = decode_round_frame(body, salt, source=source, mac_of_body=mac.tag(), ceiling=ceiling)
+    check_payloads(frame, source)
+    return frame
+
+
+__all__ = ["ClusterState", "fetch_cluster_state"]

@@ -1,0 +1,98 @@
+"""Who is in the cluster and who may come back, free of I/O.
+
+A rank's life as the controller sees it::
+
+    absent --connects--> live --exits, crashes, is dropped or declared dead--> dead
+    dead --its relay asks, and it asks for its state--> joining
+    joining --a window boundary--> live        (it enters the next window)
+    joining --its connection closes--> dead
+    dead --rejoin_timeout passes--> gone for good
+
+``DeadRanks`` says who is dead right now. :class:`Membership` remembers when
+each rank died, decides whether a returning rank is let back in, pairs the
+two halves of a return (its relay's ``RankJoin`` and its own state request,
+which arrive in either order on different connections), and says when the
+cluster is finished: every rank dead and none may come back. With
+``rejoin_timeout`` 0 (the in-process default) dead is final, as in flodl.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+
+class Membership:
+    """The controller's rejoin policy and its record of deaths and returns."""
+
+    def __init__(self, world_size: int, rejoin_timeout: float = 0.0) -> None:
+        self.world_size = world_size
+        self.rejoin_timeout = rejoin_timeout
+        self.died_at: dict[int, float] = {}
+        self.asked: dict[int, int] = {}  # rank -> the seat whose relay asked to let it back in
+        self.waiting: set[int] = set()  # ranks whose state request waits for a window boundary
+        self.rejoins = 0
+
+    def phase(self, rank: int, *, dead: bool) -> str:
+        """``"live"``, ``"joining"`` (both halves of its return are in) or ``"dead"``."""
+        if not dead:
+            return "live"
+        return "joining" if rank in self.asked and rank in self.waiting else "dead"
+
+    def died(self, rank: int, now: float) -> None:
+        """``rank`` is dead as of ``now`` (its rejoin window opens)."""
+        self.died_at.setdefault(rank, now)
+
+    def refusal(self, rank: int, now: float, *, dead: bool) -> str | None:
+        """Why ``rank`` may not rejoin now, in words; None if it may."""
+        if not dead:
+            return f"rank {rank} is live on the cluster (is another process running as rank {rank}?)"
+        if self.rejoin_timeout <= 0:
+            return "rejoining is switched off (rejoin_timeout is 0)"
+        died = self.died_at.get(rank)
+        if died is not None and now - died > self.rejoin_timeout:
+            return f"it died {now - died:.1f} s ago, longer than rejoin_timeout {self.rejoin_timeout:g} s"
+        return None
+
+    def ask(self, rank: int, seat: int) -> None:
+        """Its relay asks to let ``rank`` back in (it reconnected there)."""
+        self.asked[rank] = seat
+
+    def wait_for_state(self, rank: int) -> None:
+        """``rank`` asked for its state; it gets it at the next boundary."""
+        self.waiting.add(rank)
+
+    def withdraw(self, rank: int) -> None:
+        """A half of ``rank``'s return went away (a connection closed): it is dead again."""
+        self.asked.pop(rank, None)
+        self.waiting.discard(rank)
+
+    def seat_gone(self, seat: int) -> list[int]:
+        """A relay left: the returns it asked for are off; returns those ranks."""
+        ranks = sorted(rank for rank, asker in self.asked.items() if asker == seat)
+        for rank in ranks:
+            self.withdraw(rank)
+        return ranks
+
+    def ready(self) -> list[tuple[int, int]]:
+        """``(rank, seat)`` of each return whose both halves are in, in rank order."""
+        return [(rank, self.asked[rank]) for rank in sorted(self.asked) if rank in self.waiting]
+
+    def rejoined(self, rank: int) -> None:
+        """``rank`` is live again (let in at a boundary)."""
+        self.withdraw(rank)
+        self.died_at.pop(rank, None)
+        self.rejoins += 1
+
+    def finish_deadline(self, dead: Iterable[int]) -> float | None:
+        """When the cluster is finished unless someone rejoins first: None while a
+        rank is live; -inf when every rank is dead and none may come back."""
+        dead = set(dead)
+        if len(dead) < self.world_size:
+            return None
+        if self.rejoin_timeout <= 0:
+            return -math.inf
+        return max((self.died_at.get(rank, -math.inf) + self.rejoin_timeout for rank in dead), default=-math.inf)
+
+
+__all__ = ["Membership"]

@@ -1,0 +1,357 @@
+"""A rank that left comes back: it gets the consensus of the window that just
+ended, enters the next window, and every round stays exact.
+
+Real sockets, a real controller and relays in one trio run; ranks are
+``average_window`` trainers. What a round contained is read back from the
+window's gathered step counts (a rank outside the round counts 0), and each
+round's consensus is checked against a numpy reference over exactly those
+contributors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from flodl_trio import JoinRefused, average_window, connect_reduce_client
+from flodl_trio.client import connect_control_client, fetch_cluster_state
+from flodl_trio.errors import FlodlError
+from flodl_trio.settings import NetBounds
+from flodl_trio.testing import open_local_cluster
+from flodl_trio.wire.salt import SessionSalt
+from flodl_trio.wire.state import STATE_REPLY_HEADER_LEN, encode_state_request, new_nonce
+
+SALT = SessionSalt(b"rejoin-test-salt")
+WORLD = 4
+HOSTS = [[0, 1], [2, 3]]
+WINDOWS = 12
+DEADLINE_S = 30
+PARAM_SHAPES = [(64, 33), (17,)]
+BUFFER_SHAPES = [(5,)]
+SIG = b"\x33" * 32
+
+
+def steps_of(rank: int, window: int) -> int:
+    return 1 + (rank + window) % 3
+
+
+def trained(params: list[torch.Tensor], rank: int, window: int) -> None:
+    """Local training, made up but reproducible: a rank- and window-specific move."""
+    with torch.no_grad():
+        for index, p in enumerate(params):
+            rng = np.random.default_rng([rank, window, index])
+            p.add_(torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32)))
+
+
+def fresh_model(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    rng = np.random.default_rng([99, rank])
+    params = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in PARAM_SHAPES]
+    buffers = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in BUFFER_SHAPES]
+    return params, buffers
+
+
+class Record:
+    """What every rank saw, by window: its inputs, the gathered counts, the consensus."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[tuple[int, int], tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self.counts: dict[tuple[int, int], list[float]] = {}
+        self.outputs: dict[tuple[int, int], tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self.windows_done: dict[int, int] = {}
+        self.progress = trio.Event()  # set and replaced whenever a window ends somewhere
+
+    def window_done(self, rank: int, window: int) -> None:
+        self.windows_done[rank] = window
+        self.progress.set()
+        self.progress = trio.Event()
+
+    async def wait_for(self, rank: int, window: int) -> None:
+        while self.windows_done.get(rank, -1) < window:
+            await self.progress.wait()
+
+
+async def run_windows(client, rank: int, first: int, params, buffers, record: Record, *, pace: float = 0.02) -> None:
+    for window in range(first, WINDOWS):
+        await trio.sleep(pace)  # "training" takes a little while
+        trained(params, rank, window)
+        record.inputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+        result = await average_window(
+            client, params, buffers, steps_of(rank, window), rank=rank, world_size=WORLD, in_place=True
+        )
+        record.counts[rank, window] = list(result.counts)
+        record.outputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+        record.window_done(rank, window)
+
+
+def check_every_window(record: Record, ranks_at_end: set[int]) -> dict[int, set[int]]:
+    """Each window's consensus against a numpy reference over its contributors; returns them."""
+    contributors_by_window = {}
+    for window in range(WINDOWS):
+        seen = {rank: counts for (rank, w), counts in record.counts.items() if w == window}
+        assert seen, f"window {window}: no rank finished it"
+        gathered = next(iter(seen.values()))
+        for rank, counts in seen.items():
+            assert counts == gathered, f"window {window}: rank {rank} gathered {counts}, another {gathered}"
+        contributors = {rank for rank in range(WORLD) if gathered[rank] > 0}
+        assert contributors == set(seen), f"window {window}: counts say {contributors}, finished by {set(seen)}"
+        contributors_by_window[window] = contributors
+        mass = {rank: float(steps_of(rank, window)) for rank in contributors}
+        for part in (0, 1):  # params (gamma mass), buffers (mover mass 1)
+            weights = mass if part == 0 else {rank: 1.0 for rank in contributors}
+            total = sum(weights.values())
+            count = len(record.inputs[min(contributors), window][part])
+            for index in range(count):
+                want = sum(weights[r] * record.inputs[r, window][part][index].astype(np.float64) for r in contributors)
+                want = want / total
+                for rank in contributors:
+                    got = record.outputs[rank, window][part][index]
+                    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5,
+                                               err_msg=f"window {window} part {part} tensor {index} rank {rank}")
+        first = min(contributors)
+        for rank in contributors:  # every rank of a round holds the same bytes
+            for a, b in zip(record.outputs[rank, window][0], record.outputs[first, window][0]):
+                assert a.tobytes() == b.tobytes()
+    last = WINDOWS - 1
+    assert contributors_by_window[last] == ranks_at_end
+    return contributors_by_window
+
+
+@asynccontextmanager
+async def heartbeats(cluster, rank: int, control: bool) -> AsyncIterator[None]:
+    """The rank's control channel (heartbeats) beside its data connection, when the cluster has one."""
+    if not control:
+        yield
+        return
+    async with connect_control_client(cluster.control_address(rank), rank, WORLD, SALT, SIG, heartbeat_timeout=5.0):
+        yield
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("control", [False, True], ids=["data-only", "with-heartbeats"])
+async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_exact(control):
+    record = Record()
+    joined_at: dict[str, int] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60, control=control, heartbeat_timeout=5.0
+        ) as cluster:
+
+            async def survivor(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with heartbeats(cluster, rank, control), connect_reduce_client(
+                    cluster.relay_address(rank), rank, WORLD, SALT
+                ) as client:
+                    assert await client.join(params, buffers) == 0  # a fresh cluster: nothing to load
+                    await run_windows(client, rank, 0, params, buffers, record)
+
+            async def leaves_and_returns() -> None:
+                rank = 3
+                params, buffers = fresh_model(rank)
+                async with heartbeats(cluster, rank, control), connect_reduce_client(
+                    cluster.relay_address(rank), rank, WORLD, SALT
+                ) as client:
+                    assert await client.join(params, buffers) == 0
+                    for window in range(3):
+                        trained(params, rank, window)
+                        record.inputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+                        result = await average_window(client, params, buffers, steps_of(rank, window),
+                                                      rank=rank, world_size=WORLD, in_place=True)
+                        record.counts[rank, window] = list(result.counts)
+                        record.outputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+                # Gone (its connection closed between windows); back once the others are at window 6.
+                await record.wait_for(0, 6)
+                params, buffers = fresh_model(rank + 100)  # a restarted process: nothing of the old state
+                async with heartbeats(cluster, rank, control), connect_reduce_client(
+                    cluster.relay_address(rank), rank, WORLD, SALT
+                ) as client:
+                    start = await client.join(params, buffers)
+                    joined_at["start"] = start
+                    await record.wait_for(0, start - 1)
+                    want_params, want_buffers = record.outputs[0, start - 1]
+                    assert [p.numpy().tobytes() for p in params] == [p.tobytes() for p in want_params]
+                    assert [b.numpy().tobytes() for b in buffers] == [b.tobytes() for b in want_buffers]
+                    await run_windows(client, rank, start, params, buffers, record)
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1, 2):
+                    nursery.start_soon(survivor, rank)
+                nursery.start_soon(leaves_and_returns)
+
+            stats = cluster.controller.stats
+            assert stats.rejoins == 1
+            assert stats.states_served == 1
+    start = joined_at["start"]
+    assert 7 <= start <= 8, f"rank 3 came back at window 6 or 7 and should enter the next; entered {start}"
+    contributors = check_every_window(record, {0, 1, 2, 3})
+    for window in range(WINDOWS):
+        want = {0, 1, 2, 3} if window < 3 or window >= start else {0, 1, 2}
+        assert contributors[window] == want, f"window {window}"
+
+
+@pytest.mark.trio
+async def test_a_fresh_cluster_answers_join_at_once_and_a_live_rank_may_not_join_again():
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60) as cluster:
+            host, port = cluster.relay_address(0)
+            state = await fetch_cluster_state(host, port, 0, 2, SALT, bounds=NetBounds())
+            assert state.window == -1 and state.params is None
+
+            async def rank_main(rank: int, client) -> None:
+                params, buffers = fresh_model(rank)
+                for window in range(2):
+                    await average_window(client, params[:1], buffers, 1, rank=rank, world_size=2, in_place=True)
+                if rank == 0:
+                    with pytest.raises(JoinRefused, match="rank 0 is live"):
+                        await client.fetch_state()
+
+            await cluster.run_ranks(rank_main)
+            assert cluster.controller.stats.rejoins_refused == 1
+
+
+@pytest.mark.trio
+async def test_a_state_request_with_another_salt_gets_nothing():
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60) as cluster:
+            host, port = cluster.relay_address(0)
+            with pytest.raises(FlodlError, match="refused unread"):
+                await fetch_cluster_state(host, port, 0, 2, SessionSalt(b"another salt...."), bounds=NetBounds())
+            assert any("state request" in r and "MAC" in r for r in cluster.controller.rejections)
+            assert cluster.controller.stats.mac_failures == 1
+
+
+@pytest.mark.trio
+async def test_with_rejoining_off_a_returning_rank_is_refused_and_the_others_carry_on():
+    record = Record()
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT) as cluster:
+
+            async def survivor(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await run_windows(client, rank, 0, params, buffers, record)
+
+            async def returns_too_soon() -> None:
+                params, buffers = fresh_model(3)
+                async with connect_reduce_client(cluster.relay_address(3), 3, WORLD, SALT) as client:
+                    await average_window(client, params, buffers, 1, rank=3, world_size=WORLD, in_place=True)
+                await record.wait_for(0, 3)
+                async with connect_reduce_client(cluster.relay_address(3), 3, WORLD, SALT) as client:
+                    with pytest.raises(JoinRefused, match="rejoining is switched off"):
+                        await client.join(params, buffers)
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1, 2):
+                    nursery.start_soon(survivor, rank)
+                nursery.start_soon(returns_too_soon)
+            assert cluster.controller.stats.rejoins_refused == 2  # its relay's ask, and its state request
+            assert cluster.controller.stats.rejoins == 0
+    assert all(record.counts[0, w][3] == 0 for w in range(1, WINDOWS))
+    assert record.windows_done == {0: WINDOWS - 1, 1: WINDOWS - 1, 2: WINDOWS - 1}
+
+
+async def run_until_gone(client, rank: int, windows: int, params, buffers, record: Record) -> None:
+    """A rank's first life: ``windows`` windows, then it leaves (its connection closes)."""
+    for window in range(windows):
+        trained(params, rank, window)
+        record.inputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+        result = await average_window(client, params, buffers, steps_of(rank, window), rank=rank, world_size=WORLD,
+                                      in_place=True)
+        record.counts[rank, window] = list(result.counts)
+        record.outputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+
+
+@pytest.mark.trio
+async def test_two_ranks_coming_back_together_enter_the_same_window():
+    record = Record()
+    starts: dict[int, int] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60) as cluster:
+            both_back = trio.Event()
+
+            async def survivor(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await run_windows(client, rank, 0, params, buffers, record, pace=0.1)
+
+            async def leaves_and_returns(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await run_until_gone(client, rank, 2, params, buffers, record)
+                await record.wait_for(0, 4)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    starts[rank] = -1
+                    if len(starts) == 2:
+                        both_back.set()
+                    await both_back.wait()
+                    starts[rank] = await client.join(params, buffers)
+                    await run_windows(client, rank, starts[rank], params, buffers, record, pace=0.1)
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 2):
+                    nursery.start_soon(survivor, rank)
+                for rank in (1, 3):
+                    nursery.start_soon(leaves_and_returns, rank)
+            assert cluster.controller.stats.rejoins == 2
+    assert starts[1] == starts[3], starts
+    contributors = check_every_window(record, {0, 1, 2, 3})
+    assert contributors[starts[1] - 1] == {0, 2} and contributors[starts[1]] == {0, 1, 2, 3}
+
+
+@pytest.mark.trio
+async def test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster_nothing():
+    """Rank 3 comes back twice and dies each time (once waiting for the boundary, once
+    with half of its state read); the third time it gets in. Every round stays exact."""
+    record = Record()
+    big = [(256, 1024)]  # 1 MiB of params: the transfer takes more than one read
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60) as cluster:
+            host, port = cluster.relay_address(3)
+
+            async def survivor(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                params += [torch.zeros(big[0])]
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await run_windows(client, rank, 0, params, buffers, record, pace=0.05)
+
+            async def dies_waiting() -> None:
+                async with connect_reduce_client((host, port), 3, WORLD, SALT) as client:
+                    with trio.move_on_after(0.01):  # the state is not there before the next boundary
+                        await client.fetch_state()
+
+            async def dies_mid_transfer() -> None:
+                async with connect_reduce_client((host, port), 3, WORLD, SALT):
+                    stream = await trio.open_tcp_stream(host, port)
+                    nonce = new_nonce()
+                    await stream.send_all(encode_state_request(3, WORLD, nonce, SALT))
+                    got = 0
+                    while got < STATE_REPLY_HEADER_LEN + 8 + 100_000:
+                        got += len(await stream.receive_some(65536))
+                    await stream.aclose()
+
+            async def comes_back() -> None:
+                params, buffers = fresh_model(3)
+                params += [torch.zeros(big[0])]
+                async with connect_reduce_client((host, port), 3, WORLD, SALT) as client:
+                    await run_until_gone(client, 3, 2, params, buffers, record)
+                await record.wait_for(0, 3)
+                await dies_waiting()
+                await record.wait_for(0, 5)
+                await dies_mid_transfer()
+                await record.wait_for(0, 7)
+                async with connect_reduce_client((host, port), 3, WORLD, SALT) as client:
+                    start = await client.join(params, buffers)
+                    await run_windows(client, 3, start, params, buffers, record, pace=0.05)
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1, 2):
+                    nursery.start_soon(survivor, rank)
+                nursery.start_soon(comes_back)
+            stats = cluster.controller.stats
+            assert stats.rejoins == 2  # the mid-transfer one got in (and died in), then the last
+    contributors = check_every_window(record, {0, 1, 2, 3})
+    assert all(contributors[w] == {0, 1, 2} for w in range(2, 8))
