@@ -55,7 +55,8 @@ class ControllerCollector(Collector):
         )
         yield _counter("flodl_controller_rejoins", "Dead ranks let back in at a window boundary", stats.rejoins)
         yield _counter(
-            "flodl_controller_rejoins_refused", "Returns refused (a rank still live, rejoining off, too late)",
+            "flodl_controller_rejoins_refused",
+            "State requests refused (a rank still live, one that finished, rejoining off, too late)",
             stats.rejoins_refused,
         )
         yield _counter("flodl_controller_states_served", "Window states sent to joining ranks", stats.states_served)

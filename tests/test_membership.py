@@ -93,11 +93,27 @@ def test_membership_a_relay_leaving_calls_off_the_returns_it_asked_for():
 
 def test_membership_finish_deadline_waits_for_the_last_rejoin_window():
     m = Membership(2, rejoin_timeout=10)
+    m.joined(0)
+    m.joined(1)
     assert m.finish_deadline([0]) is None  # a rank is live
     m.died(0, now=1.0)
     m.died(1, now=4.0)
     assert m.finish_deadline([0, 1]) == 14.0
     assert Membership(2).finish_deadline([0, 1]) == -math.inf  # rejoining off: done at once
+
+
+def test_membership_only_a_rank_that_joined_and_did_not_say_it_finished_may_hold_the_run_open():
+    m = Membership(3, rejoin_timeout=10)
+    m.joined(0)
+    m.joined(1)  # rank 2 never called join(): its death is final, as in flodl
+    for rank in range(3):
+        m.died(rank, now=0.0)
+    assert m.finish_deadline([0, 1, 2]) == 10.0
+    m.said_finished(0)
+    assert m.final(0) and m.final(2) and not m.final(1)
+    assert "finished its training" in m.refusal(0, 1.0, dead=True)
+    m.said_finished(1)
+    assert m.finish_deadline([0, 1, 2]) == -math.inf  # nobody can come back: done now
 
 
 def test_membership_death_time_is_the_first_one():
@@ -276,3 +292,28 @@ def test_state_reply_header_shapes_that_cannot_be(window, frames, message):
     raw = encode_state_reply(StateReply(StateStatus.OK, window, frames), nonce, SALT)
     with pytest.raises(HandshakeError, match=message):
         decode_state_reply(raw[:STATE_REPLY_HEADER_LEN], raw[STATE_REPLY_HEADER_LEN:], nonce, SALT)
+
+
+def test_host_fold_with_no_live_rank_lets_a_returning_rank_in_at_once():
+    fold = HostFold("h0", [0, 1])
+    fold.mark_dead(0)
+    fold.mark_dead(1)
+    assert fold.idle  # no live rank, nothing in flight: no consensus will mark a window start
+    fold.rejoin(0)
+    assert fold.waiting_to_enter(0)
+    fold.deposit(0, frame([2.0], RoundKind.CONTROL))  # held
+    assert fold.approve(0)
+    folded = fold.enter_approved()  # the relay does this at once when the fold is idle
+    assert folded is not None and values(folded.frame) == [2.0]  # alone: its window start goes up
+    assert not fold.waiting_to_enter(0) and fold.live == {0}
+
+
+def test_host_ranks_a_relay_waits_only_for_ranks_that_may_come_back():
+    from flodl_trio.relay import HostRanks
+
+    host = HostRanks([0, 1, 2])
+    host.elastic |= {0, 1}  # rank 2 never called join(): its exit is final
+    host.finished.add(1)  # rank 1 said it finished
+    assert host.may_return([0, 1, 2]) == [0]
+    host.finished.add(0)
+    assert host.may_return([0, 1, 2]) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import trio
 
@@ -90,3 +91,45 @@ async def test_metrics_count_the_streaming_paths(salt):
     # Rounds after the first fold into the memory of an earlier one.
     assert rel[f"flodl_relay_fold_images_reused_total{key}"] == relay.stats.fold_images_reused >= 1
     assert ctl["flodl_controller_fold_images_reused_total"] == cluster.controller.stats.fold_images_reused >= 1
+
+
+async def test_metrics_count_rejoins_refusals_and_states_served(salt):
+    """A rank comes back once (let in: a rejoin and a state served) and a live rank
+    asks for its state (refused)."""
+    from flodl_trio import JoinRefused, average_window
+
+    async with open_local_cluster(world_size=3, hosts=[[0, 1, 2]], salt=salt, rejoin_timeout=60) as cluster:
+        with serve_controller_metrics(("127.0.0.1", 0), cluster.controller) as ctl_port:
+            done = trio.Event()
+
+            async def survivor(r: int) -> None:
+                params = [torch.zeros(8)]
+                async with connect_reduce_client(cluster.relay_address(r), r, 3, salt) as client:
+                    await client.join(params)
+                    for window in range(8):
+                        await trio.sleep(0.02)
+                        await average_window(client, params, [], 1, rank=r, world_size=3, in_place=True)
+                        if r == 0 and window == 2:
+                            with pytest.raises(JoinRefused):
+                                await client.fetch_state()  # rank 0 is live
+                done.set()
+
+            async def returns() -> None:
+                params = [torch.zeros(8)]
+                async with connect_reduce_client(cluster.relay_address(2), 2, 3, salt) as client:
+                    await client.join(params)
+                    await average_window(client, params, [], 1, rank=2, world_size=3, in_place=True)
+                    await client.aclose()  # a crash
+                async with connect_reduce_client(cluster.relay_address(2), 2, 3, salt) as client:
+                    start = await client.join(params)
+                    for _ in range(start, 8):
+                        await average_window(client, params, [], 1, rank=2, world_size=3, in_place=True)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(survivor, 0)
+                nursery.start_soon(survivor, 1)
+                nursery.start_soon(returns)
+            ctl = await scrape(ctl_port)
+    assert ctl["flodl_controller_rejoins_total"] == 1
+    assert ctl["flodl_controller_states_served_total"] == 1
+    assert ctl["flodl_controller_rejoins_refused_total"] == 1

@@ -88,6 +88,22 @@ async def run_windows(client, rank: int, first: int, params, buffers, record: Re
         record.window_done(rank, window)
 
 
+async def run_with_survivors(cluster, record: Record, survivors, *others, pace: float = 0.02) -> None:
+    """Ranks ``survivors`` train every window from a fresh model (no join); ``others``
+    (coroutine functions) run beside them."""
+
+    async def survivor(rank: int) -> None:
+        params, buffers = fresh_model(rank)
+        async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+            await run_windows(client, rank, 0, params, buffers, record, pace=pace)
+
+    async with trio.open_nursery() as nursery:
+        for rank in survivors:
+            nursery.start_soon(survivor, rank)
+        for other in others:
+            nursery.start_soon(other)
+
+
 def check_every_window(record: Record, ranks_at_end: set[int]) -> dict[int, set[int]]:
     """Each window's consensus against a numpy reference over its contributors; returns them."""
     contributors_by_window = {}
@@ -163,6 +179,7 @@ async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_ex
                                                       rank=rank, world_size=WORLD, in_place=True)
                         record.counts[rank, window] = list(result.counts)
                         record.outputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+                    await client.aclose()  # a crash: gone without saying it finished
                 # Gone (its connection closed between windows); back once the others are at window 6.
                 await record.wait_for(0, 6)
                 params, buffers = fresh_model(rank + 100)  # a restarted process: nothing of the old state
@@ -230,11 +247,6 @@ async def test_with_rejoining_off_a_returning_rank_is_refused_and_the_others_car
     with trio.fail_after(DEADLINE_S):
         async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT) as cluster:
 
-            async def survivor(rank: int) -> None:
-                params, buffers = fresh_model(rank)
-                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
-                    await run_windows(client, rank, 0, params, buffers, record)
-
             async def returns_too_soon() -> None:
                 params, buffers = fresh_model(3)
                 async with connect_reduce_client(cluster.relay_address(3), 3, WORLD, SALT) as client:
@@ -244,11 +256,8 @@ async def test_with_rejoining_off_a_returning_rank_is_refused_and_the_others_car
                     with pytest.raises(JoinRefused, match="rejoining is switched off"):
                         await client.join(params, buffers)
 
-            async with trio.open_nursery() as nursery:
-                for rank in (0, 1, 2):
-                    nursery.start_soon(survivor, rank)
-                nursery.start_soon(returns_too_soon)
-            assert cluster.controller.stats.rejoins_refused == 2  # its relay's ask, and its state request
+            await run_with_survivors(cluster, record, (0, 1, 2), returns_too_soon)
+            assert cluster.controller.stats.rejoins_refused == 1  # its state request
             assert cluster.controller.stats.rejoins == 0
     assert all(record.counts[0, w][3] == 0 for w in range(1, WINDOWS))
     assert record.windows_done == {0: WINDOWS - 1, 1: WINDOWS - 1, 2: WINDOWS - 1}
@@ -263,6 +272,7 @@ async def run_until_gone(client, rank: int, windows: int, params, buffers, recor
                                       in_place=True)
         record.counts[rank, window] = list(result.counts)
         record.outputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+    await client.aclose()  # a crash: gone without saying it finished
 
 
 @pytest.mark.trio
@@ -281,6 +291,7 @@ async def test_two_ranks_coming_back_together_enter_the_same_window():
             async def leaves_and_returns(rank: int) -> None:
                 params, buffers = fresh_model(rank)
                 async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await client.join(params, buffers)
                     await run_until_gone(client, rank, 2, params, buffers, record)
                 await record.wait_for(0, 4)
                 async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
@@ -322,6 +333,7 @@ async def test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster
                 async with connect_reduce_client((host, port), 3, WORLD, SALT) as client:
                     with trio.move_on_after(0.01):  # the state is not there before the next boundary
                         await client.fetch_state()
+                    await client.aclose()  # dies: gone without saying it finished
 
             async def dies_mid_transfer() -> None:
                 async with connect_reduce_client((host, port), 3, WORLD, SALT):
@@ -337,6 +349,7 @@ async def test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster
                 params, buffers = fresh_model(3)
                 params += [torch.zeros(big[0])]
                 async with connect_reduce_client((host, port), 3, WORLD, SALT) as client:
+                    await client.join(params, buffers)
                     await run_until_gone(client, 3, 2, params, buffers, record)
                 await record.wait_for(0, 3)
                 await dies_waiting()
@@ -355,3 +368,107 @@ async def test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster
             assert stats.rejoins == 2  # the mid-transfer one got in (and died in), then the last
     contributors = check_every_window(record, {0, 1, 2, 3})
     assert all(contributors[w] == {0, 1, 2} for w in range(2, 8))
+
+
+@pytest.mark.trio
+async def test_a_rank_that_said_it_finished_is_not_waited_for_and_may_not_return():
+    record = Record()
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=600) as cluster:
+
+            async def rank_main(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await client.join(params, buffers)
+                    if rank == 3:
+                        await run_until_gone(client, rank, 2, params, buffers, record)
+                        return  # gone already (run_until_gone closed it): not a clean finish
+                    await run_windows(client, rank, 0, params, buffers, record)
+
+            async def finishes_early() -> None:
+                params, buffers = fresh_model(1)
+                async with connect_reduce_client(cluster.relay_address(1), 1, WORLD, SALT) as client:
+                    await client.join(params, buffers)
+                    for window in range(2):
+                        await average_window(client, params, buffers, 1, rank=1, world_size=WORLD, in_place=True)
+                # Left the block normally: "finished". Coming back is refused.
+                async with connect_reduce_client(cluster.relay_address(1), 1, WORLD, SALT) as client:
+                    with pytest.raises(JoinRefused, match="rank 1 finished its training"):
+                        await client.join(params, buffers)
+                    await client.aclose()
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 2, 3):
+                    nursery.start_soon(rank_main, rank)
+                nursery.start_soon(finishes_early)
+            # Rank 3 crashed (it may come back for 600 s); ranks 0 and 2 finished; rank 1 finished.
+            with trio.fail_after(5):
+                while cluster.controller.dead_ranks.snapshot() != {0, 1, 2, 3}:
+                    await trio.sleep(0.01)
+            with trio.move_on_after(1):
+                await cluster.controller.wait_finished()
+                raise AssertionError("the controller finished although rank 3 may still come back")
+            params, buffers = fresh_model(3)
+            async with connect_reduce_client(cluster.relay_address(3), 3, WORLD, SALT) as client:
+                start = await client.join(params, buffers)  # every rank is dead: let in at once
+                assert start == WINDOWS
+                want_params, _ = record.outputs[0, WINDOWS - 1]
+                assert [p.numpy().tobytes() for p in params] == [p.tobytes() for p in want_params]
+            with trio.fail_after(5):  # rank 3 finished too: nobody may come back, the run ends now
+                await cluster.controller.wait_finished()
+            assert cluster.controller.stats.rejoins_refused == 1
+
+
+@pytest.mark.trio
+async def test_when_every_rank_died_the_first_to_return_restarts_the_run_from_the_last_window():
+    finals: dict[int, list[bytes]] = {}
+    starts: dict[int, int] = {}
+    last_window = 6
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60) as cluster:
+
+            async def life(rank: int, first: bool) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    start = await client.join(params, buffers)
+                    starts[rank] = start
+                    for window in range(start, 3 if first else last_window):
+                        trained(params, rank, window)
+                        await average_window(client, params, buffers, 1 + rank, rank=rank, world_size=2, in_place=True)
+                    if first:
+                        await client.aclose()  # both crash after window 2
+                        return
+                finals[rank] = [p.numpy().tobytes() for p in params + buffers]
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1):
+                    nursery.start_soon(life, rank, True)
+            assert starts == {0: 0, 1: 0}
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1):
+                    nursery.start_soon(life, rank, False)
+            with trio.fail_after(5):
+                await cluster.controller.wait_finished()
+    assert sorted(starts.values())[0] == 3  # the first back restarts the run at the window after the last one
+    assert all(3 <= s < last_window for s in starts.values()), starts
+    assert finals[0] == finals[1]
+
+
+@pytest.mark.trio
+async def test_a_restarted_rank_that_does_not_call_join_is_dropped_with_a_clear_error(caplog):
+    record = Record()
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60) as cluster:
+
+            async def returns_without_join() -> None:
+                params, buffers = fresh_model(3)
+                async with connect_reduce_client(cluster.relay_address(3), 3, WORLD, SALT) as client:
+                    await run_until_gone(client, 3, 2, params, buffers, record)
+                await record.wait_for(0, 4)
+                async with connect_reduce_client(cluster.relay_address(3), 3, WORLD, SALT) as client:
+                    with pytest.raises(FlodlError):
+                        await average_window(client, params, buffers, 1, rank=3, world_size=WORLD, in_place=True)
+
+            await run_with_survivors(cluster, record, (0, 1, 2), returns_without_join)
+    assert "rank 3 came back and sent a frame without calling join() first" in caplog.text
+    check_every_window(record, {0, 1, 2})

@@ -11,6 +11,7 @@ in the trainer's nursery) raises when the coordinator is lost. Pass
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Generator, Sequence
 from types import TracebackType
@@ -34,8 +35,8 @@ from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
-from ..transport.stream import MessageStream
-from ..wire.constants import DTYPE_BF16, DTYPE_F32
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..wire.constants import DTYPE_BF16, DTYPE_F32, FINISHED_LENGTH
 from ..wire.handshake import DATA_ACK_LEN, decode_data_ack, encode_data_handshake
 from ..wire.round_frame import (
     RoundFrame,
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from ..tensors import SendStaging
 
 Address = tuple[str, int] | str
+log = logging.getLogger("flodl_trio.client")
+_FINISHED = FINISHED_LENGTH.to_bytes(4, "little")  # "this rank finished", a flodl_trio extension
 
 
 def parse_address(address: Address) -> tuple[str, int]:
@@ -104,20 +107,42 @@ class ReduceClient:
         self._send_staging: SendStaging | None = None
         self._busy = False
         self._broken: str | None = None
+        self.joined = False  # whether join()/fetch_state() was called: then leaving says finished or not
         self.rounds = 0
 
     # -- lifecycle -----------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Leave the cluster: the relay sees EOF and folds the survivors without us."""
+        """Leave the cluster: the relay sees EOF and folds the survivors without us.
+
+        For a rank that called :meth:`join` this reads as a crash: the rank may
+        come back. Use :meth:`finish` (or leave ``async with`` normally) once
+        its training is done."""
         self._broken = self._broken or "client closed"
         await self._conn.aclose()
+
+    async def finish(self) -> None:
+        """Leave the cluster for good, saying so: training is done, this rank will not
+        come back, so nobody waits ``rejoin_timeout`` for it. Only a rank that called
+        :meth:`join` says it (a length prefix of 0, a flodl_trio extension); for any
+        other rank this is :meth:`aclose`."""
+        if self.joined and self._broken is None:
+            with trio.move_on_after(self._bounds.handshake) as sending, trio.CancelScope(shield=True):
+                try:
+                    await self._conn.send_chunks([_FINISHED])
+                except CONNECTION_LOST:
+                    pass
+            if sending.cancelled_caught:
+                log.warning("rank %d: could not say it finished within %.0f s", self.rank, self._bounds.handshake)
+        await self.aclose()
 
     async def __aenter__(self) -> ReduceClient:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await (self.finish() if exc_type is None else self.aclose())
 
     # -- frame level ---------------------------------------------------------
 
@@ -211,6 +236,7 @@ class ReduceClient:
         and no frames on a cluster that has not completed a window yet; for a rank
         coming back, the consensus of the window before the one it enters."""
         host, port = self.relay
+        self.joined = True  # it takes part in elastic membership from now on
         return await fetch_cluster_state(
             host, port, self.rank, self.world_size, self._salt, bounds=self._bounds, connect=self._connect,
             reply_timeout=self.reply_timeout,
@@ -362,7 +388,7 @@ class _Connect:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         assert self._client is not None
-        await self._client.aclose()
+        await self._client.__aexit__(exc_type, exc, tb)
 
 
 async def open_handshaken(

@@ -31,6 +31,11 @@ log = logging.getLogger("flodl_trio.controller")
 OUTER_CHOICES = ("none", "average", "slowmo", "diloco")
 
 
+# Generous: a preempted machine may take many minutes to come back. Only ranks
+# whose trainer called join() are waited for, and only until they say they finished.
+DEFAULT_REJOIN_TIMEOUT_S = 1800.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flodl_trio.controller",
@@ -62,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoint every Nth window [env FLODL_CHECKPOINT_EVERY; default 1]")
     parser.add_argument("--checkpoint-keep", type=int, default=int(env_default("FLODL_CHECKPOINT_KEEP", 3)),
                         help="newest checkpoints to keep [env FLODL_CHECKPOINT_KEEP; default 3]")
-    parser.add_argument("--rejoin-timeout", type=float, default=env_default("FLODL_REJOIN_TIMEOUT", 0.0),
-                        help="seconds a dead rank may come back (restart it with the same settings; its trainer "
-                        "calls join) [env FLODL_REJOIN_TIMEOUT; default 0: dead is final]")
+    parser.add_argument("--rejoin-timeout", type=float,
+                        default=env_default("FLODL_REJOIN_TIMEOUT", DEFAULT_REJOIN_TIMEOUT_S),
+                        help="seconds a crashed rank whose trainer calls join() may come back (restart it with the "
+                        "same command); 0: dead is final [env FLODL_REJOIN_TIMEOUT; default "
+                        f"{DEFAULT_REJOIN_TIMEOUT_S:g}]")
     parser.add_argument("--keep-serving", action="store_true", default=env_default("FLODL_KEEP_SERVING") == "1",
                         help="keep running after every rank has finished [env FLODL_KEEP_SERVING=1; default: exit 0]")
     add_common_flags(parser)

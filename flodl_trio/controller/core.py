@@ -64,6 +64,7 @@ from ..wire.mux import (
     MuxHeader,
     MuxKind,
     RankExit,
+    RankFinished,
     RankJoin,
     RelayControlMsg,
     decode_control_msg,
@@ -130,7 +131,7 @@ class _Joiner:
         joiner.decided.set()
         return joiner
 
-    def admit(self, state: WindowState) -> None:
+    def admit(self, state: WindowState | None) -> None:
         self.state = state
         self.decided.set()
 
@@ -240,7 +241,6 @@ class _Controller:
         self.round = ControllerRound(
             config.world_size, self.dead, self.stats,
             outer_optimizer=outer_optimizer, checkpoint=checkpoint, on_change=self.round_changed.notify,
-            keep_window_state=membership.rejoin_timeout > 0,
         )
         self.links: dict[int, RelayLink] = {}
         # One model-sized receive buffer; a second (sized by a verified record, so
@@ -456,17 +456,21 @@ class _Controller:
         return False
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
-        if not isinstance(msg, RankExit | RankJoin):
+        if not isinstance(msg, RankExit | RankJoin | RankFinished):
             raise ProtocolError(f"unexpected {type(msg).__name__} mid-session")
         if msg.rank not in link.ranks:
             raise ProtocolError(f"{type(msg).__name__} for rank {msg.rank}, which this relay does not carry")
         if isinstance(msg, RankJoin):
             return self._on_rank_join(link, msg.rank)
+        if isinstance(msg, RankFinished):
+            self.membership.said_finished(msg.rank)
+            self.membership_changed.notify()
         self._exited.add(msg.rank)
         if msg.rank in self.membership.asked:
             self._call_off_return(msg.rank, f"its connection to {link.name} closed before it was let back in")
         if self.dead.declare_dead(msg.rank):
-            log.info("controller: rank %d exited (%s)", msg.rank, link.name)
+            how = "finished its training" if isinstance(msg, RankFinished) else "exited"
+            log.info("controller: rank %d %s (%s)", msg.rank, how, link.name)
 
     def _on_rank_join(self, link: RelayLink, rank: int) -> None:
         """A rank that had left reconnected to its relay: say no now, or let it in at
@@ -476,12 +480,16 @@ class _Controller:
             return self._refuse_return(rank, link, refusal)
         self.membership.ask(rank, link.id)
         log.info("controller: rank %d asks to rejoin (%s); it enters at the next window boundary", rank, link.name)
+        self._let_joiners_in_if_nobody_is_live()
 
     def _refuse_return(self, rank: int, link: RelayLink | None, reason: str) -> None:
-        self.stats.rejoins_refused += 1
+        """Say no to a return: its relay drops the connection; a waiting state request
+        is answered with the reason (and counted, like every refused state request)."""
         log.warning("controller: rank %d may not rejoin: %s", rank, reason)
         if link is not None:
-            link.queue_control(DeclareDead(rank), self.config.salt)  # its relay drops the connection
+            link.queue_control(DeclareDead(rank), self.config.salt)
+        if rank in self._joiners:
+            self.stats.rejoins_refused += 1
         self._call_off_return(rank, reason)
 
     def _call_off_return(self, rank: int, reason: str) -> None:
@@ -491,16 +499,30 @@ class _Controller:
         if joiner is not None:
             joiner.refuse(reason)
 
+    def _let_joiners_in_if_nobody_is_live(self) -> None:
+        """With every rank dead no window will end, so now is a boundary: the cluster
+        starts again from the last finished window (a window cut short by the deaths
+        is abandoned), with whoever has come back."""
+        if self.dead.dead_count() < self.config.world_size or not self.membership.ready():
+            return
+        state = self.window_store.latest
+        next_window = 0 if state is None else state.window + 1
+        self.round.restart_windows_at(next_window)
+        self.window_store.abandon_window()
+        log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
+        self._let_joiners_in(state)
+
     def _let_joiners_in(self, state: WindowState | None) -> None:
         """A window boundary: every return whose both halves are in becomes live, and
         its relay hears so before the window's last consensus (it enters the next
-        round, the window start); its state request gets the window just ended."""
+        round, the window start); its state request gets the window just ended
+        (None: no window has finished, a fresh start)."""
         now = trio.current_time()
         for rank, seat in self.membership.ready():
             link = self.links.get(seat)
             refusal = self.membership.refusal(rank, now, dead=self.dead.is_dead(rank))
-            if link is None or link.closed or state is None or refusal is not None:
-                self._refuse_return(rank, None, refusal or "its relay left, or no window state is kept")
+            if link is None or link.closed or refusal is not None:
+                self._refuse_return(rank, None, refusal or "its relay left before it could be let in")
                 continue
             link.queue_control(RankJoin(rank), self.config.salt)
             self.membership.rejoined(rank)
@@ -509,8 +531,9 @@ class _Controller:
             self.dead.revive(rank)
             self.stats.rejoins = self.membership.rejoins
             self._joiners[rank].admit(state)
+            window = -1 if state is None else state.window
             log.info("controller: rank %d rejoins (%s) with the consensus of window %d; it enters window %d",
-                     rank, link.name, state.window, state.window + 1)
+                     rank, link.name, window, window + 1)
         self.membership_changed.notify()
 
     # -- the consensus out, and deaths -----------------------------------------
@@ -599,6 +622,9 @@ class _Controller:
     async def _answer_state_request(self, conn: MessageStream, request: StateRequest) -> None:
         rank = request.rank
         conn.peer = f"rank {rank} (state request)"
+        self.membership.joined(rank)
+        if self.membership.rejoin_timeout > 0:
+            self.round.keep_window_state = True  # an elastic rank: keep each window's state from now on
         answer = await self._state_for(rank, conn)
         if answer is None:
             return  # the rank left while it waited
@@ -635,6 +661,7 @@ class _Controller:
             return refusal
         joiner = self._joiners[rank] = _Joiner()
         self.membership.wait_for_state(rank)
+        self._let_joiners_in_if_nobody_is_live()
         try:
             with trio.CancelScope() as waiting:
                 async with trio.open_nursery() as nursery:

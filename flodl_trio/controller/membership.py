@@ -7,6 +7,10 @@ A rank's life as the controller sees it::
     joining --a window boundary--> live        (it enters the next window)
     joining --its connection closes--> dead
     dead --rejoin_timeout passes--> gone for good
+    live --says it finished, and leaves--> gone for good
+
+Only a rank that called ``join`` (it asked for its state: it is *elastic*)
+may come back; any other rank's death is final, as in flodl.
 
 ``DeadRanks`` says who is dead right now. :class:`Membership` remembers when
 each rank died, decides whether a returning rank is let back in, pairs the
@@ -31,6 +35,8 @@ class Membership:
         self.died_at: dict[int, float] = {}
         self.asked: dict[int, int] = {}  # rank -> the seat whose relay asked to let it back in
         self.waiting: set[int] = set()  # ranks whose state request waits for a window boundary
+        self.elastic: set[int] = set()  # ranks that called join(): they may come back after a death
+        self.finished: set[int] = set()  # elastic ranks that said they finished: they will not
         self.rejoins = 0
 
     def phase(self, rank: int, *, dead: bool) -> str:
@@ -47,6 +53,8 @@ class Membership:
         """Why ``rank`` may not rejoin now, in words; None if it may."""
         if not dead:
             return f"rank {rank} is live on the cluster (is another process running as rank {rank}?)"
+        if rank in self.finished:
+            return f"rank {rank} finished its training (it said so when it left)"
         if self.rejoin_timeout <= 0:
             return "rejoining is switched off (rejoin_timeout is 0)"
         died = self.died_at.get(rank)
@@ -84,15 +92,28 @@ class Membership:
         self.died_at.pop(rank, None)
         self.rejoins += 1
 
+    def joined(self, rank: int) -> None:
+        """``rank`` asked for its state: it takes part in elastic membership."""
+        self.elastic.add(rank)
+
+    def said_finished(self, rank: int) -> None:
+        self.finished.add(rank)
+
+    def final(self, rank: int) -> bool:
+        """Whether ``rank``'s death is for good whatever the clock says."""
+        return self.rejoin_timeout <= 0 or rank not in self.elastic or rank in self.finished
+
     def finish_deadline(self, dead: Iterable[int]) -> float | None:
         """When the cluster is finished unless someone rejoins first: None while a
         rank is live; -inf when every rank is dead and none may come back."""
         dead = set(dead)
         if len(dead) < self.world_size:
             return None
-        if self.rejoin_timeout <= 0:
-            return -math.inf
-        return max((self.died_at.get(rank, -math.inf) + self.rejoin_timeout for rank in dead), default=-math.inf)
+        return max(
+            (-math.inf if self.final(rank) else self.died_at.get(rank, -math.inf) + self.rejoin_timeout
+             for rank in dead),
+            default=-math.inf,
+        )
 
 
 __all__ = ["Membership"]

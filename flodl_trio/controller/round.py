@@ -129,6 +129,12 @@ class WindowStore:
             return True
         return False
 
+    def abandon_window(self) -> None:
+        """The window in progress will not finish (every rank died): forget its frames,
+        and do not learn the window shape from it."""
+        self._window, self._model_rounds = -1, 0
+        self._params = self._buffers = None
+
     def _complete(self) -> None:
         if self._params is not None:
             self.latest = WindowState(self._window, self._params, self._buffers)
@@ -353,6 +359,12 @@ class ControllerRound:
         if record is not None and transformed is consensus:
             return Consensus(record, after_write, part)
         return Consensus(transformed, after_write, part)
+
+    def restart_windows_at(self, window: int) -> None:
+        """The next Control round opens ``window`` (the cluster starts again after every
+        rank died, from the last finished window; the one cut short is abandoned)."""
+        self.windows = window
+        self._model_rounds_in_window = 0
 
     def _window_part(self, kind: RoundKind) -> WindowPart | None:
         """Where the round just finished sits in the windows (None: before any window)."""

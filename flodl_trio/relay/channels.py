@@ -38,6 +38,7 @@ from ..transport.tasks import ChangeSignal
 from ..wire.constants import (
     CONTROL_FRAME_HEADER_LEN,
     CONTROL_FRAME_MAX_PAYLOAD,
+    FINISHED_LENGTH,
     MAC_LEN,
     MUX_HEADER_LEN,
 )
@@ -46,6 +47,7 @@ from ..wire.mux import (
     MuxHeader,
     MuxKind,
     RankExit,
+    RankFinished,
     RankJoin,
     RelayControlMsg,
     decode_control_msg,
@@ -107,7 +109,7 @@ class _DataRecord:
 
 
 # What rank readers and the upstream reader hand the outbound writer.
-_Outbound = _RawHostFrame | _SealedHostFrame | FoldedHostFrame | _DataRecord | RankExit | RankJoin
+_Outbound = _RawHostFrame | _SealedHostFrame | FoldedHostFrame | _DataRecord | RankExit | RankJoin | RankFinished
 _HOST_FRAMES = (_RawHostFrame, _SealedHostFrame, FoldedHostFrame)
 
 
@@ -234,16 +236,30 @@ class _Channel:
             scope.cancel()
         await self._after_rank_gone(rank, out)
         if report:
-            await out.send(RankExit(rank))
+            await out.send(self._exit_message(rank))
         conn = self.conns.get(rank)
         if conn is not None:
             await conn.aclose()
         self._released(rank)
         if not self.live:
-            self._log_shutdown("every local rank has left")
-            # The writer then drains the RankExits and returns.
-            self._upstream_reading.cancel()
-            self._admitting.cancel()
+            self._after_last_rank_left()
+
+    def _exit_message(self, rank: int) -> RankExit | RankFinished:
+        """What tells the controller a rank left (the data channel knows who finished)."""
+        return RankExit(rank)
+
+    def _after_last_rank_left(self) -> None:
+        """Shut down - unless a rank that left may still come back (it called join()
+        and did not say it finished): then keep serving until the controller closes."""
+        waiting_for = self.host.may_return(self.ranks)
+        if waiting_for:
+            log.info("relay %s: every local rank has left; staying up for ranks %s, which may come back",
+                     self.config.host_name, waiting_for)
+            return
+        self._log_shutdown("every local rank has left")
+        # The writer then drains the RankExits and returns.
+        self._upstream_reading.cancel()
+        self._admitting.cancel()
 
     async def _after_rank_gone(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Channel-specific bookkeeping when a rank leaves (the data fold shrinks)."""
@@ -271,7 +287,7 @@ class _Channel:
         if isinstance(item, _DataRecord):
             record = encode_mux_record(MuxKind.DATA, item.payload, salt, rank=item.rank)
             self.stats.bytes_up += record.nbytes
-        elif isinstance(item, RankExit | RankJoin):
+        elif isinstance(item, RankExit | RankJoin | RankFinished):
             record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(item), salt)
         else:
             raise TypeError(f"the {self.config.kind.value} channel cannot send {type(item).__name__}")
@@ -368,7 +384,13 @@ class DataChannel(_Channel):
             length = await self.conns[rank].receive_length_prefix(self.config.ceiling)
             if length is None:
                 return
+            if length == FINISHED_LENGTH:  # flodl_trio: "I finished my training" (no frame is empty)
+                self.host.finished.add(rank)
+                return
             await self._take_frame(rank, length, out)
+
+    def _exit_message(self, rank: int) -> RankExit | RankFinished:
+        return RankFinished(rank) if rank in self.host.finished else RankExit(rank)
 
     async def _take_frame(self, rank: int, length: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Receive, verify and fold (or forward) one frame of ``rank``'s.
@@ -378,10 +400,15 @@ class DataChannel(_Channel):
         waits for the rank's next frame. Pool buffers go back on the way out
         unless a queued item took them over.
         """
+        if rank in self.fold.joining and rank not in self.host.elastic:
+            raise ProtocolError(
+                f"relay {self.config.host_name}: rank {rank} came back and sent a frame without calling join() "
+                "first (a restarted trainer must call client.join(params, buffers) before its first window)"
+            )
         with contextlib.ExitStack() as owned:
             buf = await self.pool.acquire()
             owned.callback(self.pool.release, buf)
-            if self.single:
+            if self.single and not self.fold.waiting_to_enter(rank):
                 item = await self._receive_single(rank, buf, length)
                 self.fold.forward(rank)
                 self._count_frame(length)
@@ -495,6 +522,8 @@ class DataChannel(_Channel):
         if self.fold.approve(msg.rank):
             self.host.revive(msg.rank)
             log.info("relay %s: rank %d is let back in; it enters at the next window start", self.config.host_name, msg.rank)
+            if self.fold.idle:  # no consensus will come down to mark the window start: it is now
+                await self._enter_approved(out)
 
     async def _write_upstream(self, item: _Outbound) -> None:
         if not isinstance(item, _HOST_FRAMES):

@@ -51,7 +51,7 @@ from ..wire.mux import (
     encode_mux_record,
 )
 from ..wire.salt import SessionSalt
-from ..wire.state import STATE_REQUEST_LEN
+from ..wire.state import STATE_REQUEST_LEN, decode_state_request
 from .channels import ControlChannel, DataChannel
 from .config import ChannelKind, RelayConfig, RelayStats
 from .host_ranks import HostRanks
@@ -292,6 +292,7 @@ class _Relay:
         try:
             with trio.fail_after(bounds.handshake):
                 request = magic + await conn.receive_exactly(STATE_REQUEST_LEN - 4, "the state request")
+            self._note_joiner(request)
             host, port = self.config.upstream
             stream = await connect_with_retry(host, port, f"relay {self.config.host_name} state pipe", bounds, self.connect)
             upstream = MessageStream(stream, f"controller {host}:{port} (state)", bounds)
@@ -304,6 +305,17 @@ class _Relay:
                 await upstream.aclose()
         except (FlodlError, *CONNECTION_LOST, trio.TooSlowError) as exc:
             log.info("relay %s: state request from %s ended early: %s", self.config.host_name, conn.peer, exc or "timed out")
+
+    def _note_joiner(self, request: bytes) -> None:
+        """A rank of this host that asks for its state called join(): it may come back
+        after a crash, so the relay stays up for it. (A request that does not verify
+        is still piped: the controller refuses it and says so in its log.)"""
+        try:
+            rank = decode_state_request(request, self.config.world_size, self.config.salt).rank
+        except ProtocolError:
+            return
+        if rank in self.config.ranks:
+            self.host.elastic.add(rank)
 
     def _claim_state(self, rank: int) -> str:
         """Why a rank already claimed cannot connect again, in words."""

@@ -61,6 +61,15 @@ class HostFold:
     def live(self) -> frozenset[int]:
         return self.ranks - self.dead
 
+    @property
+    def idle(self) -> bool:
+        """No live rank and no round in flight: nothing will come down from the controller."""
+        return not self.live and not self.host_frame_up
+
+    def waiting_to_enter(self, rank: int) -> bool:
+        """Whether ``rank`` came back and is not in the barrier yet (its frames are held)."""
+        return rank in self.joining or rank in self.entering
+
     # -- frames in -----------------------------------------------------------
 
     def deposit(self, rank: int, frame: RoundFrame) -> FoldedHostFrame | None:

@@ -20,6 +20,8 @@ class HostRanks:
     def __init__(self, ranks: Iterable[int]) -> None:
         self.ranks = frozenset(ranks)
         self.dead: set[int] = set()
+        self.elastic: set[int] = set()  # ranks that called join(): they may come back after a crash
+        self.finished: set[int] = set()  # elastic ranks that said they finished: they will not
         self.changed = ChangeSignal()  # a rank declared dead, or a rank's handshake done
 
     def declare_dead(self, rank: int) -> None:
@@ -30,6 +32,11 @@ class HostRanks:
     def revive(self, rank: int) -> None:
         """The controller let ``rank`` back in."""
         self.dead.discard(rank)
+
+    def may_return(self, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` that may still come back: they called join() and did not
+        say they finished (the controller decides whether it lets them)."""
+        return sorted(rank for rank in ranks if rank in self.elastic and rank not in self.finished)
 
 
 __all__ = ["HostRanks"]

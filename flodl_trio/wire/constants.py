@@ -22,6 +22,9 @@ CHANNEL_MAGIC_JOIN: Final = 0xF10D17E3
 CHANNEL_MAGIC_STATE: Final = 0xF10D17E8
 STATE_REPLY_MAGIC: Final = 0xF10D17E9
 STATE_VERSION: Final = 1
+# flodl_trio extension: a rank that called join() ends with a length prefix of 0
+# on its data connection to say it finished (no RoundFrame is 0 bytes long).
+FINISHED_LENGTH: Final = 0
 
 # MuxRecord (section 3.2).
 MUX_MAGIC: Final = 0xF10D17D0

@@ -93,9 +93,18 @@ class RankJoin:
     rank: int
 
 
-RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin
+@attrs.frozen
+class RankFinished:
+    """flodl_trio extension (variant 201), relay -> controller: a rank that called
+    ``join`` left after saying it finished its training. Unlike ``RankExit`` (a
+    crash, as far as anyone knows), it will not come back. See docs/wire.md."""
+
+    rank: int
+
+
+RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
-_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200}
+_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201}
 
 
 def _check_u32(value: int, what: str) -> None:
@@ -126,7 +135,7 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 if len(sig) != MODEL_SIGNATURE_LEN:
                     raise ConfigError(f"model signature must be {MODEL_SIGNATURE_LEN} bytes, got {len(sig)}")
                 out += sig
-        case RankExit(rank=r) | DeclareDead(rank=r) | RankJoin(rank=r):
+        case RankExit(rank=r) | DeclareDead(rank=r) | RankJoin(rank=r) | RankFinished(rank=r):
             out += _varint(r)
         case HelloAck():
             pass
@@ -199,6 +208,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = DeclareDead(reader.varint("DeclareDead rank"))
     elif variant == 200:
         msg = RankJoin(reader.varint("RankJoin rank"))
+    elif variant == 201:
+        msg = RankFinished(reader.varint("RankFinished rank"))
     else:
         raise FramingError(f"RelayControlMsg: unknown variant index {variant}")
     if reader.pos != len(reader.data):
