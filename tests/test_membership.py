@@ -10,14 +10,26 @@ import math
 import numpy as np
 import pytest
 
-from flodl_trio import DTYPE_F32, DesyncError, RoundFrame, RoundKind, SchemaError, TensorPayload
+from flodl_trio import (
+    DTYPE_F32,
+    DesyncError,
+    RoundFrame,
+    RoundKind,
+    SchemaError,
+    TensorPayload,
+)
 from flodl_trio.controller.membership import Membership
 from flodl_trio.controller.round import WindowPart, WindowStore
 from flodl_trio.errors import FramingError, HandshakeError, MacError
 from flodl_trio.relay import HostFold
 from flodl_trio.relay.host_fold import FoldedHostFrame
 from flodl_trio.wire import EncodedFrame, SessionSalt
-from flodl_trio.wire.mux import DeclareDead, RankJoin, decode_control_msg, encode_control_msg
+from flodl_trio.wire.mux import (
+    DeclareDead,
+    RankJoin,
+    decode_control_msg,
+    encode_control_msg,
+)
 from flodl_trio.wire.state import (
     MAX_REASON_LEN,
     STATE_REPLY_HEADER_LEN,
@@ -300,12 +312,14 @@ def test_host_fold_with_no_live_rank_lets_a_returning_rank_in_at_once():
     fold.mark_dead(1)
     assert fold.idle  # no live rank, nothing in flight: no consensus will mark a window start
     fold.rejoin(0)
+    fold.rejoin(1)
     assert fold.waiting_to_enter(0)
-    fold.deposit(0, frame([2.0], RoundKind.CONTROL))  # held
-    assert fold.approve(0)
-    folded = fold.enter_approved()  # the relay does this at once when the fold is idle
-    assert folded is not None and values(folded.frame) == [2.0]  # alone: its window start goes up
-    assert not fold.waiting_to_enter(0) and fold.live == {0}
+    assert fold.approve(0) and fold.approve(1)  # let in at the same boundary
+    assert fold.deposit(0, frame([2.0], RoundKind.CONTROL)) is None  # the first frame is the window start...
+    assert fold.live == {0, 1}  # ...for both
+    folded = fold.deposit(1, frame([3.0], RoundKind.CONTROL))
+    assert folded is not None and values(folded.frame) == [5.0]
+    assert not fold.waiting_to_enter(0)
 
 
 def test_host_ranks_a_relay_waits_only_for_ranks_that_may_come_back():

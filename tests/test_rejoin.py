@@ -24,7 +24,11 @@ from flodl_trio.errors import FlodlError
 from flodl_trio.settings import NetBounds
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire.salt import SessionSalt
-from flodl_trio.wire.state import STATE_REPLY_HEADER_LEN, encode_state_request, new_nonce
+from flodl_trio.wire.state import (
+    STATE_REPLY_HEADER_LEN,
+    encode_state_request,
+    new_nonce,
+)
 
 SALT = SessionSalt(b"rejoin-test-salt")
 WORLD = 4

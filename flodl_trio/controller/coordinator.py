@@ -17,6 +17,7 @@ It is served on the controller's port behind the control channel magic.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -88,6 +89,8 @@ class Coordinator:
         # by why: they are ignored (docs/liveness.md), counted, and logged once per rank.
         self.ignored: dict[str, int] = {}
         self._ignored_logged: set[tuple[int, str]] = set()
+        # Whether a dead rank may still come back (the controller's membership says).
+        self.may_return: Callable[[int], bool] = lambda rank: False
 
     # -- service tasks (run in the controller's nursery) ---------------------
 
@@ -175,7 +178,8 @@ class Coordinator:
     async def _accept(self, conn: MessageStream) -> RelayLink | None:
         try:
             hello = await receive_hello(conn, self.salt, self.bounds)
-            check_hello_ranks(hello, self.world_size, {rank: link.name for rank, link in self.owner.items()})
+            carried = {rank: link.name for rank, link in self.owner.items() if not link.closed}
+            check_hello_ranks(hello, self.world_size, carried)
             if len(hello.model_sigs) != len(hello.ranks):
                 raise HandshakeError(
                     f"control Hello from host {hello.host!r} carries {len(hello.model_sigs)} model signatures "
@@ -198,6 +202,8 @@ class Coordinator:
             self.owner[rank] = link
             self.last_seen[rank] = now  # the grace period starts at formation
             self.last_seq[rank] = 0  # a new connection epoch: sequence numbers start again
+            if self.dead.is_dead(rank) and self.may_return(rank):
+                self._noticed.add(rank)  # away, not evicted: it may connect here and come back
         self._notice_new_deaths()  # ranks of this relay dead already get their notice now
         log.info("coordinator: accepted %s", link.name)
         return link

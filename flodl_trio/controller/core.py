@@ -63,6 +63,7 @@ from ..wire.mux import (
     HelloAck,
     MuxHeader,
     MuxKind,
+    RankAway,
     RankExit,
     RankFinished,
     RankJoin,
@@ -233,6 +234,7 @@ class _Controller:
         self.membership_changed = ChangeSignal()
         self.window_store = WindowStore()
         self._joiners: dict[int, _Joiner] = {}  # rank -> its state request, waiting
+        handle.coordinator.may_return = lambda rank: membership.may_return(rank, trio.current_time())
         self.handle = handle
         self.listeners = listeners
         self.stats = handle.stats
@@ -343,9 +345,11 @@ class _Controller:
         self.round.seat(link.id, hello, link.name)
         self.stats.relays += 1
         link.queue_control(HelloAck(), self.config.salt)
+        now = trio.current_time()
         for rank in link.ranks:
             if self.dead.is_dead(rank):
-                link.queue_control(DeclareDead(rank), self.config.salt)
+                away = self.membership.may_return(rank, now)  # a restarted host: it may come back
+                link.queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
         log.info("controller: accepted %s", link.name)
         return link
 
@@ -545,13 +549,13 @@ class _Controller:
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
+            targets = self.round.broadcast_targets()  # before any joiner is revived: they did not ask
             if (
                 consensus.part is not None
                 and self.round.keep_window_state
                 and self.window_store.keep(consensus.part, record_payload(record))
             ):
                 self._let_joiners_in(self.window_store.latest)
-            targets = self.round.broadcast_targets()
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
             for seat_id in targets:
                 self.links[seat_id].queue(

@@ -99,6 +99,11 @@ class Membership:
     def said_finished(self, rank: int) -> None:
         self.finished.add(rank)
 
+    def may_return(self, rank: int, now: float) -> bool:
+        """Whether dead ``rank`` may still come back (its relay keeps serving for it)."""
+        died = self.died_at.get(rank)
+        return not self.final(rank) and (died is None or now - died <= self.rejoin_timeout)
+
     def final(self, rank: int) -> bool:
         """Whether ``rank``'s death is for good whatever the clock says."""
         return self.rejoin_timeout <= 0 or rank not in self.elastic or rank in self.finished

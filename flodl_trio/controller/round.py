@@ -200,8 +200,10 @@ class ControllerRound:
     # -- membership ----------------------------------------------------------
 
     def check_hello(self, hello: Hello) -> None:
-        """Ranks must be non-empty, sorted, unique, inside the world, and not carried already."""
-        check_hello_ranks(hello, self.world_size, {rank: self.seats[seat].name for rank, seat in self.owner.items()})
+        """Ranks must be non-empty, sorted, unique, inside the world, and not carried already
+        (a relay whose connection is gone carries nothing: a restarted relay may take its ranks)."""
+        carried = {rank: self.seats[seat].name for rank, seat in self.owner.items() if self.seats[seat].connected}
+        check_hello_ranks(hello, self.world_size, carried)
 
     def seat(self, seat_id: int, hello: Hello, name: str) -> None:
         """An accepted relay (its Hello passed :meth:`check_hello`) now carries its ranks."""

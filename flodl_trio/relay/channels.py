@@ -46,6 +46,7 @@ from ..wire.mux import (
     DeclareDead,
     MuxHeader,
     MuxKind,
+    RankAway,
     RankExit,
     RankFinished,
     RankJoin,
@@ -129,7 +130,7 @@ class _Channel:
 
     def __init__(
         self, config: RelayConfig, upstream: MessageStream, stats: RelayStats, host: HostRanks,
-        released: Callable[[int], None], ranks: Iterable[int] | None = None,
+        released: Callable[[int], None], ranks: Iterable[int] | None = None, away: Iterable[int] = (),
     ) -> None:
         self.config = config
         self.host = host
@@ -138,7 +139,7 @@ class _Channel:
         self.conns: dict[int, MessageStream] = {}
         self.upstream = upstream
         self.stats = stats
-        self.gone: set[int] = set()
+        self.gone: set[int] = set(away)  # away ranks may connect later: as ranks coming back
         self.reader_scopes: dict[int, trio.CancelScope] = {}
         self.pool = BufferPool(1, limit=RECEIVE_BUFFERS)
         self._small = ReceiveBuffer()
@@ -517,12 +518,14 @@ class DataChannel(_Channel):
         await out.send(RankJoin(rank))
 
     async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
+        if isinstance(msg, RankAway):
+            return await self._on_away(msg.rank, out)
         if not isinstance(msg, RankJoin):
             return await super()._on_control(msg, out)
         if self.fold.approve(msg.rank):
             self.host.revive(msg.rank)
             log.info("relay %s: rank %d is let back in; it enters at the next window start", self.config.host_name, msg.rank)
-            if self.fold.idle:  # no consensus will come down to mark the window start: it is now
+            if self.fold.idle and msg.rank in self.fold.held:  # its first frame beat this answer: in now
                 await self._enter_approved(out)
 
     async def _write_upstream(self, item: _Outbound) -> None:
@@ -602,6 +605,22 @@ class DataChannel(_Channel):
         async with trio.open_nursery() as nursery:
             for target in targets:
                 nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
+
+    async def _on_away(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """The controller says ``rank`` is dead but may come back (this relay was
+        restarted, or the cluster formed without it). If it already connected here,
+        it is a rank coming back: out of the barrier, and the controller is asked."""
+        if rank not in self.ranks:
+            raise ProtocolError(f"relay {self.config.host_name}: RankAway for rank {rank}, not one of ours")
+        self.host.declare_away(rank)
+        if rank in self.conns and rank not in self.gone:
+            self.fold.mark_dead(rank)  # it has sent nothing: it waits for its state first
+            self.fold.rejoin(rank)
+            log.info("relay %s: rank %d connected before the controller said it was away; asking it back in",
+                     self.config.host_name, rank)
+            await out.send(RankJoin(rank))
+        else:
+            await self._rank_gone(rank, out, "is away (it may come back)", report=False)
 
     async def _enter_approved(self, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Ranks let back in join the barrier of the round this consensus opens."""

@@ -168,6 +168,7 @@ class _Relay:
         self.claimed: set[int] = set()  # ranks with a handshake under way or done: a second is a duplicate
         self.waiting: dict[int, MessageStream] = {}  # handshaken before the channel started
         self.signatures: dict[int, bytes] = {}
+        self.announced: dict[int, bytes] = {}  # signatures the control Hello gave ranks away at formation
         self.channel: DataChannel | ControlChannel | None = None
 
     async def run(self) -> None:
@@ -178,13 +179,15 @@ class _Relay:
                     upstream = await self._dial_controller(self.config.ranks)
                     self.channel = DataChannel(self.config, upstream, self.handle.stats, self.host, self._released)
                 else:
-                    ranks = await self._control_formation()
+                    ranks, away = await self._control_formation()
                     if not ranks:
                         log.info("relay %s: every rank of the host was declared dead before it connected",
                                  self.config.host_name)
                         return
                     upstream = await self._dial_controller(ranks)
-                    self.channel = ControlChannel(self.config, upstream, self.handle.stats, self.host, self._released, ranks)
+                    self.channel = ControlChannel(
+                        self.config, upstream, self.handle.stats, self.host, self._released, ranks, away
+                    )
                 waiting, self.waiting = self.waiting, {}
                 for rank, conn in waiting.items():
                     await self._hand_over(rank, conn)
@@ -224,12 +227,20 @@ class _Relay:
             await self._hand_over(rank, conn)
         await conn.wait_closed()
 
-    async def _control_formation(self) -> tuple[int, ...]:
-        """The control channel's ranks: once every rank of the host has either completed
-        its handshake or been declared dead (heard through the data channel)."""
-        while not self.host.ranks <= set(self.waiting) | self.host.dead:
+    async def _control_formation(self) -> tuple[tuple[int, ...], frozenset[int]]:
+        """The control channel's ranks, and those of them away: once every rank of the
+        host has either completed its handshake or been declared dead (heard through
+        the data channel). Dead ranks that may come back are carried too (as away,
+        under the host's model signature), so they can connect later; at least one
+        rank must be here to give that signature."""
+        while True:
+            present = set(self.waiting)
+            away = set(self.host.may_return(self.host.dead))
+            formed = self.host.ranks <= present | self.host.dead
+            if formed and (present or not away):
+                break
             await self.host.changed.wait()
-        return tuple(sorted(set(self.waiting) - self.host.dead))
+        return tuple(sorted((present - self.host.dead) | away)), frozenset(away)
 
     async def _hand_over(self, rank: int, conn: MessageStream) -> None:
         """Give a handshaken rank to the channel (as a rank coming back if it had left);
@@ -279,6 +290,12 @@ class _Relay:
             )
         if hello.rank in self.claimed:
             raise HandshakeError(f"duplicate rank {hello.rank}: {self._claim_state(hello.rank)}")
+        announced = self.announced.get(hello.rank)
+        if announced is not None and hello.model_signature != announced:
+            raise HandshakeError(
+                f"model signature mismatch: rank {hello.rank} has {hello.model_signature.hex()[:16]}..., "
+                f"the rest of host {self.config.host_name} {announced.hex()[:16]}... (different models or dtypes)"
+            )
         self.claimed.add(hello.rank)
         self.signatures[hello.rank] = hello.model_signature
         return hello.rank
@@ -338,7 +355,7 @@ class _Relay:
         stream = await connect_with_retry(host, port, f"relay {self.config.host_name} upstream", bounds, self.connect)
         upstream = MessageStream(stream, f"controller {host}:{port}", bounds)
         salt = self.config.salt
-        sigs = [self.signatures[r] for r in ranks] if self.config.kind is ChannelKind.CONTROL else []
+        sigs = [self._announced_signature(r) for r in ranks] if self.config.kind is ChannelKind.CONTROL else []
         hello = Hello(self.config.host_name, ranks, sigs)
         magic = self.config.kind.magic.to_bytes(4, "little")
         await upstream.send_chunks([magic, *encode_mux_record(MuxKind.CONTROL, encode_control_msg(hello), salt).chunks])
@@ -352,6 +369,13 @@ class _Relay:
             raise HandshakeError(f"relay {self.config.host_name}: expected HelloAck from controller, got {kind.name} {reply}")
         log.info("relay %s: joined controller %s:%d with ranks %s", self.config.host_name, host, port, list(ranks))
         return upstream
+
+    def _announced_signature(self, rank: int) -> bytes:
+        """A rank's model signature for the control Hello: its own, or - for a rank away
+        when the channel formed - the host's (checked when it connects: see _handshake)."""
+        if rank not in self.signatures:
+            self.announced[rank] = next(iter(self.signatures.values()))
+        return self.signatures.get(rank, self.announced.get(rank, b""))
 
     def _log_summary(self) -> None:
         s = self.handle.stats

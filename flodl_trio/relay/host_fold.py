@@ -78,6 +78,11 @@ class HostFold:
         A joiner's frame that arrives before it entered the barrier is held
         until it does (see :meth:`enter_approved`).
         """
+        if rank in self.entering and self.idle:
+            # Nothing will come down to mark the window start: the first frame of a
+            # rank let back in is it, for every rank let in with it.
+            self._hold(rank, frame)
+            return self.enter_approved()
         if rank in self.joining or rank in self.entering:
             self._hold(rank, frame)
             return None
@@ -110,12 +115,13 @@ class HostFold:
         """A window's last consensus came down: approved joiners are in the barrier
         from the next round (the window start) on; one that sent its first frame
         early has it folded now."""
-        folded = None
-        for rank in sorted(self.entering):
-            self.entering.discard(rank)
+        entering, self.entering = sorted(self.entering), set()
+        for rank in entering:  # all of them in the barrier first, then their early frames
             self.dead.discard(rank)
             self.fresh.add(rank)
-            self._on_change()
+        self._on_change()
+        folded = None
+        for rank in entering:
             frame = self.held.pop(rank, None)
             if frame is not None:
                 folded = self.deposit(rank, frame) or folded

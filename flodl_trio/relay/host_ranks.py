@@ -29,9 +29,18 @@ class HostRanks:
             self.dead.add(rank)
             self.changed.notify()
 
+    def declare_away(self, rank: int) -> None:
+        """Dead for now, but it may come back (the controller said ``RankAway``)."""
+        if rank in self.ranks:
+            self.elastic.add(rank)
+            self.finished.discard(rank)
+            self.declare_dead(rank)
+            self.changed.notify()
+
     def revive(self, rank: int) -> None:
         """The controller let ``rank`` back in."""
         self.dead.discard(rank)
+        self.changed.notify()
 
     def may_return(self, ranks: Iterable[int]) -> list[int]:
         """Those of ``ranks`` that may still come back: they called join() and did not

@@ -235,6 +235,8 @@ class ProcessCluster:
     control_ports: list[int | None] = attrs.field(factory=list)
     # Earlier lives of restarted ranks, oldest first; how each rank was started (to start it again).
     past_lives: dict[int, list[RankProcess]] = attrs.field(factory=dict)
+    past_relays: dict[int, list[DaemonProcess]] = attrs.field(factory=dict)
+    _relay_launches: dict[int, list[tuple[str, list[str], dict[str, str]]]] = attrs.field(factory=dict)
     _launches: dict[int, tuple[list[str], dict[str, str]]] = attrs.field(factory=dict)
     _nursery: trio.Nursery | None = None
     _started: list[ChildProcess] = attrs.field(factory=list)
@@ -330,6 +332,25 @@ class ProcessCluster:
         for relay in self.relay_processes(host_index):
             relay.kill()
 
+    async def restart_relay(self, host_index: int) -> list[DaemonProcess]:
+        """Start host ``host_index``'s relay daemon(s) again, on the same ports, as an
+        operator restarts a crashed relay (kill it first). The old processes stay in
+        :attr:`past_relays`; returns the new ones once they listen."""
+        old = self.relay_processes(host_index)
+        if any(proc.process.returncode is None for proc in old):
+            raise RuntimeError(f"host {host_index}'s relay is still running: kill it before restarting it")
+        assert self._nursery is not None
+        self.past_relays.setdefault(host_index, []).extend(old)
+        fixed = {"--data-port": self.data_ports[host_index], "--control-port": self.control_ports[host_index]}
+        new = []
+        for name, argv, env in self._relay_launches[host_index]:
+            argv = [str(fixed[argv[i - 1]]) if i and argv[i - 1] in fixed else arg for i, arg in enumerate(argv)]
+            new.append(await _start_daemon(self._nursery, name, "flodl_trio.relay", argv, env, self._started))
+        self.relays[host_index] = new
+        for relay in new:
+            await relay.wait_log(re.compile(rf"relay host{host_index} started"))
+        return new
+
     def freeze_relay(self, host_index: int) -> None:
         for relay in self.relay_processes(host_index):
             relay.freeze()
@@ -355,6 +376,7 @@ class ProcessCluster:
     def processes(self) -> list[ChildProcess]:
         """Every process of the cluster: ranks (earlier lives first), relays, controller."""
         out: list[ChildProcess] = [proc for lives in self.past_lives.values() for proc in lives]
+        out += [proc for lives in self.past_relays.values() for proc in lives]
         out += self.ranks.values()
         for host in self.relays:
             out.extend(host)
@@ -495,9 +517,9 @@ async def _start_daemons(
             args += ["--control-port", "0"] if "control" in channels else []
             name = f"relay host{index}" + ("" if len(plan) == 1 else f" ({channels})")
             env = {**base_env, **relay_env.get(index, {})}
-            host_relays.append(
-                await _start_daemon(nursery, name, "flodl_trio.relay", [*args, *relay_args.get(index, ())], env, started)
-            )
+            argv = [*args, *relay_args.get(index, ())]
+            cluster._relay_launches.setdefault(index, []).append((name, argv, env))
+            host_relays.append(await _start_daemon(nursery, name, "flodl_trio.relay", argv, env, started))
         cluster.relays.append(host_relays)
     cluster.data_ports = [0] * len(cluster.hosts)
     cluster.control_ports = [None] * len(cluster.hosts)

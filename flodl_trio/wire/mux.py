@@ -102,9 +102,18 @@ class RankFinished:
     rank: int
 
 
-RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished
+@attrs.frozen
+class RankAway:
+    """flodl_trio extension (variant 202), controller -> relay, just after HelloAck: this
+    rank of yours is dead for now but may come back (it crashed, or the cluster formed
+    without it); treat it as gone, and keep serving for it. See docs/wire.md."""
+
+    rank: int
+
+
+RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
-_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201}
+_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202}
 
 
 def _check_u32(value: int, what: str) -> None:
@@ -135,7 +144,7 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 if len(sig) != MODEL_SIGNATURE_LEN:
                     raise ConfigError(f"model signature must be {MODEL_SIGNATURE_LEN} bytes, got {len(sig)}")
                 out += sig
-        case RankExit(rank=r) | DeclareDead(rank=r) | RankJoin(rank=r) | RankFinished(rank=r):
+        case RankExit(rank=r) | DeclareDead(rank=r) | RankJoin(rank=r) | RankFinished(rank=r) | RankAway(rank=r):
             out += _varint(r)
         case HelloAck():
             pass
@@ -210,6 +219,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = RankJoin(reader.varint("RankJoin rank"))
     elif variant == 201:
         msg = RankFinished(reader.varint("RankFinished rank"))
+    elif variant == 202:
+        msg = RankAway(reader.varint("RankAway rank"))
     else:
         raise FramingError(f"RelayControlMsg: unknown variant index {variant}")
     if reader.pos != len(reader.data):
