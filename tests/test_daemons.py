@@ -281,6 +281,14 @@ def test_configuration_errors_exit_2_with_one_clear_line(tmp_path):
     assert channels.returncode == 2 and "--channels" in channels.stderr
     missing_file = run_cli("flodl_trio.relay", "--ranks", "0", "--world-size", "1", "--salt-file", str(tmp_path / "nope"))
     assert missing_file.returncode == 2 and "cannot read the salt file" in missing_file.stderr
+    salt = {"FLODL_SALT_HEX": SALT_HEX}
+    no_formation = run_cli("flodl_trio.controller", "--world-size", "4", "--min-ranks", "3", env=salt)
+    assert no_formation.returncode == 2 and "needs a formation_timeout" in no_formation.stderr
+    no_rejoin = run_cli("flodl_trio.controller", "--world-size", "4", env={**salt, "FLODL_MIN_RANKS": "3",
+                        "FLODL_FORMATION_TIMEOUT": "5", "FLODL_REJOIN_TIMEOUT": "0"})
+    assert no_rejoin.returncode == 2 and "needs rejoin_timeout > 0" in no_rejoin.stderr
+    bad_rejoin = run_cli("flodl_trio.controller", "--world-size", "4", "--rejoin-timeout", "nan", env=salt)
+    assert bad_rejoin.returncode == 2 and "--rejoin-timeout must be" in bad_rejoin.stderr
 
 
 @pytest.mark.deadline(40)

@@ -20,7 +20,7 @@ import trio
 
 from flodl_trio import JoinRefused, average_window, connect_reduce_client
 from flodl_trio.client import connect_control_client, fetch_cluster_state
-from flodl_trio.errors import FlodlError
+from flodl_trio.errors import ConfigError, FlodlError
 from flodl_trio.settings import NetBounds
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire.salt import SessionSalt
@@ -476,3 +476,69 @@ async def test_a_restarted_rank_that_does_not_call_join_is_dropped_with_a_clear_
             await run_with_survivors(cluster, record, (0, 1, 2), returns_without_join)
     assert "rank 3 came back and sent a frame without calling join() first" in caplog.text
     check_every_window(record, {0, 1, 2})
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("control", [False, True], ids=["data-only", "with-heartbeats"])
+async def test_a_cluster_forms_without_a_missing_rank_which_joins_later(control):
+    """min_ranks=3, formation_timeout=1 s: ranks 0-2 start; rank 3 is not there. After
+    1 s the cluster starts without it; rank 3 starts later and joins from the consensus."""
+    record = Record()
+    starts: dict[int, int] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60, min_ranks=3, formation_timeout=1.0,
+            control=control, heartbeat_timeout=5.0,
+        ) as cluster:
+
+            async def rank_main(rank: int) -> None:
+                if rank == 3:
+                    await record.wait_for(0, 3)  # late: the others have trained a while
+                params, buffers = fresh_model(rank)
+                async with heartbeats(cluster, rank, control), connect_reduce_client(
+                    cluster.relay_address(rank), rank, WORLD, SALT
+                ) as client:
+                    starts[rank] = await client.join(params, buffers)
+                    await run_windows(client, rank, starts[rank], params, buffers, record, pace=0.05)
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(WORLD):
+                    nursery.start_soon(rank_main, rank)
+            assert cluster.controller.stats.rejoins == 1
+    assert starts[0] == starts[1] == starts[2] == 0
+    assert 4 <= starts[3] < WINDOWS
+    contributors = check_every_window(record, {0, 1, 2, 3})
+    assert all(contributors[w] == {0, 1, 2} for w in range(starts[3]))
+
+
+@pytest.mark.trio
+async def test_formation_waits_for_min_ranks_even_after_the_timeout():
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60, min_ranks=3, formation_timeout=0.2,
+        ) as cluster:
+            params, buffers = fresh_model(0)
+            async with connect_reduce_client(cluster.relay_address(0), 0, WORLD, SALT) as client:
+                assert await client.join(params, buffers) == 0
+                await trio.sleep(0.5)  # past the timeout with one rank of the three needed
+                assert cluster.controller.dead_ranks.snapshot() == set()
+                await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"min_ranks": 3}, "needs a formation_timeout"),
+        ({"min_ranks": 3, "formation_timeout": 1.0, "rejoin_timeout": 0}, "needs rejoin_timeout > 0"),
+        ({"min_ranks": 0, "formation_timeout": 1.0}, "between 1 and world_size 4"),
+        ({"min_ranks": 5, "formation_timeout": 1.0}, "between 1 and world_size 4"),
+        ({"formation_timeout": -1.0}, "formation_timeout must be"),
+        ({"rejoin_timeout": float("inf")}, "rejoin_timeout must be"),
+    ],
+)
+def test_membership_settings_that_cannot_work_are_refused_up_front(options, message):
+    from flodl_trio.controller.core import membership_policy
+
+    settings = {"rejoin_timeout": 60.0, "min_ranks": None, "formation_timeout": None, **options}
+    with pytest.raises(ConfigError, match=message):
+        membership_policy(WORLD, settings["rejoin_timeout"], settings["min_ranks"], settings["formation_timeout"])

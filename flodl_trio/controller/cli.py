@@ -24,7 +24,7 @@ from ..outer import DiLoCoNesterov, PlainAverage, SlowMo
 from ..settings import NetBounds
 from ..wire.salt import SessionSalt
 from .checkpointer import ConsensusCheckpointer
-from .core import OuterOptimizer, open_controller
+from .core import OuterOptimizer, membership_policy, open_controller
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a crashed rank whose trainer calls join() may come back (restart it with the "
                         "same command); 0: dead is final [env FLODL_REJOIN_TIMEOUT; default "
                         f"{DEFAULT_REJOIN_TIMEOUT_S:g}]")
+    parser.add_argument("--min-ranks", type=int, default=env_default("FLODL_MIN_RANKS"),
+                        help="start once this many ranks are present after --formation-timeout; the others join "
+                        "later (their trainers call join()) [env FLODL_MIN_RANKS; default: every rank]")
+    parser.add_argument("--formation-timeout", type=float, default=env_default("FLODL_FORMATION_TIMEOUT"),
+                        help="seconds to wait for every rank before starting with --min-ranks "
+                        "[env FLODL_FORMATION_TIMEOUT; default: wait for every rank]")
     parser.add_argument("--keep-serving", action="store_true", default=env_default("FLODL_KEEP_SERVING") == "1",
                         help="keep running after every rank has finished [env FLODL_KEEP_SERVING=1; default: exit 0]")
     add_common_flags(parser)
@@ -90,6 +96,8 @@ class ControllerDaemonSettings:
     checkpoint_every: int
     checkpoint_keep: int
     rejoin_timeout: float = 0.0
+    min_ranks: int | None = None
+    formation_timeout: float | None = None
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -115,10 +123,13 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     rejoin = float(args.rejoin_timeout)
     if not (math.isfinite(rejoin) and rejoin >= 0):
         raise ConfigError(f"--rejoin-timeout must be a finite number of seconds >= 0, got {args.rejoin_timeout}")
+    min_ranks = None if args.min_ranks is None else int(args.min_ranks)
+    formation = None if args.formation_timeout is None else float(args.formation_timeout)
+    membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
     return ControllerDaemonSettings(
         args.host, args.port, world, load_salt(args.salt_file), timeout,
         make_outer(args.outer, args.outer_lr, args.outer_momentum),
-        args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin,
+        args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
     )
 
 
@@ -137,7 +148,8 @@ async def serve_controller_daemon(
                 settings.host, settings.port, world_size=settings.world_size, salt=settings.salt,
                 outer_optimizer=settings.outer, checkpoint=checkpoint, ceiling=ceiling,
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
-                rejoin_timeout=settings.rejoin_timeout,
+                rejoin_timeout=settings.rejoin_timeout, min_ranks=settings.min_ranks,
+                formation_timeout=settings.formation_timeout,
             )
         )
         if metrics is not None:

@@ -166,6 +166,24 @@ class ControllerHandle:
         await self.outcome.wait()
 
 
+def membership_policy(
+    world_size: int, rejoin_timeout: float, min_ranks: int | None, formation_timeout: float | None
+) -> Membership:
+    """The membership policy, its arguments checked."""
+    if not (math.isfinite(rejoin_timeout) and rejoin_timeout >= 0):
+        raise ConfigError(f"rejoin_timeout must be a finite number >= 0, got {rejoin_timeout!r}")
+    if formation_timeout is not None and not (math.isfinite(formation_timeout) and formation_timeout > 0):
+        raise ConfigError(f"formation_timeout must be a finite number of seconds > 0, got {formation_timeout!r}")
+    if min_ranks is not None and not 1 <= min_ranks <= world_size:
+        raise ConfigError(f"min_ranks must be between 1 and world_size {world_size}, got {min_ranks}")
+    if min_ranks is not None and min_ranks < world_size:
+        if formation_timeout is None:
+            raise ConfigError(f"min_ranks {min_ranks} < world_size {world_size} needs a formation_timeout")
+        if rejoin_timeout <= 0:
+            raise ConfigError("min_ranks below world_size needs rejoin_timeout > 0: the late ranks join by rejoining")
+    return Membership(world_size, rejoin_timeout, min_ranks=min_ranks, formation_timeout=formation_timeout)
+
+
 @asynccontextmanager
 async def open_controller(
     host: str | None = None,
@@ -182,6 +200,8 @@ async def open_controller(
     bounds: NetBounds | None = None,
     listeners: Listeners | None = None,
     rejoin_timeout: float = 0.0,
+    min_ranks: int | None = None,
+    formation_timeout: float | None = None,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -191,12 +211,14 @@ async def open_controller(
     FLODL_NET_TIMEOUT_SCALE) is declared dead. ``bounds`` defaults to
     :meth:`NetBounds.from_env`. A dead rank may rejoin for ``rejoin_timeout``
     seconds after its death (0: never, as in flodl); the cluster is finished
-    once every rank is dead and none may come back.
+    once every rank is dead and none may come back. The first round waits for
+    every rank, or - with ``formation_timeout`` - for ``min_ranks`` of them
+    once that many seconds have passed; the others join later (a rank is
+    present once its trainer called ``join``).
     """
-    if not (math.isfinite(rejoin_timeout) and rejoin_timeout >= 0):
-        raise ConfigError(f"rejoin_timeout must be a finite number >= 0, got {rejoin_timeout!r}")
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
+    membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
         raise ConfigError(f"dead_ranks covers world_size {ledger.world_size}, controller has {world_size}")
@@ -211,7 +233,7 @@ async def open_controller(
             raise ConfigError("open_controller needs a host to listen on, or listeners=")
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
-    controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, Membership(world_size, rejoin_timeout))
+    controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership)
     async with service_nursery() as nursery:
         nursery.start_soon(run_service, controller.run, handle.outcome, log, "controller")
         yield handle
@@ -259,6 +281,7 @@ class _Controller:
         async with self._consensus_send, trio.open_nursery() as nursery:
             nursery.start_soon(self.dead.watch, self._forward_new_deaths)
             nursery.start_soon(self._finish_when_nobody_can_return)
+            nursery.start_soon(self._form_without_everyone)
             nursery.start_soon(self._broadcaster, self._consensus_receive)
             nursery.start_soon(self.handle.coordinator.run)
             await nursery.start(trio.serve_listeners, self._route, self.listeners)
@@ -577,11 +600,39 @@ class _Controller:
             self.membership.died(rank, now)
             seat_id = self.round.seat_of(rank)
             if seat_id is not None and rank not in self._exited:
-                self.links[seat_id].queue_control(DeclareDead(rank), self.config.salt)
+                away = rank in self.membership.absent  # the cluster formed without it: it may come
+                self.links[seat_id].queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
         self.membership_changed.notify()
         consensus = self.round.rank_died(now)
         if consensus is not None:
             self._consensus_send.send_nowait(consensus)
+
+    async def _form_without_everyone(self) -> None:
+        """With a formation_timeout: once it has passed and min_ranks ranks are present,
+        start without the others (they are away: dead for now, they may join later).
+        Nothing to do once a round has completed - everyone was there."""
+        timeout = self.membership.formation_timeout
+        if timeout is None:
+            return
+        started = trio.current_time()
+        await trio.sleep_until(started + timeout)
+        while self.stats.rounds == 0:
+            absent = self.membership.absent_at_formation(trio.current_time() - started)
+            if absent is not None:
+                return self._start_without(absent)
+            log.warning("controller: %d of %d ranks present after formation_timeout %g s; waiting for min_ranks %d",
+                        len(self.membership.elastic), self.config.world_size, timeout, self.membership.min_ranks)
+            await self.membership_changed.wait()
+
+    def _start_without(self, absent: list[int]) -> None:
+        if not absent:
+            return
+        now = trio.current_time()
+        log.warning("controller: starting without ranks %s (absent after formation_timeout); they join later", absent)
+        for rank in absent:
+            self.membership.formed_without(rank, now)
+            self.handle.coordinator.death_reasons.setdefault(rank, "absent when the cluster formed")
+            self.dead.declare_dead(rank)
 
     async def _finish_when_nobody_can_return(self) -> None:
         """End ``wait_finished`` once every rank is dead and none may rejoin any more
@@ -627,6 +678,7 @@ class _Controller:
         rank = request.rank
         conn.peer = f"rank {rank} (state request)"
         self.membership.joined(rank)
+        self.membership_changed.notify()  # one more rank present (formation counts them)
         if self.membership.rejoin_timeout > 0:
             self.round.keep_window_state = True  # an elastic rank: keep each window's state from now on
         answer = await self._state_for(rank, conn)

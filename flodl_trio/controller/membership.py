@@ -3,6 +3,7 @@
 A rank's life as the controller sees it::
 
     absent --connects--> live --exits, crashes, is dropped or declared dead--> dead
+    absent --formation_timeout passes with min_ranks present--> dead (may come)
     dead --its relay asks, and it asks for its state--> joining
     joining --a window boundary--> live        (it enters the next window)
     joining --its connection closes--> dead
@@ -29,9 +30,19 @@ from collections.abc import Iterable
 class Membership:
     """The controller's rejoin policy and its record of deaths and returns."""
 
-    def __init__(self, world_size: int, rejoin_timeout: float = 0.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        rejoin_timeout: float = 0.0,
+        *,
+        min_ranks: int | None = None,
+        formation_timeout: float | None = None,
+    ) -> None:
         self.world_size = world_size
         self.rejoin_timeout = rejoin_timeout
+        self.min_ranks = world_size if min_ranks is None else min_ranks
+        self.formation_timeout = formation_timeout
+        self.absent: set[int] = set()  # ranks the cluster formed without: they join later
         self.died_at: dict[int, float] = {}
         self.asked: dict[int, int] = {}  # rank -> the seat whose relay asked to let it back in
         self.waiting: set[int] = set()  # ranks whose state request waits for a window boundary
@@ -91,6 +102,22 @@ class Membership:
         self.withdraw(rank)
         self.died_at.pop(rank, None)
         self.rejoins += 1
+
+    def absent_at_formation(self, elapsed: float) -> list[int] | None:
+        """The ranks to start without: once ``formation_timeout`` has passed and at
+        least ``min_ranks`` ranks are present (a rank is present once it asked for
+        its state: its trainer called join()). None: wait on."""
+        if self.formation_timeout is None or elapsed < self.formation_timeout:
+            return None
+        if len(self.elastic) < self.min_ranks:
+            return None
+        return sorted(set(range(self.world_size)) - self.elastic)
+
+    def formed_without(self, rank: int, now: float) -> None:
+        """The cluster starts without ``rank``; it may join later, like a rank that died now."""
+        self.absent.add(rank)
+        self.elastic.add(rank)
+        self.died(rank, now)
 
     def joined(self, rank: int) -> None:
         """``rank`` asked for its state: it takes part in elastic membership."""
