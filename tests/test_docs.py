@@ -171,6 +171,10 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
         "a timing benchmark (64 MiB x 7 repetitions) whose exit status depends on this machine's speed",
         checked_by="test_benchmark_blocks_name_real_flags",
     ),
+    ("docs/performance.md", "benchmarks/rejoin.py"): NotRun(
+        "a 45 s benchmark of four rank processes with a 64 MiB model whose timings depend on this machine",
+        checked_by="test_benchmark_blocks_name_real_flags",
+    ),
     ("docs/performance.md", "benchmarks/allreduce.py --quick"): NotRun(
         "benchmarks of one to several minutes each; the two-host workload needs root and tc",
         checked_by="test_benchmark_blocks_name_real_flags",
@@ -1005,7 +1009,8 @@ async def test_outer_and_checkpoints_write_then_resume(tmp_path):
 async def test_benchmark_blocks_name_real_flags():
     """Every --flag the benchmark commands show is one their script's --help lists."""
     blocks = [doc_snippet("docs/wire.md", "benchmarks/codec.py"),
-              doc_snippet("docs/performance.md", "benchmarks/allreduce.py --quick")]
+              doc_snippet("docs/performance.md", "benchmarks/allreduce.py --quick"),
+              doc_snippet("docs/performance.md", "benchmarks/rejoin.py")]
     flags_by_script: dict[str, set[str]] = {}
     for block in blocks:
         for line in block.strip().splitlines():
@@ -1013,7 +1018,7 @@ async def test_benchmark_blocks_name_real_flags():
             assert words[0] == ".venv/bin/python", line
             # flags in the trailing comments count too ("--mib N, --reps N to change ...")
             flags_by_script.setdefault(words[1], set()).update(re.findall(r"(?<![\w-])--[a-z][\w-]*", line))
-    assert flags_by_script.keys() == {"benchmarks/codec.py", "benchmarks/allreduce.py"}
+    assert flags_by_script.keys() == {"benchmarks/codec.py", "benchmarks/allreduce.py", "benchmarks/rejoin.py"}
     async with open_processes() as processes:
         for script, flags in flags_by_script.items():
             usage = await processes.run(f"{script} --help", [sys.executable, script, "--help"], env=snippet_env(),

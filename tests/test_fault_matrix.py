@@ -36,6 +36,8 @@ REQUIRED = {
     "port-scanner", "connect-to-nothing",
     # cases that found product bugs (since fixed) stay as regression guards
     "rank-loop-blocked", "uplink-replay",
+    # elastic membership: ranks and hosts that come back, a cluster that forms without one
+    "rank-kill-restart", "host-restart", "formation-missing-rank", "rejoin-wrong-salt",
 }
 
 

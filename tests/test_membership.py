@@ -272,9 +272,13 @@ def test_state_request_round_trip_and_refusals():
 
 def test_state_reply_is_bound_to_the_requests_nonce():
     nonce = new_nonce()
-    raw = encode_state_reply(StateReply(StateStatus.OK, 7, 2), nonce, SALT)
+    reply = StateReply(StateStatus.OK, 7, 2, lengths=(1 << 20, 4096))
+    raw = encode_state_reply(reply, nonce, SALT)
     header, tail = raw[:STATE_REPLY_HEADER_LEN], raw[STATE_REPLY_HEADER_LEN:]
-    assert decode_state_reply(header, tail, nonce, SALT) == StateReply(StateStatus.OK, 7, 2, "")
+    assert decode_state_reply(header, tail, nonce, SALT) == reply
+    forged = tail[:-12] + (2 << 20).to_bytes(4, "little") + tail[-8:]  # a bigger announced frame
+    with pytest.raises(MacError):
+        decode_state_reply(header, forged, nonce, SALT)
     with pytest.raises(MacError):
         decode_state_reply(header, tail, new_nonce(), SALT)  # an old reply, replayed
     with pytest.raises(MacError):
@@ -301,7 +305,7 @@ def test_state_reply_carries_a_refusal_reason_under_its_mac():
 )
 def test_state_reply_header_shapes_that_cannot_be(window, frames, message):
     nonce = new_nonce()
-    raw = encode_state_reply(StateReply(StateStatus.OK, window, frames), nonce, SALT)
+    raw = encode_state_reply(StateReply(StateStatus.OK, window, frames, lengths=(100,) * frames), nonce, SALT)
     with pytest.raises(HandshakeError, match=message):
         decode_state_reply(raw[:STATE_REPLY_HEADER_LEN], raw[STATE_REPLY_HEADER_LEN:], nonce, SALT)
 
@@ -331,3 +335,30 @@ def test_host_ranks_a_relay_waits_only_for_ranks_that_may_come_back():
     assert host.may_return([0, 1, 2]) == [0]
     host.finished.add(0)
     assert host.may_return([0, 1, 2]) == []
+
+
+async def test_a_state_frame_whose_length_differs_from_the_announced_one_is_refused_before_buffering():
+    """A hostile reply announces a small frame under its MAC, then sends another length."""
+    import trio
+    import trio.testing
+
+    from flodl_trio.client import fetch_cluster_state
+    from flodl_trio.settings import NetBounds
+
+    client_end, server_end = trio.testing.memory_stream_pair()
+
+    async def connect(host: str, port: int) -> trio.abc.Stream:
+        return client_end
+
+    async def hostile_controller() -> None:
+        request = b""
+        while len(request) < STATE_REQUEST_LEN:
+            request += await server_end.receive_some(STATE_REQUEST_LEN - len(request))
+        nonce = decode_state_request(request, 4, SALT).nonce
+        await server_end.send_all(encode_state_reply(StateReply(StateStatus.OK, 3, 1, lengths=(64,)), nonce, SALT))
+        await server_end.send_all((1 << 30).to_bytes(4, "little"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hostile_controller)
+        with pytest.raises(FramingError, match="1073741824 bytes, the reply announced 64"):
+            await fetch_cluster_state("relay", 1, 3, 4, SALT, bounds=NetBounds(), connect=connect)

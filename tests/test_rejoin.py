@@ -542,3 +542,38 @@ def test_membership_settings_that_cannot_work_are_refused_up_front(options, mess
     settings = {"rejoin_timeout": 60.0, "min_ranks": None, "formation_timeout": None, **options}
     with pytest.raises(ConfigError, match=message):
         membership_policy(WORLD, settings["rejoin_timeout"], settings["min_ranks"], settings["formation_timeout"])
+
+
+@pytest.mark.trio
+async def test_a_rank_coming_back_with_another_model_is_refused_and_the_cluster_carries_on(caplog):
+    record = Record()
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60, control=True, heartbeat_timeout=5.0,
+        ) as cluster:
+
+            async def survivor(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with heartbeats(cluster, rank, True), connect_reduce_client(
+                    cluster.relay_address(rank), rank, WORLD, SALT
+                ) as client:
+                    await run_windows(client, rank, 0, params, buffers, record)
+
+            async def comes_back_with_another_model() -> None:
+                params, buffers = fresh_model(3)
+                async with heartbeats(cluster, 3, True), connect_reduce_client(
+                    cluster.relay_address(3), 3, WORLD, SALT
+                ) as client:
+                    await client.join(params, buffers)
+                    await run_until_gone(client, 3, 2, params, buffers, record)
+                await record.wait_for(0, 4)
+                with pytest.raises(FlodlError, match="another model signature than before"):
+                    async with connect_control_client(cluster.control_address(3), 3, WORLD, SALT, b"\x99" * 32):
+                        pass
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1, 2):
+                    nursery.start_soon(survivor, rank)
+                nursery.start_soon(comes_back_with_another_model)
+    assert "model signature mismatch: rank 3" in caplog.text
+    check_every_window(record, {0, 1, 2})

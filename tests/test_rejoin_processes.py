@@ -9,83 +9,19 @@ the same made-up training every worker does (:func:`window_delta`).
 
 from __future__ import annotations
 
-from itertools import combinations
-
-import numpy as np
 import pytest
 import trio
 
 from flodl_trio.testing import FlipBit, open_process_cluster
 from flodl_trio.testing.matrix import diagnose
-from flodl_trio.testing.rank_worker import window_delta, window_steps
+from flodl_trio.testing.windows import check_final_and_joins, check_windows, joined_event, windows_of
 
 SALT = b"rejoin-processes"
 WORLD = 4
 HOSTS = [[0, 1], [2, 3]]
 WINDOWS = 16
 NUMEL = 256
-HEAD = 8
 DEADLINE_S = 90
-
-
-def windows_of(cluster, rank: int) -> dict[int, dict]:
-    """Every ``window`` event of every life of ``rank``, by window."""
-    out: dict[int, dict] = {}
-    for proc in [*cluster.past_lives.get(rank, []), cluster.ranks[rank]]:
-        for event in proc.events:
-            if event["event"] == "window":
-                out[event["window"]] = event
-    return out
-
-
-def check_windows(cluster, maybe_in: dict[int, set[int]]) -> dict[int, set[int]]:
-    """Every window's consensus against the reference over its contributors.
-
-    A rank killed mid-window was counted by the Control round and may or may not
-    have made it into the params round: for window ``w`` any subset of
-    ``maybe_in[w]`` may be missing from the counted set; the one that matches is
-    the one the reference follows from then on.
-    """
-    events = {rank: windows_of(cluster, rank) for rank in range(WORLD)}
-    consensus = np.zeros(NUMEL)  # the params every contributor holds before window 0
-    contributors_by_window = {}
-    for window in range(WINDOWS):
-        seen = {rank: e[window] for rank, e in events.items() if window in e}
-        assert seen, f"window {window}: nobody finished it"
-        first = next(iter(seen.values()))
-        counts = first["counts"]
-        for rank, event in seen.items():
-            assert event["counts"] == counts, f"window {window}: rank {rank} gathered other counts"
-            assert event["digest"] == first["digest"], f"window {window}: rank {rank} holds other bytes"
-        counted = {rank for rank in range(WORLD) if counts[rank] > 0}
-        assert counted >= set(seen), f"window {window}: finished by {set(seen)}, counted {counted}"
-        assert counts == [float(window_steps(r)) if r in counted else 0.0 for r in range(WORLD)]
-        doubtful = sorted(maybe_in.get(window, set()) & counted)
-        candidates = [counted - set(gone) for n in range(len(doubtful) + 1) for gone in combinations(doubtful, n)]
-        got = np.asarray(first["head"])
-        for contributors in candidates:
-            mass = {r: float(window_steps(r)) for r in contributors}
-            step = sum(mass[r] * window_delta(r, window, NUMEL).astype(np.float64) for r in contributors)
-            want = consensus + step / sum(mass.values())
-            if np.allclose(got, want[:HEAD], rtol=1e-5, atol=1e-5):
-                break
-        else:
-            raise AssertionError(f"window {window}: consensus {got} matches no contributor set of {candidates}")
-        consensus = want  # the f64 reference follows the ranks' f32 state closely enough for the check
-        contributors_by_window[window] = contributors
-    return contributors_by_window
-
-
-def check_final_and_joins(cluster, contributors: dict[int, set[int]]) -> None:
-    """Every rank ends with the same bytes; a rank that came back loaded exactly the
-    consensus of the window before the one it entered, and counts from that one."""
-    finals = {windows_of(cluster, rank)[WINDOWS - 1]["digest"] for rank in range(WORLD)}
-    assert len(finals) == 1, "every rank ends with bit-identical params and buffers"
-    for rank, lives in cluster.past_lives.items():
-        joined = next(e for e in cluster.ranks[rank].events if e["event"] == "joined")
-        start = joined["start"]
-        assert joined["digest"] == windows_of(cluster, 0)[start - 1]["digest"]
-        assert all(rank in contributors[w] for w in range(start, WINDOWS)), (rank, start)
 
 
 @pytest.mark.trio
@@ -109,8 +45,8 @@ async def test_a_killed_rank_restarted_with_the_same_command_rejoins_and_every_w
                 assert stats.rejoins == 1 and stats.states_served == 1
     start = joined["start"]
     assert 9 <= start <= WINDOWS - 2, f"rank 3 restarted after window 7 and entered window {start}"
-    contributors = check_windows(cluster, {5: {3}})
-    check_final_and_joins(cluster, contributors)
+    contributors = check_windows(cluster, WINDOWS, NUMEL, {5: {3}})
+    check_final_and_joins(cluster, WINDOWS, contributors)
     for window in range(WINDOWS):
         want = {0, 1, 2, 3} if window < 5 or window >= start else {0, 1, 2}
         assert contributors[window] == want, f"window {window}: {contributors[window]}"
@@ -150,9 +86,9 @@ async def test_a_host_that_crashed_relay_and_ranks_comes_back_while_the_other_ho
                         if proc not in cluster.past_relays.get(1, []):
                             with trio.fail_after(20):
                                 assert await proc.wait() == 0, (proc.name, proc.text[-3000:])
-    contributors = check_windows(cluster, {4: {2, 3}})
-    check_final_and_joins(cluster, contributors)
-    starts = {rank: next(e for e in cluster.ranks[rank].events if e["event"] == "joined")["start"] for rank in (2, 3)}
+    contributors = check_windows(cluster, WINDOWS, NUMEL, {4: {2, 3}})
+    check_final_and_joins(cluster, WINDOWS, contributors)
+    starts = {rank: joined_event(cluster, rank)["start"] for rank in (2, 3)}
     assert all(8 <= s <= WINDOWS - 2 for s in starts.values()), starts
     assert "rejoins" in cluster.controller.text
 
@@ -180,6 +116,6 @@ async def test_a_relay_dropped_for_a_flipped_bit_costs_only_its_host_which_then_
     assert "dropped for breaking the protocol" in cluster.controller.text
     assert "MAC" in cluster.controller.text
     dropped_in = {w for w in range(WINDOWS) if all(w in windows_of(cluster, r) for r in (0, 1))}
-    contributors = check_windows(cluster, {w: {2, 3} for w in dropped_in})
-    check_final_and_joins(cluster, contributors)
+    contributors = check_windows(cluster, WINDOWS, NUMEL, {w: {2, 3} for w in dropped_in})
+    check_final_and_joins(cluster, WINDOWS, contributors)
     assert any(contributors[w] == {0, 1} for w in range(WINDOWS)), "host 1 was out for some windows"

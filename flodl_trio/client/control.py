@@ -188,7 +188,7 @@ async def connect_control_client(
         address, f"rank {rank}", "control relay", encode_control_handshake(rank, world_size, model_signature, session),
         CONTROL_ACK_LEN,
         f"it refused rank {rank}: wrong session salt, wrong world size, rank not on this host, "
-        "or rank already connected - see the relay's log",
+        "rank already connected, or - coming back - another model signature than before; see the relay's log",
         net, connect,
     )
     try:

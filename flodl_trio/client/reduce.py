@@ -108,6 +108,7 @@ class ReduceClient:
         self._busy = False
         self._broken: str | None = None
         self.joined = False  # whether join()/fetch_state() was called: then leaving says finished or not
+        self.last_state: ClusterState | None = None  # what join() loaded (its window, size, transfer time)
         self.rounds = 0
 
     # -- lifecycle -----------------------------------------------------------
@@ -258,7 +259,7 @@ class ReduceClient:
         from ..tensors import check_destinations, round_frame_to_tensors
 
         check_destinations([*params, *buffers], "join destination")
-        state = await self.fetch_state()
+        state = self.last_state = await self.fetch_state()
         if state.params is None:
             return 0
         if state.params.weight > 0:  # a window with no realized work kept everyone's own params

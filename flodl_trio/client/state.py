@@ -38,6 +38,7 @@ from ..wire.state import (
     decode_state_reply_header,
     encode_state_request,
     new_nonce,
+    state_reply_tail_len,
 )
 
 
@@ -49,6 +50,8 @@ class ClusterState:
     window: int
     params: RoundFrame | None = None
     buffers: RoundFrame | None = None
+    nbytes: int = 0  # the frames' bytes on the wire
+    transfer_seconds: float = 0.0  # from the reply's header to its last byte (not the wait before)
 
 
 async def fetch_cluster_state(
@@ -79,10 +82,15 @@ async def fetch_cluster_state(
         reply = await _receive_reply(conn, rank, nonce, salt, reply_timeout, f"data relay {host}:{port}")
         if reply.status is StateStatus.REFUSED:
             raise JoinRefused(f"rank {rank} may not join: {reply.reason}")
-        frames = [await _receive_frame(conn, rank, index, salt, ceiling) for index in range(reply.frames)]
+        started, received = trio.current_time(), conn.bytes_received
+        frames = [
+            await _receive_frame(conn, rank, index, length, salt, ceiling) for index, length in enumerate(reply.lengths)
+        ]
+        seconds = trio.current_time() - started
     finally:
         await conn.aclose()
-    return ClusterState(reply.window, *frames)
+    params, buffers = (frames + [None, None])[:2]
+    return ClusterState(reply.window, params, buffers, conn.bytes_received - received, seconds)
 
 
 async def _receive_reply(
@@ -98,21 +106,25 @@ async def _receive_reply(
         ) from exc
     except trio.TooSlowError as exc:
         raise PeerTimeout(f"rank {rank}: no state reply through {where} within reply_timeout {timeout:g} s") from exc
-    *_, reason_len = decode_state_reply_header(header)
+    _status, frames, _window, reason_len = decode_state_reply_header(header)
     with trio.fail_after(conn.bounds.handshake):
-        tail = await conn.receive_exactly(reason_len + MAC_LEN, "the state reply's reason and MAC")
+        tail = await conn.receive_exactly(state_reply_tail_len(frames, reason_len), "the state reply's tail")
     return decode_state_reply(header, tail, nonce, salt)
 
 
-async def _receive_frame(conn: MessageStream, rank: int, index: int, salt: SessionSalt, ceiling: int) -> RoundFrame:
-    """One consensus frame of the reply, its MAC checked as it arrives (into a buffer that
-    grows only as bytes do: the length is not trusted before the MAC)."""
+async def _receive_frame(
+    conn: MessageStream, rank: int, index: int, announced: int, salt: SessionSalt, ceiling: int
+) -> RoundFrame:
+    """One consensus frame of the reply, its MAC checked as it arrives, into memory of
+    the size the reply announced under its MAC (checked against the frame's prefix)."""
     what = ("params", "buffers")[index]
     length = await conn.receive_length_prefix(ceiling)
     if length is None:
         raise FramingError(f"rank {rank}: the state reply ended before its {what} frame")
+    if length != announced:
+        raise FramingError(f"rank {rank}: the {what} state frame is {length} bytes, the reply announced {announced}")
     mac = RunningMac(salt.hmac(), max(length - MAC_LEN, 0))
-    body = await conn.receive_into_buffer(ReceiveBuffer(), length, f"the {what} state frame", mac)
+    body = await conn.receive_into_buffer(ReceiveBuffer(length), length, f"the {what} state frame", mac)
     source = f"the cluster's {what} state"
     frame = decode_round_frame(body, salt, source=source, mac_of_body=mac.tag(), ceiling=ceiling)
     check_payloads(frame, source)

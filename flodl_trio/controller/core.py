@@ -692,7 +692,7 @@ class _Controller:
         else:
             state = answer.state
             frames = [state.params] + ([state.buffers] if state.buffers is not None else [])
-            reply = StateReply(StateStatus.OK, state.window, len(frames))
+            reply = StateReply(StateStatus.OK, state.window, len(frames), lengths=tuple(f.nbytes for f in frames))
         chunks: list[Buffer] = [encode_state_reply(reply, request.nonce, self.config.salt)]
         for frame in frames:
             chunks += [frame.nbytes.to_bytes(4, "little"), *frame.chunks]

@@ -60,14 +60,16 @@ log = logging.getLogger("flodl_trio.relay")
 
 Listeners = Sequence[trio.abc.Listener[trio.abc.Stream]]
 # Bytes moved at a time when piping a joiner's state from the controller.
-PIPE_CHUNK = 1 << 20
+PIPE_CHUNK = 4 << 20
 
 
 async def _pipe(source: MessageStream, sink: MessageStream, done: trio.CancelScope) -> None:
-    """Copy bytes from ``source`` to ``sink`` until either closes, then end the pipe."""
+    """Copy bytes from ``source`` to ``sink`` until either closes, then end the pipe
+    (one buffer, reused: a model-sized state costs no allocation per chunk)."""
+    view = memoryview(bytearray(PIPE_CHUNK))
     try:
-        while chunk := await source.stream.receive_some(PIPE_CHUNK):
-            await sink.send_chunks([chunk])
+        while n := await source.receive_available(view):
+            await sink.send_chunks([view[:n]])
     except CONNECTION_LOST:
         pass
     done.cancel()
@@ -168,7 +170,7 @@ class _Relay:
         self.claimed: set[int] = set()  # ranks with a handshake under way or done: a second is a duplicate
         self.waiting: dict[int, MessageStream] = {}  # handshaken before the channel started
         self.signatures: dict[int, bytes] = {}
-        self.announced: dict[int, bytes] = {}  # signatures the control Hello gave ranks away at formation
+        self.announced: dict[int, bytes] = {}  # signatures the control Hello gave each rank
         self.channel: DataChannel | ControlChannel | None = None
 
     async def run(self) -> None:
@@ -372,10 +374,10 @@ class _Relay:
 
     def _announced_signature(self, rank: int) -> bytes:
         """A rank's model signature for the control Hello: its own, or - for a rank away
-        when the channel formed - the host's (checked when it connects: see _handshake)."""
-        if rank not in self.signatures:
-            self.announced[rank] = next(iter(self.signatures.values()))
-        return self.signatures.get(rank, self.announced.get(rank, b""))
+        when the channel formed - the host's. A rank that connects again later must
+        match it (see _handshake): the coordinator checked it against the cluster."""
+        self.announced[rank] = self.signatures.get(rank) or next(iter(self.signatures.values()))
+        return self.announced[rank]
 
     def _log_summary(self) -> None:
         s = self.handle.stats

@@ -66,8 +66,10 @@ from ..wire.round_frame import (
     schema_frame_len,
 )
 from ..wire.salt import SessionSalt
+from ..wire.state import encode_state_request, new_nonce
 from .processes import ChildProcess, Event, ProcessCluster, open_process_cluster
 from .proxy import BandwidthCap, CutAt, Delay, DuplicateRecord, FlipBit, Stall
+from .windows import WindowMismatch, check_final_and_joins, check_windows
 
 SALT = SessionSalt(b"\x42" * 16)
 OTHER_SALT = SessionSalt(b"\x24" * 16)
@@ -335,7 +337,8 @@ def memory_growth(before: dict[str, int] | None, after: dict[str, int] | None) -
 def daemon_cluster(**options: Any) -> Any:
     """open_process_cluster with daemons, numpy workers and the matrix salt."""
     options.setdefault("heartbeat_timeout", HEARTBEAT_TIMEOUT)
-    return open_process_cluster(salt=SALT, daemons=True, backend="numpy", **options)
+    options.setdefault("backend", "numpy")
+    return open_process_cluster(salt=SALT, daemons=True, **options)
 
 
 def pause(round_index: int, seconds: float = 60.0) -> list[str]:
@@ -1283,6 +1286,123 @@ async def _control_once(port: int) -> None:
     async with connect_control_client(("127.0.0.1", port), 0, 1, SALT, SIGNATURE, connect_attempts=3, connect_interval=0.05):
         pass
 
+
+
+# ---------------------------------------------------------------------------
+# Membership: ranks and hosts that come back, clusters that form without one
+# ---------------------------------------------------------------------------
+
+WINDOWS = 12
+WINDOW_NUMEL = 256
+
+
+def windowed_cluster(windows: int = WINDOWS, *, extra: dict[int, list[str]] | None = None, **options: Any) -> Any:
+    """A daemon cluster of Local SGD trainers (``rank_worker --windows``: join, then
+    average_window) whose controller lets dead ranks back for 60 s."""
+    args = {r: ["--windows", str(windows), *(extra or {}).get(r, [])] for r in range(4)}
+    controller_args = ["--rejoin-timeout", "60", *options.pop("controller_args", [])]
+    return daemon_cluster(
+        world_size=4, hosts=[[0, 1], [2, 3]], backend="torch", numel=WINDOW_NUMEL, pause=0.3, heartbeat_timeout=10.0,
+        controller_args=controller_args, worker_args=args, **options,
+    )
+
+
+async def all_done(c: ProcessCluster) -> None:
+    for rank in range(c.world_size):
+        outcome = await c.wait_outcome(rank)
+        if outcome["event"] != "done":
+            raise MatrixFailure(f"rank {rank} did not finish: {outcome}")
+
+
+def windows_exact(c: ProcessCluster, maybe_in: dict[int, set[int]], windows: int = WINDOWS) -> dict[int, set[int]]:
+    try:
+        contributors = check_windows(c, windows, WINDOW_NUMEL, maybe_in)
+        check_final_and_joins(c, windows, contributors)
+    except WindowMismatch as exc:
+        raise MatrixFailure(f"WRONG OR STALE VALUE: {exc}") from exc
+    return contributors
+
+
+@case("rank-kill-restart", fault="rank SIGKILLed mid-training, restarted with the same command", leg="rank process", deadline=60)
+async def rank_kill_restart() -> Outcome:
+    async with windowed_cluster() as c:
+        with diagnose(c):
+            await c.wait_event(3, "window", window=2)
+            t0 = mono()
+            c.kill(3)
+            await c.wait_exit(3)
+            await c.restart(3)
+            start = (await c.wait_event(3, "joined"))["start"]
+            first = await c.wait_event(3, "window", window=start)
+            await all_done(c)
+    windows_exact(c, {3: {3}})
+    return Outcome(
+        f"rank 3 came back at window {start} from the consensus of window {start - 1}; every window exact; "
+        "all 4 end bit-identical", first["time"] - t0,
+    )
+
+
+@case("host-restart", fault="host 1's relay and ranks SIGKILLed, then restarted", leg="relay + rank processes", deadline=60)
+async def host_restart() -> Outcome:
+    async with windowed_cluster() as c:
+        with diagnose(c):
+            await c.wait_event(2, "window", window=2)
+            t0 = mono()
+            for rank in (2, 3):
+                c.kill(rank)
+            c.kill_relay(1)
+            for rank in (2, 3):
+                await c.wait_exit(rank)
+            await c.restart_relay(1)
+            for rank in (2, 3):
+                await c.restart(rank)
+            start = max([(await c.wait_event(rank, "joined"))["start"] for rank in (2, 3)])
+            first = await c.wait_event(2, "window", window=start)
+            await all_done(c)
+    windows_exact(c, {3: {2, 3}})
+    return Outcome(
+        f"host 0 trained on alone; host 1 came back at window {start}; every window exact; all 4 end bit-identical",
+        first["time"] - t0,
+    )
+
+
+@case("formation-missing-rank", fault="rank 3 starts 3 s late (--min-ranks 3 --formation-timeout 1)", leg="formation", deadline=60)
+async def formation_missing_rank() -> Outcome:
+    async with windowed_cluster(
+        24, controller_args=["--min-ranks", "3", "--formation-timeout", "1"], extra={3: ["--start-delay", "3"]},
+    ) as c:
+        with diagnose(c):
+            await c.controller.wait_log("starting without ranks [3]")
+            t0 = mono()
+            start = (await c.wait_event(3, "joined"))["start"]
+            first = await c.wait_event(3, "window", window=start)
+            await all_done(c)
+    contributors = windows_exact(c, {}, 24)
+    if start == 0 or any(contributors[w] != {0, 1, 2} for w in range(start)):
+        raise MatrixFailure(f"the cluster did not start without rank 3 (it entered window {start}): {contributors}")
+    return Outcome(f"ranks 0-2 started after 1 s; rank 3 joined at window {start} from the consensus", first["time"] - t0)
+
+
+@case("rejoin-wrong-salt", fault="a state request signed with another salt", leg="rank -> relay -> controller (state)")
+async def rejoin_wrong_salt() -> Outcome:
+    async with daemon_cluster(world_size=4, hosts=[[0, 1], [2, 3]], rounds=4, worker_args={0: pause(2, 2.0)}) as c:
+        with diagnose(c):
+            await c.wait_event(0, "paused", round=2)
+            t0 = mono()
+            stream = await trio.open_tcp_stream(*c.relay_address(3))
+            await stream.send_all(encode_state_request(3, 4, new_nonce(), SessionSalt(b"\x17" * 16)))
+            with trio.fail_after(10):
+                reply = await stream.receive_some(1024)
+            await stream.aclose()
+            if reply:
+                raise MatrixFailure(f"a request with another salt got {len(reply)} bytes back")
+            line = (await c.controller.wait_log(re.compile(r"state request from .*"))).group(0)
+            seconds = mono() - t0
+            await c.resume(0)
+            await expect_consensus(c, [0, 1, 2, 3], 4, everyone(4))
+    if "MAC mismatch" not in line:
+        raise MatrixFailure(f"the refusal does not say why: {line}")
+    return Outcome("no byte back; the controller logged the refused request (MAC mismatch); every round exact", seconds)
 
 __all__ = [
     "MATRIX",

@@ -183,7 +183,11 @@ async def _windows(args: argparse.Namespace, client: Any, go: _Go) -> None:
     params = [torch.zeros(args.numel)]
     buffers = [torch.zeros(2)]
     start = await client.join(params, buffers)
-    emit("joined", rank=args.rank, start=start, head=params[0][:8].tolist(), digest=_digest(params + buffers))
+    state = client.last_state
+    emit(
+        "joined", rank=args.rank, start=start, head=params[0][:8].tolist(), digest=_digest(params + buffers),
+        state_bytes=state.nbytes, transfer_seconds=state.transfer_seconds,
+    )
     pauses = dict(args.pause_before or [])
     for window in range(start, args.windows):
         if window in pauses:
@@ -218,6 +222,7 @@ async def run(args: argparse.Namespace) -> None:
     control_salt = SessionSalt.from_hex(args.control_salt) if args.control_salt else salt
     connect = {"connect_attempts": args.connect_attempts, "connect_interval": args.connect_interval}
     go = _Go()
+    await trio.sleep(args.start_delay)  # a rank that comes late (formation without it)
     try:
         async with AsyncExitStack() as stack:
             nursery = await stack.enter_async_context(trio.open_nursery())
@@ -273,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run Local SGD windows instead of rounds: join, then average_window per window (torch backend)",
     )
     parser.add_argument("--numel", type=int, default=4)
+    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds to wait before connecting")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
     parser.add_argument(
         "--pause-before", type=parse_pause, action="append", metavar="ROUND:SECONDS",
@@ -300,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         build_parser().error("--bf16 needs --backend torch")
     if args.windows is not None and (args.backend == "numpy" or not 0 <= args.rank < 30):
         build_parser().error("--windows needs --backend torch and a rank below 30")
-    if args.numel <= 0 or not math.isfinite(args.pause):
-        build_parser().error("--numel must be > 0 and --pause finite")
+    if args.numel <= 0 or not math.isfinite(args.pause) or not 0 <= args.start_delay < math.inf:
+        build_parser().error("--numel must be > 0, --pause finite and --start-delay finite and >= 0")
     trio.run(run, args)
 
 

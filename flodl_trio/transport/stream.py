@@ -116,6 +116,11 @@ class MessageStream:
         async with mac_feeder(mac, len(view)) as feed:
             await self._fill(view, 0, what, len(view), feed)
 
+    async def receive_available(self, view: memoryview) -> int:
+        """Whatever has arrived, up to ``len(view)`` bytes, into ``view``; 0 at EOF. No
+        bound on the wait: for a byte pipe whose two ends keep the deadlines."""
+        return await self._recv_into(view)
+
     async def receive_exactly(self, n: int, what: str) -> bytes:
         """Small fixed-size reads (headers, handshakes): EOF anywhere is an error."""
         view = memoryview(bytearray(n))

@@ -13,9 +13,13 @@ verify::
     request (40 bytes): u32 magic 0xF10D17E8 | u32 version 1 | u32 rank | u32 world_size
                         | 16-byte nonce | MAC8(the 32 bytes before)
     reply header (28):  u32 magic 0xF10D17E9 | u32 version 1 | u32 status (0 ok, 1 refused)
-                        | u32 frame count | i64 window (-1: none completed) | u32 reason length
-    then:               reason (UTF-8, <= 1024 bytes) | MAC8(header || reason || request nonce)
+                        | u32 frame count n | i64 window (-1: none completed) | u32 reason length
+    then:               reason (UTF-8, <= 1024 bytes) | n x u32 frame length
+                        | MAC8(header || reason || lengths || request nonce)
     then per frame:     u32 length | a RoundFrame, its own MAC8 last (params first, then buffers)
+
+The frame lengths sit under the reply's MAC, so a joiner can take each frame
+into memory of the right size at once (it still checks every frame's MAC).
 
 See docs/wire.md ("State for joiners").
 """
@@ -63,6 +67,7 @@ class StateReply:
     window: int = -1
     frames: int = 0
     reason: str = ""
+    lengths: tuple[int, ...] = ()  # each frame's byte count, announced under the MAC
 
     @classmethod
     def refused(cls, reason: str) -> StateReply:
@@ -91,10 +96,18 @@ def decode_state_request(data: Buffer, world_size: int, salt: SessionSalt) -> St
 
 
 def encode_state_reply(reply: StateReply, nonce: bytes, salt: SessionSalt) -> bytes:
-    """The reply's header, reason and MAC (the frames follow, each signed on its own)."""
+    """The reply's header, reason, frame lengths and MAC (the frames follow, each signed on its own)."""
+    if len(reply.lengths) != reply.frames:
+        raise ValueError(f"state reply announces {reply.frames} frames with {len(reply.lengths)} lengths")
     reason = reply.reason.encode()[:MAX_REASON_LEN]
     header = _REPLY.pack(STATE_REPLY_MAGIC, STATE_VERSION, reply.status, reply.frames, reply.window, len(reason))
-    return header + reason + salt.mac8(header, reason, nonce)
+    lengths = b"".join(n.to_bytes(4, "little") for n in reply.lengths)
+    return header + reason + lengths + salt.mac8(header, reason, lengths, nonce)
+
+
+def state_reply_tail_len(frames: int, reason_len: int) -> int:
+    """Bytes after the reply's header: reason, frame lengths, MAC."""
+    return reason_len + 4 * frames + MAC_LEN
 
 
 def decode_state_reply_header(data: Buffer) -> tuple[StateStatus, int, int, int]:
@@ -112,14 +125,16 @@ def decode_state_reply_header(data: Buffer) -> tuple[StateStatus, int, int, int]
 
 
 def decode_state_reply(header: Buffer, tail: Buffer, nonce: bytes, salt: SessionSalt) -> StateReply:
-    """The whole reply (``tail``: reason then MAC), checked against the nonce this rank sent."""
+    """The whole reply (``tail``: reason, lengths, MAC), checked against the nonce this rank sent."""
     status, frames, window, reason_len = decode_state_reply_header(header)
     tail = bytes(tail)
-    if len(tail) != reason_len + MAC_LEN:
-        raise HandshakeError(f"state reply: {len(tail)} bytes after the header, want {reason_len + MAC_LEN}")
-    reason = tail[:reason_len]
-    verify_mac(salt.mac8(bytes(header), reason, nonce), tail[reason_len:], "state reply")
-    return StateReply(status, window, frames, reason.decode(errors="replace"))
+    want = state_reply_tail_len(frames, reason_len)
+    if len(tail) != want:
+        raise HandshakeError(f"state reply: {len(tail)} bytes after the header, want {want}")
+    reason, lengths = tail[:reason_len], tail[reason_len:want - MAC_LEN]
+    verify_mac(salt.mac8(bytes(header), reason, lengths, nonce), tail[want - MAC_LEN:], "state reply")
+    sizes = tuple(int.from_bytes(lengths[i:i + 4], "little") for i in range(0, len(lengths), 4))
+    return StateReply(status, window, frames, reason.decode(errors="replace"), sizes)
 
 
 __all__ = [
@@ -136,4 +151,5 @@ __all__ = [
     "encode_state_reply",
     "encode_state_request",
     "new_nonce",
+    "state_reply_tail_len",
 ]
