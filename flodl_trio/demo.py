@@ -3,8 +3,10 @@
 It starts the real daemons - one controller, two relays (two simulated
 hosts) - and four rank processes that train a small MLP with Local SGD /
 DiLoCo on data they generate. Partway through, one rank is killed with
-SIGKILL; the survivors finish without it. At the end it prints a summary
-table and writes a PNG plot of each rank's loss and the consensus loss.
+SIGKILL; the survivors carry on without it, and a few windows later it is
+started again with the same command: it rejoins from the cluster's
+consensus. At the end it prints a summary table and writes a PNG plot of
+each rank's loss and the consensus loss.
 """
 
 from __future__ import annotations
@@ -92,21 +94,26 @@ async def worker(args: argparse.Namespace) -> None:
             total += loss.item()
         return total / args.inner_steps
 
+    def validation_loss() -> float:
+        with torch.no_grad():
+            model.eval()
+            return float(torch.nn.functional.mse_loss(model(x_val), y_val).item())
+
     async with connect_control_client(
         ("127.0.0.1", args.control_port), rank, WORLD, salt, model_signature(model), heartbeat_timeout=args.heartbeat_timeout
     ):
         async with connect_reduce_client(("127.0.0.1", args.data_port), rank, WORLD, salt) as client:
             client.bf16_wire = args.bf16
-            for window in range(args.windows):
+            # 0 at first start; after a restart the model is the cluster's consensus from here on.
+            start = await client.join(params, buffers)
+            emit(joined=start, consensus_loss=validation_loss())
+            for window in range(start, args.windows):
                 local_loss = await trio.to_thread.run_sync(train_window)
                 # The window's averages land in the model's own parameters and buffers.
                 result = await average_window(
                     client, params, buffers, args.inner_steps, rank=rank, world_size=WORLD, in_place=True
                 )
-                with torch.no_grad():
-                    model.eval()
-                    consensus_loss = torch.nn.functional.mse_loss(model(x_val), y_val).item()
-                emit(window=window, local_loss=local_loss, consensus_loss=consensus_loss,
+                emit(window=window, local_loss=local_loss, consensus_loss=validation_loss(),
                      live=sum(1 for c in result.counts if c > 0))
 
 
@@ -144,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         controller_cmd = py + ["flodl_trio.controller", "--host", "127.0.0.1", "--port", str(ctl_port),
                                "--world-size", str(WORLD), "--heartbeat-timeout", str(args.heartbeat_timeout),
                                "--outer", args.outer, "--checkpoint-dir", str(workdir / "checkpoints"),
-                               "--keep-serving"]
+                               "--rejoin-timeout", "60", "--keep-serving"]
         procs.append(spawn(controller_cmd, env, workdir / "controller.log"))
         ports = {}
         for index, host_ranks in enumerate(HOSTS):
@@ -156,25 +163,30 @@ def run(args: argparse.Namespace) -> int:
                               "--host-name", f"host{index}", "--data-port", str(data_port),
                               "--control-port", str(control_port)]
             procs.append(spawn(relay_cmd, env, workdir / f"relay{index}.log"))
-        ranks: dict[int, subprocess.Popen[bytes]] = {}
+        commands: dict[int, list[str]] = {}
         for r in range(WORLD):
-            cmd = py + ["flodl_trio.demo", "--worker", "--rank", str(r), "--data-port", str(ports[r][0]),
-                        "--control-port", str(ports[r][1]), "--windows", str(args.windows),
-                        "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout)]
+            commands[r] = py + ["flodl_trio.demo", "--worker", "--rank", str(r), "--data-port", str(ports[r][0]),
+                                "--control-port", str(ports[r][1]), "--windows", str(args.windows),
+                                "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout)]
             if args.bf16:
-                cmd.append("--bf16")
-            ranks[r] = spawn(cmd, env, workdir / f"rank{r}.log")
-        procs.extend(ranks.values())
-        history, killed_at = follow_training(ranks, args, tqdm)
-        for p in ranks.values():
+                commands[r].append("--bf16")
+
+        def start_rank(r: int) -> subprocess.Popen[bytes]:
+            proc = spawn(commands[r], env, workdir / f"rank{r}-{sum(p.args == commands[r] for p in procs)}.log")
+            procs.append(proc)
+            return proc
+
+        ranks = {r: start_rank(r) for r in range(WORLD)}
+        history, events = follow_training(ranks, start_rank, args, tqdm)
+        for p in procs[1 + len(HOSTS):]:
             p.wait(timeout=60)
         status = controller_status(ctl_port)
         procs[0].send_signal(signal.SIGTERM)  # the daemon shuts down cleanly on SIGTERM
         for p in procs[: 1 + len(HOSTS)]:
             p.wait(timeout=30)
         elapsed = time.monotonic() - started
-        print_summary(history, killed_at, status, workdir, elapsed, args)
-        plot(history, killed_at, Path(args.plot))
+        print_summary(history, events, status, workdir, elapsed, args)
+        plot(history, events, Path(args.plot))
         print(f"plot: {args.plot}   logs and checkpoints: {workdir}")
         return 0
     finally:
@@ -183,42 +195,63 @@ def run(args: argparse.Namespace) -> int:
                 p.kill()
 
 
-def follow_training(ranks: dict[int, subprocess.Popen[bytes]], args: argparse.Namespace, tqdm: Any) -> tuple[dict[int, list[dict[str, Any]]], int | None]:
-    """Read every rank's JSON lines; kill the victim at its window; drive the progress bar."""
+def follow_training(
+    ranks: dict[int, subprocess.Popen[bytes]], start_rank: Any, args: argparse.Namespace, tqdm: Any
+) -> tuple[dict[int, list[dict[str, Any]]], dict[str, int]]:
+    """Read every rank's JSON lines (both lives of the victim); kill the victim after
+    ``--kill-at``, start it again after ``--rejoin-at``; drive the progress bar."""
     import selectors
 
     history: dict[int, list[dict[str, Any]]] = {r: [] for r in ranks}
     sel = selectors.DefaultSelector()
-    for r, p in ranks.items():
-        assert p.stdout is not None
-        os.set_blocking(p.stdout.fileno(), False)
-        sel.register(p.stdout, selectors.EVENT_READ, r)
-    buffers = {r: b"" for r in ranks}
-    killed_at: int | None = None
+    buffers: dict[int, bytes] = {}
+
+    def watch(r: int, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        sel.register(proc.stdout, selectors.EVENT_READ, r)
+        buffers[r] = b""
+
+    for r, proc in ranks.items():
+        watch(r, proc)
+    events: dict[str, int] = {}
     bar = tqdm(total=args.windows, desc="windows", unit="win")
-    open_streams = len(ranks)
-    while open_streams:
+    while sel.get_map():
         for key, _ in sel.select(timeout=1.0):
             r = key.data
             chunk = key.fileobj.read()  # type: ignore[union-attr]
             if not chunk:
                 sel.unregister(key.fileobj)
-                open_streams -= 1
                 continue
             buffers[r] += chunk
             *lines, buffers[r] = buffers[r].split(b"\n")
             for line in lines:
                 event = json.loads(line)
                 history[r].append(event)
+                if "joined" in event:
+                    if event["joined"] > 0:
+                        events["rejoined"] = event["joined"]
+                        bar.write(f"window {event['joined']}: rank {r} is back, from the consensus "
+                                  f"(validation loss {event['consensus_loss']:.4f})")
+                    continue
                 if r == 0:
                     bar.update(1)
                     bar.set_postfix(loss=f"{event['consensus_loss']:.4f}", live=event["live"])
-                if r == 0 and killed_at is None and event["window"] + 1 == args.kill_at:
-                    ranks[args.victim].send_signal(signal.SIGKILL)
-                    killed_at = args.kill_at
-                    bar.write(f"window {args.kill_at}: killed rank {args.victim} (SIGKILL); survivors carry on")
+                    if "killed" not in events and event["window"] + 1 == args.kill_at:
+                        ranks[args.victim].send_signal(signal.SIGKILL)
+                        events["killed"] = args.kill_at
+                        bar.write(f"window {args.kill_at}: killed rank {args.victim} (SIGKILL); survivors carry on")
+                    if "killed" in events and "restarted" not in events and event["window"] + 1 == args.rejoin_at:
+                        ranks[args.victim].wait()
+                        watch(args.victim, start_rank(args.victim))
+                        events["restarted"] = args.rejoin_at
+                        bar.write(f"window {args.rejoin_at}: restarted rank {args.victim} with the same command")
     bar.close()
-    return history, killed_at
+    return history, events
+
+
+def windows_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if "window" in e]
 
 
 def controller_status(port: int) -> dict[str, Any]:
@@ -241,12 +274,27 @@ def relay_fold_ratios(workdir: Path) -> list[str]:
     return out
 
 
-def print_summary(history: dict[int, list[dict[str, Any]]], killed_at: int | None, status: dict[str, Any],
+def live_path(events: list[dict[str, Any]]) -> str:
+    """How many ranks each window had, as the changes: "4 -> 3 -> 4"."""
+    counts: list[int] = []
+    for event in windows_of(events):
+        if not counts or counts[-1] != event["live"]:
+            counts.append(event["live"])
+    return " -> ".join(map(str, counts))
+
+
+def print_summary(history: dict[int, list[dict[str, Any]]], events: dict[str, int], status: dict[str, Any],
                   workdir: Path, elapsed: float, args: argparse.Namespace) -> None:
     stats = status["stats"]
-    first, last = history[0][0], history[0][-1]
+    first, last = windows_of(history[0])[0], windows_of(history[0])[-1]
+    deaths = "none"
+    if "killed" in events:
+        deaths = f"rank {args.victim} killed after window {events['killed']}"
+        if "rejoined" in events:
+            deaths += f"; restarted, back at window {events['rejoined']} from the consensus"
     rows = [
-        ("windows trained", str(len(history[0]))),
+        ("windows trained", str(len(windows_of(history[0])))),
+        ("live ranks", live_path(history[0])),
         ("averaging rounds", str(stats["rounds"])),
         ("outer optimizer", args.outer),
         ("wire", "bf16" if args.bf16 else "f32"),
@@ -254,8 +302,8 @@ def print_summary(history: dict[int, list[dict[str, Any]]], killed_at: int | Non
         ("bytes into controller", f"{stats['bytes_in'] / 1e6:.2f} MB"),
         ("bytes out of controller", f"{stats['bytes_out'] / 1e6:.2f} MB"),
         ("relay fold ratio", ", ".join(relay_fold_ratios(workdir)) or "n/a"),
-        ("deaths", f"rank {args.victim} killed after window {killed_at}" if killed_at is not None else "none"),
-        ("dead or exited at the end", str(status["dead_ranks"])),
+        ("deaths and returns", deaths),
+        ("rejoins", str(stats.get("rejoins", 0))),
         ("checkpoints written", str(len(list((workdir / "checkpoints").glob("*.safetensors"))))),
         ("wall time", f"{elapsed:.1f} s"),
     ]
@@ -266,18 +314,29 @@ def print_summary(history: dict[int, list[dict[str, Any]]], killed_at: int | Non
         print(f"| {key.ljust(width)} | {value} |")
 
 
-def plot(history: dict[int, list[dict[str, Any]]], killed_at: int | None, path: Path) -> None:
+def plot(history: dict[int, list[dict[str, Any]]], events: dict[str, int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for rank, events in sorted(history.items()):
-        ax.plot([e["window"] for e in events], [e["local_loss"] for e in events], alpha=0.7, label=f"rank {rank} (local)")
-    ax.plot([e["window"] for e in history[0]], [e["consensus_loss"] for e in history[0]], "k-", lw=2.5, label="consensus (validation)")
-    if killed_at is not None:
-        ax.axvline(killed_at - 0.5, color="red", ls="--", label="rank killed")
+    for rank, lines in sorted(history.items()):
+        for index, life in enumerate(_lives(lines)):  # a restarted rank's line breaks while it is away
+            ax.plot([e["window"] for e in life], [e["local_loss"] for e in life], alpha=0.7,
+                    color=f"C{rank}", label=None if index else f"rank {rank} (local)")
+    consensus = windows_of(history[0])
+    ax.plot([e["window"] for e in consensus], [e["consensus_loss"] for e in consensus], "k-", lw=2.5,
+            label="consensus (validation)")
+    if "killed" in events:
+        ax.axvline(events["killed"] - 0.5, color="red", ls="--", label="rank killed")
+    if "rejoined" in events:
+        ax.axvline(events["rejoined"] - 0.5, color="green", ls="--", label="rank rejoined")
+        for rank, lines in history.items():  # where the rejoined rank starts: the consensus
+            for e in lines:
+                if e.get("joined", 0) > 0:
+                    ax.plot([e["joined"] - 0.5], [e["consensus_loss"]], "o", color=f"C{rank}", ms=7,
+                            label=f"rank {rank} back: its loss starts at the consensus")
     ax.set_xlabel("averaging window")
     ax.set_ylabel("MSE loss")
     ax.set_yscale("log")
@@ -287,14 +346,27 @@ def plot(history: dict[int, list[dict[str, Any]]], killed_at: int | None, path: 
     fig.savefig(path, dpi=110)
 
 
+def _lives(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A rank's window events split at each restart (a ``joined`` event after windows)."""
+    lives: list[list[dict[str, Any]]] = [[]]
+    for event in events:
+        if "joined" in event and lives[-1]:
+            lives.append([])
+        elif "window" in event:
+            lives[-1].append(event)
+    return [life for life in lives if life]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flodl_trio.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=40, help="averaging windows to train (default 40)")
-    parser.add_argument("--inner-steps", type=int, default=25, help="local steps per window (default 25)")
+    parser.add_argument("--inner-steps", type=int, default=150, help="local steps per window (default 150)")
     parser.add_argument("--inner-lr", type=float, default=3e-3)
-    parser.add_argument("--kill-at", type=int, default=15, help="kill the victim after this window (default 15)")
+    parser.add_argument("--kill-at", type=int, default=8, help="kill the victim after this window (default 8)")
     parser.add_argument("--victim", type=int, default=3, help="rank to kill (default 3)")
+    parser.add_argument("--rejoin-at", type=int, default=10,
+                        help="start the victim again after this window (default 10; 0: never)")
     parser.add_argument("--outer", default="diloco", choices=["none", "slowmo", "diloco"], help="outer optimizer on the controller")
     parser.add_argument("--bf16", action="store_true", help="bf16 wire for the parameter rounds")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)

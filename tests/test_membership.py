@@ -116,8 +116,13 @@ def test_membership_finish_deadline_waits_for_the_last_rejoin_window():
 
 def test_membership_only_a_rank_that_joined_and_did_not_say_it_finished_may_hold_the_run_open():
     m = Membership(3, rejoin_timeout=10)
+    assert not m.final(0)  # still forming: a rank killed while starting may come back
+    m.formed = True
+    assert m.final(0)  # a round ran and nobody called join(): deaths are final, as in flodl
     m.joined(0)
-    m.joined(1)  # rank 2 never called join(): its death is final, as in flodl
+    m.joined(1)
+    assert not m.final(2)  # rank 2 was not seen leaving: it may have been killed starting
+    m.left_plainly(2)  # rank 2 closed its connection without calling join(): final
     for rank in range(3):
         m.died(rank, now=0.0)
     assert m.finish_deadline([0, 1, 2]) == 10.0

@@ -18,7 +18,7 @@ import pytest
 import torch
 import trio
 
-from flodl_trio import JoinRefused, average_window, connect_reduce_client
+from flodl_trio import JoinRefused, ReduceClient, average_window, connect_reduce_client
 from flodl_trio.client import connect_control_client, fetch_cluster_state
 from flodl_trio.errors import ConfigError, FlodlError
 from flodl_trio.settings import NetBounds
@@ -151,6 +151,15 @@ async def heartbeats(cluster, rank: int, control: bool) -> AsyncIterator[None]:
         yield
 
 
+@asynccontextmanager
+async def rank_client(cluster, rank: int, control: bool) -> AsyncIterator[ReduceClient]:
+    """A rank's data connection, with its heartbeats beside it when the cluster has a control channel."""
+    async with heartbeats(cluster, rank, control), connect_reduce_client(
+        cluster.relay_address(rank), rank, WORLD, SALT
+    ) as client:
+        yield client
+
+
 @pytest.mark.trio
 @pytest.mark.parametrize("control", [False, True], ids=["data-only", "with-heartbeats"])
 async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_exact(control):
@@ -163,18 +172,14 @@ async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_ex
 
             async def survivor(rank: int) -> None:
                 params, buffers = fresh_model(rank)
-                async with heartbeats(cluster, rank, control), connect_reduce_client(
-                    cluster.relay_address(rank), rank, WORLD, SALT
-                ) as client:
+                async with rank_client(cluster, rank, control) as client:
                     assert await client.join(params, buffers) == 0  # a fresh cluster: nothing to load
                     await run_windows(client, rank, 0, params, buffers, record)
 
             async def leaves_and_returns() -> None:
                 rank = 3
                 params, buffers = fresh_model(rank)
-                async with heartbeats(cluster, rank, control), connect_reduce_client(
-                    cluster.relay_address(rank), rank, WORLD, SALT
-                ) as client:
+                async with rank_client(cluster, rank, control) as client:
                     assert await client.join(params, buffers) == 0
                     for window in range(3):
                         trained(params, rank, window)
@@ -187,9 +192,7 @@ async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_ex
                 # Gone (its connection closed between windows); back once the others are at window 6.
                 await record.wait_for(0, 6)
                 params, buffers = fresh_model(rank + 100)  # a restarted process: nothing of the old state
-                async with heartbeats(cluster, rank, control), connect_reduce_client(
-                    cluster.relay_address(rank), rank, WORLD, SALT
-                ) as client:
+                async with rank_client(cluster, rank, control) as client:
                     start = await client.join(params, buffers)
                     joined_at["start"] = start
                     await record.wait_for(0, start - 1)
@@ -495,9 +498,7 @@ async def test_a_cluster_forms_without_a_missing_rank_which_joins_later(control)
                 if rank == 3:
                     await record.wait_for(0, 3)  # late: the others have trained a while
                 params, buffers = fresh_model(rank)
-                async with heartbeats(cluster, rank, control), connect_reduce_client(
-                    cluster.relay_address(rank), rank, WORLD, SALT
-                ) as client:
+                async with rank_client(cluster, rank, control) as client:
                     starts[rank] = await client.join(params, buffers)
                     await run_windows(client, rank, starts[rank], params, buffers, record, pace=0.05)
 
@@ -554,16 +555,12 @@ async def test_a_rank_coming_back_with_another_model_is_refused_and_the_cluster_
 
             async def survivor(rank: int) -> None:
                 params, buffers = fresh_model(rank)
-                async with heartbeats(cluster, rank, True), connect_reduce_client(
-                    cluster.relay_address(rank), rank, WORLD, SALT
-                ) as client:
+                async with rank_client(cluster, rank, True) as client:
                     await run_windows(client, rank, 0, params, buffers, record)
 
             async def comes_back_with_another_model() -> None:
                 params, buffers = fresh_model(3)
-                async with heartbeats(cluster, 3, True), connect_reduce_client(
-                    cluster.relay_address(3), 3, WORLD, SALT
-                ) as client:
+                async with rank_client(cluster, 3, True) as client:
                     await client.join(params, buffers)
                     await run_until_gone(client, 3, 2, params, buffers, record)
                 await record.wait_for(0, 4)

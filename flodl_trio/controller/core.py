@@ -491,7 +491,9 @@ class _Controller:
             return self._on_rank_join(link, msg.rank)
         if isinstance(msg, RankFinished):
             self.membership.said_finished(msg.rank)
-            self.membership_changed.notify()
+        else:
+            self.membership.left_plainly(msg.rank)
+        self.membership_changed.notify()
         self._exited.add(msg.rank)
         if msg.rank in self.membership.asked:
             self._call_off_return(msg.rank, f"its connection to {link.name} closed before it was let back in")
@@ -568,6 +570,7 @@ class _Controller:
     async def _broadcaster(self, inbox: trio.MemoryReceiveChannel[Consensus]) -> None:
         """Sign each consensus once (both MACs in parallel) and queue it to every live relay."""
         async for consensus in inbox:
+            self.membership.formed = True
             if isinstance(consensus.outgoing, EncodedFrame):
                 record = consensus.outgoing
             else:

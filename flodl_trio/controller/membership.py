@@ -10,8 +10,11 @@ A rank's life as the controller sees it::
     dead --rejoin_timeout passes--> gone for good
     live --says it finished, and leaves--> gone for good
 
-Only a rank that called ``join`` (it asked for its state: it is *elastic*)
-may come back; any other rank's death is final, as in flodl.
+A rank whose trainer calls ``join`` (it asked for its state: it is
+*elastic*) may come back. So may a rank that died before anyone saw whether
+its trainer calls it (killed while starting, or with its relay), unless the
+cluster has run a round with nobody calling it. A rank that left without
+calling it, or in a cluster where nobody does, is final, as in flodl.
 
 ``DeadRanks`` says who is dead right now. :class:`Membership` remembers when
 each rank died, decides whether a returning rank is let back in, pairs the
@@ -48,6 +51,8 @@ class Membership:
         self.waiting: set[int] = set()  # ranks whose state request waits for a window boundary
         self.elastic: set[int] = set()  # ranks that called join(): they may come back after a death
         self.finished: set[int] = set()  # elastic ranks that said they finished: they will not
+        self.plain: set[int] = set()  # ranks that left without ever calling join(): they will not
+        self.formed = False  # a round has completed: who calls join() is known by now
         self.rejoins = 0
 
     def phase(self, rank: int, *, dead: bool) -> str:
@@ -122,6 +127,7 @@ class Membership:
     def joined(self, rank: int) -> None:
         """``rank`` asked for its state: it takes part in elastic membership."""
         self.elastic.add(rank)
+        self.plain.discard(rank)
 
     def said_finished(self, rank: int) -> None:
         self.finished.add(rank)
@@ -131,9 +137,21 @@ class Membership:
         died = self.died_at.get(rank)
         return not self.final(rank) and (died is None or now - died <= self.rejoin_timeout)
 
+    def left_plainly(self, rank: int) -> None:
+        """``rank`` closed its connection without ever calling join(): a trainer that
+        does not come back (its death is final, as in flodl)."""
+        if rank not in self.elastic:
+            self.plain.add(rank)
+
     def final(self, rank: int) -> bool:
-        """Whether ``rank``'s death is for good whatever the clock says."""
-        return self.rejoin_timeout <= 0 or rank not in self.elastic or rank in self.finished
+        """Whether ``rank``'s death is for good whatever the clock says: rejoining is
+        off, it said it finished, it left without ever calling join(), or the cluster
+        has run a round and no rank of it called join() (nobody trains elastically).
+        A rank that died while the cluster was still forming may come back."""
+        return (
+            self.rejoin_timeout <= 0 or rank in self.finished or rank in self.plain
+            or (self.formed and not self.elastic)
+        )
 
     def finish_deadline(self, dead: Iterable[int]) -> float | None:
         """When the cluster is finished unless someone rejoins first: None while a
