@@ -73,6 +73,7 @@ class BlockingReduceClient:
         self._failure: BaseException | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._client: ReduceClient | None = None
+        self._finished = False
         self._args = (address, rank, world_size, salt, control_address, model_signature, heartbeat_timeout, connect_options)
         self._thread = threading.Thread(target=self._thread_main, name=f"flodl-rank{rank}", daemon=True)
         self._thread.start()
@@ -113,6 +114,8 @@ class BlockingReduceClient:
                     nursery.start_soon(self._worker, pending)
                     await self._stop.wait()
                     nursery.cancel_scope.cancel()
+                if not self._finished:
+                    await self._client.aclose()  # leaving without saying "finished" (see close)
         except BaseException as exc:
             self._failure = _unwrap(exc)
             raise
@@ -205,8 +208,14 @@ class BlockingReduceClient:
     def fetch_state(self) -> ClusterState:
         return self._run(lambda c: c.fetch_state())
 
+    def finish(self) -> None:
+        """Leave for good, saying so (see :meth:`ReduceClient.finish`), and stop the thread."""
+        self._finished = True
+        self.close()
+
     def close(self) -> None:
-        """Leave the cluster and stop the helper thread."""
+        """Leave the cluster and stop the helper thread. After :meth:`join` this reads
+        as a crash (the rank may come back); :meth:`finish` says training is done."""
         if self._token is not None and self._thread.is_alive():
             try:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
@@ -218,8 +227,8 @@ class BlockingReduceClient:
     def __enter__(self) -> BlockingReduceClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.finish() if exc_type is None else self.close()
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -54,6 +54,7 @@ class ControllerCollector(Collector):
             stats.relays_dropped,
         )
         yield _counter("flodl_controller_rejoins", "Dead ranks let back in at a window boundary", stats.rejoins)
+        yield _counter("flodl_controller_late_joins", "Ranks the cluster formed without, let in later", stats.late_joins)
         yield _counter(
             "flodl_controller_rejoins_refused",
             "State requests refused (a rank still live, one that finished, rejoining off, too late)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -66,3 +67,52 @@ async def test_facade_pending_call_raises_when_the_cluster_goes_away(salt):
 def test_facade_reports_connect_failure(salt):
     with pytest.raises(FlodlError, match="connect to 127.0.0.1:1 failed"):
         BlockingReduceClient(("127.0.0.1", 1), 0, 1, salt, connect_attempts=2, connect_interval=0.01)
+
+
+async def test_facade_a_rank_closed_mid_run_rejoins_with_join_and_finish_ends_the_run(salt):
+    """Thread ranks through the facade: rank 1 leaves after 3 windows (close: may come back),
+    a new client joins from the consensus, and leaving ``with`` normally says "finished"."""
+    windows = 10
+    held: dict[tuple[int, int], list[float]] = {}
+    errors: list[BaseException] = []
+    back = {}
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt, rejoin_timeout=60) as cluster:
+
+        def window(client: BlockingReduceClient, rank: int, w: int, params: torch.Tensor) -> None:
+            time.sleep(0.05)  # "training"
+            params.add_(float(rank + 1) * (w + 1))
+            client.all_reduce_per_rank_f64([1.0 if r == rank else 0.0 for r in range(2)])  # a window starts
+            client.all_reduce_tensors([params], in_place=True)
+            held[rank, w] = params.tolist()
+
+        def rank_thread(rank: int) -> None:
+            try:
+                params = torch.zeros(4)
+                with BlockingReduceClient(cluster.relay_address(rank), rank, 2, salt) as client:
+                    assert client.join([params]) == 0
+                    for w in range(3 if rank == 1 else windows):
+                        window(client, rank, w, params)
+                    if rank == 1:
+                        client.close()  # gone without saying it finished
+                if rank == 1:
+                    fresh = torch.zeros(4)
+                    with BlockingReduceClient(cluster.relay_address(rank), rank, 2, salt) as client:
+                        back["start"] = start = client.join([fresh])
+                        back["loaded"] = fresh.tolist()
+                        for w in range(start, windows):
+                            window(client, rank, w, fresh)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank_thread, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        await trio.to_thread.run_sync(lambda: [t.join(30) for t in threads])
+        assert not errors, errors
+        with trio.fail_after(5):  # both said they finished: nobody is waited for
+            await cluster.controller.wait_finished()
+        assert cluster.controller.stats.rejoins == 1
+    start = back["start"]
+    assert 3 < start < windows
+    assert back["loaded"] == held[0, start - 1]  # it started from the consensus
+    assert held[0, windows - 1] == held[1, windows - 1]

@@ -558,7 +558,7 @@ class _Controller:
             self._forwarded.discard(rank)
             self._exited.discard(rank)
             self.dead.revive(rank)
-            self.stats.rejoins = self.membership.rejoins
+            self.stats.rejoins, self.stats.late_joins = self.membership.rejoins, self.membership.late_joins
             self._joiners[rank].admit(state)
             window = -1 if state is None else state.window
             log.info("controller: rank %d rejoins (%s) with the consensus of window %d; it enters window %d",

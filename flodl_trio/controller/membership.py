@@ -54,6 +54,7 @@ class Membership:
         self.plain: set[int] = set()  # ranks that left without ever calling join(): they will not
         self.formed = False  # a round has completed: who calls join() is known by now
         self.rejoins = 0
+        self.late_joins = 0
 
     def phase(self, rank: int, *, dead: bool) -> str:
         """``"live"``, ``"joining"`` (both halves of its return are in) or ``"dead"``."""
@@ -103,10 +104,15 @@ class Membership:
         return [(rank, self.asked[rank]) for rank in sorted(self.asked) if rank in self.waiting]
 
     def rejoined(self, rank: int) -> None:
-        """``rank`` is live again (let in at a boundary)."""
+        """``rank`` is live (again) - let in at a boundary: a rejoin, or the first join
+        of a rank the cluster formed without (a late join)."""
         self.withdraw(rank)
         self.died_at.pop(rank, None)
-        self.rejoins += 1
+        if rank in self.absent:
+            self.absent.discard(rank)
+            self.late_joins += 1
+        else:
+            self.rejoins += 1
 
     def absent_at_formation(self, elapsed: float) -> list[int] | None:
         """The ranks to start without: once ``formation_timeout`` has passed and at

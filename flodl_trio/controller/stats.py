@@ -35,6 +35,7 @@ class ControllerStats:
     mac_failures: int = 0
     relays_dropped: int = 0  # relay connections ended for bytes that broke the protocol
     rejoins: int = 0  # dead ranks let back in
+    late_joins: int = 0  # ranks the cluster formed without, let in later
     rejoins_refused: int = 0  # returns refused (a live rank, rejoining off, too late)
     states_served: int = 0  # window states sent to joining ranks
     rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
