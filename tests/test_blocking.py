@@ -17,6 +17,14 @@ from flodl_trio.testing import open_local_cluster
 SIG = b"\x33" * 32
 
 
+async def run_rank_threads(target, ranks, seconds: float) -> None:
+    """One synchronous thread per rank, as a non-trio trainer runs; wait for them all."""
+    threads = [threading.Thread(target=target, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    await trio.to_thread.run_sync(lambda: [t.join(seconds) for t in threads])
+
+
 async def test_sync_threads_average_through_the_facade(salt):
     results: dict[int, list[float]] = {}
     errors: list[BaseException] = []
@@ -32,10 +40,7 @@ async def test_sync_threads_average_through_the_facade(salt):
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=rank_thread, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        await trio.to_thread.run_sync(lambda: [t.join(20) for t in threads])
+        await run_rank_threads(rank_thread, (0, 1), 20)
     assert not errors, errors
     assert results == {0: [0.5, 5.0, 5.0, 7.0, 43.0], 1: [0.5, 5.0, 5.0, 7.0, 43.0]}
 
@@ -104,10 +109,7 @@ async def test_facade_a_rank_closed_mid_run_rejoins_with_join_and_finish_ends_th
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=rank_thread, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        await trio.to_thread.run_sync(lambda: [t.join(30) for t in threads])
+        await run_rank_threads(rank_thread, (0, 1), 30)
         assert not errors, errors
         with trio.fail_after(5):  # both said they finished: nobody is waited for
             await cluster.controller.wait_finished()
