@@ -582,6 +582,8 @@ class Bench:
         self.salt_hex = secrets.token_hex(16)
         self.env = {**os.environ, SALT_ENV: self.salt_hex, "PYTHONUNBUFFERED": "1"}
         self.env.pop("FLODL_SALT_FILE", None)
+        if args.deterministic:  # the controller and every relay add contributions in a fixed order
+            self.env["FLODL_DETERMINISTIC"] = "1"
         # Rank processes of both systems get the same intra-op thread count;
         # torchrun sets OMP_NUM_THREADS=1 for multi-process jobs for the same reason
         # (K ranks x N OpenMP threads on a few cores spin against each other).
@@ -1240,6 +1242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="loopback,twohost,small,memory",
                     help="comma-separated subset of loopback,twohost,small,memory (default: all)")
     ap.add_argument("--quick", action="store_true", help="a ~1 minute subset (fewer sizes and rounds)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="run flodl_trio's daemons with --deterministic (a fixed order of addition)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "allreduce.png"), help="chart path (PNG)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--link-rate", default="1gbit", help="tc rate of the two-host veth (default 1gbit)")

@@ -35,7 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flodl_trio.testing import open_process_cluster  # noqa: E402
-from flodl_trio.testing.windows import check_final_and_joins, check_windows, joined_event, windows_of  # noqa: E402
+from flodl_trio.testing.windows import (  # noqa: E402
+    check_final_and_joins,
+    check_windows,
+    joined_event,
+    windows_of,
+)
 
 TRANSFER_TARGET_MBPS = 500.0
 JOIN_WINDOW_TARGET = 0.10

@@ -50,6 +50,12 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="address for the metrics endpoint [env FLODL_METRICS_HOST; default 127.0.0.1]",
     )
     parser.add_argument(
+        "--deterministic", action="store_true", default=env_default("FLODL_DETERMINISTIC") == "1",
+        help="add contributions in a fixed order (ranks in rank order, hosts by their lowest rank): the same "
+        "frames give the same bytes whatever their arrival order; give it to the controller and every relay "
+        "[env FLODL_DETERMINISTIC=1; default off]",
+    )
+    parser.add_argument(
         "--log-level", default=env_default("FLODL_LOG_LEVEL", "INFO"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
         help="log verbosity [env FLODL_LOG_LEVEL; default INFO]",

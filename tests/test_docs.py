@@ -171,6 +171,10 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
         "a timing benchmark (64 MiB x 7 repetitions) whose exit status depends on this machine's speed",
         checked_by="test_benchmark_blocks_name_real_flags",
     ),
+    ("docs/performance.md", "--deterministic --quick"): NotRun(
+        "a minute-long benchmark (two-host workload: root and tc) whose timings depend on this machine",
+        checked_by="test_benchmark_blocks_name_real_flags",
+    ),
     ("docs/performance.md", "benchmarks/rejoin.py"): NotRun(
         "a 45 s benchmark of four rank processes with a 64 MiB model whose timings depend on this machine",
         checked_by="test_benchmark_blocks_name_real_flags",
@@ -1015,7 +1019,8 @@ async def test_benchmark_blocks_name_real_flags():
     """Every --flag the benchmark commands show is one their script's --help lists."""
     blocks = [doc_snippet("docs/wire.md", "benchmarks/codec.py"),
               doc_snippet("docs/performance.md", "benchmarks/allreduce.py --quick"),
-              doc_snippet("docs/performance.md", "benchmarks/rejoin.py")]
+              doc_snippet("docs/performance.md", "benchmarks/rejoin.py"),
+              doc_snippet("docs/performance.md", "--deterministic --quick")]
     flags_by_script: dict[str, set[str]] = {}
     for block in blocks:
         for line in block.strip().splitlines():

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from flodl_trio import (
     DTYPE_F32,
     ChannelKind,
-    DesyncError,
     FlodlError,
     MacError,
     RankDeadError,

@@ -14,7 +14,12 @@ import trio
 
 from flodl_trio.testing import FlipBit, open_process_cluster
 from flodl_trio.testing.matrix import diagnose
-from flodl_trio.testing.windows import check_final_and_joins, check_windows, joined_event, windows_of
+from flodl_trio.testing.windows import (
+    check_final_and_joins,
+    check_windows,
+    joined_event,
+    windows_of,
+)
 
 SALT = b"rejoin-processes"
 WORLD = 4

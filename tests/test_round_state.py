@@ -344,3 +344,18 @@ def test_an_outer_optimizer_that_refuses_the_consensus_is_the_controllers_error_
     with pytest.raises(FlodlError, match="outer optimizer refused") as info:
         r.deposit(1, frame([1]), now=1.0)
     assert not isinstance(info.value, ProtocolError)
+
+
+def test_controller_round_in_host_order_waits_for_the_first_relay_the_round_needs():
+    r, dead, _stats = controller_round(6)
+    seat(r, 9, "c", (4, 5))  # seat ids and connection order do not set the order: lowest ranks do
+    seat(r, 7, "b", (2, 3))
+    seat(r, 8, "a", (0, 1))
+    assert r.may_fold_now(8) and not r.may_fold_now(7) and not r.may_fold_now(9)
+    r.deposit(8, frame([1.0]), now=0.0)
+    assert r.may_fold_now(7) and not r.may_fold_now(9)
+    assert r.may_fold_now(8)  # already in: a second frame must reach the desync check
+    dead.declare_dead(2)
+    dead.declare_dead(3)
+    r.rank_died(now=1.0)
+    assert r.may_fold_now(9)  # a relay whose ranks are all dead is not waited for

@@ -195,7 +195,7 @@ def test_round_frame_golden_decoded_values():
 
 async def test_lf_golden_through_message_stream_memory():
     a, b = trio.testing.memory_stream_pair()
-    sender, receiver = MessageStream(a), MessageStream(b)
+    sender = MessageStream(a)
     enc = encode_round_frame_chunks(rf1_frame(), SALT)
     await sender.send_len_framed(enc.chunks, enc.nbytes)
     await a.send_stream.aclose()

@@ -98,6 +98,7 @@ class ControllerDaemonSettings:
     rejoin_timeout: float = 0.0
     min_ranks: int | None = None
     formation_timeout: float | None = None
+    deterministic: bool = False
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -130,6 +131,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
         args.host, args.port, world, load_salt(args.salt_file), timeout,
         make_outer(args.outer, args.outer_lr, args.outer_momentum),
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
+        bool(args.deterministic),
     )
 
 
@@ -149,7 +151,7 @@ async def serve_controller_daemon(
                 outer_optimizer=settings.outer, checkpoint=checkpoint, ceiling=ceiling,
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
                 rejoin_timeout=settings.rejoin_timeout, min_ranks=settings.min_ranks,
-                formation_timeout=settings.formation_timeout,
+                formation_timeout=settings.formation_timeout, deterministic=settings.deterministic,
             )
         )
         if metrics is not None:

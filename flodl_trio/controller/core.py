@@ -116,6 +116,7 @@ class ControllerConfig:
     salt: SessionSalt
     ceiling: int = DEFAULT_FRAME_CEILING
     bounds: NetBounds = attrs.field(factory=NetBounds)
+    deterministic: bool = False  # fold hosts in a fixed order (by their lowest rank)
 
 
 @attrs.define(eq=False)
@@ -202,6 +203,7 @@ async def open_controller(
     rejoin_timeout: float = 0.0,
     min_ranks: int | None = None,
     formation_timeout: float | None = None,
+    deterministic: bool = False,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -214,7 +216,9 @@ async def open_controller(
     once every rank is dead and none may come back. The first round waits for
     every rank, or - with ``formation_timeout`` - for ``min_ranks`` of them
     once that many seconds have passed; the others join later (a rank is
-    present once its trainer called ``join``).
+    present once its trainer called ``join``). ``deterministic``: add the hosts'
+    frames in a fixed order (by each relay's lowest rank) whatever order they
+    arrive in; with deterministic relays, the same frames give the same bytes.
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
@@ -225,7 +229,7 @@ async def open_controller(
     net = bounds if bounds is not None else NetBounds.from_env()
     if heartbeat_timeout is not None:
         net = attrs.evolve(net, heartbeat_timeout=heartbeat_timeout)
-    config = ControllerConfig(world_size, SessionSalt.coerce(salt), ceiling, net)
+    config = ControllerConfig(world_size, SessionSalt.coerce(salt), ceiling, net, deterministic)
     coordinator = Coordinator(world_size, config.salt, ledger, heartbeat_timeout=net.heartbeat_timeout,
                               beacon_interval=beacon_interval, bounds=net)
     if listeners is None:
@@ -404,6 +408,8 @@ class _Controller:
                 return await self._drop_link(link, f"read failed: {exc}")
             if header is None:
                 return await self._drop_link(link, "closed by the relay")
+            if self.config.deterministic and header.kind == MuxKind.HOST_FRAME:
+                await self._wait_for_turn(link)  # its payload waits in the socket meanwhile
             big = header.length > SMALL_MESSAGE
             buf = await self.pool.acquire() if big else link.small
             try:
@@ -415,6 +421,12 @@ class _Controller:
             if big and self.pool.size < self.pool.limit and len(self.links) > 1:
                 # Let two relays' frames arrive at once, now that a verified record proved the size.
                 self.pool.add(ReceiveBuffer(header.length))
+
+    async def _wait_for_turn(self, link: RelayLink) -> None:
+        """Deterministic mode: fold this relay's HostFrame only after those of the
+        relays before it (by their lowest rank) are folded or gone."""
+        while not self.round.may_fold_now(link.id):
+            await self.round_changed.wait()
 
     async def _read_record(self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer) -> bool:
         """Receive, verify and act on one record; False once the link is gone.

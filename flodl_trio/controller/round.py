@@ -239,6 +239,16 @@ class ControllerRound:
                 return False
         return True
 
+    def may_fold_now(self, seat_id: int) -> bool:
+        """In host order: whether ``seat_id``'s HostFrame may be folded now - its relay
+        is the first (by its lowest rank) that the round still waits for, or not one
+        the round waits for at all (its frame must reach the checks to be refused
+        or dropped)."""
+        pending = [
+            sid for sid, seat in self.seats.items() if seat.connected and sid not in self.delivered and self.has_live_rank(sid)
+        ]
+        return seat_id not in pending or seat_id == min(pending, key=lambda sid: min(self.seats[sid].ranks))
+
     def accepts_host_frame(self, seat_id: int) -> bool:
         """Whether a HostFrame from this relay counts: False for a late frame whose
         ranks are all dead (dropped); DesyncError for a second frame in one round."""

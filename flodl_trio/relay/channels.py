@@ -406,6 +406,8 @@ class DataChannel(_Channel):
                 f"relay {self.config.host_name}: rank {rank} came back and sent a frame without calling join() "
                 "first (a restarted trainer must call client.join(params, buffers) before its first window)"
             )
+        if self.config.deterministic and not self.single:
+            await self._wait_for_turn(rank)
         with contextlib.ExitStack() as owned:
             buf = await self.pool.acquire()
             owned.callback(self.pool.release, buf)
@@ -430,6 +432,12 @@ class DataChannel(_Channel):
             self._count_frame(length)
             if folded is not None:
                 await out.send(folded)
+
+    async def _wait_for_turn(self, rank: int) -> None:
+        """Deterministic mode: leave the frame in its socket until the ranks before
+        ``rank`` are folded (or gone), so the host's sum is taken in rank order."""
+        while not self.fold.may_fold_now(rank):
+            await self.fold_changed.wait()
 
     def _count_frame(self, length: int) -> None:
         self.stats.bytes_local += length + 4

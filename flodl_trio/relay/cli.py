@@ -88,6 +88,7 @@ class RelayDaemonSettings:
     channels: dict[ChannelKind, int]
     listen_host: str
     salt: SessionSalt
+    deterministic: bool = False
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -108,7 +109,8 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     }
     channels = {kind: int(ports[kind]) for kind in ChannelKind if kind.value in wanted}
     settings = RelayDaemonSettings(
-        controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file)
+        controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file),
+        bool(args.deterministic),
     )
     RelayConfig(ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt).validate()
     return settings
@@ -125,6 +127,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                     kind, listen=(settings.listen_host, port), upstream=settings.controller,
                     host_name=settings.host_name, ranks=settings.ranks, world_size=settings.world_size,
                     salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, host=host,
+                    deterministic=settings.deterministic,
                 )
             )
         if metrics is not None:

@@ -60,6 +60,8 @@ class RelayConfig:
     salt: SessionSalt
     ceiling: int = DEFAULT_FRAME_CEILING
     bounds: NetBounds = attrs.field(factory=NetBounds)
+    # Fold the host's ranks in rank order, whatever order their frames arrive in.
+    deterministic: bool = False
 
     def validate(self) -> None:
         """Refuse a rank set no cluster could use (ConfigError, naming the host)."""

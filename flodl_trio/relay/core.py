@@ -112,6 +112,7 @@ async def open_relay(
     listeners: Listeners | None = None,
     connect: Connector = trio.open_tcp_stream,
     host: HostRanks | None = None,
+    deterministic: bool = False,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
@@ -121,7 +122,9 @@ async def open_relay(
     and ``connect_interval`` override its dialing budget. A host's data and
     control channels should share one ``host`` (:class:`HostRanks`): then a
     rank the cluster declares dead before it ever connected does not hold up
-    the control channel's formation. Leaving the block shuts the relay down;
+    the control channel's formation. ``deterministic``: fold the ranks in rank
+    order, whatever order their frames arrive in (a rank's frame waits in its
+    socket until the ranks before it are folded). Leaving the block shuts the relay down;
     an error it hit that nobody awaited through ``wait_finished()`` is raised
     on exit.
     """
@@ -131,7 +134,8 @@ async def open_relay(
     if connect_interval is not None:
         net = attrs.evolve(net, connect_interval=connect_interval)
     config = RelayConfig(
-        kind, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt), ceiling, net
+        kind, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt), ceiling, net,
+        deterministic,
     )
     config.validate()
     if listeners is None:

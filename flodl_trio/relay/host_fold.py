@@ -66,6 +66,14 @@ class HostFold:
         """No live rank and no round in flight: nothing will come down from the controller."""
         return not self.live and not self.host_frame_up
 
+    def may_fold_now(self, rank: int) -> bool:
+        """In rank order: whether ``rank``'s next frame may be folded now - it is the
+        lowest rank the round still waits for, or not one the round waits for at
+        all (a joiner's frame is held; a second frame in one round must reach
+        :meth:`deposit` to be refused)."""
+        pending = self.live - self.deposited - self.joining - self.entering
+        return rank not in pending or rank == min(pending)
+
     def waiting_to_enter(self, rank: int) -> bool:
         """Whether ``rank`` came back and is not in the barrier yet (its frames are held)."""
         return rank in self.joining or rank in self.entering

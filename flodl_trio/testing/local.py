@@ -120,6 +120,7 @@ async def open_local_cluster(
     upstream_faults: Mapping[int, Sequence[Fault]] | None = None,
     network: MemoryNetwork | None = None,
     bounds: NetBounds | None = None,
+    deterministic: bool = False,
     **controller_options: Any,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
@@ -130,8 +131,9 @@ async def open_local_cluster(
     :class:`~flodl_trio.testing.FaultProxy` in front of the controller for
     the data relay of each host index it names. ``network``: run every role
     on a :class:`~flodl_trio.testing.MemoryNetwork` instead of TCP (for
-    tests in virtual time; no fault proxies there). ``bounds`` goes to every
-    role (default: each reads the environment).
+    tests in virtual time; no fault proxies there). ``bounds`` and
+    ``deterministic`` go to every role (default: each reads the environment;
+    arrival-order folding).
     """
     if network is not None and (upstream_faults or upstream):
         raise ConfigError("a cluster on a memory network takes no TCP upstream or fault proxies")
@@ -144,7 +146,7 @@ async def open_local_cluster(
     async with AsyncExitStack() as stack:
         controller = await stack.enter_async_context(
             open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, bounds=bounds,
-                            **listeners(), **controller_options)
+                            deterministic=deterministic, **listeners(), **controller_options)
         )
         target = upstream or (LOOPBACK if network is None else MEMORY_HOST, controller.port)
         proxies: dict[int, FaultProxy] = {}
@@ -172,6 +174,7 @@ async def open_local_cluster(
                     bounds=bounds,
                     connect=connect,
                     host=shared[index],
+                    deterministic=deterministic,
                     **listeners(),
                 )
                 relays[kind].append(await stack.enter_async_context(relay))
