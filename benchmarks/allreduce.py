@@ -584,6 +584,10 @@ class Bench:
         self.env.pop("FLODL_SALT_FILE", None)
         if args.deterministic:  # the controller and every relay add contributions in a fixed order
             self.env["FLODL_DETERMINISTIC"] = "1"
+        # Ranks reach their relay over the Unix-socket local leg (no MACs) unless turned off.
+        self.local_leg = not args.no_unix
+        if args.no_unix:
+            self.env["FLODL_NO_UNIX"] = "1"
         # Rank processes of both systems get the same intra-op thread count;
         # torchrun sets OMP_NUM_THREADS=1 for multi-process jobs for the same reason
         # (K ranks x N OpenMP threads on a few cores spin against each other).
@@ -900,7 +904,8 @@ class Suite:
             self.loopback_cache[(world, mib)] = fl
             if world == 4 and mib == 64:
                 ratio = fl.median_ms / gl.median_ms
-                floor = one_host_floor(self.costs, frame_len(mib * MiB // 4, "f32"), world) if self.costs else None
+                floor = (one_host_floor(self.costs, frame_len(mib * MiB // 4, "f32"), world, self.local_leg)
+                         if self.costs else None)
                 self.checks.append((f"one host, 4 ranks x 64 MiB: flodl_trio <= {LOOPBACK_4X64:g} x gloo",
                                     ratio <= LOOPBACK_4X64,
                                     f"{ratio:.2f}x{cpu_floor(fl, gl)}"
@@ -950,7 +955,7 @@ class Suite:
     def _twohost_floor(self, dtype: str, rate: str, per_host: int = TWOHOST_RANKS_PER_HOST) -> Floor | None:
         if self.costs is None:
             return None
-        return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, per_host)
+        return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, per_host, self.local_leg)
 
     def _twohost_at(
         self, rate: str, suffix: str, per_host: int = TWOHOST_RANKS_PER_HOST
@@ -1242,6 +1247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="loopback,twohost,small,memory",
                     help="comma-separated subset of loopback,twohost,small,memory (default: all)")
     ap.add_argument("--quick", action="store_true", help="a ~1 minute subset (fewer sizes and rounds)")
+    ap.add_argument("--no-unix", action="store_true",
+                    help="flodl_trio ranks reach their relay over TCP with MACs, not the Unix-socket local leg")
     ap.add_argument("--deterministic", action="store_true",
                     help="run flodl_trio's daemons with --deterministic (a fixed order of addition)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "allreduce.png"), help="chart path (PNG)")

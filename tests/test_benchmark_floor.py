@@ -78,6 +78,18 @@ def test_one_host_floor_is_the_mandatory_cpu_over_the_cores() -> None:
     assert floor.one_host_floor(priced, 1_000_000, ranks=2).ms == pytest.approx(12 + 6)
 
 
+def test_the_local_leg_takes_the_ranks_hash_passes_out_of_the_floor() -> None:
+    priced = floor.MachineCosts(hmac_bytes_per_s=1e9, loopback_cpu_s_per_byte=1e-9, cores=1, unix_cpu_s_per_byte=5e-10)
+    one = floor.one_host_floor(priced, 1_000_000, ranks=4, local_leg=True)
+    # 6 passes (relay and controller only), 2 TCP transfers of 1 ms, 8 Unix ones of 0.5 ms
+    assert one.hash_passes == 6 and one.ms == pytest.approx(6 + 2 + 4)
+    two = floor.two_host_floor(priced, 1_000_000, "8mbit", ranks_per_host=3, local_leg=True)
+    # the relay signs its HostFrame twice; 3 frames cross the Unix socket
+    assert two.hash_passes == 2
+    assert two.ms == pytest.approx(2 * 1_000_025 / 1e6 * 1e3 + 2 + 1.5)
+    assert floor.one_host_floor(DOC_MACHINE, 64 * MiB, 4, local_leg=True).ms < floor.one_host_floor(DOC_MACHINE, 64 * MiB, 4).ms
+
+
 def test_more_cores_lower_the_floor_but_never_below_the_link() -> None:
     many = floor.MachineCosts(hmac_bytes_per_s=1.43e9, loopback_cpu_s_per_byte=5e-10, cores=64)
     few = floor.MachineCosts(hmac_bytes_per_s=1.43e9, loopback_cpu_s_per_byte=5e-10, cores=2)
@@ -91,6 +103,7 @@ def test_measured_costs_are_this_machines_and_plausible() -> None:
     assert costs.cores >= 1
     assert 50e6 < costs.hmac_bytes_per_s < 50e9  # SHA-256 runs at 0.05-50 GB/s on anything real
     assert 0 < costs.loopback_cpu_s_per_byte < 1e-6  # a loopback byte costs less than a microsecond
+    assert costs.unix_cpu_s_per_byte is not None and 0 < costs.unix_cpu_s_per_byte < 1e-6
     assert "GB/s" in costs.describe() and f"{costs.cores} cores" in costs.describe()
 
 

@@ -38,6 +38,8 @@ REQUIRED = {
     "rank-loop-blocked", "uplink-replay",
     # elastic membership: ranks and hosts that come back, a cluster that forms without one
     "rank-kill-restart", "host-restart", "formation-missing-rank", "rejoin-wrong-salt",
+    # the Unix-socket local leg: frames unsigned, the salt proven at the handshake
+    "wrong-salt-local-leg",
 }
 
 

@@ -118,7 +118,7 @@ async def test_external_rank_is_played_by_the_test(salt):
 async def test_worker_reports_a_refusal_as_an_error_event(salt):
     async with open_process_cluster(
         world_size=2, hosts=[[0], [1]], salt=salt, rounds=2, daemons=True, backend="numpy", control=False,
-        worker_args={1: ["--data-salt", "24" * 16]},
+        worker_args={1: ["--data-salt", "24" * 16, "--tcp"]},
     ) as cluster:
         error = await cluster.wait_outcome(1)
         assert error["event"] == "error" and error["type"] == "RankDeadError", error
@@ -127,6 +127,23 @@ async def test_worker_reports_a_refusal_as_an_error_event(salt):
         assert (await cluster.wait_outcome(0))["event"] == "done"
         assert [e["value"] for e in cluster.ranks[0].rounds] == [mean_of([0], k) for k in range(2)]
         await cluster.relays[1][0].wait_log("MAC mismatch")
+
+
+@pytest.mark.deadline(30)
+async def test_a_rank_of_another_run_is_refused_at_the_local_legs_handshake(salt):
+    """Frames on the local leg carry no MAC, so the salt is proven once, at the handshake.
+    (Refused there, rank 1 never joins the barrier: its control connection closing is
+    what tells the cluster it is gone.)"""
+    async with open_process_cluster(
+        world_size=2, hosts=[[0, 1]], salt=salt, rounds=2, daemons=True, backend="numpy",
+        worker_args={1: ["--data-salt", "24" * 16, "--connect-attempts", "1"]},
+    ) as cluster:
+        error = await cluster.wait_outcome(1)
+        assert error["event"] == "error" and error["type"] == "FramingError", error
+        assert "another session salt (local leg)" in error["message"]
+        assert (await cluster.wait_outcome(0))["event"] == "done"
+        assert [e["value"] for e in cluster.ranks[0].rounds] == [mean_of([0], k) for k in range(2)]
+        await cluster.relays[0][0].wait_log("local-leg handshake of rank 1: MAC mismatch")
 
 
 def test_memory_of_reads_proc_status():

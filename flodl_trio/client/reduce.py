@@ -1,7 +1,8 @@
 """The rank client: what a trio trainer awaits to average with the cluster.
 
-A :class:`ReduceClient` holds one loopback connection to its host's data
-relay. Every call is one round: send this rank's frame, wait for the
+A :class:`ReduceClient` holds one connection to its host's data relay: the
+Unix-socket local leg when the relay offers one (frames unsigned there, see
+docs/wire.md), TCP loopback otherwise. Every call is one round: send this rank's frame, wait for the
 consensus. That wait has no deadline on purpose (a slow host must not make
 Local SGD silently drop a round); death detection ends it instead - the
 relay closes a dead rank's connection, and the control client (another task
@@ -35,9 +36,17 @@ from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
+from ..transport.local_leg import dial_local_leg, local_leg_enabled
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import DTYPE_BF16, DTYPE_F32, FINISHED_LENGTH
-from ..wire.handshake import DATA_ACK_LEN, decode_data_ack, encode_data_handshake
+from ..wire.handshake import (
+    DATA_ACK_LEN,
+    LOCAL_ACK_LEN,
+    decode_data_ack,
+    decode_local_ack,
+    encode_data_handshake,
+    encode_local_handshake,
+)
 from ..wire.round_frame import (
     RoundFrame,
     RoundKind,
@@ -111,6 +120,12 @@ class ReduceClient:
         self.last_state: ClusterState | None = None  # what join() loaded (its window, size, transfer time)
         self.rounds = 0
 
+    @property
+    def local_leg(self) -> bool:
+        """Whether this rank reaches its relay over the Unix-socket local leg
+        (frames unsigned) rather than TCP (frames signed)."""
+        return not self._conn.signed_frames
+
     # -- lifecycle -----------------------------------------------------------
 
     async def aclose(self) -> None:
@@ -183,7 +198,7 @@ class ReduceClient:
 
     async def _round_trip(self, frame: RoundFrame, into: ReceiveBuffer | None) -> RoundFrame:
         bound = max_reply_len(frame)  # before sending: an impossible frame costs no round
-        await self._conn.send_signed_frame(frame_body_chunks(frame), self._salt)
+        await self._conn.send_frame(frame_body_chunks(frame), self._salt)
         with trio.move_on_after(math.inf if self.reply_timeout is None else self.reply_timeout) as waiting:
             try:
                 length = await self._conn.receive_length_prefix(ceiling=bound)
@@ -208,10 +223,12 @@ class ReduceClient:
         else:
             into.reserve(length)
             body = into.view(length)
-        mac = RunningMac(self._salt.hmac(), max(length - 8, 0))
+        # On the local leg the relay verified the record that carried it (docs/wire.md).
+        mac = RunningMac(self._salt.hmac(), max(length - 8, 0)) if self._conn.signed_frames else None
         await self._conn.receive_into(body, "the consensus frame", mac)
         reply = decode_round_frame(
-            body, self._salt, source=f"relay (rank {self.rank}'s consensus)", mac_of_body=mac.tag()
+            body, self._salt, source=f"relay (rank {self.rank}'s consensus)",
+            mac_of_body=mac.tag() if mac is not None else None, authenticated=mac is None,
         )
         self._check_reply_schema(frame, reply)
         return reply
@@ -401,15 +418,17 @@ async def open_handshaken(
     refusal: str,
     bounds: NetBounds,
     connect: Connector,
+    stream: trio.abc.Stream | None = None,
 ) -> tuple[MessageStream, bytes]:
-    """Dial ``who``'s ``relay_kind`` relay, send the handshake and read the ack within
-    ``bounds.handshake``.
+    """Dial ``who``'s ``relay_kind`` relay (unless ``stream`` is already connected to
+    it), send the handshake and read the ack within ``bounds.handshake``.
 
     A relay refuses by closing before the ack; that becomes a FramingError
     saying why it might have (``refusal``). The connection is closed on any error.
     """
     host, port = parse_address(address)
-    stream = await connect_with_retry(host, port, f"{who} -> {relay_kind}", bounds, connect)
+    if stream is None:
+        stream = await connect_with_retry(host, port, f"{who} -> {relay_kind}", bounds, connect)
     conn = MessageStream(stream, f"{relay_kind} {host}:{port}", bounds)
     try:
         await conn.send_chunks([handshake])
@@ -448,6 +467,7 @@ def connect_reduce_client(
     reply_timeout: float | None = None,
     bounds: NetBounds | None = None,
     connect: Connector = trio.open_tcp_stream,
+    local_leg: bool | None = None,
 ) -> _Connect:
     """Connect rank ``rank`` to its host's data relay at ``address``.
 
@@ -455,22 +475,34 @@ def connect_reduce_client(
     wrong world size, a rank outside its host set or a duplicate rank by
     closing before the ack; that surfaces here as a handshake error.
     ``bounds`` defaults to :meth:`NetBounds.from_env`; ``connect_attempts`` and
-    ``connect_interval`` override its dialing budget.
+    ``connect_interval`` override its dialing budget. ``local_leg``: when the
+    address is a loopback one and the relay there offers the Unix-socket local
+    leg (run by this user or root), use it; None (the default) means yes unless
+    ``FLODL_NO_UNIX`` is set, and a custom ``connect`` always dials with it.
     """
     check_rank(rank, world_size)
     session = SessionSalt.coerce(salt)
     net = dialing_bounds(bounds, connect_attempts, connect_interval)
     parse_address(address)  # a malformed address is an argument error too
 
+    wants_local = (local_leg if local_leg is not None else local_leg_enabled()) and connect is trio.open_tcp_stream
+
     async def open_client() -> ReduceClient:
+        host, port = parse_address(address)
+        local = await dial_local_leg(host, port, f"rank {rank}") if wants_local else None
+        why = (f"it refused rank {rank} / world_size {world_size}: wrong world size, rank not on this host, "
+               "or rank already connected")
+        if local is None:
+            handshake, ack_len = encode_data_handshake(rank, world_size), DATA_ACK_LEN
+        else:  # the local leg: the handshake proves the salt once, frames go unsigned
+            handshake, ack_len = encode_local_handshake(rank, world_size, session), LOCAL_ACK_LEN
+            why += ", or another session salt (local leg)"
         conn, ack = await open_handshaken(
-            address, f"rank {rank}", "data relay", encode_data_handshake(rank, world_size), DATA_ACK_LEN,
-            f"it refused rank {rank} / world_size {world_size}: wrong world size, rank not on this host, "
-            "or rank already connected - see the relay's log",
-            net, connect,
+            address, f"rank {rank}", "data relay", handshake, ack_len, f"{why} - see the relay's log", net, connect, local,
         )
+        conn.signed_frames = local is None
         try:
-            decode_data_ack(ack)
+            decode_data_ack(ack) if local is None else decode_local_ack(ack, handshake, session)
         except BaseException:
             await conn.aclose()
             raise

@@ -481,7 +481,7 @@ class _Controller:
             return False
         # The record's MAC (same key, verified as the bytes arrived) covers every byte of the frame.
         frame = decode_round_frame(
-            payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, envelope_verified=True
+            payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, authenticated=True
         )
         now = trio.current_time()
         if speculation.frame is not None and speculation.record is not None:

@@ -335,7 +335,7 @@ class SpeculativeFrame:
         """The outgoing frame as a RoundFrame over the output buffer (zero-copy; built
         here, so trusted), once it is :attr:`complete`."""
         assert self.complete, "the outgoing frame is not complete yet"
-        return decode_round_frame(self.output(), None, envelope_verified=True)
+        return decode_round_frame(self.output(), None, authenticated=True)
 
 
 @attrs.frozen

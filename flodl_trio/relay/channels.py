@@ -455,14 +455,28 @@ class DataChannel(_Channel):
             raise
 
     async def _receive_verified(
-        self, rank: int, buf: ReceiveBuffer, length: int, watch: ArrivalWatch | None = None
+        self, rank: int, buf: ReceiveBuffer, length: int, watch: ArrivalWatch | None = None, *, forwarded: bool = False
     ) -> tuple[memoryview, RoundFrame]:
-        """``rank``'s frame, its MAC computed as the bytes land and checked at the end."""
+        """``rank``'s frame, its MAC computed as the bytes land and checked at the end.
+
+        On the local leg the frame is not signed: it is taken as it is, unless it
+        is ``forwarded`` upstream byte for byte - then the relay computes its MAC
+        the same way and writes it where the rank left zeros.
+        """
+        conn = self.conns[rank]
         salt = self.config.salt
         what = f"rank {rank}'s {length}-byte frame"
-        body, mac = await self.conns[rank].receive_round_frame_body(buf, length, salt, what, watch)
         source = f"rank {rank} on host {self.config.host_name}"
-        frame = decode_round_frame(body, salt, ceiling=self.config.ceiling, source=source, mac_of_body=mac)
+        if conn.signed_frames:
+            body, mac = await conn.receive_round_frame_body(buf, length, salt, what, watch)
+            frame = decode_round_frame(body, salt, ceiling=self.config.ceiling, source=source, mac_of_body=mac)
+        elif forwarded:
+            body, mac = await conn.receive_round_frame_body(buf, length, salt, what, watch)
+            frame = decode_round_frame(body, None, ceiling=self.config.ceiling, source=source, authenticated=True)
+            body[-MAC_LEN:] = mac
+        else:
+            body = await conn.receive_into_buffer(buf, length, what, None, watch)
+            frame = decode_round_frame(body, None, ceiling=self.config.ceiling, source=source, authenticated=True)
         # Its bytes are authentic; now they must also make sense (checked here, at
         # the first hop, so a single rank's frame is not forwarded unchecked).
         check_payloads(frame, source)
@@ -495,23 +509,25 @@ class DataChannel(_Channel):
 
     async def _receive_single(self, rank: int, buf: ReceiveBuffer, length: int) -> _RawHostFrame | _SealedHostFrame:
         """A single rank's frame goes up byte for byte as the host's frame. A large one
-        has its HostFrame record's MAC computed over the same bytes as they land,
-        so the record is ready the moment the frame verifies."""
+        has its HostFrame record's MAC computed over the same bytes as they land
+        (all but the frame's own tag, fed last: on the local leg the relay only
+        knows it once the frame is in), so the record is ready the moment the
+        frame is."""
+        receive = partial(self._receive_verified, rank, buf, length, forwarded=True)
         if length <= SMALL_MESSAGE:
-            body, _frame = await self._receive_verified(rank, buf, length)
+            body, _frame = await receive()
             return _RawHostFrame(body, buf)
-        salt = self.config.salt
         watch = ArrivalWatch(length)
         signed = mux_signed_header(MuxKind.HOST_FRAME, length)
-        record_mac = salt.hmac()
+        record_mac = self.config.salt.hmac()
         record_mac.update(signed)
-        running = RunningMac(record_mac, length)
+        running = RunningMac(record_mac, length - MAC_LEN)
         (body, _frame), (hashed_all,) = await receive_with_followers(
-            watch, partial(self._receive_verified, rank, buf, length, watch),
-            partial(hash_as_it_lands, buf, watch, running),
+            watch, partial(receive, watch), partial(hash_as_it_lands, buf, watch, running)
         )
         if not hashed_all:
             return _RawHostFrame(body, buf)
+        record_mac.update(body[-MAC_LEN:])
         self.stats.rounds_finished_ahead += 1
         return _SealedHostFrame(EncodedFrame([signed + running.tag(), body], MUX_HEADER_LEN + length), buf)
 

@@ -27,6 +27,7 @@ from ..launch import (
     host_ranks_from_env,
 )
 from ..settings import NetBounds
+from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
 from ..wire.salt import SessionSalt
 from .config import ChannelKind, RelayConfig
 from .core import open_relay
@@ -75,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--control-port", type=int, default=env_default("FLODL_CONTROL_PORT"),
         help="loopback port of the control channel [env FLODL_CONTROL_PORT; default controller port + 5]",
     )
+    parser.add_argument(
+        "--no-unix", action="store_true", default=not local_leg_enabled(),
+        help="do not offer ranks on this machine the Unix-socket local leg (unsigned frames); "
+        "they use TCP with MACs [env FLODL_NO_UNIX=1]",
+    )
+    parser.add_argument(
+        "--unix-dir", default=env_default(UNIX_DIR_ENV),
+        help="directory of the local leg's socket, mode 0700 [env FLODL_UNIX_DIR; default /tmp/flodl_trio-<uid>]",
+    )
     add_common_flags(parser)
     return parser
 
@@ -89,6 +99,8 @@ class RelayDaemonSettings:
     listen_host: str
     salt: SessionSalt
     deterministic: bool = False
+    local_leg: bool = True
+    unix_dir: str | None = None
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -110,7 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     channels = {kind: int(ports[kind]) for kind in ChannelKind if kind.value in wanted}
     settings = RelayDaemonSettings(
         controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file),
-        bool(args.deterministic),
+        bool(args.deterministic), not args.no_unix, args.unix_dir,
     )
     RelayConfig(ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt).validate()
     return settings
@@ -127,7 +139,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                     kind, listen=(settings.listen_host, port), upstream=settings.controller,
                     host_name=settings.host_name, ranks=settings.ranks, world_size=settings.world_size,
                     salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, host=host,
-                    deterministic=settings.deterministic,
+                    deterministic=settings.deterministic, local_leg=settings.local_leg, unix_dir=settings.unix_dir,
                 )
             )
         if metrics is not None:
@@ -135,6 +147,9 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
 
             stack.enter_context(serve_relay_metrics(metrics, handles))
         ports = " ".join(f"{kind.value}={settings.listen_host}:{h.port}" for kind, h in handles.items())
+        data = handles.get(ChannelKind.DATA)
+        if data is not None and data.unix_path is not None:
+            ports += f" local-leg={data.unix_path}"
         log.info(
             "relay %s started: ranks=%s world_size=%d %s controller=%s:%d",
             settings.host_name, settings.ranks, settings.world_size, ports, *settings.controller,

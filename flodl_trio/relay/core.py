@@ -8,15 +8,18 @@ leaving, or an error, which travels out of the nurseries to
 :func:`open_relay`'s boundary, where it is recorded for ``wait_finished``.
 
 The relay serves whatever listeners it is given (``listeners=``; by default it
-binds TCP on ``listen``) and dials the controller with ``connect`` (by
-default ``trio.open_tcp_stream``), so a whole cluster can also run in memory.
+binds TCP on ``listen``, and a data relay also the Unix-socket local leg) and
+dials the controller with ``connect`` (by default ``trio.open_tcp_stream``),
+so a whole cluster can also run in memory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import attrs
 import trio
@@ -31,16 +34,26 @@ from ..transport.connect import (
     peer_host,
     tune_socket,
 )
+from ..transport.local_leg import (
+    local_leg_enabled,
+    open_local_leg_listener,
+    peer_credentials,
+    trusted_uid,
+    tune_local_stream,
+)
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import RunOutcome, run_service, service_nursery
 from ..wire.constants import CHANNEL_MAGIC_STATE, DEFAULT_FRAME_CEILING
 from ..wire.handshake import (
     CONTROL_HANDSHAKE_LEN,
     DATA_HANDSHAKE_LEN,
+    LOCAL_HANDSHAKE_LEN,
     decode_control_handshake,
     decode_data_handshake,
+    decode_local_handshake,
     encode_control_ack,
     encode_data_ack,
+    encode_local_ack,
 )
 from ..wire.mux import (
     Hello,
@@ -78,9 +91,10 @@ async def _pipe(source: MessageStream, sink: MessageStream, done: trio.CancelSco
 class RelayHandle:
     """A running relay: its bound port, counters, and how it ended."""
 
-    def __init__(self, config: RelayConfig, port: int) -> None:
+    def __init__(self, config: RelayConfig, port: int, unix_path: Path | None = None) -> None:
         self.config = config
         self.port = port
+        self.unix_path = unix_path  # the local leg's socket (a data relay's), if it listens on one
         self.stats = RelayStats()
         self.rejections: list[str] = []
         self.outcome = RunOutcome()
@@ -113,6 +127,8 @@ async def open_relay(
     connect: Connector = trio.open_tcp_stream,
     host: HostRanks | None = None,
     deterministic: bool = False,
+    local_leg: bool | None = None,
+    unix_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
@@ -124,9 +140,14 @@ async def open_relay(
     rank the cluster declares dead before it ever connected does not hold up
     the control channel's formation. ``deterministic``: fold the ranks in rank
     order, whatever order their frames arrive in (a rank's frame waits in its
-    socket until the ranks before it are folded). Leaving the block shuts the relay down;
-    an error it hit that nobody awaited through ``wait_finished()`` is raised
-    on exit.
+    socket until the ranks before it are folded). ``local_leg``: a data relay
+    that binds ``listen`` itself also listens on a Unix socket for ranks on
+    this machine, whose frames are not signed (docs/wire.md, "The local leg");
+    None (the default) means on unless ``FLODL_NO_UNIX`` is set. ``unix_dir``
+    overrides the socket's directory (default ``FLODL_UNIX_DIR`` or
+    ``/tmp/flodl_trio-<uid>``); ``handle.unix_path`` is the socket.
+    Leaving the block shuts the relay down; an error it hit that nobody
+    awaited through ``wait_finished()`` is raised on exit.
     """
     net = bounds if bounds is not None else NetBounds.from_env()
     if connect_attempts is not None:
@@ -138,11 +159,16 @@ async def open_relay(
         deterministic,
     )
     config.validate()
+    unix_path = None
     if listeners is None:
         if listen is None:
             raise ConfigError(f"relay {host_name}: give listen=(host, port) or listeners=")
         listeners = await trio.open_tcp_listeners(listen[1], host=listen[0])
-    handle = RelayHandle(config, listener_port(listeners[0]))
+        wants_unix = local_leg if local_leg is not None else local_leg_enabled()
+        if wants_unix and kind is ChannelKind.DATA:
+            unix = await open_local_leg_listener(listener_port(listeners[0]), Path(unix_dir) if unix_dir else None)
+            listeners, unix_path = [*listeners, unix], unix.path
+    handle = RelayHandle(config, listener_port(listeners[0]), unix_path)
     relay = _Relay(config, handle, listeners, connect, host if host is not None else HostRanks(config.ranks))
     async with service_nursery() as nursery:
         nursery.start_soon(run_service, relay.run, handle.outcome, log, f"relay {host_name}")
@@ -211,8 +237,9 @@ class _Relay:
         """One rank connection's handler: the handshake, then hold the connection
         until the channel is done with it (when this returns, the stream closes).
         A joining rank's state request (data port) is piped to the controller instead."""
-        tune_socket(stream)
-        conn = MessageStream(stream, f"rank connection from {peer_host(stream)}", self.config.bounds)
+        conn = self._accept_stream(stream)
+        if conn is None:
+            return
         try:
             with trio.fail_after(self.config.bounds.handshake):
                 magic = await conn.receive_exactly(4, "the first 4 bytes")
@@ -232,6 +259,25 @@ class _Relay:
         else:
             await self._hand_over(rank, conn)
         await conn.wait_closed()
+
+    def _accept_stream(self, stream: trio.abc.Stream) -> MessageStream | None:
+        """Wrap a new rank connection; one on the local leg only from this user or root
+        (checked before a byte is read), and its frames are then unsigned."""
+        peer = peer_credentials(stream)
+        if peer is None:
+            tune_socket(stream)
+            return MessageStream(stream, f"rank connection from {peer_host(stream)}", self.config.bounds)
+        if not trusted_uid(peer.uid):
+            self._refuse(
+                f"relay {self.config.host_name}: refused a local-leg connection from uid {peer.uid} (pid {peer.pid}): "
+                f"only uid {os.getuid()} (this relay's user) or root may use it"
+            )
+            return None
+        tune_local_stream(stream)
+        conn = MessageStream(stream, f"local-leg connection from pid {peer.pid}", self.config.bounds)
+        conn.signed_frames = False
+        self.handle.stats.local_connections += 1
+        return conn
 
     async def _control_formation(self) -> tuple[tuple[int, ...], frozenset[int]]:
         """The control channel's ranks, and those of them away: once every rank of the
@@ -269,9 +315,8 @@ class _Relay:
         rank: int | None = None
         try:
             with trio.fail_after(self.config.bounds.handshake):
-                rank = await self._handshake(conn, magic)
-                ack = encode_data_ack() if self.config.kind is ChannelKind.DATA else encode_control_ack(self.config.salt)
-                await conn.send_chunks([ack])
+                rank, handshake = await self._handshake(conn, magic)
+                await conn.send_chunks([self._ack(conn, handshake)])
         except (ProtocolError, *CONNECTION_LOST, trio.TooSlowError) as exc:
             if rank is not None:
                 self.claimed.discard(rank)  # its handshake failed: the rank may try again
@@ -281,10 +326,21 @@ class _Relay:
         conn.peer = f"rank {rank}"
         return rank
 
-    async def _handshake(self, conn: MessageStream, magic: bytes) -> int:
+    def _ack(self, conn: MessageStream, handshake: bytes) -> bytes:
+        """The answer to an accepted handshake (on the local leg, signed: see _handshake)."""
+        if self.config.kind is ChannelKind.CONTROL:
+            return encode_control_ack(self.config.salt)
+        return encode_data_ack() if conn.signed_frames else encode_local_ack(handshake, self.config.salt)
+
+    async def _handshake(self, conn: MessageStream, magic: bytes) -> tuple[int, bytes]:
         """Read and check the handshake, then claim the rank (before any other await,
-        so of two simultaneous handshakes for one rank the second is refused)."""
-        if self.config.kind is ChannelKind.DATA:
+        so of two simultaneous handshakes for one rank the second is refused).
+        On the local leg, whose frames are not signed, the data handshake carries a
+        tag: a rank of another run (another salt) is refused here, not folded."""
+        if self.config.kind is ChannelKind.DATA and not conn.signed_frames:
+            raw = magic + await conn.receive_exactly(LOCAL_HANDSHAKE_LEN - 4, "the local-leg handshake")
+            hello = decode_local_handshake(raw, self.config.world_size, self.config.salt)
+        elif self.config.kind is ChannelKind.DATA:
             raw = magic + await conn.receive_exactly(DATA_HANDSHAKE_LEN - 4, "the data handshake")
             hello = decode_data_handshake(raw, self.config.world_size)
         else:
@@ -304,7 +360,7 @@ class _Relay:
             )
         self.claimed.add(hello.rank)
         self.signatures[hello.rank] = hello.model_signature
-        return hello.rank
+        return hello.rank, raw
 
     async def _pipe_state(self, conn: MessageStream, magic: bytes) -> None:
         """Pass a joining rank's state request to the controller and its reply back, as

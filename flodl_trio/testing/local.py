@@ -121,6 +121,7 @@ async def open_local_cluster(
     network: MemoryNetwork | None = None,
     bounds: NetBounds | None = None,
     deterministic: bool = False,
+    local_leg: bool | None = None,
     **controller_options: Any,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
@@ -133,7 +134,8 @@ async def open_local_cluster(
     on a :class:`~flodl_trio.testing.MemoryNetwork` instead of TCP (for
     tests in virtual time; no fault proxies there). ``bounds`` and
     ``deterministic`` go to every role (default: each reads the environment;
-    arrival-order folding).
+    arrival-order folding); ``local_leg`` to the data relays (default: on
+    unless ``FLODL_NO_UNIX`` is set).
     """
     if network is not None and (upstream_faults or upstream):
         raise ConfigError("a cluster on a memory network takes no TCP upstream or fault proxies")
@@ -175,6 +177,7 @@ async def open_local_cluster(
                     connect=connect,
                     host=shared[index],
                     deterministic=deterministic,
+                    local_leg=local_leg,
                     **listeners(),
                 )
                 relays[kind].append(await stack.enter_async_context(relay))

@@ -959,10 +959,10 @@ async def port_scanner() -> Outcome:
 # ---------------------------------------------------------------------------
 
 
-@case("wrong-salt-data", fault="a rank with the wrong session salt on its data connection", leg="rank -> relay (data)")
+@case("wrong-salt-data", fault="a rank with the wrong session salt on its data connection (TCP)", leg="rank -> relay (data)")
 async def wrong_salt_data() -> Outcome:
     async with daemon_cluster(
-        world_size=3, hosts=[[0, 1], [2]], rounds=2, worker_args={1: ["--data-salt", OTHER_SALT.hex()]},
+        world_size=3, hosts=[[0, 1], [2]], rounds=2, worker_args={1: ["--data-salt", OTHER_SALT.hex(), "--tcp"]},
     ) as c:
         with diagnose(c):
             sending = await c.wait_event(1, "sending", round=0)
@@ -971,6 +971,28 @@ async def wrong_salt_data() -> Outcome:
             await c.relay_processes(0)[0].wait_log(re.compile(r"rank 1 dropped: RoundFrame from rank 1 .*MAC mismatch"))
             seconds = max([rounds[r][0]["time"] for r in rounds] + [error["time"]]) - sending["time"]
     return Outcome(f"its first frame failed the MAC at the relay: dropped, raised {error['type']}; ranks 0,2 correct", seconds)
+
+
+@case("wrong-salt-local-leg", fault="a rank with the wrong session salt on the Unix-socket local leg",
+      leg="rank -> relay (local leg)")
+async def wrong_salt_local_leg() -> Outcome:
+    async with daemon_cluster(
+        world_size=3, hosts=[[0, 1], [2]], rounds=2,
+        worker_args={1: ["--data-salt", OTHER_SALT.hex(), "--connect-attempts", "1"]},
+    ) as c:
+        with diagnose(c):
+            t0 = mono()
+            error = await expect_error(
+                c, 1, before_round=0, contributors=everyone(3), types=("FramingError",),
+                fragments=("another session salt (local leg)",),
+            )
+            rounds = await expect_consensus(c, [0, 2], 2, lambda _k: {0, 2})
+            await c.relay_processes(0)[0].wait_log(re.compile(r"refused .*local-leg handshake of rank 1: MAC mismatch"))
+            seconds = max([rounds[r][0]["time"] for r in rounds] + [error["time"]]) - t0
+    return Outcome(
+        f"refused at the handshake (the salt is proven once there; frames go unsigned): raised {error['type']}; "
+        "ranks 0,2 correct", seconds,
+    )
 
 
 async def _imposter(

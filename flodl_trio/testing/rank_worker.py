@@ -237,7 +237,9 @@ async def run(args: argparse.Namespace) -> None:
                     )
                 )
             client = await stack.enter_async_context(
-                connect_reduce_client(args.data, args.rank, args.world_size, data_salt, **connect)
+                connect_reduce_client(
+                    args.data, args.rank, args.world_size, data_salt, local_leg=False if args.tcp else None, **connect
+                )
             )
             client.bf16_wire = args.bf16
             emit("ready", rank=args.rank)
@@ -293,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--backend", choices=("torch", "numpy"), default="torch",
                         help="build frames with torch (default) or numpy (starts faster)")
+    parser.add_argument("--tcp", action="store_true",
+                        help="reach the data relay over TCP with MACs even where the local leg is offered")
     parser.add_argument("--data-salt", help=f"salt hex for the data connection (default ${SALT_ENV})")
     parser.add_argument("--control-salt", help=f"salt hex for the control connection (default ${SALT_ENV})")
     parser.add_argument("--connect-attempts", type=int, default=60)

@@ -31,6 +31,8 @@ from .buffers import ReceiveBuffer
 from .hashing import THREADED_HASH_MIN, OnBytes, RunningMac, mac_feeder
 
 _U32 = struct.Struct("<I")
+# What stands in a frame's MAC field on the local leg.
+UNSIGNED_TAG = bytes(MAC_LEN)
 # Pieces a write is split into, so "no progress" can be told from "slow".
 WRITE_PIECE = 4 << 20
 # Inside a large message, a read waits for at least this many bytes.
@@ -54,6 +56,9 @@ class MessageStream:
         self._sock: trio.socket.SocketType | None = sock if isinstance(stream, trio.SocketStream) else None
         self._small = bytearray(8)
         self._low_water = 1
+        # False on the same-uid local leg, where round frames are neither signed
+        # nor verified (docs/wire.md, "The local leg").
+        self.signed_frames = True
         self.bytes_received = 0
         self.bytes_sent = 0
 
@@ -107,7 +112,7 @@ class MessageStream:
         Back to 1 for the message's last stretch, so its end and the next
         message's header are read the moment they land."""
         want = RECEIVE_LOW_WATER if remaining >= 2 * RECEIVE_LOW_WATER else 1
-        if want != self._low_water and self._sock is not None:
+        if want != self._low_water and self._sock is not None and self._sock.family != socket.AF_UNIX:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
             self._low_water = want
 
@@ -257,6 +262,14 @@ class MessageStream:
                     await self._send_piece(piece, stall)
                     offset += len(piece)
             await self._send_piece(mac.tag(), stall)
+
+    async def send_frame(self, body: EncodedFrame, salt: SessionSalt) -> None:
+        """Send a rank's RoundFrame the way this connection wants it: signed, or on
+        the local leg with zeros where the MAC goes (nobody checks them there)."""
+        if self.signed_frames:
+            await self.send_signed_frame(body, salt)
+        else:
+            await self.send_len_framed([*body.chunks, UNSIGNED_TAG], body.nbytes + MAC_LEN)
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):

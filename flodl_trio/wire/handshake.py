@@ -1,4 +1,5 @@
-"""Rank <-> relay handshakes: data v3 (bare) and control v4 (MAC'd, with model signature).
+"""Rank <-> relay handshakes: data v3 (bare) and control v4 (MAC'd, with model signature),
+and flodl_trio's local-leg handshake (data v3 with a tag each way).
 
 Each check fails with its own message so an operator can tell a version skew
 from a world-size typo from a rank pointed at the wrong host.
@@ -86,6 +87,44 @@ def encode_data_ack() -> bytes:
 def decode_data_ack(data: Buffer) -> None:
     magic, version = _ACK.unpack(exact_bytes(data, DATA_ACK_LEN, "data handshake ack"))
     check_magic_version(magic, version, DATA_ACK_MAGIC, DATA_PROTOCOL_VERSION, "data handshake ack")
+
+
+# -- the local leg (flodl_trio) -----------------------------------------------
+# Frames there are not signed, so the handshake is: both ends prove once, per
+# connection, that they hold the session salt (a rank of another run is refused).
+
+LOCAL_HANDSHAKE_LEN = DATA_HANDSHAKE_LEN + MAC_LEN  # 24
+LOCAL_ACK_LEN = DATA_ACK_LEN + MAC_LEN  # 16
+
+
+def encode_local_handshake(rank: int, world_size: int, salt: SessionSalt) -> bytes:
+    body = encode_data_handshake(rank, world_size)
+    return body + salt.mac8(body)
+
+
+def decode_local_handshake(data: Buffer, expected_world_size: int, salt: SessionSalt) -> RankHello:
+    raw = exact_bytes(data, LOCAL_HANDSHAKE_LEN, "local-leg handshake")
+    hello = decode_data_handshake(raw[:DATA_HANDSHAKE_LEN], expected_world_size)
+    verify_mac(
+        salt.mac8(raw[:DATA_HANDSHAKE_LEN]), raw[DATA_HANDSHAKE_LEN:],
+        f"local-leg handshake of rank {hello.rank}",
+    )
+    return hello
+
+
+def encode_local_ack(handshake: bytes, salt: SessionSalt) -> bytes:
+    """The data ack and a tag over the rank's handshake and the ack (the reply is to this handshake)."""
+    head = encode_data_ack()
+    return head + salt.mac8(handshake[:DATA_HANDSHAKE_LEN] + head)
+
+
+def decode_local_ack(data: Buffer, handshake: bytes, salt: SessionSalt) -> None:
+    raw = exact_bytes(data, LOCAL_ACK_LEN, "local-leg handshake ack")
+    decode_data_ack(raw[:DATA_ACK_LEN])
+    verify_mac(
+        salt.mac8(handshake[:DATA_HANDSHAKE_LEN] + raw[:DATA_ACK_LEN]), raw[DATA_ACK_LEN:],
+        "local-leg handshake ack from the relay",
+    )
 
 
 # -- control channel, v4 -----------------------------------------------------

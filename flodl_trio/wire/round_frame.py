@@ -259,7 +259,7 @@ def decode_round_frame(
     ceiling: int = DEFAULT_FRAME_CEILING,
     source: str = "peer",
     mac_of_body: bytes | None = None,
-    envelope_verified: bool = False,
+    authenticated: bool = False,
 ) -> RoundFrame:
     """Parse and verify one RoundFrame that fills ``body`` exactly.
 
@@ -269,10 +269,11 @@ def decode_round_frame(
     shape-vs-bytes are left to the fold/decode, which name the tensor.
 
     ``mac_of_body`` is MAC8 of ``body[:-8]`` computed while the bytes arrived
-    (so the check costs no second pass). ``envelope_verified`` says every byte
-    of ``body`` was already authenticated, under the same key, by the MAC of
-    the MuxRecord that carried it; the frame's own tag is then not recomputed
-    (and ``salt`` may be None: only a frame this process built is trusted so).
+    (so the check costs no second pass). ``authenticated`` says the frame's own
+    tag is not to be checked, because every byte of ``body`` was vouched for
+    otherwise: by the MAC of the MuxRecord that carried it (same key), by this
+    process having built it, or by arriving on the same-uid local leg, where
+    frames are not signed (docs/wire.md); ``salt`` may then be None.
     """
     view = _as_bytes_view(body)
     cur = _Cursor(view)
@@ -305,7 +306,7 @@ def decode_round_frame(
             f"RoundFrame from {source} used {cur.pos} bytes, {len(view) - cur.pos} fewer than "
             f"its length prefix declared ({len(view)}): the stream is desynced"
         )
-    if not envelope_verified:
+    if not authenticated:
         if mac_of_body is None and salt is None:
             raise TypeError("decode_round_frame needs the salt to verify the frame's MAC")
         expected = mac_of_body if mac_of_body is not None else salt.mac8(view[:signed_end])  # type: ignore[union-attr]

@@ -1,0 +1,211 @@
+"""The local leg: a rank and its data relay on one machine talk over a Unix socket.
+
+Both ends find the socket at the same path without being told: a 0700
+directory of the user's (``FLODL_UNIX_DIR``, default ``/tmp/flodl_trio-<uid>``)
+holding ``data-<netns>-<port>.sock``, named by the network namespace and the
+relay's data port - exactly what identifies the loopback listener the rank
+would otherwise dial, so two network-namespace "hosts" on one machine, which
+share the file system and may share port numbers, never meet. Each end checks
+the other's uid with SO_PEERCRED: only the same user, or root. Frames on this
+leg are not signed; docs/wire.md ("The local leg") says why that costs nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import trio
+
+from ..errors import ConfigError
+
+log = logging.getLogger("flodl_trio.net")
+
+UNIX_DIR_ENV = "FLODL_UNIX_DIR"
+NO_UNIX_ENV = "FLODL_NO_UNIX"
+# sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+# Unix sockets default to ~200 KiB of buffer; model-sized frames move in far
+# fewer wake-ups with more (the kernel caps it at net.core.[rw]mem_max).
+LOCAL_SOCKET_BUFFER = 4 << 20
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def local_leg_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """False when ``FLODL_NO_UNIX`` is set to anything but ``0`` or empty."""
+    return environ.get(NO_UNIX_ENV, "").strip() in ("", "0")
+
+
+def local_leg_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where this user's relays put their sockets: ``FLODL_UNIX_DIR`` or ``/tmp/flodl_trio-<uid>``."""
+    configured = environ.get(UNIX_DIR_ENV, "").strip()
+    return Path(configured) if configured else Path(f"/tmp/flodl_trio-{os.getuid()}")
+
+
+def _network_namespace() -> int:
+    """This process's network namespace (its inode), or 0 where /proc does not say."""
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def local_leg_path(port: int, directory: Path | None = None) -> Path:
+    """The socket of the data relay listening on loopback ``port`` in this network namespace."""
+    base = directory if directory is not None else local_leg_dir()
+    return base / f"data-{_network_namespace()}-{port}.sock"
+
+
+def ensure_private_dir(directory: Path) -> None:
+    """Create ``directory`` (mode 0700) or check an existing one is this user's and
+    closed to everyone else: nobody else may plant or reach a socket there."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.lstat()
+    except OSError as exc:
+        raise ConfigError(f"local leg: cannot create directory {directory}: {exc}") from exc
+    problem = None
+    if not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid != os.getuid():
+        problem = f"belongs to uid {info.st_uid}, not to this process's uid {os.getuid()}"
+    elif info.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):04o}; it must be 0700"
+    if problem is not None:
+        raise ConfigError(
+            f"local leg: {directory} {problem} (set {UNIX_DIR_ENV} to another directory, "
+            f"or run without the local leg: --no-unix / {NO_UNIX_ENV}=1)"
+        )
+
+
+def trusted_uid(uid: int) -> bool:
+    """The local leg's peers: this process's own user, or root."""
+    return uid in (os.getuid(), 0)
+
+
+@attrs.frozen
+class PeerCredentials:
+    """Who is at the other end of a Unix socket, as the kernel recorded it at connect."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(stream: trio.abc.Stream) -> PeerCredentials | None:
+    """SO_PEERCRED of a Unix socket stream; None for any other stream."""
+    if not isinstance(stream, trio.SocketStream) or stream.socket.family != socket.AF_UNIX:
+        return None
+    raw = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return PeerCredentials(*_UCRED.unpack(raw))
+
+
+def _widen_buffers(sock: trio.socket.SocketType) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, LOCAL_SOCKET_BUFFER)
+
+
+def tune_local_stream(stream: trio.abc.Stream) -> None:
+    """Bigger kernel buffers on a local-leg socket (see LOCAL_SOCKET_BUFFER)."""
+    if isinstance(stream, trio.SocketStream):
+        _widen_buffers(stream.socket)
+
+
+class LocalLegListener(trio.abc.Listener[trio.SocketStream]):
+    """A data relay's Unix-socket listener (trio's SocketListener, which is final,
+    inside); its file goes away when it closes."""
+
+    def __init__(self, sock: trio.socket.SocketType, path: Path) -> None:
+        self._inner = trio.SocketListener(sock)
+        self.path = path
+
+    async def accept(self) -> trio.SocketStream:
+        return await self._inner.accept()
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            self.path.unlink(missing_ok=True)
+
+
+async def open_local_leg_listener(port: int, directory: Path | None = None) -> LocalLegListener:
+    """Listen on the local-leg socket for the data relay bound to loopback ``port``.
+
+    A socket file already there is a relay that died without cleaning up (the
+    live one would hold the TCP port we just bound): it is replaced.
+    """
+    base = directory if directory is not None else local_leg_dir()
+    ensure_private_dir(base)
+    path = local_leg_path(port, base)
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"local leg: socket path {path} is longer than {MAX_SOCKET_PATH} bytes; set {UNIX_DIR_ENV} to a shorter directory"
+        )
+    if path.is_symlink() or (path.exists() and not stat.S_ISSOCK(path.lstat().st_mode)):
+        raise ConfigError(f"local leg: {path} exists and is not a socket; remove it or set {UNIX_DIR_ENV}")
+    path.unlink(missing_ok=True)
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        path.unlink(missing_ok=True)
+        raise
+    _widen_buffers(sock)
+    return LocalLegListener(sock, path)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address: the relay there is on this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+async def dial_local_leg(host: str, port: int, who: str) -> trio.SocketStream | None:
+    """The local leg to the data relay at loopback ``host:port``, when it offers one
+    and is run by this user or root; None otherwise (the caller dials TCP)."""
+    if not is_loopback(host):
+        return None
+    path = local_leg_path(port)
+    try:
+        stream = await trio.open_unix_socket(str(path))
+    except OSError:
+        return None  # no relay here with a local leg (or a stale file): TCP it is
+    peer = peer_credentials(stream)
+    if peer is None or not trusted_uid(peer.uid):
+        log.warning("%s: %s is served by uid %s, not this user or root; using TCP", who, path, peer and peer.uid)
+        await stream.aclose()
+        return None
+    tune_local_stream(stream)
+    return stream
+
+
+__all__ = [
+    "NO_UNIX_ENV",
+    "UNIX_DIR_ENV",
+    "LocalLegListener",
+    "PeerCredentials",
+    "dial_local_leg",
+    "ensure_private_dir",
+    "is_loopback",
+    "local_leg_dir",
+    "local_leg_enabled",
+    "local_leg_path",
+    "open_local_leg_listener",
+    "peer_credentials",
+    "trusted_uid",
+]
