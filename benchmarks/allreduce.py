@@ -36,7 +36,9 @@ Workloads (``--workloads``, comma-separated; default all):
   privilege (CAP_NET_ADMIN) the workload is skipped with a message;
 * ``small``: 4 KiB, 4 ranks, rounds per second;
 * ``memory``: relay and controller peak RSS at 2, 4 and 8 local ranks x 64 MiB
-  (flodl_trio only; the 2- and 4-rank runs of ``loopback`` are reused).
+  (flodl_trio only; the 2- and 4-rank runs of ``loopback`` are reused), and at
+  2 ranks x 512 MiB (where the relay's memory budget keeps it to one receive
+  buffer).
 
 The table's "other load" column is the average number of cores processes
 outside the benchmark used during each run (/proc/stat busy time minus the
@@ -129,6 +131,7 @@ SMALL_RATE = 2.0
 RELAY_RSS_MODELS = 2
 CONTROLLER_RSS_MODELS = 3
 RSS_HEADROOM_MIB = 150
+LARGE_MODEL_MIB = 512  # the memory workload's large-model row
 TWOHOST_NUMEL = 16 * MiB // 4  # f32 parameters of the two-host workload
 TWOHOST_RANKS_PER_HOST = 2
 FOREIGN_LOAD_WARN = 0.15  # cores used by others during a run before its numbers are flagged
@@ -854,6 +857,7 @@ class Suite:
         self.args = args
         self.rows: list[Row] = []
         self.memory: dict[int, RunResult] = {}
+        self.large_memory: RunResult | None = None
         self.loopback_cache: dict[tuple[int, int], RunResult] = {}
         self.notes: list[str] = []
         self.checks: list[tuple[str, bool | None, str]] = []
@@ -904,7 +908,7 @@ class Suite:
             self.loopback_cache[(world, mib)] = fl
             if world == 4 and mib == 64:
                 ratio = fl.median_ms / gl.median_ms
-                floor = (one_host_floor(self.costs, frame_len(mib * MiB // 4, "f32"), world, self.local_leg)
+                floor = (one_host_floor(self.costs, frame_len(mib * MiB // 4, "f32"), world, self.bench.local_leg)
                          if self.costs else None)
                 self.checks.append((f"one host, 4 ranks x 64 MiB: flodl_trio <= {LOOPBACK_4X64:g} x gloo",
                                     ratio <= LOOPBACK_4X64,
@@ -955,7 +959,7 @@ class Suite:
     def _twohost_floor(self, dtype: str, rate: str, per_host: int = TWOHOST_RANKS_PER_HOST) -> Floor | None:
         if self.costs is None:
             return None
-        return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, per_host, self.local_leg)
+        return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, per_host, self.bench.local_leg)
 
     def _twohost_at(
         self, rate: str, suffix: str, per_host: int = TWOHOST_RANKS_PER_HOST
@@ -1044,6 +1048,25 @@ class Suite:
                             f"spread {spread:.0f} MiB"))
         got = ", ".join(f"{w} ranks {v:.0f} MiB" for w, v in ctl.items())
         self.checks.append((f"controller peak RSS <= 3 x model + 150 MiB = {ctl_cap:.0f} MiB", max(ctl.values()) <= ctl_cap, got))
+        self._large_model_memory()
+
+    def _large_model_memory(self) -> None:
+        """2 ranks x 512 MiB: the RSS targets must hold at every model size, not only 64 MiB."""
+        mib, world = LARGE_MODEL_MIB, 2
+        numel = mib * MiB // 4
+        hosts = [Host("host0", list(range(world)))]
+        self.log(f"memory: flodl_trio {world} ranks x {mib} MiB")
+        r = self.measure(lambda: self.bench.run_flodl(hosts, numel, "f32", 1, 2, f"memory_{world}x{mib}"))
+        self.large_memory = r
+        self.rows.append(Row(f"memory {world}x{mib} MiB", f"memory {world}x{mib}", r, flodl_links(hosts, numel, "f32")))
+        model = mib * MiB
+        relay, ctl = r.rss_of("relay")[0], r.rss_of("controller")[0]
+        relay_cap = (RELAY_RSS_MODELS * model + RSS_HEADROOM_MIB * MiB) / MiB
+        ctl_cap = (CONTROLLER_RSS_MODELS * model + RSS_HEADROOM_MIB * MiB) / MiB
+        self.checks.append((f"relay peak RSS at {world} x {mib} MiB <= 2 x model + 150 MiB = {relay_cap:.0f} MiB",
+                            relay <= relay_cap, f"{relay:.0f} MiB"))
+        self.checks.append((f"controller peak RSS at {world} x {mib} MiB <= 3 x model + 150 MiB = {ctl_cap:.0f} MiB",
+                            ctl <= ctl_cap, f"{ctl:.0f} MiB"))
 
     # -- output --------------------------------------------------------------
 
@@ -1071,6 +1094,10 @@ class Suite:
                       "|---:|---:|---:|---:|"]
             for w, r in sorted(self.memory.items()):
                 lines.append(f"| {w} | {r.rss_of('relay')[0]:.0f} | {r.rss_of('controller')[0]:.0f} | {r.median_ms:.0f} |")
+            if self.large_memory is not None:
+                r = self.large_memory
+                lines.append(f"| 2 (x {LARGE_MODEL_MIB} MiB) | {r.rss_of('relay')[0]:.0f} | {r.rss_of('controller')[0]:.0f} "
+                             f"| {r.median_ms:.0f} |")
         return "\n".join(lines)
 
     def _mark_twohost_target_and_floor(self, ax: Any, rows: list[Row], width: float) -> None:

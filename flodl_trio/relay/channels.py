@@ -72,15 +72,22 @@ log = logging.getLogger("flodl_trio.relay")
 # Records queued toward the controller; a full queue back-pressures rank readers.
 OUTBOUND_DEPTH = 16
 # Model-sized receive buffers shared by all of a channel's readers. Two let two
-# rank frames arrive and verify at once (their MACs hash on two cores); memory
-# stays near three model sizes (these two + the f32 fold) for any number of ranks.
-# The data channel starts with one and gets the second once a verified frame has
-# shown the model's size, so the two never grow (and copy) at the same time.
+# rank frames arrive and verify at once (their MACs hash on two cores) and let
+# the last frame's HostFrame be finished ahead; memory stays near three model
+# sizes (these two + the f32 fold) for any number of ranks. The data channel
+# starts with one and gets the second once a verified frame has shown the
+# model's size (so the two never grow and copy at the same time), and only if
+# the relay then stays within its memory budget: for a large model one buffer
+# and the fold are what fits.
 RECEIVE_BUFFERS = 2
 
 # A control-channel blob is one ControlFrame: 24-byte header + at most 16 MiB.
 CONTROL_BLOB_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
 _U32 = struct.Struct("<I")
+MiB = 1 << 20
+# What a data relay holds besides its model-sized buffers (the interpreter, numpy,
+# trio, small buffers): a relay daemon with 4 KiB frames is ~42 MiB resident.
+RELAY_BASELINE = 48 * MiB
 
 
 @attrs.frozen
@@ -379,6 +386,7 @@ class DataChannel(_Channel):
         self.fold_changed = ChangeSignal()
         self.fold = HostFold(config.host_name, config.ranks, on_change=self.fold_changed.notify)
         self.single = len(config.ranks) == 1
+        self._budget_refused = False
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         while True:
@@ -422,14 +430,14 @@ class DataChannel(_Channel):
             if speculation.frame is not None:
                 owned.callback(self.pool.release, speculation.frame.buffer)
             if speculation.record is not None and speculation.frame is not None and self.fold.complete_ahead(rank, speculation.frame.acc):
-                self._count_frame(length)
+                self._count_frame(length, frame)
                 self.stats.rounds_finished_ahead += 1
                 owned.pop_all()
                 self.pool.release(buf)
                 await self._queue_owning(out, _SealedHostFrame(speculation.record, speculation.frame.buffer))
                 return
             folded = self.fold.deposit(rank, frame)
-            self._count_frame(length)
+            self._count_frame(length, frame)
             if folded is not None:
                 await out.send(folded)
 
@@ -439,12 +447,30 @@ class DataChannel(_Channel):
         while not self.fold.may_fold_now(rank):
             await self.fold_changed.wait()
 
-    def _count_frame(self, length: int) -> None:
+    def _count_frame(self, length: int, frame: RoundFrame | None = None) -> None:
         self.stats.bytes_local += length + 4
         # Once a verified frame proved the model's size, let frames arrive two at a
-        # time (a single rank has nothing to overlap).
-        if self.pool.size < self.pool.limit and not self.single:
-            self.pool.add(ReceiveBuffer(length))
+        # time (a single rank has nothing to overlap), if memory allows.
+        if frame is not None and self.pool.size < self.pool.limit and not self.single and not self._budget_refused:
+            self._lend_second_buffer(length, frame)
+
+    def _lend_second_buffer(self, length: int, frame: RoundFrame) -> None:
+        """Add a receive buffer of ``length`` bytes if the relay's model-sized memory
+        (two receive buffers and the f32 fold) plus its baseline fits its budget;
+        decided once, from the first verified frame."""
+        budget = self.config.memory_budget_for(length)
+        fold = 4 * sum(math.prod(t.shape) for t in frame.tensors)
+        needed = 2 * length + fold + RELAY_BASELINE
+        if needed > budget:
+            self._budget_refused = True
+            log.info(
+                "relay %s: one receive buffer: with a second, %.0f MiB each, and the %.0f MiB f32 fold the relay "
+                "would need %.0f MiB, over its memory budget of %.0f MiB (frames are received one at a time)",
+                self.config.host_name, length / MiB, fold / MiB, needed / MiB, budget / MiB,
+            )
+            return
+        self.pool.add(ReceiveBuffer(length))
+        self.stats.receive_buffers = self.pool.size
 
     async def _queue_owning(self, out: trio.MemorySendChannel[_Outbound], item: _RawHostFrame | _SealedHostFrame) -> None:
         """Queue an item that owns a pool buffer; the buffer comes back if it never gets queued."""

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--unix-dir", default=env_default(UNIX_DIR_ENV),
         help="directory of the local leg's socket, mode 0700 [env FLODL_UNIX_DIR; default /tmp/flodl_trio-<uid>]",
     )
+    parser.add_argument(
+        "--memory-budget", type=float, default=env_default("FLODL_RELAY_MEMORY_BUDGET"), metavar="MIB",
+        help="resident MiB the data relay may grow to by receiving two frames at once "
+        "[env FLODL_RELAY_MEMORY_BUDGET; default 2 x model + 150]",
+    )
     add_common_flags(parser)
     return parser
 
@@ -101,6 +106,7 @@ class RelayDaemonSettings:
     deterministic: bool = False
     local_leg: bool = True
     unix_dir: str | None = None
+    memory_budget: int | None = None  # bytes
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -123,8 +129,12 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     settings = RelayDaemonSettings(
         controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file),
         bool(args.deterministic), not args.no_unix, args.unix_dir,
+        None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)),
     )
-    RelayConfig(ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt).validate()
+    RelayConfig(
+        ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt,
+        memory_budget=settings.memory_budget,
+    ).validate()
     return settings
 
 
@@ -140,6 +150,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                     host_name=settings.host_name, ranks=settings.ranks, world_size=settings.world_size,
                     salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, host=host,
                     deterministic=settings.deterministic, local_leg=settings.local_leg, unix_dir=settings.unix_dir,
+                    memory_budget=settings.memory_budget,
                 )
             )
         if metrics is not None:

@@ -15,6 +15,10 @@ from ..wire.constants import (
 )
 from ..wire.salt import SessionSalt
 
+# The default memory budget's allowance above two model sizes: the interpreter,
+# numpy, trio and the small buffers.
+DEFAULT_BUDGET_HEADROOM = 150 << 20
+
 
 class ChannelKind(enum.Enum):
     """Which protocol a relay channel terminates toward its local ranks."""
@@ -42,6 +46,7 @@ class RelayStats:
     rounds_finished_ahead: int = 0  # HostFrames computed and signed while the last frame arrived
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
     local_connections: int = 0  # rank connections accepted on the Unix-socket local leg
+    receive_buffers: int = 1  # model-sized receive buffers (a second only within the memory budget)
 
     @property
     def fold_ratio(self) -> float:
@@ -63,6 +68,15 @@ class RelayConfig:
     bounds: NetBounds = attrs.field(factory=NetBounds)
     # Fold the host's ranks in rank order, whatever order their frames arrive in.
     deterministic: bool = False
+    # Resident bytes the data relay may grow to by taking a second receive buffer
+    # (None: 2 x the model's frame + DEFAULT_BUDGET_HEADROOM, see memory_budget_for).
+    memory_budget: int | None = None
+
+    def memory_budget_for(self, frame_bytes: int) -> int:
+        """The budget for a model of ``frame_bytes`` (what docs/operations.md promises)."""
+        if self.memory_budget is not None:
+            return self.memory_budget
+        return 2 * frame_bytes + DEFAULT_BUDGET_HEADROOM
 
     def validate(self) -> None:
         """Refuse a rank set no cluster could use (ConfigError, naming the host)."""
@@ -70,6 +84,8 @@ class RelayConfig:
             raise ConfigError(f"world_size must be > 0, got {self.world_size}")
         if not self.ranks:
             raise ConfigError(f"relay {self.host_name}: the host's rank set is empty")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConfigError(f"relay {self.host_name}: memory budget must be > 0 bytes, got {self.memory_budget}")
         if len(set(self.ranks)) != len(self.ranks):
             raise ConfigError(f"relay {self.host_name}: duplicate ranks in {list(self.ranks)}")
         outside = [r for r in self.ranks if not 0 <= r < self.world_size]

@@ -129,6 +129,7 @@ async def open_relay(
     deterministic: bool = False,
     local_leg: bool | None = None,
     unix_dir: str | os.PathLike[str] | None = None,
+    memory_budget: int | None = None,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
@@ -146,6 +147,8 @@ async def open_relay(
     None (the default) means on unless ``FLODL_NO_UNIX`` is set. ``unix_dir``
     overrides the socket's directory (default ``FLODL_UNIX_DIR`` or
     ``/tmp/flodl_trio-<uid>``); ``handle.unix_path`` is the socket.
+    ``memory_budget`` (bytes; default 2 x the model's frame + 150 MiB): a data
+    relay takes its second model-sized receive buffer only if it stays within it.
     Leaving the block shuts the relay down; an error it hit that nobody
     awaited through ``wait_finished()`` is raised on exit.
     """
@@ -156,7 +159,7 @@ async def open_relay(
         net = attrs.evolve(net, connect_interval=connect_interval)
     config = RelayConfig(
         kind, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt), ceiling, net,
-        deterministic,
+        deterministic, memory_budget,
     )
     config.validate()
     unix_path = None
