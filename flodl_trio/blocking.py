@@ -33,6 +33,7 @@ from .client import (
     connect_reduce_client,
 )
 from .errors import FlodlError
+from .trainer import TrainerStats, WindowTrainer
 from .wire.round_frame import RoundFrame, RoundKind
 from .wire.salt import SessionSalt
 
@@ -69,6 +70,8 @@ class BlockingReduceClient:
         **connect_options: Any,
     ) -> None:
         self.rank = rank
+        self.world_size = world_size
+        self._nursery: trio.Nursery | None = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -109,8 +112,9 @@ class BlockingReduceClient:
                     )
                 self._client = await stack.enter_async_context(connect_reduce_client(address, rank, world, salt, **options))
                 self._token = trio.lowlevel.current_trio_token()
-                self._ready.set()
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery  # where a window trainer's background rounds run
+                    self._ready.set()
                     nursery.start_soon(self._worker, pending)
                     await self._stop.wait()
                     nursery.cancel_scope.cancel()
@@ -208,6 +212,25 @@ class BlockingReduceClient:
     def fetch_state(self) -> ClusterState:
         return self._run(lambda c: c.fetch_state())
 
+    def window_trainer(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor] = (),
+        *,
+        sync_every: int,
+        overlap: int = 0,
+        gamma: float = 1.0,
+    ) -> BlockingWindowTrainer:
+        """The window loop for a plain-Python trainer (see :class:`~flodl_trio.trainer.WindowTrainer`):
+        call ``step()`` after every inner step; with ``overlap=1`` a window's round
+        runs in the helper thread while your next inner steps run in yours."""
+        assert self._nursery is not None and self._client is not None
+        trainer = WindowTrainer(
+            self._client, params, buffers, rank=self.rank, world_size=self.world_size, sync_every=sync_every,
+            overlap=overlap, gamma=gamma, nursery=self._nursery,
+        )
+        return BlockingWindowTrainer(self, trainer)
+
     def finish(self) -> None:
         """Leave for good, saying so (see :meth:`ReduceClient.finish`), and stop the thread."""
         self._finished = True
@@ -229,6 +252,27 @@ class BlockingReduceClient:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.finish() if exc_type is None else self.close()
+
+
+class BlockingWindowTrainer:
+    """A :class:`~flodl_trio.trainer.WindowTrainer` driven from the caller's thread: the
+    same implementation, its rounds on the client's helper thread."""
+
+    def __init__(self, client: BlockingReduceClient, trainer: WindowTrainer) -> None:
+        self._client = client
+        self.trainer = trainer
+
+    @property
+    def stats(self) -> TrainerStats:
+        return self.trainer.stats
+
+    def step(self) -> None:
+        """One inner step is done (may merge a landed consensus, or end the window)."""
+        self._client._run(lambda _c: self.trainer.after_step())
+
+    def finish(self) -> None:
+        """Wait for the round still in flight and merge it."""
+        self._client._run(lambda _c: self.trainer.finish())
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -64,11 +64,11 @@ def make_data(rank: int, samples: int) -> tuple[Any, Any, Any, Any]:
 
 async def worker(args: argparse.Namespace) -> None:
     import torch
-    import trio
 
-    from flodl_trio import SessionSalt, average_window, connect_reduce_client
+    from flodl_trio import SessionSalt, connect_reduce_client
     from flodl_trio.client import connect_control_client
     from flodl_trio.tensors import model_signature
+    from flodl_trio.trainer import open_window_trainer
 
     torch.set_num_threads(1)
     rank, salt = args.rank, SessionSalt.from_hex(os.environ["FLODL_SALT_HEX"])
@@ -82,17 +82,16 @@ async def worker(args: argparse.Namespace) -> None:
     def emit(**fields: Any) -> None:
         print(json.dumps({"rank": rank, **fields}), flush=True)
 
-    def train_window() -> float:
+    losses: list[float] = []
+
+    def inner_step() -> None:
         model.train()
-        total = 0.0
-        for _ in range(args.inner_steps):
-            idx = torch.randint(0, x.shape[0], (64,), generator=gen)
-            loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
-            inner.zero_grad()
-            loss.backward()
-            inner.step()
-            total += loss.item()
-        return total / args.inner_steps
+        idx = torch.randint(0, x.shape[0], (64,), generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+        inner.zero_grad()
+        loss.backward()
+        inner.step()
+        losses.append(loss.item())
 
     def validation_loss() -> float:
         with torch.no_grad():
@@ -107,14 +106,19 @@ async def worker(args: argparse.Namespace) -> None:
             # 0 at first start; after a restart the model is the cluster's consensus from here on.
             start = await client.join(params, buffers)
             emit(joined=start, consensus_loss=validation_loss())
-            for window in range(start, args.windows):
-                local_loss = await trio.to_thread.run_sync(train_window)
-                # The window's averages land in the model's own parameters and buffers.
-                result = await average_window(
-                    client, params, buffers, args.inner_steps, rank=rank, world_size=WORLD, in_place=True
-                )
-                emit(window=window, local_loss=local_loss, consensus_loss=validation_loss(),
-                     live=sum(1 for c in result.counts if c > 0))
+            # The window loop: every window's averages land in the model's own parameters
+            # and buffers; with --overlap the round runs while the next window trains.
+            async with open_window_trainer(
+                client, params, buffers, rank=rank, world_size=WORLD, sync_every=args.inner_steps,
+                overlap=args.overlap,
+            ) as trainer:
+                for window in range(start, args.windows):
+                    await trainer.run_steps(args.inner_steps, inner_step)
+                    local_loss, losses[:] = sum(losses) / len(losses), []
+                    emit(window=window, local_loss=local_loss, consensus_loss=validation_loss(),
+                         live=sum(1 for c in trainer.stats.last_counts if c > 0), waited=trainer.stats.waited_s)
+            # Leaving the trainer's block brought the last window's round in (with --overlap).
+            emit(final_loss=validation_loss(), waited=trainer.stats.waited_s)
 
 
 # ---------------------------------------------------------------------------
@@ -167,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
         for r in range(WORLD):
             commands[r] = py + ["flodl_trio.demo", "--worker", "--rank", str(r), "--data-port", str(ports[r][0]),
                                 "--control-port", str(ports[r][1]), "--windows", str(args.windows),
-                                "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout)]
+                                "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout),
+                                "--overlap", str(args.overlap)]
             if args.bf16:
                 commands[r].append("--bf16")
 
@@ -234,6 +239,8 @@ def follow_training(
                         bar.write(f"window {event['joined']}: rank {r} is back, from the consensus "
                                   f"(validation loss {event['consensus_loss']:.4f})")
                     continue
+                if "final_loss" in event:
+                    continue
                 if r == 0:
                     bar.update(1)
                     bar.set_postfix(loss=f"{event['consensus_loss']:.4f}", live=event["live"])
@@ -287,6 +294,7 @@ def print_summary(history: dict[int, list[dict[str, Any]]], events: dict[str, in
                   workdir: Path, elapsed: float, args: argparse.Namespace) -> None:
     stats = status["stats"]
     first, last = windows_of(history[0])[0], windows_of(history[0])[-1]
+    final = next((e for e in history[0] if "final_loss" in e), {"final_loss": last["consensus_loss"], "waited": last["waited"]})
     deaths = "none"
     if "killed" in events:
         deaths = f"rank {args.victim} killed after window {events['killed']}"
@@ -298,7 +306,8 @@ def print_summary(history: dict[int, list[dict[str, Any]]], events: dict[str, in
         ("averaging rounds", str(stats["rounds"])),
         ("outer optimizer", args.outer),
         ("wire", "bf16" if args.bf16 else "f32"),
-        ("consensus loss, first -> last window", f"{first['consensus_loss']:.4f} -> {last['consensus_loss']:.4f}"),
+        ("consensus loss, first window -> end", f"{first['consensus_loss']:.4f} -> {final['final_loss']:.4f}"),
+        ("trainer time waiting on the network", f"{final['waited']:.2f} s of {elapsed:.1f} s (rank 0; --overlap {args.overlap})"),
         ("bytes into controller", f"{stats['bytes_in'] / 1e6:.2f} MB"),
         ("bytes out of controller", f"{stats['bytes_out'] / 1e6:.2f} MB"),
         ("relay fold ratio", ", ".join(relay_fold_ratios(workdir)) or "n/a"),
@@ -369,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="start the victim again after this window (default 10; 0: never)")
     parser.add_argument("--outer", default="diloco", choices=["none", "slowmo", "diloco"], help="outer optimizer on the controller")
     parser.add_argument("--bf16", action="store_true", help="bf16 wire for the parameter rounds")
+    parser.add_argument("--overlap", type=int, default=0, choices=(0, 1),
+                        help="1: each window's round runs while the next window trains (default 0: wait for it)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--plot", default="flodl_demo.png", help="where to write the PNG (default flodl_demo.png)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

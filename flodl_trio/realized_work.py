@@ -40,6 +40,7 @@ def mover_mass(steps: float) -> float:
 
 class _ReduceClientLike(Protocol):
     pinned_decode: bool
+    bf16_wire: bool
 
     def arm_pinned_decode(self, slot: int) -> None: ...
 

@@ -207,6 +207,37 @@ async def _windows(args: argparse.Namespace, client: Any, go: _Go) -> None:
         await trio.sleep(args.pause)
 
 
+async def _trainer(args: argparse.Namespace, client: Any, go: _Go) -> None:
+    """The window loop run by :func:`open_window_trainer`: ``--train-windows`` windows of
+    ``--sync-every`` inner steps, each a ``--step-time`` wait (accelerator time) then
+    a made-up update, the round overlapped with ``--overlap 1``."""
+    import time
+
+    import torch
+
+    from flodl_trio.trainer import open_window_trainer
+
+    params = [torch.zeros(args.numel)]
+    step = 0
+
+    def inner_step() -> None:
+        nonlocal step
+        time.sleep(args.step_time)
+        params[0].add_(torch.from_numpy(window_delta(args.rank, step, args.numel)))
+        step += 1
+
+    async with open_window_trainer(
+        client, params, rank=args.rank, world_size=args.world_size, sync_every=args.sync_every, overlap=args.overlap,
+    ) as trainer:
+        for window in range(args.train_windows):
+            await trainer.run_steps(args.sync_every, inner_step)
+            emit("window", rank=args.rank, window=window, merged=trainer.stats.windows, counts=trainer.stats.last_counts)
+    emit(
+        "trained", rank=args.rank, windows=trainer.stats.windows, waited=trainer.stats.waited_s,
+        digest=_digest(params), head=params[0][:4].tolist(),
+    )
+
+
 async def run(args: argparse.Namespace) -> None:
     from flodl_trio import FlodlError, SessionSalt, connect_reduce_client
     from flodl_trio.client import connect_control_client
@@ -243,7 +274,8 @@ async def run(args: argparse.Namespace) -> None:
             )
             client.bf16_wire = args.bf16
             emit("ready", rank=args.rank)
-            await (_windows if args.windows is not None else _rounds)(args, client, go)
+            loop = _trainer if args.train_windows is not None else _windows if args.windows is not None else _rounds
+            await loop(args, client, go)
             nursery.cancel_scope.cancel()
         emit("done", rank=args.rank)
     except BaseExceptionGroup as group:
@@ -295,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--backend", choices=("torch", "numpy"), default="torch",
                         help="build frames with torch (default) or numpy (starts faster)")
+    parser.add_argument("--train-windows", type=int, default=None,
+                        help="run the WindowTrainer loop for this many windows (see --sync-every, --overlap)")
+    parser.add_argument("--sync-every", type=int, default=4, help="inner steps per window (--train-windows)")
+    parser.add_argument("--overlap", type=int, default=0, choices=(0, 1), help="overlap each window's round (--train-windows)")
+    parser.add_argument("--step-time", type=float, default=0.01, help="seconds one inner step waits (--train-windows)")
     parser.add_argument("--tcp", action="store_true",
                         help="reach the data relay over TCP with MACs even where the local leg is offered")
     parser.add_argument("--data-salt", help=f"salt hex for the data connection (default ${SALT_ENV})")

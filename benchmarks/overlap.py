@@ -1,0 +1,304 @@
+"""Training throughput when the network is in the way: inner steps per second.
+
+Run from the repository root, as root (the two hosts are network namespaces)::
+
+    python benchmarks/overlap.py                        # 1 Gbit/s and 200 Mbit/s, ~3 minutes
+    python benchmarks/overlap.py --rates 200mbit --windows 6 --out /tmp/overlap.png
+
+Two network namespaces joined by a veth pair shaped with ``tc tbf`` (the
+setup of ``benchmarks/allreduce.py``), 2 ranks in each, a 16 MiB f32 model,
+``--sync-every`` (H) inner steps per window. An inner step is a fixed wait
+(``--step-time``): a stand-in for accelerator time that leaves the CPU free,
+as a GPU kernel does, so the table shows what the network costs a GPU
+trainer rather than how CPU-bound torch steps compete with the data plane
+for this machine's two cores. Each rank reports its inner steps per second
+between the end of its first window and the end of its last (start-up, the
+first window and the drain of the last round left out: a long run amortizes
+them), and the time it was held up by rounds. Systems:
+
+* (a) ``none``: no communication at all, the ceiling;
+* (b) ``gloo``: ``torch.distributed`` gloo, a synchronous ``all_reduce``
+  (then a divide) every H steps;
+* (c) ``flodl sync``: flodl_trio's :class:`~flodl_trio.trainer.WindowTrainer`,
+  ``overlap=0`` (every window's counts, params and buffers rounds waited for);
+* (d) ``flodl overlap``: the same with ``overlap=1``.
+
+Convergence (``--convergence-windows``, 0 to skip): the demo's model (an MLP
+on synthetic data, AdamW inner steps, DiLoCo outer steps; ``python -m
+flodl_trio.demo``, no rank killed) trained with H inner steps per window,
+synchronous and overlapped; the final consensus validation loss of (d) must be
+within 2% of (c)'s.
+
+Targets (PASS/FAIL lines): (d) >= 0.95 x (a) at every rate; (d) >= 1.5 x (b)
+at 200 Mbit/s; (d)'s final loss within 2% of (c)'s. Prints markdown tables
+and draws a chart (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import allreduce as ar  # noqa: E402  (the netns pair and process launcher)
+
+NUMEL = 4 * 1024 * 1024  # 16 MiB of f32
+SYSTEMS = ("none", "gloo", "flodl sync", "flodl overlap")
+OVERLAP_VS_NONE = 0.95
+OVERLAP_VS_GLOO_AT_200 = 1.5
+LOSS_TOLERANCE = 0.02
+FINAL_LOSS = re.compile(r"consensus loss, first window -> end \| ([0-9.]+) -> ([0-9.]+)")
+TIMEOUT_S = 300
+
+
+# -- rank processes ---------------------------------------------------------------
+
+
+def _report(boundaries: list[float], sync_every: int, waited: float) -> None:
+    """Steps/s between the first and the last window boundary."""
+    span = boundaries[-1] - boundaries[0]
+    steps = sync_every * (len(boundaries) - 1)
+    print(json.dumps({"steps_per_s": steps / span if span > 0 else 0.0, "waited_s": waited}), flush=True)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    params = [torch.full((args.numel,), float(args.rank))]
+    boundaries: list[float] = []
+    if args.system == "none":
+        for _window in range(args.windows):
+            for _ in range(args.sync_every):
+                time.sleep(args.step_time)
+            boundaries.append(time.perf_counter())
+        _report(boundaries, args.sync_every, 0.0)
+    elif args.system == "gloo":
+        _gloo_worker(args, params[0], boundaries)
+    else:
+        import trio
+
+        trio.run(_flodl_worker, args, params, boundaries)
+
+
+def _gloo_worker(args: argparse.Namespace, t: object, boundaries: list[float]) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{args.addr}", rank=args.rank, world_size=args.world,
+                            timeout=timedelta(seconds=120))
+    waited = 0.0
+    for window in range(args.windows):
+        for _ in range(args.sync_every):
+            time.sleep(args.step_time)
+        started = time.perf_counter()
+        dist.all_reduce(t)  # type: ignore[arg-type]
+        t /= args.world  # type: ignore[operator]
+        now = time.perf_counter()
+        if window > 0:
+            waited += now - started
+        boundaries.append(now)
+    dist.destroy_process_group()
+    _report(boundaries, args.sync_every, waited)
+
+
+async def _flodl_worker(args: argparse.Namespace, params: list[object], boundaries: list[float]) -> None:
+    from flodl_trio import connect_reduce_client
+    from flodl_trio.trainer import open_window_trainer
+
+    host, _, port = args.addr.rpartition(":")
+    salt = bytes.fromhex(os.environ["FLODL_SALT_HEX"])
+
+    def inner_step() -> None:
+        time.sleep(args.step_time)
+
+    held: list[float] = []  # time held up by rounds, at each boundary
+    async with connect_reduce_client((host, int(port)), args.rank, args.world, salt) as client:
+        async with open_window_trainer(
+            client, params, rank=args.rank, world_size=args.world, sync_every=args.sync_every,  # type: ignore[arg-type]
+            overlap=1 if args.system == "flodl overlap" else 0,
+        ) as trainer:
+            for _window in range(args.windows):
+                await trainer.run_steps(args.sync_every, inner_step)
+                boundaries.append(time.perf_counter())
+                held.append(trainer.stats.waited_s)
+    _report(boundaries, args.sync_every, held[-1] - held[0])
+
+
+# -- the orchestrator ----------------------------------------------------------------
+
+
+def run_system(launcher: ar.Launcher, pair: ar.NetnsPair, system: str, args: argparse.Namespace,
+               env: dict[str, str]) -> list[dict[str, float]]:
+    hosts = pair.hosts(2)
+    world = sum(len(h.ranks) for h in hosts)
+    daemons, ranks = [], []
+    common = ["--windows", str(args.windows), "--sync-every", str(args.sync_every), "--step-time",
+              str(args.step_time), "--numel", str(NUMEL), "--world", str(world), "--system", system]
+    if system.startswith("flodl"):
+        ctl = hosts[0]
+        daemons.append(launcher.spawn(
+            "controller", "controller",
+            [sys.executable, "-m", "flodl_trio.controller", "--host", ctl.ip, "--port", "29400", "--world-size",
+             str(world), "--log-level", "WARNING"], env, ctl.netns))
+        for h in hosts:
+            daemons.append(launcher.spawn(
+                f"relay-{h.name}", "relay",
+                [sys.executable, "-m", "flodl_trio.relay", "--controller", f"{ctl.ip}:29400", "--ranks",
+                 ",".join(map(str, h.ranks)), "--world-size", str(world), "--host-name", h.name, "--channels", "data",
+                 "--data-port", "29404", "--log-level", "WARNING"], env, h.netns))
+    for h in hosts:
+        addr = f"{hosts[0].ip}:29500" if system == "gloo" else "127.0.0.1:29404"
+        rank_env = {**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": h.ifname}
+        for r in h.ranks:
+            ranks.append(launcher.spawn(
+                f"rank{r}", "rank",
+                [sys.executable, str(Path(__file__).resolve()), "--worker", "--rank", str(r), "--addr", addr, *common],
+                rank_env, h.netns))
+    try:
+        launcher.wait(ranks, TIMEOUT_S)
+        launcher.wait(daemons, 60)
+    except BaseException:
+        for p in [*ranks, *daemons]:
+            sys.stderr.write(f"--- {p.name} ---\n{p.stderr_tail(1500)}\n")
+        launcher.kill_all()
+        raise
+    failed = [p for p in ranks if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{system}: {', '.join(p.name for p in failed)} failed: {failed[0].stderr_tail(1500)}")
+    return [json.loads(p.stdout().strip().splitlines()[-1]) for p in ranks]
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
+    workdir = Path(tempfile.mkdtemp(prefix="flodl-overlap-"))
+    launcher = ar.Launcher(workdir, None)
+    env = {**os.environ, "FLODL_SALT_HEX": secrets.token_hex(16), "PYTHONUNBUFFERED": "1"}
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for rate in args.rates.split(","):
+        results[rate] = {}
+        for system in SYSTEMS:
+            with ar.NetnsPair(rate) as pair:
+                print(f"[{time.strftime('%H:%M:%S')}] {rate}: {system}", file=sys.stderr, flush=True)
+                per_rank = run_system(launcher, pair, system, args, env)
+            results[rate][system] = {
+                "steps_per_s": min(r["steps_per_s"] for r in per_rank),  # the job moves at its slowest rank
+                "waited_s": statistics.mean(r["waited_s"] for r in per_rank),
+            }
+    return results
+
+
+def table(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> tuple[str, list[str]]:
+    lines = [
+        "| link | system | inner steps/s | vs no communication | vs gloo | held up by rounds per window |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    checks = []
+    for rate, by_system in results.items():
+        none, gloo = by_system["none"]["steps_per_s"], by_system["gloo"]["steps_per_s"]
+        for system, r in by_system.items():
+            rate_s = r["steps_per_s"]
+            held = r["waited_s"] / max(args.windows - 1, 1)
+            lines.append(f"| {rate} | {system} | {rate_s:.2f} | {rate_s / none:.3f}x | {rate_s / gloo:.2f}x | {held * 1e3:.0f} ms |")
+        overlap = by_system["flodl overlap"]["steps_per_s"]
+        checks.append(f"{'PASS' if overlap >= OVERLAP_VS_NONE * none else 'FAIL'}: {rate}: flodl overlap >= "
+                      f"{OVERLAP_VS_NONE} x no communication (got {overlap / none:.3f}x)")
+        if rate.lower().startswith("200m"):
+            checks.append(f"{'PASS' if overlap >= OVERLAP_VS_GLOO_AT_200 * gloo else 'FAIL'}: {rate}: flodl overlap >= "
+                          f"{OVERLAP_VS_GLOO_AT_200} x gloo (got {overlap / gloo:.2f}x)")
+    return "\n".join(lines), checks
+
+
+def chart(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(results)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.2
+    for i, system in enumerate(SYSTEMS):
+        values = [results[rate][system]["steps_per_s"] for rate in rates]
+        ax.bar([x + (i - 1.5) * width for x in range(len(rates))], values, width, label=system)
+    ax.set_xticks(range(len(rates)), rates)
+    ax.set_ylabel("inner steps per second (slowest rank)")
+    ax.set_title("2 hosts x 2 ranks, 16 MiB model: what the network costs the trainer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def convergence(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The demo's training, synchronous and overlapped: final consensus loss of each."""
+    final: dict[int, float] = {}
+    for overlap in (0, 1):
+        print(f"[{time.strftime('%H:%M:%S')}] convergence: demo --overlap {overlap}", file=sys.stderr, flush=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "flodl_trio.demo", "--kill-at", "0", "--windows", str(args.convergence_windows),
+             "--inner-steps", str(args.sync_every), "--overlap", str(overlap), "--plot",
+             str(Path(tempfile.mkdtemp(prefix="flodl-overlap-demo-")) / "demo.png")],
+            capture_output=True, text=True, timeout=TIMEOUT_S, check=True,
+        )
+        match = FINAL_LOSS.search(out.stdout)
+        if match is None:
+            raise RuntimeError(f"demo --overlap {overlap}: no final loss in its summary:\n{out.stdout[-2000:]}")
+        final[overlap] = float(match.group(2))
+    ratio = final[1] / final[0]
+    text = "\n".join([
+        f"| schedule ({args.convergence_windows} windows x H = {args.sync_every}, DiLoCo) | final consensus validation loss |",
+        "|---|---:|",
+        f"| (c) flodl sync | {final[0]:.4f} |",
+        f"| (d) flodl overlap | {final[1]:.4f} ({ratio:.3f}x) |",
+    ])
+    ok = abs(ratio - 1) <= LOSS_TOLERANCE
+    return text, [f"{'PASS' if ok else 'FAIL'}: overlap's final loss within {LOSS_TOLERANCE:.0%} of sync's (got {ratio:.3f}x)"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="1gbit,200mbit", help="tc rates of the veth (comma-separated)")
+    parser.add_argument("--windows", type=int, default=6, help="windows per run (the first is warm-up)")
+    parser.add_argument("--sync-every", type=int, default=20, help="inner steps per window (H)")
+    parser.add_argument("--step-time", type=float, default=0.1, help="seconds one inner step waits")
+    parser.add_argument("--convergence-windows", type=int, default=40,
+                        help="windows of the demo's training per schedule (0: skip the convergence runs)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "overlap.png"), help="chart path")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--addr", help=argparse.SUPPRESS)
+    parser.add_argument("--numel", type=int, default=NUMEL, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    started = time.monotonic()
+    results = measure(args)
+    text, checks = table(results, args)
+    if args.convergence_windows > 0:
+        loss_text, loss_checks = convergence(args)
+        text += "\n\n" + loss_text
+        checks += loss_checks
+    print(f"2 hosts x 2 ranks, 16 MiB f32, H = {args.sync_every} inner steps of {args.step_time * 1e3:.0f} ms, "
+          f"{args.windows} windows per run (the first left out); wall time {time.monotonic() - started:.0f} s\n")
+    print(text)
+    print()
+    print("\n".join(checks))
+    chart(results, Path(args.out))
+    print(f"\nchart: {args.out}")
+    return 0 if all(c.startswith("PASS") for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The window loop of a Local SGD / DiLoCo trainer, with the round overlapped.
+
+A trainer takes ``sync_every`` inner steps, then averages (one window:
+step counts, then params by realized work, then float buffers). With
+``overlap=0`` it waits for that round, as :func:`average_window` alone does.
+With ``overlap=1`` the round runs in the background, on a copy of the params
+the window ended with, while the next window's inner steps run; when the
+consensus lands it is merged into the params that moved on meanwhile:
+
+    params <- params + (consensus - boundary)
+
+where ``boundary`` is what the rank sent (docs/outer-and-checkpoints.md,
+"Overlapped windows"). The trainer only waits when a window ends while the
+previous window's round is still in flight. Every contribution is still the
+params a rank had at its window's boundary, and the consensus the exact
+realized-work average (or the controller's outer step of it).
+
+No torch import: the tensors' own methods do the arithmetic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .errors import ConfigError
+from .realized_work import _ReduceClientLike, average_window
+from .transport.tasks import one_error
+
+if TYPE_CHECKING:
+    import torch
+
+
+@attrs.define
+class TrainerStats:
+    """What the window loop did, and what the network cost the trainer."""
+
+    steps: int = 0  # inner steps taken
+    windows: int = 0  # windows whose consensus was merged
+    waited_s: float = 0.0  # time the trainer was held up by rounds (its accelerator idle)
+    last_counts: list[float] = attrs.field(factory=list)  # step counts of the last merged window, per rank
+
+
+def merge_late_consensus(
+    live: Sequence[torch.Tensor], boundary: Sequence[torch.Tensor], consensus: Sequence[torch.Tensor],
+    *, moved: bool = True,
+) -> None:
+    """The merge rule, in place: ``live += consensus - boundary``, tensor by tensor.
+
+    ``boundary`` (the params the rank sent) is overwritten with the correction
+    ``consensus - boundary`` (computed first, in the tensors' dtype), so the
+    merge allocates nothing. When the rank has not ``moved`` since the boundary
+    the rule says ``live = consensus``, and that is what it gets, bit for bit
+    (``live + (consensus - live)`` may round differently on every rank).
+    """
+    for p, b, c in zip(live, boundary, consensus, strict=True):
+        if not moved:
+            p.copy_(c)
+            continue
+        b.neg_().add_(c)
+        p.add_(b)
+
+
+@attrs.define(eq=False)
+class _Snapshot:
+    """Two copies of the params and buffers: what was sent, and where the consensus lands."""
+
+    boundary: list[Any]
+    landing: list[Any]
+
+    @classmethod
+    def like(cls, tensors: Sequence[Any]) -> _Snapshot:
+        return cls([t.detach().clone() for t in tensors], [t.detach().clone() for t in tensors])
+
+    def take(self, tensors: Sequence[Any]) -> None:
+        for b, land, t in zip(self.boundary, self.landing, tensors, strict=True):
+            b.copy_(t)
+            land.copy_(t)
+
+
+class WindowTrainer:
+    """Owns a trainer's window loop: counts inner steps, averages every ``sync_every``,
+    overlapped with the next window's steps when ``overlap=1``.
+
+    Open it with :func:`open_window_trainer` (trio) or
+    ``BlockingReduceClient.window_trainer`` (plain Python); call :meth:`after_step`
+    after every inner step, or let :meth:`run_steps` run the steps in a worker
+    thread. Params and buffers are changed in place, only inside
+    :meth:`after_step` and :meth:`finish` (never while an inner step runs).
+    """
+
+    def __init__(
+        self,
+        client: _ReduceClientLike,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor] = (),
+        *,
+        rank: int,
+        world_size: int,
+        sync_every: int,
+        overlap: int = 0,
+        gamma: float = 1.0,
+        bf16_wire: bool | None = None,
+        nursery: trio.Nursery,
+    ) -> None:
+        if sync_every < 1:
+            raise ConfigError(f"sync_every must be >= 1 inner step, got {sync_every}")
+        if overlap not in (0, 1):
+            raise ConfigError(f"overlap must be 0 (wait for each window's round) or 1 (overlap it), got {overlap}")
+        self._client = client
+        if bf16_wire is not None:  # the params rounds' wire dtype (step counts always go f32)
+            client.bf16_wire = bf16_wire
+        self._tensors = [*params, *buffers]
+        self._n_params = len(params)
+        self.rank, self.world_size = rank, world_size
+        self.sync_every, self.overlap, self.gamma = sync_every, overlap, gamma
+        self._nursery = nursery
+        self._window_steps = 0
+        self._snapshot: _Snapshot | None = None
+        self._in_flight: trio.Event | None = None  # set when the background round landed
+        self._landed_counts: list[float] = []
+        self.stats = TrainerStats()
+
+    # -- the loop --------------------------------------------------------------
+
+    async def run_steps(self, steps: int, inner_step: Callable[[], object]) -> None:
+        """Run ``inner_step`` (a forward, backward and optimizer step) ``steps`` times in
+        a worker thread, so the event loop keeps the rounds and heartbeats moving."""
+        for _ in range(steps):
+            await trio.to_thread.run_sync(inner_step)
+            await self.after_step()
+
+    async def after_step(self) -> None:
+        """One inner step is done: merge a round that landed, end the window if it is due."""
+        self.stats.steps += 1
+        self._window_steps += 1
+        self._merge_if_landed()
+        if self._window_steps >= self.sync_every:
+            await self._end_window()
+
+    async def finish(self) -> None:
+        """Wait for a round still in flight and merge it (steps after the last full
+        window are kept local: every rank must run the same number of windows)."""
+        await self._wait_in_flight()
+
+    # -- windows ---------------------------------------------------------------
+
+    async def _end_window(self) -> None:
+        await self._wait_in_flight()  # one round at a time per connection
+        steps, self._window_steps = self._window_steps, 0
+        if self.overlap == 0:
+            started = time.monotonic()
+            result = await self._average(self._params(), self._buffers(), steps)
+            self.stats.waited_s += time.monotonic() - started
+            self._count_window(result.counts)
+            return
+        if self._snapshot is None:
+            self._snapshot = _Snapshot.like(self._tensors)
+        self._snapshot.take(self._tensors)
+        self._in_flight = trio.Event()
+        self._nursery.start_soon(self._background_round, steps, self._in_flight)
+
+    async def _background_round(self, steps: int, landed: trio.Event) -> None:
+        assert self._snapshot is not None
+        sent = self._snapshot.landing
+        result = await self._average(sent[: self._n_params], sent[self._n_params:], steps)
+        self._landed_counts = result.counts
+        landed.set()
+
+    async def _average(self, params: Sequence[Any], buffers: Sequence[Any], steps: int) -> Any:
+        return await average_window(
+            self._client, params, buffers, steps, rank=self.rank, world_size=self.world_size, gamma=self.gamma,
+            in_place=True,
+        )
+
+    async def _wait_in_flight(self) -> None:
+        if self._in_flight is None:
+            return
+        if not self._in_flight.is_set():
+            started = time.monotonic()
+            await self._in_flight.wait()
+            self.stats.waited_s += time.monotonic() - started
+        self._merge_if_landed()
+
+    def _merge_if_landed(self) -> None:
+        if self._in_flight is None or not self._in_flight.is_set():
+            return
+        assert self._snapshot is not None
+        moved = self._window_steps > 0
+        merge_late_consensus(self._tensors, self._snapshot.boundary, self._snapshot.landing, moved=moved)
+        self._in_flight = None
+        self._count_window(self._landed_counts)
+
+    def _count_window(self, counts: list[float]) -> None:
+        self.stats.windows += 1
+        self.stats.last_counts = list(counts)
+
+    def _params(self) -> list[Any]:
+        return self._tensors[: self._n_params]
+
+    def _buffers(self) -> list[Any]:
+        return self._tensors[self._n_params:]
+
+
+@asynccontextmanager
+async def open_window_trainer(
+    client: _ReduceClientLike,
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor] = (),
+    *,
+    rank: int,
+    world_size: int,
+    sync_every: int,
+    overlap: int = 0,
+    gamma: float = 1.0,
+    bf16_wire: bool | None = None,
+) -> AsyncIterator[WindowTrainer]:
+    """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
+
+    Leaving the block normally waits for the last round and merges it. A round
+    that fails (the relay or controller gone, this rank declared dead) cancels
+    the block and comes out as that one :class:`FlodlError`.
+    """
+    with one_error():
+        async with trio.open_nursery() as nursery:
+            trainer = WindowTrainer(
+                client, params, buffers, rank=rank, world_size=world_size, sync_every=sync_every,
+                overlap=overlap, gamma=gamma, bf16_wire=bf16_wire, nursery=nursery,
+            )
+            yield trainer
+            await trainer.finish()
+
+
+__all__ = ["TrainerStats", "WindowTrainer", "merge_late_consensus", "open_window_trainer"]

@@ -1,0 +1,192 @@
+"""The window loop with the round overlapped: the merge rule, by hand and through real roles.
+
+The inner steps here add fixed dyadic amounts and the masses make every
+average a division by a power of two, so every value is exact in f32: the
+final params do not depend on when, during the next window, a consensus
+landed, and the numpy reference below (the outer optimizers' formulas
+written out again) must match to the bit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from flodl_trio import ConfigError, connect_reduce_client
+from flodl_trio.outer import DiLoCoNesterov, SlowMo
+from flodl_trio.testing import open_local_cluster
+from flodl_trio.trainer import merge_late_consensus, open_window_trainer
+
+WORLD, SYNC_EVERY, WINDOWS = 2, 2, 4  # 2 ranks x mass 2: every average divides by 4
+LR, MOMENTUM = 0.5, 0.5
+
+
+def start_params(rank: int) -> np.ndarray:
+    return np.array([rank, 2 * rank, -rank, 0.5], dtype=np.float32)
+
+
+def step_size(rank: int) -> np.float32:
+    return np.float32(0.25 * (rank + 1))
+
+
+def test_merge_rule_by_hand():
+    live = [torch.tensor([1.5, -2.0, 8.0])]  # boundary + two local steps of +0.25
+    boundary = [torch.tensor([1.0, -2.5, 7.5])]
+    consensus = [torch.tensor([3.0, 0.0, 2.0])]
+    merge_late_consensus(live, boundary, consensus)
+    # live + (consensus - boundary): the local progress since the boundary, on top of the consensus
+    assert live[0].tolist() == [3.5, 0.5, 2.5]
+    assert boundary[0].tolist() == [2.0, 2.5, -5.5]  # the correction, computed in place
+    # Not moved since the boundary: exactly the consensus (x + (c - x) can round away from c).
+    x, c = torch.tensor([0.1, 1e8]), torch.tensor([0.3, 3.0])
+    assert (x + (c - x)).tolist() != c.tolist()
+    merge_late_consensus([x], [x.clone()], [c], moved=False)
+    assert torch.equal(x, c)
+
+
+def reference(outer: str) -> np.ndarray:
+    """What every rank holds at the end: windows of local steps, the realized-work
+    average at each boundary, the controller's outer step, and the merge
+    ``params += consensus - boundary`` (here after the window's steps, which is
+    the same bits: everything is exact)."""
+    theta = {r: start_params(r) for r in range(WORLD)}
+    x = m = None
+    for _window in range(WINDOWS):
+        for r in theta:
+            for _ in range(SYNC_EVERY):
+                theta[r] = theta[r] + step_size(r)
+        boundary = {r: theta[r].copy() for r in theta}
+        avg = sum(np.float32(SYNC_EVERY) * boundary[r] for r in theta) * np.float32(1 / (SYNC_EVERY * WORLD))
+        if outer == "none" or x is None:
+            new = avg
+            if outer != "none":
+                x, m = avg.copy(), np.zeros_like(avg)
+        elif outer == "slowmo":  # m = b m + (x - c); x -= lr m
+            m = np.float32(MOMENTUM) * m + (x - avg)
+            x = x - np.float32(LR) * m
+            new = x.copy()
+        else:  # diloco: g = x - c; m = b m + g; x -= lr (g + b m)
+            g = x - avg
+            m = np.float32(MOMENTUM) * m + g
+            x = x - np.float32(LR) * (g + np.float32(MOMENTUM) * m)
+            new = x.copy()
+        for r in theta:
+            theta[r] = theta[r] + (new - boundary[r])
+    assert np.array_equal(theta[0], theta[1])
+    return theta[0]
+
+
+OUTERS = {"none": None, "slowmo": lambda: SlowMo(lr=LR, momentum=MOMENTUM), "diloco": lambda: DiLoCoNesterov(LR, MOMENTUM)}
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+@pytest.mark.parametrize("outer", sorted(OUTERS))
+async def test_overlapped_windows_match_the_hand_computation(salt, outer, overlap):
+    options = {} if OUTERS[outer] is None else {"outer_optimizer": OUTERS[outer]()}
+    final: dict[int, np.ndarray] = {}
+    merged_late: dict[int, bool] = {}
+    async with open_local_cluster(world_size=WORLD, hosts=[[0], [1]], salt=salt, **options) as cluster:
+
+        async def rank_main(rank: int) -> None:
+            params = [torch.from_numpy(start_params(rank).copy())]
+            async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, salt) as client:
+                async with open_window_trainer(
+                    client, params, rank=rank, world_size=WORLD, sync_every=SYNC_EVERY, overlap=overlap
+                ) as trainer:
+
+                    def inner_step() -> None:
+                        time.sleep(0.005)  # accelerator time: a round in flight moves meanwhile
+                        params[0].add_(float(step_size(rank)))
+
+                    await trainer.run_steps(SYNC_EVERY * WINDOWS, inner_step)
+                    # With overlap, the last window's round is still out: finish() brings it in.
+                    merged_late[rank] = trainer.stats.windows < WINDOWS
+                assert trainer.stats.windows == WINDOWS and trainer.stats.steps == SYNC_EVERY * WINDOWS
+                assert trainer.stats.last_counts == [float(SYNC_EVERY)] * WORLD
+            final[rank] = params[0].numpy().copy()
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(WORLD):
+                nursery.start_soon(rank_main, rank)
+    want = reference(outer)
+    for rank in range(WORLD):
+        assert np.array_equal(final[rank], want), (rank, final[rank], want)
+    assert all(merged_late.values()) == (overlap == 1)
+
+
+async def test_a_consensus_that_lands_mid_window_keeps_the_steps_taken_meanwhile(salt):
+    """Rank 0 takes a step of the next window while window 0's round is still out
+    (rank 1 holds it up): the merge keeps that step (plain replacement would lose it)."""
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
+        late = trio.Event()
+        got: dict[int, list[float]] = {}
+
+        async def rank_main(rank: int) -> None:
+            params = [torch.zeros(3)]
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 2, salt) as client:
+                async with open_window_trainer(client, params, rank=rank, world_size=2, sync_every=2, overlap=1) as trainer:
+                    for _ in range(2):  # window 0: rank 0 ends at 2, rank 1 at 4 -> consensus 3
+                        params[0].add_(1.0 * (rank + 1))
+                        await trainer.after_step()
+                    if rank == 0:
+                        params[0].add_(10.0)  # a step of window 1 while window 0 is in flight
+                        await trainer.after_step()
+                        assert trainer.stats.windows == 0  # not landed: this task has not let it
+                        late.set()
+                    else:
+                        await late.wait()
+                    await trainer.finish()
+                    got[rank] = params[0].tolist()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rank_main, 0)
+            nursery.start_soon(rank_main, 1)
+    assert got == {0: [13.0] * 3, 1: [3.0] * 3}
+
+
+async def test_bad_settings_are_refused_before_any_round(salt):
+    async with open_local_cluster(world_size=1, hosts=[[0]], salt=salt) as cluster:
+        async with connect_reduce_client(cluster.relay_address(0), 0, 1, salt) as client:
+            for bad, match in (({"sync_every": 0}, "sync_every must be >= 1"), ({"sync_every": 2, "overlap": 2}, "overlap must be 0")):
+                with pytest.raises(ConfigError, match=match):
+                    async with open_window_trainer(client, [torch.zeros(1)], rank=0, world_size=1, **bad):
+                        pass
+
+
+async def test_the_blocking_facade_drives_the_same_loop(salt):
+    """A plain-Python trainer: inner steps in its own thread, the overlapped rounds on
+    the client's helper thread; the result is the hand computation's."""
+    from test_blocking import run_rank_threads
+
+    from flodl_trio.blocking import BlockingReduceClient
+
+    final: dict[int, np.ndarray] = {}
+    waited: dict[int, float] = {}
+    errors: list[BaseException] = []
+    async with open_local_cluster(world_size=WORLD, hosts=[[0], [1]], salt=salt) as cluster:
+
+        def rank_thread(rank: int) -> None:
+            try:
+                params = [torch.from_numpy(start_params(rank).copy())]
+                with BlockingReduceClient(cluster.relay_address(rank), rank, WORLD, salt) as client:
+                    trainer = client.window_trainer(params, sync_every=SYNC_EVERY, overlap=1)
+                    for _ in range(SYNC_EVERY * WINDOWS):
+                        time.sleep(0.005)  # the inner step
+                        params[0].add_(float(step_size(rank)))
+                        trainer.step()
+                    trainer.finish()
+                    assert trainer.stats.windows == WINDOWS
+                    waited[rank] = trainer.stats.waited_s
+                final[rank] = params[0].numpy().copy()
+            except BaseException as exc:
+                errors.append(exc)
+
+        await run_rank_threads(rank_thread, range(WORLD), 20)
+    assert not errors, errors
+    want = reference("none")
+    assert all(np.array_equal(final[r], want) for r in range(WORLD)), (final, want)
+    assert all(w >= 0 for w in waited.values())
