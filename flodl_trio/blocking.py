@@ -220,6 +220,7 @@ class BlockingReduceClient:
         sync_every: int,
         overlap: int = 0,
         gamma: float = 1.0,
+        outer: object | None = None,
     ) -> BlockingWindowTrainer:
         """The window loop for a plain-Python trainer (see :class:`~flodl_trio.trainer.WindowTrainer`):
         call ``step()`` after every inner step; with ``overlap=1`` a window's round
@@ -227,7 +228,7 @@ class BlockingReduceClient:
         assert self._nursery is not None and self._client is not None
         trainer = WindowTrainer(
             self._client, params, buffers, rank=self.rank, world_size=self.world_size, sync_every=sync_every,
-            overlap=overlap, gamma=gamma, nursery=self._nursery,
+            overlap=overlap, gamma=gamma, outer=outer, nursery=self._nursery,
         )
         return BlockingWindowTrainer(self, trainer)
 

@@ -24,9 +24,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .outer import DiLoCoNesterov, SlowMo
+
 WORLD = 4
 HOSTS = [[0, 1], [2, 3]]
 FEATURES = 16
+# What the ranks' window trainer mirrors of the controller's --outer (default hyperparameters on both).
+OUTERS: dict[str, Any] = {"none": lambda: None, "slowmo": SlowMo, "diloco": DiLoCoNesterov}
 
 
 # ---------------------------------------------------------------------------
@@ -110,7 +114,7 @@ async def worker(args: argparse.Namespace) -> None:
             # and buffers; with --overlap the round runs while the next window trains.
             async with open_window_trainer(
                 client, params, buffers, rank=rank, world_size=WORLD, sync_every=args.inner_steps,
-                overlap=args.overlap,
+                overlap=args.overlap, outer=OUTERS[args.outer](),  # the controller's, mirrored (see --overlap)
             ) as trainer:
                 for window in range(start, args.windows):
                     await trainer.run_steps(args.inner_steps, inner_step)
@@ -118,7 +122,7 @@ async def worker(args: argparse.Namespace) -> None:
                     emit(window=window, local_loss=local_loss, consensus_loss=validation_loss(),
                          live=sum(1 for c in trainer.stats.last_counts if c > 0), waited=trainer.stats.waited_s)
             # Leaving the trainer's block brought the last window's round in (with --overlap).
-            emit(final_loss=validation_loss(), waited=trainer.stats.waited_s)
+            emit(final_loss=validation_loss(), waited=trainer.stats.waited_s, late_steps=trainer.stats.late_steps)
 
 
 # ---------------------------------------------------------------------------
@@ -190,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         for p in procs[: 1 + len(HOSTS)]:
             p.wait(timeout=30)
         elapsed = time.monotonic() - started
+        failed = [p for p in procs[1 + len(HOSTS):] if p.returncode not in (0, -signal.SIGKILL)]
+        if failed:  # a rank that crashed must not leave a summary that looks like a result
+            print(f"a rank process failed (exit {failed[0].returncode}); see the rank logs in {workdir}",
+                  file=sys.stderr)
+            return 1
         print_summary(history, events, status, workdir, elapsed, args)
         plot(history, events, Path(args.plot))
         print(f"plot: {args.plot}   logs and checkpoints: {workdir}")
@@ -290,6 +299,12 @@ def live_path(events: list[dict[str, Any]]) -> str:
     return " -> ".join(map(str, counts))
 
 
+def late_text(late: list[int]) -> str:
+    """How far into the next window the overlapped rounds landed (rank 0)."""
+    ordered = sorted(late)
+    return f"median {ordered[len(ordered) // 2]}, max {ordered[-1]} (of {len(ordered)} windows)"
+
+
 def print_summary(history: dict[int, list[dict[str, Any]]], events: dict[str, int], status: dict[str, Any],
                   workdir: Path, elapsed: float, args: argparse.Namespace) -> None:
     stats = status["stats"]
@@ -308,6 +323,7 @@ def print_summary(history: dict[int, list[dict[str, Any]]], events: dict[str, in
         ("wire", "bf16" if args.bf16 else "f32"),
         ("consensus loss, first window -> end", f"{first['consensus_loss']:.4f} -> {final['final_loss']:.4f}"),
         ("trainer time waiting on the network", f"{final['waited']:.2f} s of {elapsed:.1f} s (rank 0; --overlap {args.overlap})"),
+        *([("inner steps before a consensus landed", late_text(final["late_steps"]))] if final.get("late_steps") else []),
         ("bytes into controller", f"{stats['bytes_in'] / 1e6:.2f} MB"),
         ("bytes out of controller", f"{stats['bytes_out'] / 1e6:.2f} MB"),
         ("relay fold ratio", ", ".join(relay_fold_ratios(workdir)) or "n/a"),

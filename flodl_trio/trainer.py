@@ -10,8 +10,13 @@ consensus lands it is merged into the params that moved on meanwhile:
     params <- params + (consensus - boundary)
 
 where ``boundary`` is what the rank sent (docs/outer-and-checkpoints.md,
-"Overlapped windows"). The trainer only waits when a window ends while the
-previous window's round is still in flight. Every contribution is still the
+"Overlapped windows"). With an outer optimizer at the controller (SlowMo,
+DiLoCo) the rank does better than keep its boundary params until the
+consensus lands: it follows the controller's outer state from the consensus
+frames it receives and steps to its own estimate of the next outer params
+(the eager update of Kale et al., 2025); ``boundary`` is then that estimate.
+The trainer only waits when a window ends while the previous window's round
+is still in flight. Every contribution is still the
 params a rank had at its window's boundary, and the consensus the exact
 realized-work average (or the controller's outer step of it).
 
@@ -29,6 +34,7 @@ import attrs
 import trio
 
 from .errors import ConfigError
+from .outer import DiLoCoNesterov, PlainAverage, SlowMo
 from .realized_work import _ReduceClientLike, average_window
 from .transport.tasks import one_error
 
@@ -44,6 +50,7 @@ class TrainerStats:
     windows: int = 0  # windows whose consensus was merged
     waited_s: float = 0.0  # time the trainer was held up by rounds (its accelerator idle)
     last_counts: list[float] = attrs.field(factory=list)  # step counts of the last merged window, per rank
+    late_steps: list[int] = attrs.field(factory=list)  # per merged window: inner steps taken before it landed
 
 
 def merge_late_consensus(
@@ -57,13 +64,71 @@ def merge_late_consensus(
     merge allocates nothing. When the rank has not ``moved`` since the boundary
     the rule says ``live = consensus``, and that is what it gets, bit for bit
     (``live + (consensus - live)`` may round differently on every rank).
+    A model's parameters are written through ``detach()`` (their data, outside
+    autograd), as an optimizer step writes them.
     """
     for p, b, c in zip(live, boundary, consensus, strict=True):
         if not moved:
-            p.copy_(c)
+            p.detach().copy_(c)
             continue
         b.neg_().add_(c)
-        p.add_(b)
+        p.detach().add_(b)
+
+
+class OuterMirror:
+    """The controller's outer optimizer, followed from the rank's side: its state
+    (the outer params ``x`` and momentum ``m``) recovered from the consensus frames
+    the rank receives, so the rank can compute its eager stand-in - the outer step
+    the controller would take if the average were the rank's own boundary params.
+
+    The recovery inverts the controller's update: SlowMo gives
+    ``m = (x - x_new) / lr``; DiLoCo's Nesterov step gives
+    ``m = (momentum * m + (x - x_new) / lr) / (1 + momentum)``. It is exact up to
+    rounding; it only shapes the stand-in, never the consensus the rank ends on.
+    """
+
+    def __init__(self, nesterov: bool, lr: float, momentum: float) -> None:
+        self.nesterov, self.lr, self.momentum = nesterov, lr, momentum
+        self._x: list[Any] | None = None
+        self._m: list[Any] = []
+
+    @classmethod
+    def of(cls, outer: object | None) -> OuterMirror | None:
+        """The mirror of the controller's ``outer`` (None for plain averaging)."""
+        if outer is None or isinstance(outer, PlainAverage):
+            return None
+        if isinstance(outer, SlowMo | DiLoCoNesterov):
+            return cls(isinstance(outer, DiLoCoNesterov), outer.lr, outer.momentum)
+        raise ConfigError(f"outer must be None, PlainAverage, SlowMo or DiLoCoNesterov (the controller's); got {outer!r}")
+
+    def stand_in(self, boundary: Sequence[Any], out: Sequence[Any]) -> bool:
+        """Write into ``out`` the outer step from ``boundary`` as the average; False (nothing
+        written) before the first consensus told the mirror where the outer params are."""
+        if self._x is None:
+            return False
+        beta = self.momentum
+        for x, m, b, o in zip(self._x, self._m, boundary, out, strict=True):
+            o.copy_(x).sub_(b)  # g = x - c
+            if self.nesterov:  # x - lr ((1 + beta) g + beta^2 m)
+                o.mul_(1 + beta).add_(m, alpha=beta * beta)
+            else:  # x - lr (beta m + g)
+                o.add_(m, alpha=beta)
+            o.mul_(-self.lr).add_(x)
+        return True
+
+    def follow(self, new_x: Sequence[Any]) -> None:
+        """The controller's output for a window with mass: update the mirrored state."""
+        if self._x is None:  # the controller's first window only sets x
+            self._x = [t.detach().clone() for t in new_x]
+            self._m = [t.detach().clone().zero_() for t in new_x]
+            return
+        for x, m, new in zip(self._x, self._m, new_x, strict=True):
+            x.sub_(new).div_(self.lr)  # (x - x_new) / lr
+            if self.nesterov:
+                m.mul_(self.momentum).add_(x).div_(1 + self.momentum)
+            else:
+                m.copy_(x)
+            x.copy_(new)
 
 
 @attrs.define(eq=False)
@@ -106,6 +171,7 @@ class WindowTrainer:
         overlap: int = 0,
         gamma: float = 1.0,
         bf16_wire: bool | None = None,
+        outer: object | None = None,
         nursery: trio.Nursery,
     ) -> None:
         if sync_every < 1:
@@ -124,6 +190,7 @@ class WindowTrainer:
         self._snapshot: _Snapshot | None = None
         self._in_flight: trio.Event | None = None  # set when the background round landed
         self._landed_counts: list[float] = []
+        self._mirror = OuterMirror.of(outer) if overlap else None
         self.stats = TrainerStats()
 
     # -- the loop --------------------------------------------------------------
@@ -162,8 +229,19 @@ class WindowTrainer:
         if self._snapshot is None:
             self._snapshot = _Snapshot.like(self._tensors)
         self._snapshot.take(self._tensors)
+        self._step_to_stand_in()
         self._in_flight = trio.Event()
         self._nursery.start_soon(self._background_round, steps, self._in_flight)
+
+    def _step_to_stand_in(self) -> None:
+        """Eager update: move the params to the mirror's outer step of what was just sent;
+        the consensus corrects the difference when it lands (buffers stay as sent)."""
+        assert self._snapshot is not None
+        params = self._params()
+        stand_in = self._snapshot.boundary[: self._n_params]
+        if self._mirror is not None and self._mirror.stand_in(self._snapshot.landing[: self._n_params], stand_in):
+            for p, s in zip(params, stand_in, strict=True):
+                p.detach().copy_(s)
 
     async def _background_round(self, steps: int, landed: trio.Event) -> None:
         assert self._snapshot is not None
@@ -191,7 +269,10 @@ class WindowTrainer:
         if self._in_flight is None or not self._in_flight.is_set():
             return
         assert self._snapshot is not None
+        if self._mirror is not None and sum(self._landed_counts) > 0:  # a window with no work leaves the outer state
+            self._mirror.follow(self._snapshot.landing[: self._n_params])
         moved = self._window_steps > 0
+        self.stats.late_steps.append(self._window_steps)
         merge_late_consensus(self._tensors, self._snapshot.boundary, self._snapshot.landing, moved=moved)
         self._in_flight = None
         self._count_window(self._landed_counts)
@@ -219,8 +300,14 @@ async def open_window_trainer(
     overlap: int = 0,
     gamma: float = 1.0,
     bf16_wire: bool | None = None,
+    outer: object | None = None,
 ) -> AsyncIterator[WindowTrainer]:
     """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
+
+    ``outer``: the controller's outer optimizer (an object of the same class and
+    hyperparameters, e.g. ``DiLoCoNesterov(0.7, 0.9)`` for ``--outer diloco``);
+    with ``overlap=1`` the rank steps to its own estimate of the outer step while
+    the round is in flight instead of staying at its boundary params.
 
     Leaving the block normally waits for the last round and merges it. A round
     that fails (the relay or controller gone, this rank declared dead) cancels
@@ -230,7 +317,7 @@ async def open_window_trainer(
         async with trio.open_nursery() as nursery:
             trainer = WindowTrainer(
                 client, params, buffers, rank=rank, world_size=world_size, sync_every=sync_every,
-                overlap=overlap, gamma=gamma, bf16_wire=bf16_wire, nursery=nursery,
+                overlap=overlap, gamma=gamma, bf16_wire=bf16_wire, outer=outer, nursery=nursery,
             )
             yield trainer
             await trainer.finish()
