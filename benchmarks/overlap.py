@@ -56,7 +56,7 @@ SYSTEMS = ("none", "gloo", "flodl sync", "flodl overlap")
 OVERLAP_VS_NONE = 0.95
 OVERLAP_VS_GLOO_AT_200 = 1.5
 LOSS_TOLERANCE = 0.02
-FINAL_LOSS = re.compile(r"consensus loss, first window -> end \| ([0-9.]+) -> ([0-9.]+)")
+FINAL_LOSS = re.compile(r"consensus loss, first window -> end\s*\|\s*([0-9.]+) -> ([0-9.]+)")
 TIMEOUT_S = 300
 
 

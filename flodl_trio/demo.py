@@ -120,7 +120,8 @@ async def worker(args: argparse.Namespace) -> None:
                     await trainer.run_steps(args.inner_steps, inner_step)
                     local_loss, losses[:] = sum(losses) / len(losses), []
                     emit(window=window, local_loss=local_loss, consensus_loss=validation_loss(),
-                         live=sum(1 for c in trainer.stats.last_counts if c > 0), waited=trainer.stats.waited_s)
+                         live=sum(1 for c in trainer.stats.last_counts if c > 0) if trainer.stats.last_counts else None,
+                         waited=trainer.stats.waited_s)
             # Leaving the trainer's block brought the last window's round in (with --overlap).
             emit(final_loss=validation_loss(), waited=trainer.stats.waited_s, late_steps=trainer.stats.late_steps)
 
@@ -252,7 +253,7 @@ def follow_training(
                     continue
                 if r == 0:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{event['consensus_loss']:.4f}", live=event["live"])
+                    bar.set_postfix(loss=f"{event['consensus_loss']:.4f}", live=event["live"] if event["live"] is not None else "-")
                     if "killed" not in events and event["window"] + 1 == args.kill_at:
                         ranks[args.victim].send_signal(signal.SIGKILL)
                         events["killed"] = args.kill_at
@@ -294,6 +295,8 @@ def live_path(events: list[dict[str, Any]]) -> str:
     """How many ranks each window had, as the changes: "4 -> 3 -> 4"."""
     counts: list[int] = []
     for event in windows_of(events):
+        if event["live"] is None:  # overlapped: no window's consensus has landed yet
+            continue
         if not counts or counts[-1] != event["live"]:
             counts.append(event["live"])
     return " -> ".join(map(str, counts))
