@@ -105,6 +105,12 @@ class RelayCollector(Collector):
             "Rounds folded into the f32 images of an earlier round instead of new ones",
             labels=labels,
         )
+        local = CounterMetricFamily(
+            "flodl_relay_local_connections", "Rank connections accepted on the Unix-socket local leg", labels=labels
+        )
+        buffers = GaugeMetricFamily(
+            "flodl_relay_receive_buffers", "Model-sized receive buffers (2 only within the memory budget)", labels=labels
+        )
         for kind, handle in self.handles.items():
             key = [handle.host_name, kind.value]
             s = handle.stats
@@ -118,7 +124,9 @@ class RelayCollector(Collector):
             ahead.add_metric(key, s.rounds_finished_ahead)
             streamed.add_metric(key, s.broadcasts_streamed)
             reused.add_metric(key, s.fold_images_reused)
-        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused)
+            local.add_metric(key, s.local_connections)
+            buffers.add_metric(key, s.receive_buffers)
+        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused, local, buffers)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

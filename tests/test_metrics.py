@@ -91,6 +91,9 @@ async def test_metrics_count_the_streaming_paths(salt):
     # Rounds after the first fold into the memory of an earlier one.
     assert rel[f"flodl_relay_fold_images_reused_total{key}"] == relay.stats.fold_images_reused >= 1
     assert ctl["flodl_controller_fold_images_reused_total"] == cluster.controller.stats.fold_images_reused >= 1
+    # Both of host 0's ranks came over the local leg; a 400 kB model fits two receive buffers.
+    assert rel[f"flodl_relay_local_connections_total{key}"] == 2
+    assert rel[f"flodl_relay_receive_buffers{key}"] == 2
 
 
 async def test_metrics_count_rejoins_refusals_and_states_served(salt):
