@@ -127,6 +127,7 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
     ),
     ("docs/quickstart.md", "-m flodl_trio.demo"): RunBy("test_quickstart_demo_command"),
     ("docs/quickstart.md", "async def rank(r):"): RunBy("test_quickstart_cluster_inside_one_program"),
+    ("docs/quickstart.md", "open_window_trainer("): RunBy("test_quickstart_overlapped_trainer"),
     ("docs/operations.md", "secrets.token_hex(16)"): RunBy("test_operations_two_host_launch_with_torchrun"),
     ("docs/operations.md", "python -m flodl_trio.controller --port"): RunBy(
         "test_operations_two_host_launch_with_torchrun"
@@ -521,6 +522,61 @@ async def test_quickstart_cluster_inside_one_program(tmp_path):
     # each rank prints its rank and the mean of 0, 1, 2, 3 in all three elements
     printed = sorted(line for line in output.splitlines() if re.match(r"\d \[tensor", line))
     assert printed == [f"{r} [tensor([1.5000, 1.5000, 1.5000])]" for r in range(4)], output
+
+
+OVERLAPPED_TRAINER_DRIVER = r'''
+"""Runs quickstart.md's trainer snippet as the body of each rank of a 2-host cluster whose
+controller runs DiLoCo (what the snippet's outer= says), with the names it leaves to the reader."""
+import json, textwrap
+
+import torch, trio
+
+from flodl_trio import SessionSalt, connect_reduce_client
+from flodl_trio.outer import DiLoCoNesterov
+from flodl_trio.testing import open_local_cluster
+
+SNIPPET = open("snippet.py").read()
+CODE = "async def snippet():\n" + textwrap.indent(SNIPPET, "    ") + "\n    return trainer\n"
+
+
+async def main():
+    salt = SessionSalt.generate()
+    async with open_local_cluster(world_size=2, hosts=[[0], [1]], salt=salt,
+                                  outer_optimizer=DiLoCoNesterov(0.7, 0.9)) as cluster:
+        async def run_rank(rank):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1)
+            batches = iter(lambda: torch.randn(8, 4) + rank, None)
+            scope = {
+                "model": model, "loss_fn": lambda out: out.pow(2).mean(), "batches": batches,
+                "optimizer": torch.optim.SGD(model.parameters(), lr=0.05), "params": list(model.parameters()),
+                "buffers": [], "relay": cluster.relay_address(rank), "rank": rank, "world": 2, "salt": salt,
+                "total_steps": 300, "connect_reduce_client": connect_reduce_client,
+            }
+            exec(CODE, scope)
+            trainer = await scope["snippet"]()
+            weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            print(json.dumps({"rank": rank, "windows": trainer.stats.windows, "steps": trainer.stats.steps,
+                              "weights": weights.tolist()}), flush=True)
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(2):
+                nursery.start_soon(run_rank, rank)
+
+
+trio.run(main)
+'''
+
+
+async def test_quickstart_overlapped_trainer(tmp_path):
+    (tmp_path / "snippet.py").write_text(doc_snippet("docs/quickstart.md", "open_window_trainer("))
+    (tmp_path / "driver.py").write_text(OVERLAPPED_TRAINER_DRIVER)
+    output = await run_python(tmp_path / "driver.py", seconds=50)
+    results = [json.loads(line) for line in output.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in results) == [0, 1], output
+    assert all(r["windows"] == 3 and r["steps"] == 300 for r in results), results  # 300 steps, sync_every=100
+    assert results[0]["weights"] == results[1]["weights"], results  # both end on the last consensus
+    assert "held up by the network for" in output
 
 
 # ---------------------------------------------------------------------------
