@@ -318,6 +318,22 @@ async def test_a_stale_socket_is_replaced_and_the_socket_removed_on_exit(salt, p
     assert not stale.exists()
 
 
+async def test_a_socket_a_live_relay_serves_is_not_taken_over(salt, private_unix_dir, caplog):
+    """Two data relays on one port number, bound to two addresses: the second serves
+    TCP only, and the first one's ranks still reach the first one."""
+    port = free_port()
+    first = open_relay(ChannelKind.DATA, listen=(LOOP, port), upstream=(LOOP, 9), host_name="a", ranks=[0],
+                       world_size=2, salt=salt, connect_attempts=1000)
+    second = open_relay(ChannelKind.DATA, listen=("127.0.0.2", port), upstream=(LOOP, 9), host_name="b", ranks=[1],
+                        world_size=2, salt=salt, connect_attempts=1000)
+    async with first as a, second as b:
+        assert a.unix_path == local_leg_path(port) and b.unix_path is None
+        assert any("served by a live process" in r.getMessage() for r in caplog.records)
+        async with connect_reduce_client((LOOP, port), 0, 2, salt) as client:
+            assert client.local_leg
+        assert a.stats.local_connections == 1 and b.stats.local_connections == 0
+
+
 async def test_no_unix_turns_off_both_ends(salt, monkeypatch):
     monkeypatch.setenv(NO_UNIX_ENV, "1")
     async with open_local_cluster(world_size=1, hosts=[[0]], salt=salt) as cluster:

@@ -45,7 +45,7 @@ class RelayStats:
     broadcasts_streamed: int = 0  # consensus frames fanned out while still arriving
     rounds_finished_ahead: int = 0  # HostFrames computed and signed while the last frame arrived
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
-    local_connections: int = 0  # rank connections accepted on the Unix-socket local leg
+    local_connections: int = 0  # rank handshakes accepted on the Unix-socket local leg
     receive_buffers: int = 1  # model-sized receive buffers (a second only within the memory budget)
 
     @property

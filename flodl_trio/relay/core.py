@@ -170,7 +170,8 @@ async def open_relay(
         wants_unix = local_leg if local_leg is not None else local_leg_enabled()
         if wants_unix and kind is ChannelKind.DATA:
             unix = await open_local_leg_listener(listener_port(listeners[0]), Path(unix_dir) if unix_dir else None)
-            listeners, unix_path = [*listeners, unix], unix.path
+            if unix is not None:
+                listeners, unix_path = [*listeners, unix], unix.path
     handle = RelayHandle(config, listener_port(listeners[0]), unix_path)
     relay = _Relay(config, handle, listeners, connect, host if host is not None else HostRanks(config.ranks))
     async with service_nursery() as nursery:
@@ -279,7 +280,6 @@ class _Relay:
         tune_local_stream(stream)
         conn = MessageStream(stream, f"local-leg connection from pid {peer.pid}", self.config.bounds)
         conn.signed_frames = False
-        self.handle.stats.local_connections += 1
         return conn
 
     async def _control_formation(self) -> tuple[tuple[int, ...], frozenset[int]]:
@@ -327,6 +327,8 @@ class _Relay:
             self._refuse(f"relay {self.config.host_name}: refused {conn.peer}: {reason}")
             return None
         conn.peer = f"rank {rank}"
+        if not conn.signed_frames:
+            self.handle.stats.local_connections += 1
         return rank
 
     def _ack(self, conn: MessageStream, handshake: bytes) -> bytes:

@@ -136,11 +136,25 @@ class LocalLegListener(trio.abc.Listener[trio.SocketStream]):
             self.path.unlink(missing_ok=True)
 
 
-async def open_local_leg_listener(port: int, directory: Path | None = None) -> LocalLegListener:
+async def _served(path: Path) -> bool:
+    """Whether a live process accepts connections on the Unix socket at ``path``."""
+    with trio.move_on_after(1.0):
+        try:
+            stream = await trio.open_unix_socket(str(path))
+        except OSError:
+            return False
+        await stream.aclose()
+        return True
+    return True  # it neither accepted nor refused: someone holds it
+
+
+async def open_local_leg_listener(port: int, directory: Path | None = None) -> LocalLegListener | None:
     """Listen on the local-leg socket for the data relay bound to loopback ``port``.
 
-    A socket file already there is a relay that died without cleaning up (the
-    live one would hold the TCP port we just bound): it is replaced.
+    A socket file already there is usually a relay that died without cleaning
+    up: it is replaced. If a live process still serves it (another relay on the
+    same port number, bound to another address of this network namespace), it
+    is left alone and None returned: this relay serves TCP only.
     """
     base = directory if directory is not None else local_leg_dir()
     ensure_private_dir(base)
@@ -151,6 +165,9 @@ async def open_local_leg_listener(port: int, directory: Path | None = None) -> L
         )
     if path.is_symlink() or (path.exists() and not stat.S_ISSOCK(path.lstat().st_mode)):
         raise ConfigError(f"local leg: {path} exists and is not a socket; remove it or set {UNIX_DIR_ENV}")
+    if path.exists() and await _served(path):
+        log.warning("local leg: %s is served by a live process; this relay serves its ranks over TCP only", path)
+        return None
     path.unlink(missing_ok=True)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
