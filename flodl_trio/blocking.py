@@ -221,6 +221,7 @@ class BlockingReduceClient:
         overlap: int = 0,
         gamma: float = 1.0,
         outer: object | None = None,
+        merge_after: int | None = None,
     ) -> BlockingWindowTrainer:
         """The window loop for a plain-Python trainer (see :class:`~flodl_trio.trainer.WindowTrainer`):
         call ``step()`` after every inner step; with ``overlap=1`` a window's round
@@ -228,7 +229,7 @@ class BlockingReduceClient:
         assert self._nursery is not None and self._client is not None
         trainer = WindowTrainer(
             self._client, params, buffers, rank=self.rank, world_size=self.world_size, sync_every=sync_every,
-            overlap=overlap, gamma=gamma, outer=outer, nursery=self._nursery,
+            overlap=overlap, gamma=gamma, outer=outer, merge_after=merge_after, nursery=self._nursery,
         )
         return BlockingWindowTrainer(self, trainer)
 

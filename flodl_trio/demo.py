@@ -115,6 +115,7 @@ async def worker(args: argparse.Namespace) -> None:
             async with open_window_trainer(
                 client, params, buffers, rank=rank, world_size=WORLD, sync_every=args.inner_steps,
                 overlap=args.overlap, outer=OUTERS[args.outer](),  # the controller's, mirrored (see --overlap)
+                merge_after=args.merge_after,
             ) as trainer:
                 for window in range(start, args.windows):
                     await trainer.run_steps(args.inner_steps, inner_step)
@@ -178,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
                                 "--control-port", str(ports[r][1]), "--windows", str(args.windows),
                                 "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout),
                                 "--overlap", str(args.overlap)]
+            if args.merge_after is not None:
+                commands[r] += ["--merge-after", str(args.merge_after)]
             if args.bf16:
                 commands[r].append("--bf16")
 
@@ -326,7 +329,7 @@ def print_summary(history: dict[int, list[dict[str, Any]]], events: dict[str, in
         ("wire", "bf16" if args.bf16 else "f32"),
         ("consensus loss, first window -> end", f"{first['consensus_loss']:.4f} -> {final['final_loss']:.4f}"),
         ("trainer time waiting on the network", f"{final['waited']:.2f} s of {elapsed:.1f} s (rank 0; --overlap {args.overlap})"),
-        *([("inner steps before a consensus landed", late_text(final["late_steps"]))] if final.get("late_steps") else []),
+        *([("inner steps before each consensus was merged", late_text(final["late_steps"]))] if final.get("late_steps") else []),
         ("bytes into controller", f"{stats['bytes_in'] / 1e6:.2f} MB"),
         ("bytes out of controller", f"{stats['bytes_out'] / 1e6:.2f} MB"),
         ("relay fold ratio", ", ".join(relay_fold_ratios(workdir)) or "n/a"),
@@ -399,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16", action="store_true", help="bf16 wire for the parameter rounds")
     parser.add_argument("--overlap", type=int, default=0, choices=(0, 1),
                         help="1: each window's round runs while the next window trains (default 0: wait for it)")
+    parser.add_argument("--merge-after", type=int, default=None,
+                        help="with --overlap 1: merge each consensus after exactly this many steps of the next window")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--plot", default="flodl_demo.png", help="where to write the PNG (default flodl_demo.png)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

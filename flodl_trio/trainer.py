@@ -172,12 +172,15 @@ class WindowTrainer:
         gamma: float = 1.0,
         bf16_wire: bool | None = None,
         outer: object | None = None,
+        merge_after: int | None = None,
         nursery: trio.Nursery,
     ) -> None:
         if sync_every < 1:
             raise ConfigError(f"sync_every must be >= 1 inner step, got {sync_every}")
         if overlap not in (0, 1):
             raise ConfigError(f"overlap must be 0 (wait for each window's round) or 1 (overlap it), got {overlap}")
+        if merge_after is not None and not 1 <= merge_after <= sync_every:
+            raise ConfigError(f"merge_after must be None (when it lands) or 1..sync_every={sync_every} steps, got {merge_after}")
         self._client = client
         if bf16_wire is not None:  # the params rounds' wire dtype (step counts always go f32)
             client.bf16_wire = bf16_wire
@@ -185,6 +188,7 @@ class WindowTrainer:
         self._n_params = len(params)
         self.rank, self.world_size = rank, world_size
         self.sync_every, self.overlap, self.gamma = sync_every, overlap, gamma
+        self.merge_after = merge_after
         self._nursery = nursery
         self._window_steps = 0
         self._snapshot: _Snapshot | None = None
@@ -206,7 +210,10 @@ class WindowTrainer:
         """One inner step is done: merge a round that landed, end the window if it is due."""
         self.stats.steps += 1
         self._window_steps += 1
-        self._merge_if_landed()
+        if self.merge_after is None:
+            self._merge_if_landed()
+        elif self._in_flight is not None and self._window_steps >= self.merge_after:
+            await self._wait_in_flight()  # a fixed merge point: the same step on every run
         if self._window_steps >= self.sync_every:
             await self._end_window()
 
@@ -301,6 +308,7 @@ async def open_window_trainer(
     gamma: float = 1.0,
     bf16_wire: bool | None = None,
     outer: object | None = None,
+    merge_after: int | None = None,
 ) -> AsyncIterator[WindowTrainer]:
     """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
 
@@ -308,6 +316,11 @@ async def open_window_trainer(
     hyperparameters, e.g. ``DiLoCoNesterov(0.7, 0.9)`` for ``--outer diloco``);
     with ``overlap=1`` the rank steps to its own estimate of the outer step while
     the round is in flight instead of staying at its boundary params.
+    ``merge_after``: merge each consensus after exactly this many inner steps of
+    the next window (waiting for it if it has not landed), instead of as soon
+    as it lands; the params then do not depend on the network's timing (with
+    the cluster's deterministic mode, two runs end bit-identical) and no step
+    runs further than that from the consensus.
 
     Leaving the block normally waits for the last round and merges it. A round
     that fails (the relay or controller gone, this rank declared dead) cancels
@@ -317,7 +330,8 @@ async def open_window_trainer(
         async with trio.open_nursery() as nursery:
             trainer = WindowTrainer(
                 client, params, buffers, rank=rank, world_size=world_size, sync_every=sync_every,
-                overlap=overlap, gamma=gamma, bf16_wire=bf16_wire, outer=outer, nursery=nursery,
+                overlap=overlap, gamma=gamma, bf16_wire=bf16_wire, outer=outer, merge_after=merge_after,
+                nursery=nursery,
             )
             yield trainer
             await trainer.finish()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 
 import pytest
@@ -66,12 +67,27 @@ trio.run(main)
 """
 
 
+def port_with_free_relay_ports() -> int:
+    """A free controller port whose relay ports (+4 data, +5 control, the daemons' defaults
+    this test relies on) are free too when it is picked."""
+    for _ in range(100):
+        (port,) = free_ports(1)
+        try:
+            with socket.socket() as data, socket.socket() as control:
+                data.bind((LOOP, port + 4))
+                control.bind((LOOP, port + 5))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free controller port with free +4 and +5 ports")
+
+
 @pytest.mark.deadline(150)
 async def test_torchrun_max_restarts_brings_a_failed_node_back_and_the_run_completes(tmp_path):
     train_py, out = tmp_path / "train.py", tmp_path / "out"
     train_py.write_text(TRAINER)
     out.mkdir()
-    ctl_port, master_port = free_ports(2)
+    ctl_port, master_port = port_with_free_relay_ports(), free_ports(1)[0]
     env = {
         **os.environ, "FLODL_SALT_HEX": SALT_HEX, "FLODL_CONTROLLER": f"{LOOP}:{ctl_port}",
         "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),

@@ -222,3 +222,56 @@ async def test_the_blocking_facade_drives_the_same_loop(salt):
     want = reference("none")
     assert all(np.array_equal(final[r], want) for r in range(WORLD)), (final, want)
     assert all(w >= 0 for w in waited.values())
+
+
+async def test_a_fixed_merge_point_makes_overlapped_training_reproducible(salt):
+    """merge_after=2: every consensus is merged after exactly 2 steps of the next window,
+    whenever it landed; with the cluster's deterministic mode two runs end bit-identical
+    (the updates are not exact in f32, and the ranks start at staggered times)."""
+
+    async def run() -> tuple[dict[int, np.ndarray], dict[int, list[int]]]:
+        final: dict[int, np.ndarray] = {}
+        late: dict[int, list[int]] = {}
+        async with open_local_cluster(
+            world_size=3, hosts=[[0, 1], [2]], salt=salt, deterministic=True, outer_optimizer=DiLoCoNesterov(0.7, 0.9)
+        ) as cluster:
+
+            async def rank_main(rank: int) -> None:
+                await trio.sleep(0.01 * ((rank * 7) % 3))
+                gen = torch.Generator().manual_seed(rank)
+                params = [torch.nn.Parameter(torch.zeros(257))]
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 3, salt) as client:
+                    async with open_window_trainer(
+                        client, params, rank=rank, world_size=3, sync_every=4, overlap=1, merge_after=2,
+                        outer=DiLoCoNesterov(0.7, 0.9),
+                    ) as trainer:
+
+                        def inner_step() -> None:
+                            time.sleep(0.002)
+                            with torch.no_grad():
+                                params[0].add_(torch.randn(257, generator=gen) * 0.1)
+
+                        await trainer.run_steps(4 * 5, inner_step)
+                final[rank] = params[0].detach().numpy().copy()
+                late[rank] = trainer.stats.late_steps
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(3):
+                    nursery.start_soon(rank_main, rank)
+        return final, late
+
+    first, late = await run()
+    second, _ = await run()
+    assert all(steps == [2, 2, 2, 2, 0] for steps in late.values()), late  # the last one merges at finish()
+    for rank in range(3):
+        assert first[rank].tobytes() == second[rank].tobytes(), f"rank {rank} differs between the runs"
+    assert first[0].tobytes() == first[1].tobytes() == first[2].tobytes()
+
+
+async def test_merge_after_is_checked(salt):
+    async with open_local_cluster(world_size=1, hosts=[[0]], salt=salt) as cluster:
+        async with connect_reduce_client(cluster.relay_address(0), 0, 1, salt) as client:
+            with pytest.raises(ConfigError, match="merge_after must be None"):
+                async with open_window_trainer(client, [torch.zeros(1)], rank=0, world_size=1, sync_every=4,
+                                               overlap=1, merge_after=5):
+                    pass
