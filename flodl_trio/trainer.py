@@ -201,15 +201,36 @@ class WindowTrainer:
 
     async def run_steps(self, steps: int, inner_step: Callable[[], object]) -> None:
         """Run ``inner_step`` (a forward, backward and optimizer step) ``steps`` times in
-        a worker thread, so the event loop keeps the rounds and heartbeats moving."""
-        for _ in range(steps):
-            await trio.to_thread.run_sync(inner_step)
-            await self.after_step()
+        a worker thread, so the event loop keeps the rounds and heartbeats moving.
+
+        Steps run in the thread in one go up to the next point where the loop has
+        work: the window's end or the merge point. While a round that is to be
+        merged when it lands is in flight, they run one per hop, so the event
+        loop (which moves that round) gets the interpreter between steps.
+        """
+        remaining = steps
+        while remaining > 0:
+            done = await trio.to_thread.run_sync(_run_steps, inner_step, self._steps_in_one_go(remaining))
+            remaining -= done
+            await self._advance(done)
+
+    def _steps_in_one_go(self, remaining: int) -> int:
+        """Steps that may run before the loop must act: to the window's end and the merge point."""
+        stop = min(remaining, self.sync_every - self._window_steps)
+        if self._in_flight is not None:
+            if self.merge_after is None:
+                return 1
+            if self._window_steps < self.merge_after:
+                stop = min(stop, self.merge_after - self._window_steps)
+        return stop
 
     async def after_step(self) -> None:
         """One inner step is done: merge a round that landed, end the window if it is due."""
-        self.stats.steps += 1
-        self._window_steps += 1
+        await self._advance(1)
+
+    async def _advance(self, steps: int) -> None:
+        self.stats.steps += steps
+        self._window_steps += steps
         if self.merge_after is None:
             self._merge_if_landed()
         elif self._in_flight is not None and self._window_steps >= self.merge_after:
@@ -293,6 +314,13 @@ class WindowTrainer:
 
     def _buffers(self) -> list[Any]:
         return self._tensors[self._n_params:]
+
+
+def _run_steps(inner_step: Callable[[], object], steps: int) -> int:
+    """In the worker thread: ``steps`` inner steps."""
+    for _ in range(steps):
+        inner_step()
+    return steps
 
 
 @asynccontextmanager
