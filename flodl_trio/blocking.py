@@ -33,7 +33,7 @@ from .client import (
     connect_reduce_client,
 )
 from .errors import FlodlError
-from .trainer import TrainerStats, WindowTrainer
+from .trainer import TrainerStats, WindowSchedule, WindowTrainer
 from .wire.round_frame import RoundFrame, RoundKind
 from .wire.salt import SessionSalt
 
@@ -228,8 +228,8 @@ class BlockingReduceClient:
         runs in the helper thread while your next inner steps run in yours."""
         assert self._nursery is not None and self._client is not None
         trainer = WindowTrainer(
-            self._client, params, buffers, rank=self.rank, world_size=self.world_size, sync_every=sync_every,
-            overlap=overlap, gamma=gamma, outer=outer, merge_after=merge_after, nursery=self._nursery,
+            self._client, params, buffers, rank=self.rank, world_size=self.world_size,
+            schedule=WindowSchedule(sync_every, overlap, gamma, merge_after), outer=outer, nursery=self._nursery,
         )
         return BlockingWindowTrainer(self, trainer)
 

@@ -7,14 +7,14 @@ With ``overlap=1`` the round runs in the background, on a copy of the params
 the window ended with, while the next window's inner steps run; when the
 consensus lands it is merged into the params that moved on meanwhile:
 
-    params <- params + (consensus - boundary)
+    params <- params + (consensus - stand_in)
 
-where ``boundary`` is what the rank sent (docs/outer-and-checkpoints.md,
-"Overlapped windows"). With an outer optimizer at the controller (SlowMo,
-DiLoCo) the rank does better than keep its boundary params until the
-consensus lands: it follows the controller's outer state from the consensus
-frames it receives and steps to its own estimate of the next outer params
-(the eager update of Kale et al., 2025); ``boundary`` is then that estimate.
+where ``stand_in`` is what the rank trained on from since the boundary
+(docs/outer-and-checkpoints.md, "Overlapped windows"): the params it sent or,
+with an outer optimizer at the controller (SlowMo, DiLoCo), its own estimate
+of the next outer params - it follows the controller's outer state from the
+consensus frames it receives and takes that step from its own boundary params
+(the eager update of Kale et al., 2025).
 The trainer only waits when a window ends while the previous window's round
 is still in flight. Every contribution is still the
 params a rank had at its window's boundary, and the consensus the exact
@@ -42,6 +42,27 @@ if TYPE_CHECKING:
     import torch
 
 
+@attrs.frozen
+class WindowSchedule:
+    """How a rank's windows run (see :func:`open_window_trainer` for each field)."""
+
+    sync_every: int
+    overlap: int = 0
+    gamma: float = 1.0
+    merge_after: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ConfigError(f"sync_every must be >= 1 inner step, got {self.sync_every}")
+        if self.overlap not in (0, 1):
+            raise ConfigError(f"overlap must be 0 (wait for each window's round) or 1 (overlap it), got {self.overlap}")
+        if self.merge_after is not None and not 1 <= self.merge_after <= self.sync_every:
+            raise ConfigError(
+                f"merge_after must be None (when it lands) or 1..sync_every={self.sync_every} steps, "
+                f"got {self.merge_after}"
+            )
+
+
 @attrs.define
 class TrainerStats:
     """What the window loop did, and what the network cost the trainer."""
@@ -54,20 +75,21 @@ class TrainerStats:
 
 
 def merge_late_consensus(
-    live: Sequence[torch.Tensor], boundary: Sequence[torch.Tensor], consensus: Sequence[torch.Tensor],
+    live: Sequence[torch.Tensor], stand_in: Sequence[torch.Tensor], consensus: Sequence[torch.Tensor],
     *, moved: bool = True,
 ) -> None:
-    """The merge rule, in place: ``live += consensus - boundary``, tensor by tensor.
+    """The merge rule, in place: ``live += consensus - stand_in``, tensor by tensor.
 
-    ``boundary`` (the params the rank sent) is overwritten with the correction
-    ``consensus - boundary`` (computed first, in the tensors' dtype), so the
+    ``stand_in`` (what the rank trained on from since the boundary: the params it
+    sent, or the eager outer step of them) is overwritten with the correction
+    ``consensus - stand_in`` (computed first, in the tensors' dtype), so the
     merge allocates nothing. When the rank has not ``moved`` since the boundary
     the rule says ``live = consensus``, and that is what it gets, bit for bit
     (``live + (consensus - live)`` may round differently on every rank).
     A model's parameters are written through ``detach()`` (their data, outside
     autograd), as an optimizer step writes them.
     """
-    for p, b, c in zip(live, boundary, consensus, strict=True):
+    for p, b, c in zip(live, stand_in, consensus, strict=True):
         if not moved:
             p.detach().copy_(c)
             continue
@@ -133,19 +155,16 @@ class OuterMirror:
 
 @attrs.define(eq=False)
 class _Snapshot:
-    """Two copies of the params and buffers: what was sent, and where the consensus lands."""
+    """Two copies of the params and buffers: the stand-in the rank trains on from
+    (its boundary params, or the mirror's outer step of them), and what was sent,
+    where the consensus lands."""
 
-    boundary: list[Any]
+    stand_in: list[Any]
     landing: list[Any]
 
     @classmethod
     def like(cls, tensors: Sequence[Any]) -> _Snapshot:
         return cls([t.detach().clone() for t in tensors], [t.detach().clone() for t in tensors])
-
-    def take(self, tensors: Sequence[Any]) -> None:
-        for b, land, t in zip(self.boundary, self.landing, tensors, strict=True):
-            b.copy_(t)
-            land.copy_(t)
 
 
 class WindowTrainer:
@@ -167,34 +186,22 @@ class WindowTrainer:
         *,
         rank: int,
         world_size: int,
-        sync_every: int,
-        overlap: int = 0,
-        gamma: float = 1.0,
-        bf16_wire: bool | None = None,
+        schedule: WindowSchedule,
         outer: object | None = None,
-        merge_after: int | None = None,
         nursery: trio.Nursery,
     ) -> None:
-        if sync_every < 1:
-            raise ConfigError(f"sync_every must be >= 1 inner step, got {sync_every}")
-        if overlap not in (0, 1):
-            raise ConfigError(f"overlap must be 0 (wait for each window's round) or 1 (overlap it), got {overlap}")
-        if merge_after is not None and not 1 <= merge_after <= sync_every:
-            raise ConfigError(f"merge_after must be None (when it lands) or 1..sync_every={sync_every} steps, got {merge_after}")
         self._client = client
-        if bf16_wire is not None:  # the params rounds' wire dtype (step counts always go f32)
-            client.bf16_wire = bf16_wire
         self._tensors = [*params, *buffers]
         self._n_params = len(params)
         self.rank, self.world_size = rank, world_size
-        self.sync_every, self.overlap, self.gamma = sync_every, overlap, gamma
-        self.merge_after = merge_after
+        self.schedule = schedule
+        self.sync_every, self.overlap, self.merge_after = schedule.sync_every, schedule.overlap, schedule.merge_after
         self._nursery = nursery
         self._window_steps = 0
         self._snapshot: _Snapshot | None = None
         self._in_flight: trio.Event | None = None  # set when the background round landed
         self._landed_counts: list[float] = []
-        self._mirror = OuterMirror.of(outer) if overlap else None
+        self._mirror = OuterMirror.of(outer) if self.overlap else None
         self.stats = TrainerStats()
 
     # -- the loop --------------------------------------------------------------
@@ -256,19 +263,24 @@ class WindowTrainer:
             return
         if self._snapshot is None:
             self._snapshot = _Snapshot.like(self._tensors)
-        self._snapshot.take(self._tensors)
+        for sent, t in zip(self._snapshot.landing, self._tensors, strict=True):
+            sent.copy_(t)
         self._step_to_stand_in()
         self._in_flight = trio.Event()
         self._nursery.start_soon(self._background_round, steps, self._in_flight)
 
     def _step_to_stand_in(self) -> None:
-        """Eager update: move the params to the mirror's outer step of what was just sent;
-        the consensus corrects the difference when it lands (buffers stay as sent)."""
+        """The stand-in the rank trains on until the consensus lands: what it sent, or for
+        the params (eager update) the mirror's outer step of it, which the params move to.
+        The consensus corrects the difference when it lands."""
         assert self._snapshot is not None
-        params = self._params()
-        stand_in = self._snapshot.boundary[: self._n_params]
-        if self._mirror is not None and self._mirror.stand_in(self._snapshot.landing[: self._n_params], stand_in):
-            for p, s in zip(params, stand_in, strict=True):
+        n, stand_in, sent = self._n_params, self._snapshot.stand_in, self._snapshot.landing
+        eager = self._mirror is not None and self._mirror.stand_in(sent[:n], stand_in[:n])
+        copied_from = n if eager else 0  # what the mirror did not write is what was sent
+        for s, t in zip(stand_in[copied_from:], sent[copied_from:], strict=True):
+            s.copy_(t)
+        if eager:
+            for p, s in zip(self._params(), stand_in[:n], strict=True):
                 p.detach().copy_(s)
 
     async def _background_round(self, steps: int, landed: trio.Event) -> None:
@@ -280,7 +292,7 @@ class WindowTrainer:
 
     async def _average(self, params: Sequence[Any], buffers: Sequence[Any], steps: int) -> Any:
         return await average_window(
-            self._client, params, buffers, steps, rank=self.rank, world_size=self.world_size, gamma=self.gamma,
+            self._client, params, buffers, steps, rank=self.rank, world_size=self.world_size, gamma=self.schedule.gamma,
             in_place=True,
         )
 
@@ -301,7 +313,7 @@ class WindowTrainer:
             self._mirror.follow(self._snapshot.landing[: self._n_params])
         moved = self._window_steps > 0
         self.stats.late_steps.append(self._window_steps)
-        merge_late_consensus(self._tensors, self._snapshot.boundary, self._snapshot.landing, moved=moved)
+        merge_late_consensus(self._tensors, self._snapshot.stand_in, self._snapshot.landing, moved=moved)
         self._in_flight = None
         self._count_window(self._landed_counts)
 
@@ -356,13 +368,15 @@ async def open_window_trainer(
     """
     with one_error():
         async with trio.open_nursery() as nursery:
+            schedule = WindowSchedule(sync_every, overlap, gamma, merge_after)
+            if bf16_wire is not None:  # the params rounds' wire dtype (step counts always go f32)
+                client.bf16_wire = bf16_wire
             trainer = WindowTrainer(
-                client, params, buffers, rank=rank, world_size=world_size, sync_every=sync_every,
-                overlap=overlap, gamma=gamma, bf16_wire=bf16_wire, outer=outer, merge_after=merge_after,
+                client, params, buffers, rank=rank, world_size=world_size, schedule=schedule, outer=outer,
                 nursery=nursery,
             )
             yield trainer
             await trainer.finish()
 
 
-__all__ = ["TrainerStats", "WindowTrainer", "merge_late_consensus", "open_window_trainer"]
+__all__ = ["OuterMirror", "TrainerStats", "WindowSchedule", "WindowTrainer", "merge_late_consensus", "open_window_trainer"]

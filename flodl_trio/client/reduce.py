@@ -502,7 +502,10 @@ def connect_reduce_client(
         )
         conn.signed_frames = local is None
         try:
-            decode_data_ack(ack) if local is None else decode_local_ack(ack, handshake, session)
+            if local is None:
+                decode_data_ack(ack)
+            else:
+                decode_local_ack(ack, handshake, session)
         except BaseException:
             await conn.aclose()
             raise

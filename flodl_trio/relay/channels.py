@@ -493,16 +493,17 @@ class DataChannel(_Channel):
         salt = self.config.salt
         what = f"rank {rank}'s {length}-byte frame"
         source = f"rank {rank} on host {self.config.host_name}"
-        if conn.signed_frames:
+        mac: bytes | None = None
+        if conn.signed_frames or forwarded:  # the MAC, to check or to write in, hashed as the bytes land
             body, mac = await conn.receive_round_frame_body(buf, length, salt, what, watch)
-            frame = decode_round_frame(body, salt, ceiling=self.config.ceiling, source=source, mac_of_body=mac)
-        elif forwarded:
-            body, mac = await conn.receive_round_frame_body(buf, length, salt, what, watch)
-            frame = decode_round_frame(body, None, ceiling=self.config.ceiling, source=source, authenticated=True)
-            body[-MAC_LEN:] = mac
         else:
             body = await conn.receive_into_buffer(buf, length, what, None, watch)
-            frame = decode_round_frame(body, None, ceiling=self.config.ceiling, source=source, authenticated=True)
+        unsigned = not conn.signed_frames
+        frame = decode_round_frame(
+            body, salt, ceiling=self.config.ceiling, source=source, mac_of_body=mac, authenticated=unsigned
+        )
+        if unsigned and mac is not None:
+            body[-MAC_LEN:] = mac
         # Its bytes are authentic; now they must also make sense (checked here, at
         # the first hop, so a single rank's frame is not forwarded unchecked).
         check_payloads(frame, source)
