@@ -222,14 +222,16 @@ class BlockingReduceClient:
         gamma: float = 1.0,
         outer: object | None = None,
         merge_after: int | None = None,
+        fragments: int = 1,
     ) -> BlockingWindowTrainer:
         """The window loop for a plain-Python trainer (see :class:`~flodl_trio.trainer.WindowTrainer`):
         call ``step()`` after every inner step; with ``overlap=1`` a window's round
-        runs in the helper thread while your next inner steps run in yours."""
+        runs in the helper thread while your next inner steps run in yours;
+        ``fragments`` syncs the params in staggered fragments."""
         assert self._nursery is not None and self._client is not None
         trainer = WindowTrainer(
             self._client, params, buffers, rank=self.rank, world_size=self.world_size,
-            schedule=WindowSchedule(sync_every, overlap, gamma, merge_after), outer=outer, nursery=self._nursery,
+            schedule=WindowSchedule(sync_every, overlap, gamma, merge_after, fragments), outer=outer, nursery=self._nursery,
         )
         return BlockingWindowTrainer(self, trainer)
 

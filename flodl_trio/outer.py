@@ -28,12 +28,14 @@ import math
 import re
 from collections.abc import Mapping
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
 from .errors import ConfigError, SchemaError
 from .wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
 from .wire.constants import DTYPE_F32
+from .wire.fragment import FragmentTag
 from .wire.round_frame import RoundFrame, TensorPayload, check_payload
 
 F32Array = npt.NDArray[np.float32]
@@ -74,6 +76,9 @@ class PlainAverage:
     def __call__(self, consensus: RoundFrame) -> RoundFrame:
         return consensus
 
+    def step(self, consensus: RoundFrame, fragment: FragmentTag | None) -> RoundFrame:
+        return consensus
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return {}
 
@@ -88,54 +93,89 @@ class PlainAverage:
         return "PlainAverage()"
 
 
-_STATE_KEY = re.compile(r"^(x_prev|momentum)\.(\d+)$")
+# Keys of one state: "x_prev.3"; of a fragment's state: "fragment.1.4.x_prev.3" (fragment 1 of 4).
+_STATE_KEY = re.compile(r"^(?:fragment\.(\d+)\.(\d+)\.)?(x_prev|momentum)\.(\d+)$")
+_WINDOWS_KEY = re.compile(r"^(?:fragment\.(\d+)\.(\d+)\.)?windows$")
+
+
+@attrs.define(eq=False)
+class _OuterState:
+    """One fragment's (or the whole model's) f32 master params, momentum and window count."""
+
+    x: list[F32Array]
+    m: list[F32Array]
+    windows: int = 1
+
+
+def _state_prefix(fragment: FragmentTag | None) -> str:
+    return "" if fragment is None else f"fragment.{fragment.index}.{fragment.count}."
+
+
+def _where(fragment: FragmentTag | None) -> str:
+    return "" if fragment is None else f" (fragment {fragment.key()})"
 
 
 class _MomentumOuter:
-    """Shared machinery: f32 master params ``x_prev``, a momentum buffer, schema checks."""
+    """Shared machinery: f32 master params ``x_prev``, a momentum buffer, schema checks.
+
+    The state is kept per fragment (:class:`~flodl_trio.wire.fragment.FragmentTag`)
+    when the ranks sync their model in fragments: each fragment is its own
+    window schedule with its own tensors, so it gets its own ``x_prev`` and
+    momentum. An unfragmented window uses the untagged state.
+    """
 
     def __init__(self, lr: float, momentum: float) -> None:
         self.lr = _check_hyper("lr", lr, positive=True)
         self.momentum = _check_hyper("momentum", momentum, positive=False)
-        self._x: list[F32Array] | None = None
-        self._m: list[F32Array] | None = None
-        # Windows seen with accepted mass > 0 (the first one only initializes).
-        self.windows = 0
+        self._states: dict[FragmentTag | None, _OuterState] = {}
+
+    @property
+    def windows(self) -> int:
+        """Windows seen with accepted mass > 0, over every fragment (a state's first one only initializes)."""
+        return sum(state.windows for state in self._states.values())
+
+    @property
+    def fragments(self) -> list[FragmentTag | None]:
+        """The fragments that have state (None: the unfragmented model)."""
+        return sorted(self._states, key=lambda tag: (-1, -1) if tag is None else (tag.count, tag.index))
 
     # -- the step ------------------------------------------------------------
 
     def __call__(self, consensus: RoundFrame) -> RoundFrame:
+        return self.step(consensus, None)
+
+    def step(self, consensus: RoundFrame, fragment: FragmentTag | None) -> RoundFrame:
+        """The outer step of ``fragment``'s params consensus (None: the whole model's)."""
         if not consensus.weight > 0:
             return consensus  # nobody realized work: nothing to step on, state unchanged
-        if self._x is None or self._m is None:
-            self._x = consensus_as_f32(consensus, copy=True)
-            self._m = [np.zeros_like(x) for x in self._x]
-            self.windows = 1
+        state = self._states.get(fragment)
+        if state is None:
+            start = consensus_as_f32(consensus, copy=True)
+            self._states[fragment] = _OuterState(start, [np.zeros_like(a) for a in start])
             return consensus
-        self._check_schema(consensus)  # before any state changes
+        self._check_schema(consensus, state, fragment)  # before any state changes
         values = consensus_as_f32(consensus, copy=False)
         out: list[TensorPayload] = []
         with np.errstate(over="ignore", invalid="ignore"):
-            for t, x, m, c in zip(consensus.tensors, self._x, self._m, values):
+            for t, x, m, c in zip(consensus.tensors, state.x, state.m, values):
                 # flat views: in-place updates reach the state, and 0-d tensors stay arrays
                 new = self._step(x.reshape(-1), m.reshape(-1), c.reshape(-1))
                 out.append(TensorPayload(t.dtype, t.shape, encode_f32_as(new.reshape(-1), t.dtype)))
-        self.windows += 1
+        state.windows += 1
         return RoundFrame(out, consensus.kind, consensus.weight)
 
     def _step(self, x: F32Array, m: F32Array, c: F32Array) -> F32Array:
         """Update ``x`` and ``m`` in place; return a fresh array holding the new ``x``."""
         raise NotImplementedError
 
-    def _check_schema(self, consensus: RoundFrame) -> None:
-        assert self._x is not None
-        name = type(self).__name__
-        if len(consensus.tensors) != len(self._x):
+    def _check_schema(self, consensus: RoundFrame, state: _OuterState, fragment: FragmentTag | None) -> None:
+        name = type(self).__name__ + _where(fragment)
+        if len(consensus.tensors) != len(state.x):
             raise SchemaError(
                 f"{name}: this window's params consensus has {len(consensus.tensors)} tensors, "
-                f"the outer state holds {len(self._x)} (the model's schema changed between windows)"
+                f"the outer state holds {len(state.x)} (the model's schema changed between windows)"
             )
-        for i, (t, x) in enumerate(zip(consensus.tensors, self._x)):
+        for i, (t, x) in enumerate(zip(consensus.tensors, state.x)):
             check_payload(t, i, f"{name}: params consensus")
             if tuple(t.shape) != x.shape:
                 raise SchemaError(
@@ -146,53 +186,82 @@ class _MomentumOuter:
     # -- checkpointing ---------------------------------------------------------
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Copies of the outer state: ``x_prev.{i}``, ``momentum.{i}`` (f32), ``windows`` (int64[1])."""
+        """Copies of the outer state: ``x_prev.{i}``, ``momentum.{i}`` (f32) and ``windows``
+        (int64[1], over every fragment); a fragment's state under ``fragment.{p}.{P}.``."""
         state: dict[str, np.ndarray] = {"windows": np.array([self.windows], dtype=np.int64)}
-        if self._x is not None and self._m is not None:
-            for i, (x, m) in enumerate(zip(self._x, self._m)):
-                state[f"x_prev.{i}"] = x.copy()
-                state[f"momentum.{i}"] = m.copy()
+        for fragment, s in self._states.items():
+            prefix = _state_prefix(fragment)
+            if fragment is not None:
+                state[prefix + "windows"] = np.array([s.windows], dtype=np.int64)
+            for i, (x, m) in enumerate(zip(s.x, s.m)):
+                state[f"{prefix}x_prev.{i}"] = x.copy()
+                state[f"{prefix}momentum.{i}"] = m.copy()
         return state
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Restore what :meth:`state_dict` produced (copies the arrays)."""
+        """Restore what :meth:`state_dict` produced (copies the arrays); nothing
+        changes unless all of it is valid."""
         name = type(self).__name__
-        x: dict[int, np.ndarray] = {}
-        m: dict[int, np.ndarray] = {}
-        windows = None
+        arrays: dict[FragmentTag | None, tuple[dict[int, np.ndarray], dict[int, np.ndarray]]] = {}
+        windows: dict[FragmentTag | None, int] = {}
+        total = None
         for key, value in state.items():
-            if key == "windows":
-                windows = int(np.asarray(value).reshape(-1)[0])
+            counted = _WINDOWS_KEY.match(key)
+            if counted is not None:
+                count = int(np.asarray(value).reshape(-1)[0])
+                if counted.group(1) is None:
+                    total = count
+                else:
+                    windows[_fragment_in_key(name, key, counted.group(1), counted.group(2))] = count
                 continue
             match = _STATE_KEY.match(key)
             if match is None:
                 raise ConfigError(f"{name}.load_state_dict: unexpected key {key!r}")
-            (x if match.group(1) == "x_prev" else m)[int(match.group(2))] = np.asarray(value)
-        if windows is None:
+            fragment = None if match.group(1) is None else _fragment_in_key(name, key, match.group(1), match.group(2))
+            x, m = arrays.setdefault(fragment, ({}, {}))
+            (x if match.group(3) == "x_prev" else m)[int(match.group(4))] = np.asarray(value)
+        if total is None:
             raise ConfigError(f"{name}.load_state_dict: missing key 'windows'")
-        if sorted(x) != list(range(len(x))) or sorted(m) != sorted(x):
-            raise ConfigError(
-                f"{name}.load_state_dict: x_prev indices {sorted(x)} and momentum indices {sorted(m)} "
-                "must both be 0..n-1"
-            )
-        for i in range(len(x)):
-            if x[i].shape != m[i].shape:
-                raise SchemaError(
-                    f"{name}.load_state_dict: tensor {i}: x_prev has shape {list(x[i].shape)}, "
-                    f"momentum has shape {list(m[i].shape)}"
-                )
-        if x:
-            self._x = [np.array(x[i], dtype=F32, copy=True) for i in range(len(x))]
-            self._m = [np.array(m[i], dtype=F32, copy=True) for i in range(len(m))]
-        else:
-            self._x = self._m = None
-        self.windows = windows
+        states = {fragment: _loaded_state(name + _where(fragment), x, m) for fragment, (x, m) in arrays.items()}
+        for fragment, s in states.items():
+            if fragment is not None:
+                if fragment not in windows:
+                    raise ConfigError(f"{name}.load_state_dict: missing key '{_state_prefix(fragment)}windows'")
+                s.windows = windows[fragment]
+        if None in states:  # the unfragmented state's count is what the total leaves
+            states[None].windows = total - sum(windows.values())
+        self._states = states
 
     def config(self) -> dict[str, object]:
         return {"type": type(self).__name__, "lr": self.lr, "momentum": self.momentum}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.lr}, momentum={self.momentum})"
+
+
+def _fragment_in_key(name: str, key: str, index: str, count: str) -> FragmentTag:
+    try:
+        return FragmentTag(int(index), int(count))
+    except ConfigError as exc:
+        raise ConfigError(f"{name}.load_state_dict: key {key!r}: {exc}") from None
+
+
+def _loaded_state(name: str, x: dict[int, np.ndarray], m: dict[int, np.ndarray]) -> _OuterState:
+    if sorted(x) != list(range(len(x))) or sorted(m) != sorted(x):
+        raise ConfigError(
+            f"{name}.load_state_dict: x_prev indices {sorted(x)} and momentum indices {sorted(m)} "
+            "must both be 0..n-1"
+        )
+    for i in range(len(x)):
+        if x[i].shape != m[i].shape:
+            raise SchemaError(
+                f"{name}.load_state_dict: tensor {i}: x_prev has shape {list(x[i].shape)}, "
+                f"momentum has shape {list(m[i].shape)}"
+            )
+    return _OuterState(
+        [np.array(x[i], dtype=F32, copy=True) for i in range(len(x))],
+        [np.array(m[i], dtype=F32, copy=True) for i in range(len(m))],
+    )
 
 
 class SlowMo(_MomentumOuter):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from .wire.fragment import FragmentTag
 from .wire.round_frame import RoundKind
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class _ReduceClientLike(Protocol):
         self, tensors: Sequence[Any], scale: float, kind: RoundKind, weight: float, *, in_place: bool = False
     ) -> tuple[list[Any], float]: ...
 
-    async def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]: ...
+    async def all_reduce_per_rank_f64(self, values: Sequence[float], *, fragment: FragmentTag | None = None) -> list[float]: ...
 
 
 async def sumcount_reduce(
@@ -87,17 +88,20 @@ async def average_window(
     world_size: int,
     gamma: float = 1.0,
     in_place: bool = False,
+    fragment: FragmentTag | None = None,
 ) -> WindowResult:
     """One Local-SGD window: gather step counts, average params by gamma mass,
     then float buffers by mover mass. Dead ranks' counts come back 0.
 
     ``in_place``: the averages are written straight into ``params`` and
     ``buffers`` (which the result then holds), so a window allocates nothing
-    model-sized.
+    model-sized. ``fragment``: the window syncs that fragment of the model
+    (``params`` and ``buffers`` are its tensors); the step-count gather
+    carries the tag, so the controller keeps its state per fragment.
     """
     counts = [0.0] * world_size
     counts[rank] = float(steps)
-    gathered = await client.all_reduce_per_rank_f64(counts)
+    gathered = await client.all_reduce_per_rank_f64(counts, fragment=fragment)
     new_params = await sumcount_reduce(
         client, params, gamma_mass(steps, gamma), DECODE_SLOT_PARAMS, in_place=in_place
     )

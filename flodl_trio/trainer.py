@@ -20,6 +20,16 @@ is still in flight. Every contribution is still the
 params a rank had at its window's boundary, and the consensus the exact
 realized-work average (or the controller's outer step of it).
 
+With ``fragments=P`` (streamed windows, as in Streaming DiLoCo) the params are
+cut into ``P`` byte-balanced runs of consecutive tensors, each synced on its
+own window schedule of ``sync_every`` steps, staggered so that fragment ``p``
+syncs after ``(p + 1) * sync_every // P`` steps and every ``sync_every`` after:
+a round carries a ``P``-th of the model, and one goes out every
+``sync_every / P`` steps instead of the whole model every ``sync_every``. The
+float buffers travel with the last fragment. Each fragment's Control round
+carries its :class:`~flodl_trio.wire.fragment.FragmentTag`, so the
+controller's outer optimizer and checkpoints keep their state per fragment.
+
 No torch import: the tensors' own methods do the arithmetic.
 """
 
@@ -37,6 +47,7 @@ from .errors import ConfigError
 from .outer import DiLoCoNesterov, PlainAverage, SlowMo
 from .realized_work import _ReduceClientLike, average_window
 from .transport.tasks import one_error
+from .wire.fragment import FragmentTag
 
 if TYPE_CHECKING:
     import torch
@@ -50,17 +61,52 @@ class WindowSchedule:
     overlap: int = 0
     gamma: float = 1.0
     merge_after: int | None = None
+    fragments: int = 1
 
     def __attrs_post_init__(self) -> None:
         if self.sync_every < 1:
             raise ConfigError(f"sync_every must be >= 1 inner step, got {self.sync_every}")
         if self.overlap not in (0, 1):
             raise ConfigError(f"overlap must be 0 (wait for each window's round) or 1 (overlap it), got {self.overlap}")
-        if self.merge_after is not None and not 1 <= self.merge_after <= self.sync_every:
+        if not 1 <= self.fragments <= self.sync_every:
             raise ConfigError(
-                f"merge_after must be None (when it lands) or 1..sync_every={self.sync_every} steps, "
-                f"got {self.merge_after}"
+                f"fragments must be 1..sync_every={self.sync_every} (each fragment syncs at its own step), "
+                f"got {self.fragments}"
             )
+        if self.merge_after is not None and not 1 <= self.merge_after <= self.sync_gap:
+            raise ConfigError(
+                f"merge_after must be None (when it lands) or 1..{self.sync_gap} steps (sync_every / fragments: "
+                f"the next fragment's round starts then), got {self.merge_after}"
+            )
+
+    @property
+    def sync_gap(self) -> int:
+        """The fewest steps between two syncs (of consecutive fragments)."""
+        return self.sync_every // self.fragments
+
+    def first_sync(self, fragment: int) -> int:
+        """Steps before ``fragment``'s first sync (the stagger); ``sync_every`` after that."""
+        return (fragment + 1) * self.sync_every // self.fragments
+
+
+def split_fragments(nbytes: Sequence[int], fragments: int) -> list[range]:
+    """Cut tensors of these sizes into ``fragments`` runs of consecutive tensors, each
+    as close to an equal share of the bytes as whole tensors allow (none empty)."""
+    count = len(nbytes)
+    if not 1 <= fragments <= count:
+        raise ConfigError(f"fragments must be 1..{count} (the number of parameter tensors), got {fragments}")
+    total = sum(nbytes)
+    cumulative = [0]
+    for size in nbytes:
+        cumulative.append(cumulative[-1] + size)
+    starts = [0]
+    for k in range(1, fragments):
+        target = total * k / fragments
+        lowest, highest = starts[-1] + 1, count - (fragments - k)  # leave a tensor for every fragment after
+        cut = min(range(lowest, highest + 1), key=lambda j: abs(cumulative[j] - target))
+        starts.append(cut)
+    starts.append(count)
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 @attrs.define
@@ -72,6 +118,7 @@ class TrainerStats:
     waited_s: float = 0.0  # time the trainer was held up by rounds (its accelerator idle)
     last_counts: list[float] = attrs.field(factory=list)  # step counts of the last merged window, per rank
     late_steps: list[int] = attrs.field(factory=list)  # per merged window: inner steps taken before it landed
+    fragment_windows: list[int] = attrs.field(factory=list)  # windows merged, per fragment
 
 
 def merge_late_consensus(
@@ -167,15 +214,71 @@ class _Snapshot:
         return cls([t.detach().clone() for t in tensors], [t.detach().clone() for t in tensors])
 
 
+@attrs.define(eq=False)
+class _Fragment:
+    """One fragment's window schedule (the whole model when unfragmented): its params
+    (and the buffers, for the last), the steps since its boundary, its round's copies."""
+
+    tag: FragmentTag | None
+    tensors: list[Any]
+    n_params: int
+    window_len: int  # steps in its current window: the stagger first, sync_every after
+    mirror: OuterMirror | None
+    window_steps: int = 0
+    snapshot: _Snapshot | None = None
+    landed_counts: list[float] = attrs.field(factory=list)
+
+    @property
+    def index(self) -> int:
+        return 0 if self.tag is None else self.tag.index
+
+    @property
+    def params(self) -> list[Any]:
+        return self.tensors[: self.n_params]
+
+    @property
+    def buffers(self) -> list[Any]:
+        return self.tensors[self.n_params:]
+
+    @property
+    def steps_to_sync(self) -> int:
+        return self.window_len - self.window_steps
+
+
+def _make_fragments(
+    params: Sequence[Any], buffers: Sequence[Any], schedule: WindowSchedule, outer: object | None
+) -> list[_Fragment]:
+    """The trainer's fragments: byte-balanced runs of params; the buffers go with the last."""
+    count = schedule.fragments
+    if count == 1:
+        runs = [range(len(params))]
+    else:
+        runs = split_fragments([t.numel() * t.element_size() for t in params], count)
+    fragments = []
+    for index, run in enumerate(runs):
+        last = index == count - 1
+        fragments.append(_Fragment(
+            tag=FragmentTag(index, count) if count > 1 else None,
+            tensors=[params[i] for i in run] + (list(buffers) if last else []),
+            n_params=len(run),
+            window_len=schedule.first_sync(index),
+            mirror=OuterMirror.of(outer) if schedule.overlap else None,
+        ))
+    return fragments
+
+
 class WindowTrainer:
-    """Owns a trainer's window loop: counts inner steps, averages every ``sync_every``,
-    overlapped with the next window's steps when ``overlap=1``.
+    """Owns a trainer's window loop: counts inner steps, averages every ``sync_every``
+    (each fragment on its own staggered schedule when ``fragments > 1``),
+    overlapped with the next steps when ``overlap=1``.
 
     Open it with :func:`open_window_trainer` (trio) or
     ``BlockingReduceClient.window_trainer`` (plain Python); call :meth:`after_step`
     after every inner step, or let :meth:`run_steps` run the steps in a worker
     thread. Params and buffers are changed in place, only inside
     :meth:`after_step` and :meth:`finish` (never while an inner step runs).
+    One round is in flight at a time (the connection carries one at a time):
+    a sync that comes due while another is in flight waits for it.
     """
 
     def __init__(
@@ -190,19 +293,22 @@ class WindowTrainer:
         outer: object | None = None,
         nursery: trio.Nursery,
     ) -> None:
+        if outer is not None:
+            OuterMirror.of(outer)  # refuse an outer optimizer the mirror cannot follow, overlapped or not
         self._client = client
-        self._tensors = [*params, *buffers]
-        self._n_params = len(params)
         self.rank, self.world_size = rank, world_size
         self.schedule = schedule
         self.sync_every, self.overlap, self.merge_after = schedule.sync_every, schedule.overlap, schedule.merge_after
         self._nursery = nursery
-        self._window_steps = 0
-        self._snapshot: _Snapshot | None = None
-        self._in_flight: trio.Event | None = None  # set when the background round landed
-        self._landed_counts: list[float] = []
-        self._mirror = OuterMirror.of(outer) if self.overlap else None
-        self.stats = TrainerStats()
+        self._fragments = _make_fragments(params, buffers, schedule, outer)
+        # The fragment whose round is in flight, and the event set when it has landed.
+        self._in_flight: tuple[_Fragment, trio.Event] | None = None
+        self.stats = TrainerStats(fragment_windows=[0] * schedule.fragments)
+
+    @property
+    def fragments(self) -> list[list[torch.Tensor]]:
+        """Each fragment's tensors, in sync order (the buffers are in the last)."""
+        return [list(f.tensors) for f in self._fragments]
 
     # -- the loop --------------------------------------------------------------
 
@@ -211,9 +317,9 @@ class WindowTrainer:
         a worker thread, so the event loop keeps the rounds and heartbeats moving.
 
         Steps run in the thread in one go up to the next point where the loop has
-        work: the window's end or the merge point. While a round that is to be
-        merged when it lands is in flight, they run one per hop, so the event
-        loop (which moves that round) gets the interpreter between steps.
+        work: a sync or the merge point. While a round that is to be merged when
+        it lands is in flight, they run one per hop, so the event loop (which
+        moves that round) gets the interpreter between steps.
         """
         remaining = steps
         while remaining > 0:
@@ -222,110 +328,112 @@ class WindowTrainer:
             await self._advance(done)
 
     def _steps_in_one_go(self, remaining: int) -> int:
-        """Steps that may run before the loop must act: to the window's end and the merge point."""
-        stop = min(remaining, self.sync_every - self._window_steps)
+        """Steps that may run before the loop must act: to the next sync and the merge point."""
+        stop = min(remaining, *(f.steps_to_sync for f in self._fragments))
         if self._in_flight is not None:
             if self.merge_after is None:
                 return 1
-            if self._window_steps < self.merge_after:
-                stop = min(stop, self.merge_after - self._window_steps)
+            flying = self._in_flight[0]
+            if flying.window_steps < self.merge_after:
+                stop = min(stop, self.merge_after - flying.window_steps)
         return stop
 
     async def after_step(self) -> None:
-        """One inner step is done: merge a round that landed, end the window if it is due."""
+        """One inner step is done: merge a round that landed, sync what is due."""
         await self._advance(1)
 
     async def _advance(self, steps: int) -> None:
         self.stats.steps += steps
-        self._window_steps += steps
+        for fragment in self._fragments:
+            fragment.window_steps += steps
         if self.merge_after is None:
             self._merge_if_landed()
-        elif self._in_flight is not None and self._window_steps >= self.merge_after:
+        elif self._in_flight is not None and self._in_flight[0].window_steps >= self.merge_after:
             await self._wait_in_flight()  # a fixed merge point: the same step on every run
-        if self._window_steps >= self.sync_every:
-            await self._end_window()
+        for fragment in self._fragments:
+            if fragment.steps_to_sync <= 0:
+                await self._end_window(fragment)
 
     async def finish(self) -> None:
-        """Wait for a round still in flight and merge it (steps after the last full
-        window are kept local: every rank must run the same number of windows)."""
+        """Wait for a round still in flight and merge it (steps after a fragment's last
+        full window are kept local: every rank must run the same number of windows)."""
         await self._wait_in_flight()
 
     # -- windows ---------------------------------------------------------------
 
-    async def _end_window(self) -> None:
+    async def _end_window(self, fragment: _Fragment) -> None:
         await self._wait_in_flight()  # one round at a time per connection
-        steps, self._window_steps = self._window_steps, 0
+        steps, fragment.window_steps, fragment.window_len = fragment.window_steps, 0, self.sync_every
         if self.overlap == 0:
             started = time.monotonic()
-            result = await self._average(self._params(), self._buffers(), steps)
+            result = await self._average(fragment, fragment.params, fragment.buffers, steps)
             self.stats.waited_s += time.monotonic() - started
-            self._count_window(result.counts)
+            self._count_window(fragment, result.counts)
             return
-        if self._snapshot is None:
-            self._snapshot = _Snapshot.like(self._tensors)
-        for sent, t in zip(self._snapshot.landing, self._tensors, strict=True):
+        if fragment.snapshot is None:
+            fragment.snapshot = _Snapshot.like(fragment.tensors)
+        for sent, t in zip(fragment.snapshot.landing, fragment.tensors, strict=True):
             sent.copy_(t)
-        self._step_to_stand_in()
-        self._in_flight = trio.Event()
-        self._nursery.start_soon(self._background_round, steps, self._in_flight)
+        _step_to_stand_in(fragment)
+        landed = trio.Event()
+        self._in_flight = (fragment, landed)
+        self._nursery.start_soon(self._background_round, fragment, steps, landed)
 
-    def _step_to_stand_in(self) -> None:
-        """The stand-in the rank trains on until the consensus lands: what it sent, or for
-        the params (eager update) the mirror's outer step of it, which the params move to.
-        The consensus corrects the difference when it lands."""
-        assert self._snapshot is not None
-        n, stand_in, sent = self._n_params, self._snapshot.stand_in, self._snapshot.landing
-        eager = self._mirror is not None and self._mirror.stand_in(sent[:n], stand_in[:n])
-        copied_from = n if eager else 0  # what the mirror did not write is what was sent
-        for s, t in zip(stand_in[copied_from:], sent[copied_from:], strict=True):
-            s.copy_(t)
-        if eager:
-            for p, s in zip(self._params(), stand_in[:n], strict=True):
-                p.detach().copy_(s)
-
-    async def _background_round(self, steps: int, landed: trio.Event) -> None:
-        assert self._snapshot is not None
-        sent = self._snapshot.landing
-        result = await self._average(sent[: self._n_params], sent[self._n_params:], steps)
-        self._landed_counts = result.counts
+    async def _background_round(self, fragment: _Fragment, steps: int, landed: trio.Event) -> None:
+        assert fragment.snapshot is not None
+        sent = fragment.snapshot.landing
+        result = await self._average(fragment, sent[: fragment.n_params], sent[fragment.n_params:], steps)
+        fragment.landed_counts = result.counts
         landed.set()
 
-    async def _average(self, params: Sequence[Any], buffers: Sequence[Any], steps: int) -> Any:
+    async def _average(self, fragment: _Fragment, params: Sequence[Any], buffers: Sequence[Any], steps: int) -> Any:
         return await average_window(
             self._client, params, buffers, steps, rank=self.rank, world_size=self.world_size, gamma=self.schedule.gamma,
-            in_place=True,
+            in_place=True, fragment=fragment.tag,
         )
 
     async def _wait_in_flight(self) -> None:
         if self._in_flight is None:
             return
-        if not self._in_flight.is_set():
+        landed = self._in_flight[1]
+        if not landed.is_set():
             started = time.monotonic()
-            await self._in_flight.wait()
+            await landed.wait()
             self.stats.waited_s += time.monotonic() - started
         self._merge_if_landed()
 
     def _merge_if_landed(self) -> None:
-        if self._in_flight is None or not self._in_flight.is_set():
+        if self._in_flight is None or not self._in_flight[1].is_set():
             return
-        assert self._snapshot is not None
-        if self._mirror is not None and sum(self._landed_counts) > 0:  # a window with no work leaves the outer state
-            self._mirror.follow(self._snapshot.landing[: self._n_params])
-        moved = self._window_steps > 0
-        self.stats.late_steps.append(self._window_steps)
-        merge_late_consensus(self._tensors, self._snapshot.stand_in, self._snapshot.landing, moved=moved)
+        fragment, _ = self._in_flight
+        snapshot = fragment.snapshot
+        assert snapshot is not None
+        if fragment.mirror is not None and sum(fragment.landed_counts) > 0:  # a window with no work leaves the outer state
+            fragment.mirror.follow(snapshot.landing[: fragment.n_params])
+        self.stats.late_steps.append(fragment.window_steps)
+        merge_late_consensus(fragment.tensors, snapshot.stand_in, snapshot.landing, moved=fragment.window_steps > 0)
         self._in_flight = None
-        self._count_window(self._landed_counts)
+        self._count_window(fragment, fragment.landed_counts)
 
-    def _count_window(self, counts: list[float]) -> None:
+    def _count_window(self, fragment: _Fragment, counts: list[float]) -> None:
         self.stats.windows += 1
+        self.stats.fragment_windows[fragment.index] += 1
         self.stats.last_counts = list(counts)
 
-    def _params(self) -> list[Any]:
-        return self._tensors[: self._n_params]
 
-    def _buffers(self) -> list[Any]:
-        return self._tensors[self._n_params:]
+def _step_to_stand_in(fragment: _Fragment) -> None:
+    """The stand-in the rank trains on until the consensus lands: what it sent, or for
+    the params (eager update) the mirror's outer step of it, which the params move to.
+    The consensus corrects the difference when it lands."""
+    assert fragment.snapshot is not None
+    n, stand_in, sent = fragment.n_params, fragment.snapshot.stand_in, fragment.snapshot.landing
+    eager = fragment.mirror is not None and fragment.mirror.stand_in(sent[:n], stand_in[:n])
+    copied_from = n if eager else 0  # what the mirror did not write is what was sent
+    for s, t in zip(stand_in[copied_from:], sent[copied_from:], strict=True):
+        s.copy_(t)
+    if eager:
+        for p, s in zip(fragment.params, stand_in[:n], strict=True):
+            p.detach().copy_(s)
 
 
 def _run_steps(inner_step: Callable[[], object], steps: int) -> int:
@@ -349,6 +457,7 @@ async def open_window_trainer(
     bf16_wire: bool | None = None,
     outer: object | None = None,
     merge_after: int | None = None,
+    fragments: int = 1,
 ) -> AsyncIterator[WindowTrainer]:
     """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
 
@@ -368,7 +477,7 @@ async def open_window_trainer(
     """
     with one_error():
         async with trio.open_nursery() as nursery:
-            schedule = WindowSchedule(sync_every, overlap, gamma, merge_after)
+            schedule = WindowSchedule(sync_every, overlap, gamma, merge_after, fragments)
             if bf16_wire is not None:  # the params rounds' wire dtype (step counts always go f32)
                 client.bf16_wire = bf16_wire
             trainer = WindowTrainer(
@@ -379,4 +488,12 @@ async def open_window_trainer(
             await trainer.finish()
 
 
-__all__ = ["OuterMirror", "TrainerStats", "WindowSchedule", "WindowTrainer", "merge_late_consensus", "open_window_trainer"]
+__all__ = [
+    "OuterMirror",
+    "TrainerStats",
+    "WindowSchedule",
+    "WindowTrainer",
+    "merge_late_consensus",
+    "open_window_trainer",
+    "split_fragments",
+]

@@ -39,6 +39,7 @@ from ..transport.hashing import RunningMac
 from ..transport.local_leg import dial_local_leg, local_leg_enabled
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import DTYPE_BF16, DTYPE_F32, FINISHED_LENGTH
+from ..wire.fragment import FragmentTag
 from ..wire.handshake import (
     DATA_ACK_LEN,
     LOCAL_ACK_LEN,
@@ -359,18 +360,21 @@ class ReduceClient:
         result, _mass = await self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0, in_place=in_place)
         return result
 
-    async def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]:
+    async def all_reduce_per_rank_f64(self, values: Sequence[float], *, fragment: FragmentTag | None = None) -> list[float]:
         """Gather one number per rank: this rank's ``values[rank]`` lands in its slot.
 
         Dead ranks' slots come back 0. Carried as f32 (flodl's wire format):
-        exact for integers up to 2**24.
+        exact for integers up to 2**24. ``fragment``: the gather opens that
+        fragment's window (the frame carries the fragment tag, docs/wire.md).
         """
         if len(values) != self.world_size:
             raise ConfigError(f"rank {self.rank}: per-rank gather needs {self.world_size} values, got {len(values)}")
         slots = np.zeros(self.world_size, dtype="<f4")
         slots[self.rank] = values[self.rank]
-        frame = RoundFrame([TensorPayload(DTYPE_F32, (self.world_size,), slots)], RoundKind.CONTROL, 0.0)
-        reply = await self.all_reduce(frame)
+        tensors = [TensorPayload(DTYPE_F32, (self.world_size,), slots)]
+        if fragment is not None:
+            tensors.append(fragment.payload())
+        reply = await self.all_reduce(RoundFrame(tensors, RoundKind.CONTROL, 0.0))
         payload = reply.tensors[0]
         if payload.elided:
             return [0.0] * self.world_size

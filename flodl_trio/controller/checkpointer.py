@@ -55,6 +55,7 @@ from ..errors import ConfigError
 from ..outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
 from ..transport.tasks import one_error
 from ..wire.bf16 import DTYPE_NAMES
+from ..wire.fragment import FragmentTag, fragment_of
 from ..wire.round_frame import RoundFrame, RoundKind
 
 # The name operators already filter on; the checkpointer's messages keep it.
@@ -82,6 +83,7 @@ class _Snapshot:
     buffers_round: int | None = None
     buffers_mass: float = 0.0
     buffers_absent: bool = False
+    fragment: FragmentTag | None = None  # the fragment whose window this is (None: unfragmented)
 
     def tensors(self) -> list[tuple[str, np.ndarray]]:
         out = [(f"params.{i}", a) for i, a in enumerate(self.params)]
@@ -102,6 +104,8 @@ class _Snapshot:
             "params_count": str(len(self.params)),
             "buffers_count": str(len(self.buffers or [])),
             "outer": json.dumps(self.outer_config) if self.outer_config is not None else "",
+            "fragments": "" if self.fragment is None else str(self.fragment.count),
+            "fragment": "" if self.fragment is None else str(self.fragment.index),
             "flodl_trio_version": __version__,
             "created_unix": f"{time.time():.3f}",
         }
@@ -179,6 +183,10 @@ class ConsensusCheckpointer:
         self._warned_unwindowed = False
         self._warned_extra = False
         self._warned_unopened = False
+        # Fragmented windows: each fragment's newest params (f32, replaced whole), the newest buffers.
+        self._fragment: FragmentTag | None = None
+        self._fragments: list[list[npt.NDArray[np.float32]] | None] = []
+        self._fragment_buffers: list[npt.NDArray[np.float32]] | None = None
         # Handoff to the writer task: one slot, the pending window.
         self._send, self._receive = trio.open_memory_channel[_Snapshot](1)
         self._stage = _Stage.NEW
@@ -242,19 +250,22 @@ class ConsensusCheckpointer:
     def __call__(self, round_index: int, consensus: RoundFrame) -> None:
         try:
             if consensus.kind == RoundKind.CONTROL:
-                self._on_control()
+                self._on_control(fragment_of(consensus))
             else:
                 self._on_model(round_index, consensus)
         except Exception as exc:  # a checkpoint problem must never stop training
             self._record_failure(f"could not record round {round_index}", exc)
 
-    def _on_control(self) -> None:
+    def _on_control(self, fragment: FragmentTag | None) -> None:
         if self._current is not None:
             # The previous window had no buffers round (a model without float buffers).
             self._submit(self._current)
             self._current = None
         self._window_open = True
         self._model_rounds = 0
+        self._fragment = fragment
+        if fragment is not None and len(self._fragments) != fragment.count:
+            self._fragments = [None] * fragment.count  # a new fragment layout: start over
 
     def _on_model(self, round_index: int, consensus: RoundFrame) -> None:
         if not self._window_open:
@@ -280,18 +291,41 @@ class ConsensusCheckpointer:
         if not consensus.weight > 0:
             log.info("checkpoint: window %d had zero accepted mass (the ranks kept their params); not saved", window)
             return
+        fragment = self._fragment
+        if fragment is not None:
+            self._fragments[fragment.index] = consensus_as_f32(consensus, copy=True)
         if window % self.every:
+            return
+        params = self._model_params(window, consensus)
+        if params is None:
             return
         outer_state, outer_config = self._outer_snapshot()
         self._current = _Snapshot(
             window=window,
             round_index=round_index,
-            params=consensus_as_f32(consensus, copy=True),
+            params=params,
             mass=float(consensus.weight),
             wire_dtype=_wire_dtype_name(consensus),
             outer_state=outer_state,
             outer_config=outer_config,
+            fragment=fragment,
         )
+        if fragment is not None and self._fragment_buffers is not None:
+            self._current.buffers = self._fragment_buffers  # the newest, until this window brings its own
+
+    def _model_params(self, window: int, consensus: RoundFrame) -> list[npt.NDArray[np.float32]] | None:
+        """The whole model's params as of this window: the consensus itself, or with
+        fragments every fragment's newest (None until each has had a window)."""
+        if self._fragment is None:
+            return consensus_as_f32(consensus, copy=True)
+        missing = [i for i, arrays in enumerate(self._fragments) if arrays is None]
+        if missing:
+            log.info("checkpoint: window %d not saved: fragments %s of %d have had no window with mass yet",
+                     window, missing, len(self._fragments))
+            return None
+        # Each fragment's arrays are replaced, never written into, when its next window
+        # comes: the snapshot can hold them as they are.
+        return [a for arrays in self._fragments if arrays is not None for a in arrays]
 
     def _outer_snapshot(self) -> tuple[dict[str, np.ndarray] | None, dict[str, object] | None]:
         """The outer optimizer's state (owned) and config at this params round."""
@@ -305,13 +339,18 @@ class ConsensusCheckpointer:
 
     def _on_buffers(self, round_index: int, consensus: RoundFrame) -> None:
         snap, self._current = self._current, None
+        buffers = consensus_as_f32(consensus, copy=True) if consensus.weight > 0 and (
+            snap is not None or self._fragment is not None) else None
+        if self._fragment is not None and buffers is not None:
+            self._fragment_buffers = buffers  # the newest, for the other fragments' checkpoints
         if snap is None:
             return  # window not due, or zero mass
         snap.buffers_round = round_index
         snap.buffers_mass = float(consensus.weight)
-        if consensus.weight > 0:
-            snap.buffers = consensus_as_f32(consensus, copy=True)
+        if buffers is not None:
+            snap.buffers = buffers
         else:
+            snap.buffers = None
             snap.buffers_absent = True  # the ranks kept their own buffers: nothing common to save
         self._submit(snap)
 

@@ -28,6 +28,7 @@ from ..fold.accumulator import (
 )
 from ..fold.speculative import SpeculativeFrame
 from ..transport.buffers import ReceiveBuffer
+from ..wire.fragment import FragmentTag, fragment_of
 from ..wire.mux import Hello, MuxKind
 from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind
 from .dead_ranks import DeadRanks
@@ -35,7 +36,12 @@ from .stats import ControllerStats
 
 
 class OuterOptimizer(Protocol):
-    """Transforms the params consensus of each window (DiLoCo, SlowMo, ...)."""
+    """Transforms the params consensus of each window (DiLoCo, SlowMo, ...).
+
+    One that also has ``step(consensus, fragment)`` is given the window's
+    :class:`FragmentTag` that way when the ranks sync in fragments, and keeps
+    its state per fragment (the built-in ones do).
+    """
 
     def __call__(self, consensus: RoundFrame) -> RoundFrame: ...
 
@@ -60,6 +66,7 @@ class WindowPart:
 
     window: int
     index: int
+    fragment: FragmentTag | None = None  # the fragment the window syncs (None: the whole model)
 
     @property
     def kept(self) -> bool:
@@ -194,6 +201,7 @@ class ControllerRound:
         self.previous_kind: RoundKind | None = None
         self.windows = 0  # Control rounds finished: windows opened
         self._model_rounds_in_window = 0
+        self._fragment: FragmentTag | None = None  # the window in progress syncs this fragment
         # Buffers of consensus frames computed ahead and since sent to every relay.
         self._spare_buffers: list[ReceiveBuffer] = []
 
@@ -364,8 +372,8 @@ class ControllerRound:
         self.stats.fold_images_reused = self.images.reused
         self.stats.round_seconds.observe(now - started)
         self.stats.last_mass = consensus.weight
-        transformed = self._apply_hooks(consensus)
-        part = self._window_part(consensus.kind)
+        part = self._window_part(consensus)
+        transformed = self._apply_hooks(consensus, None if part is None else part.fragment)
         if self.hooked or (self.keep_window_state and part is not None and part.kept):
             after_write = None  # a hook may keep it; a window's params or buffers are kept for joiners
         if record is not None and transformed is consensus:
@@ -378,23 +386,28 @@ class ControllerRound:
         self.windows = window
         self._model_rounds_in_window = 0
 
-    def _window_part(self, kind: RoundKind) -> WindowPart | None:
+    def _window_part(self, consensus: RoundFrame) -> WindowPart | None:
         """Where the round just finished sits in the windows (None: before any window)."""
-        if kind == RoundKind.CONTROL:
+        if consensus.kind == RoundKind.CONTROL:
             self.windows += 1
             self._model_rounds_in_window = 0
-            return WindowPart(self.windows - 1, 0)
+            self._fragment = fragment_of(consensus)
+            return WindowPart(self.windows - 1, 0, self._fragment)
         if self.windows == 0:
             return None
         self._model_rounds_in_window += 1
-        return WindowPart(self.windows - 1, self._model_rounds_in_window)
+        return WindowPart(self.windows - 1, self._model_rounds_in_window, self._fragment)
 
-    def _apply_hooks(self, consensus: RoundFrame) -> RoundFrame:
+    def _apply_hooks(self, consensus: RoundFrame, fragment: FragmentTag | None) -> RoundFrame:
         is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL
         self.previous_kind = consensus.kind
         if is_params_round and self.outer_optimizer is not None and consensus.weight > 0:
+            step = getattr(self.outer_optimizer, "step", None)
             try:
-                consensus = self.outer_optimizer(consensus)
+                if fragment is not None and callable(step):
+                    consensus = step(consensus, fragment)
+                else:
+                    consensus = self.outer_optimizer(consensus)
             except ProtocolError as exc:
                 # Not the fault of the relay whose frame closed the round: the controller's own.
                 raise FlodlError(

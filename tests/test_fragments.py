@@ -1,0 +1,304 @@
+"""Streamed windows: the params synced in staggered fragments, through real roles.
+
+Every inner step adds a fixed dyadic amount and every mass divides to a power
+of two, so the averages are exact in f32 and the numpy reference below (the
+schedule and the outer optimizers written out again, per fragment) must
+match; the controller's consensus of each fragment is recorded by a
+checkpoint sink and compared with the reference's, round by round.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from flodl_trio import ConfigError, FlodlError, connect_reduce_client
+from flodl_trio.checkpoint import latest_checkpoint, load_checkpoint, restore_module
+from flodl_trio.controller.checkpointer import ConsensusCheckpointer
+from flodl_trio.outer import DiLoCoNesterov, SlowMo, consensus_as_f32
+from flodl_trio.testing import open_local_cluster
+from flodl_trio.trainer import WindowSchedule, open_window_trainer, split_fragments
+from flodl_trio.wire import DTYPE_F32, RoundFrame, RoundKind, TensorPayload
+from flodl_trio.wire.fragment import FragmentTag, fragment_of
+from flodl_trio.wire.round_frame import decode_round_frame, encode_round_frame
+
+WORLD, SYNC_EVERY, WINDOWS, FRAGMENTS = 2, 4, 3, 2
+SHAPES = [(3,), (5,), (2, 2), (4,)]  # 12, 20, 16, 16 bytes: fragments [0, 1] and [2, 3]
+LR, MOMENTUM = 0.5, 0.5
+OUTERS = {"none": None, "slowmo": lambda: SlowMo(lr=LR, momentum=MOMENTUM), "diloco": lambda: DiLoCoNesterov(LR, MOMENTUM)}
+
+
+def start_params(rank: int) -> list[np.ndarray]:
+    return [np.full(shape, rank + 0.5 * i, dtype=np.float32) for i, shape in enumerate(SHAPES)]
+
+
+def step_size(rank: int) -> np.float32:
+    return np.float32(0.25 * (rank + 1))
+
+
+# -- the pieces ---------------------------------------------------------------
+
+
+def test_fragments_are_byte_balanced_runs_of_whole_tensors():
+    assert split_fragments([12, 20, 16, 16], 2) == [range(0, 2), range(2, 4)]
+    assert split_fragments([12, 20, 16, 16], 4) == [range(i, i + 1) for i in range(4)]
+    assert split_fragments([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]  # never an empty fragment
+    assert split_fragments([1, 1, 1, 100], 3) == [range(0, 2), range(2, 3), range(3, 4)]  # the big one alone
+    sizes = list(np.random.default_rng(3).integers(1, 1000, 40))
+    runs = split_fragments(sizes, 4)
+    assert [r.start for r in runs] == [0, *[r.stop for r in runs[:-1]]] and runs[-1].stop == 40
+    shares = [sum(sizes[i] for i in r) / sum(sizes) for r in runs]
+    assert all(abs(share - 0.25) < 1000 / sum(sizes) for share in shares), shares
+    with pytest.raises(ConfigError, match="fragments must be 1..4"):
+        split_fragments([1, 2, 3, 4], 5)
+
+
+def test_the_schedule_staggers_the_fragments():
+    schedule = WindowSchedule(sync_every=20, fragments=4)
+    assert [schedule.first_sync(p) for p in range(4)] == [5, 10, 15, 20]
+    assert schedule.sync_gap == 5
+    with pytest.raises(ConfigError, match="fragments must be 1..sync_every=3"):
+        WindowSchedule(sync_every=3, fragments=4)
+    with pytest.raises(ConfigError, match="merge_after must be None .* or 1..5 steps"):
+        WindowSchedule(sync_every=20, overlap=1, fragments=4, merge_after=6)
+
+
+def test_the_fragment_tag_is_an_empty_tensor_whose_shape_names_the_fragment(salt):
+    counts = TensorPayload(DTYPE_F32, (3,), np.array([4, 4, 0], dtype="<f4"))
+    frame = RoundFrame([counts, FragmentTag(1, 4).payload()], RoundKind.CONTROL, 0.0)
+    data = bytes(encode_round_frame(frame, salt))
+    # dtype f32, 3 dims [0, 4, 1], 0 payload bytes: 1 + 1 + 12 + 8 bytes after the counts tensor
+    tail = data[17 + 2 + 4 + 8 + 12:-8]
+    assert tail == bytes([0, 3]) + (0).to_bytes(4, "little") + (4).to_bytes(4, "little") + (1).to_bytes(4, "little") \
+        + (0).to_bytes(8, "little")
+    decoded = decode_round_frame(data, salt)
+    assert fragment_of(decoded) == FragmentTag(1, 4)
+    assert fragment_of(RoundFrame([counts], RoundKind.CONTROL, 0.0)) is None  # an unfragmented window
+    assert fragment_of(RoundFrame([counts, FragmentTag(1, 4).payload()], RoundKind.MODEL, 1.0)) is None
+    bogus = TensorPayload(DTYPE_F32, (0, 4, 4), np.zeros(0, dtype="<f4"))  # index out of range
+    assert fragment_of(RoundFrame([counts, bogus], RoundKind.CONTROL, 0.0)) is None
+    with pytest.raises(ConfigError, match="fragment tag"):
+        FragmentTag(2, 2)
+
+
+# -- the reference ------------------------------------------------------------
+
+
+def reference(outer: str, windows: int = WINDOWS) -> tuple[dict[int, list[np.ndarray]], list[tuple[int, list[np.ndarray]]]]:
+    """Every rank's final params, and each sync's (fragment, consensus) in order."""
+    runs = split_fragments([int(np.prod(s)) * 4 for s in SHAPES], FRAGMENTS)
+    schedule = WindowSchedule(SYNC_EVERY, fragments=FRAGMENTS)
+    theta = {r: start_params(r) for r in range(WORLD)}
+    state: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    since = [0] * FRAGMENTS
+    syncs: list[tuple[int, list[np.ndarray]]] = []
+    for _step in range(SYNC_EVERY * windows):
+        for r in theta:
+            theta[r] = [t + step_size(r) for t in theta[r]]
+        since = [s + 1 for s in since]
+        for f, run in enumerate(runs):
+            due = schedule.first_sync(f) if len([s for s in syncs if s[0] == f]) == 0 else SYNC_EVERY
+            if since[f] < due:
+                continue
+            mass = np.float32(since[f])
+            since[f] = 0
+            avg = [sum(mass * theta[r][i] for r in theta) / (mass * WORLD) for i in run]
+            if outer == "none" or f not in state:
+                new = avg
+                if outer != "none":
+                    state[f] = ([a.copy() for a in avg], [np.zeros_like(a) for a in avg])
+            else:
+                x, m = state[f]
+                new = []
+                for j, c in enumerate(avg):
+                    if outer == "slowmo":
+                        m[j] = np.float32(MOMENTUM) * m[j] + (x[j] - c)
+                        x[j] = x[j] - np.float32(LR) * m[j]
+                    else:
+                        g = x[j] - c
+                        m[j] = np.float32(MOMENTUM) * m[j] + g
+                        x[j] = x[j] - np.float32(LR) * (g + np.float32(MOMENTUM) * m[j])
+                    new.append(x[j].copy())
+            syncs.append((f, new))
+            for r in theta:
+                for j, i in enumerate(run):
+                    theta[r][i] = new[j].copy()
+    return theta, syncs
+
+
+class Recorder:
+    """A checkpoint sink that keeps each fragment window's params consensus (as f32)."""
+
+    def __init__(self) -> None:
+        self.syncs: list[tuple[int, list[np.ndarray]]] = []
+        self._fragment: FragmentTag | None = None
+        self._awaiting_params = False
+
+    def __call__(self, round_index: int, consensus: RoundFrame) -> None:
+        if consensus.kind == RoundKind.CONTROL:
+            self._fragment, self._awaiting_params = fragment_of(consensus), True
+        elif self._awaiting_params:
+            assert self._fragment is not None
+            self.syncs.append((self._fragment.index, consensus_as_f32(consensus, copy=True)))
+            self._awaiting_params = False
+
+
+async def train(cluster, salt, *, overlap: int, outer, windows: int = WINDOWS) -> dict[int, list[np.ndarray]]:
+    final: dict[int, list[np.ndarray]] = {}
+
+    async def rank_main(rank: int) -> None:
+        params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in start_params(rank)]
+        async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, salt) as client:
+            async with open_window_trainer(
+                client, params, rank=rank, world_size=WORLD, sync_every=SYNC_EVERY, overlap=overlap,
+                fragments=FRAGMENTS, outer=None if outer is None else outer(),
+            ) as trainer:
+
+                def inner_step() -> None:
+                    time.sleep(0.003)  # accelerator time: a round in flight moves meanwhile
+                    with torch.no_grad():
+                        for p in params:
+                            p.add_(float(step_size(rank)))
+
+                await trainer.run_steps(SYNC_EVERY * windows, inner_step)
+            # Each fragment synced once per sync_every steps, staggered: windows each.
+            assert trainer.stats.fragment_windows == [windows] * FRAGMENTS
+            assert trainer.stats.windows == windows * FRAGMENTS
+            assert trainer.stats.steps == SYNC_EVERY * windows
+        final[rank] = [p.detach().numpy().copy() for p in params]
+
+    async with trio.open_nursery() as nursery:
+        for rank in range(WORLD):
+            nursery.start_soon(rank_main, rank)
+    return final
+
+
+def assert_close(got: list[np.ndarray], want: list[np.ndarray], what: str, *, exact: bool) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if exact:
+            assert np.array_equal(g, w), f"{what} tensor {i}: {g} != {w}"
+        else:  # the eager stand-in's recovered momentum divides by 1 + momentum: rounding
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6, err_msg=f"{what} tensor {i}")
+
+
+# -- through real roles -------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+@pytest.mark.parametrize("outer", sorted(OUTERS))
+async def test_fragmented_windows_match_the_reference(salt, outer, overlap):
+    recorder = Recorder()
+    options = {} if OUTERS[outer] is None else {"outer_optimizer": OUTERS[outer]()}
+    async with open_local_cluster(world_size=WORLD, hosts=[[0], [1]], salt=salt, checkpoint=recorder, **options) as cluster:
+        final = await train(cluster, salt, overlap=overlap, outer=OUTERS[outer])
+    want_final, want_syncs = reference(outer)
+    exact = not (outer == "diloco" and overlap)
+    # The controller's consensus of each fragment, sync by sync (fragment 0 at steps 2, 6, 10; 1 at 4, 8, 12).
+    assert [f for f, _ in recorder.syncs] == [f for f, _ in want_syncs] == [0, 1] * WINDOWS
+    for k, ((f, got), (_, want)) in enumerate(zip(recorder.syncs, want_syncs, strict=True)):
+        assert_close(got, want, f"sync {k} (fragment {f})", exact=True)  # the controller's math is exact either way
+    for rank in range(WORLD):
+        assert_close(final[rank], want_final[rank], f"rank {rank}", exact=exact)
+    # Fragment 1 synced last, at the final step: identical on every rank; fragment 0 has local steps since.
+    for i in (2, 3):
+        assert np.array_equal(final[0][i], final[1][i])
+
+
+async def test_the_outer_state_per_fragment_survives_a_checkpoint_and_restore(salt, tmp_path):
+    outer = DiLoCoNesterov(LR, MOMENTUM)
+    async with ConsensusCheckpointer(tmp_path, keep=10, outer=outer) as sink:
+        async with open_local_cluster(world_size=WORLD, hosts=[[0, 1]], salt=salt, outer_optimizer=outer,
+                                      checkpoint=sink) as cluster:
+            await train(cluster, salt, overlap=1, outer=lambda: DiLoCoNesterov(LR, MOMENTUM))
+    assert outer.fragments == [FragmentTag(0, 2), FragmentTag(1, 2)]
+    path = latest_checkpoint(tmp_path)
+    assert path is not None
+    ckpt = load_checkpoint(path)
+    # The newest file: the last fragment's last window, holding every fragment's newest consensus.
+    assert ckpt.metadata["fragments"] == "2" and ckpt.metadata["fragment"] == "1"
+    _, want_syncs = reference("diloco")
+    newest = {f: arrays for f, arrays in want_syncs}
+    assert_close(ckpt.params, newest[0] + newest[1], "checkpoint params", exact=True)
+    assert {"outer.fragment.0.2.x_prev.0", "outer.fragment.1.2.momentum.1", "outer.fragment.0.2.windows"} <= {
+        f"outer.{k}" for k in ckpt.outer
+    }
+    # A restarted controller's optimizer takes the state back, fragment by fragment...
+    restored = DiLoCoNesterov(LR, MOMENTUM)
+    restored.load_state_dict(ckpt.outer)
+    assert restored.fragments == outer.fragments and restored.windows == outer.windows == 2 * WINDOWS
+    original = outer.state_dict()
+    assert sorted(restored.state_dict()) == sorted(original)
+    for key, value in restored.state_dict().items():
+        assert np.array_equal(value, original[key]), key
+    # ...and steps each fragment's next consensus exactly as the original would have.
+    for tag, run in ((FragmentTag(0, 2), range(0, 2)), (FragmentTag(1, 2), range(2, 4))):
+        nxt = RoundFrame([TensorPayload(DTYPE_F32, SHAPES[i], np.full(SHAPES[i], 7.0, "<f4").reshape(-1)) for i in run],
+                         RoundKind.MODEL, 4.0)
+        a = consensus_as_f32(outer.step(nxt, tag), copy=True)
+        b = consensus_as_f32(restored.step(nxt, tag), copy=True)
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), tag
+    # A rank restores the whole model from it.
+    module = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in SHAPES])
+    restore_module(module, ckpt)
+    assert_close([p.detach().numpy() for p in module], newest[0] + newest[1], "restored module", exact=True)
+
+
+async def test_a_rank_that_disagrees_on_the_fragment_is_refused_alone(salt):
+    """Rank 2 opens fragment 1's window while ranks 0 and 1 open fragment 0's: its relay
+    refuses its frame (the tag's shape differs from the round's, which the first frame
+    folded sets: deterministic mode folds in rank order), the others' round completes
+    without it."""
+    async with open_local_cluster(world_size=3, hosts=[[0, 1, 2]], salt=salt, deterministic=True) as cluster:
+        got: dict[int, object] = {}
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 3, salt) as client:
+                counts = [0.0, 0.0, 0.0]
+                counts[rank] = 4.0
+                tag = FragmentTag(1 if rank == 2 else 0, 2)
+                try:
+                    got[rank] = await client.all_reduce_per_rank_f64(counts, fragment=tag)
+                except FlodlError as exc:
+                    got[rank] = exc
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(3):
+                nursery.start_soon(rank_main, rank)
+    assert got[0] == got[1] == [4.0, 4.0, 0.0]
+    assert isinstance(got[2], FlodlError)
+
+
+async def test_the_blocking_facade_syncs_fragments(salt):
+    from test_blocking import run_rank_threads
+
+    from flodl_trio.blocking import BlockingReduceClient
+
+    final: dict[int, list[np.ndarray]] = {}
+    errors: list[BaseException] = []
+    async with open_local_cluster(world_size=WORLD, hosts=[[0], [1]], salt=salt) as cluster:
+
+        def rank_thread(rank: int) -> None:
+            try:
+                params = [torch.from_numpy(a.copy()) for a in start_params(rank)]
+                with BlockingReduceClient(cluster.relay_address(rank), rank, WORLD, salt) as client:
+                    trainer = client.window_trainer(params, sync_every=SYNC_EVERY, overlap=1, fragments=FRAGMENTS)
+                    for _ in range(SYNC_EVERY * WINDOWS):
+                        time.sleep(0.003)
+                        for p in params:
+                            p.add_(float(step_size(rank)))
+                        trainer.step()
+                    trainer.finish()
+                    assert trainer.stats.fragment_windows == [WINDOWS] * FRAGMENTS
+                final[rank] = [p.numpy().copy() for p in params]
+            except BaseException as exc:
+                errors.append(exc)
+
+        await run_rank_threads(rank_thread, range(WORLD), 20)
+    assert not errors, errors
+    want, _ = reference("none")
+    for rank in range(WORLD):
+        assert_close(final[rank], want[rank], f"rank {rank}", exact=True)
