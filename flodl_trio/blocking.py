@@ -223,6 +223,7 @@ class BlockingReduceClient:
         outer: object | None = None,
         merge_after: int | None = None,
         fragments: int = 1,
+        start_window: int = 0,
     ) -> BlockingWindowTrainer:
         """The window loop for a plain-Python trainer (see :class:`~flodl_trio.trainer.WindowTrainer`):
         call ``step()`` after every inner step; with ``overlap=1`` a window's round
@@ -232,6 +233,7 @@ class BlockingReduceClient:
         trainer = WindowTrainer(
             self._client, params, buffers, rank=self.rank, world_size=self.world_size,
             schedule=WindowSchedule(sync_every, overlap, gamma, merge_after, fragments), outer=outer, nursery=self._nursery,
+            start_window=start_window,
         )
         return BlockingWindowTrainer(self, trainer)
 

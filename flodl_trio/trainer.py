@@ -88,6 +88,22 @@ class WindowSchedule:
         """Steps before ``fragment``'s first sync (the stagger); ``sync_every`` after that."""
         return (fragment + 1) * self.sync_every // self.fragments
 
+    def boundary_step(self, window: int) -> int:
+        """The inner step (counted from the run's start) at which the cluster's window
+        ``window`` ends: windows sync the fragments in turn, window ``k`` fragment
+        ``k % fragments`` in its cycle ``k // fragments``. -1 gives 0 (the start)."""
+        if window < 0:
+            return 0
+        return self.first_sync(window % self.fragments) + (window // self.fragments) * self.sync_every
+
+    def steps_to_first_sync(self, fragment: int, start_window: int) -> int:
+        """Steps a rank entering at ``start_window`` (what ``join`` returned) takes before
+        ``fragment``'s first sync: to that fragment's next sync in the cluster's schedule."""
+        now = self.boundary_step(start_window - 1)
+        first = self.first_sync(fragment)
+        cycles = 0 if now < first else (now - first) // self.sync_every + 1
+        return first + cycles * self.sync_every - now
+
 
 def split_fragments(nbytes: Sequence[int], fragments: int) -> list[range]:
     """Cut tensors of these sizes into ``fragments`` runs of consecutive tensors, each
@@ -246,7 +262,7 @@ class _Fragment:
 
 
 def _make_fragments(
-    params: Sequence[Any], buffers: Sequence[Any], schedule: WindowSchedule, outer: object | None
+    params: Sequence[Any], buffers: Sequence[Any], schedule: WindowSchedule, outer: object | None, start_window: int
 ) -> list[_Fragment]:
     """The trainer's fragments: byte-balanced runs of params; the buffers go with the last."""
     count = schedule.fragments
@@ -261,7 +277,7 @@ def _make_fragments(
             tag=FragmentTag(index, count) if count > 1 else None,
             tensors=[params[i] for i in run] + (list(buffers) if last else []),
             n_params=len(run),
-            window_len=schedule.first_sync(index),
+            window_len=schedule.steps_to_first_sync(index, start_window),
             mirror=OuterMirror.of(outer) if schedule.overlap else None,
         ))
     return fragments
@@ -292,7 +308,10 @@ class WindowTrainer:
         schedule: WindowSchedule,
         outer: object | None = None,
         nursery: trio.Nursery,
+        start_window: int = 0,
     ) -> None:
+        if start_window < 0:
+            raise ConfigError(f"start_window must be >= 0 (what join() returned), got {start_window}")
         if outer is not None:
             OuterMirror.of(outer)  # refuse an outer optimizer the mirror cannot follow, overlapped or not
         self._client = client
@@ -300,7 +319,7 @@ class WindowTrainer:
         self.schedule = schedule
         self.sync_every, self.overlap, self.merge_after = schedule.sync_every, schedule.overlap, schedule.merge_after
         self._nursery = nursery
-        self._fragments = _make_fragments(params, buffers, schedule, outer)
+        self._fragments = _make_fragments(params, buffers, schedule, outer, start_window)
         # The fragment whose round is in flight, and the event set when it has landed.
         self._in_flight: tuple[_Fragment, trio.Event] | None = None
         self.stats = TrainerStats(fragment_windows=[0] * schedule.fragments)
@@ -458,6 +477,7 @@ async def open_window_trainer(
     outer: object | None = None,
     merge_after: int | None = None,
     fragments: int = 1,
+    start_window: int = 0,
 ) -> AsyncIterator[WindowTrainer]:
     """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
 
@@ -482,7 +502,7 @@ async def open_window_trainer(
                 client.bf16_wire = bf16_wire
             trainer = WindowTrainer(
                 client, params, buffers, rank=rank, world_size=world_size, schedule=schedule, outer=outer,
-                nursery=nursery,
+                nursery=nursery, start_window=start_window,
             )
             yield trainer
             await trainer.finish()

@@ -302,3 +302,88 @@ async def test_the_blocking_facade_syncs_fragments(salt):
     want, _ = reference("none")
     for rank in range(WORLD):
         assert_close(final[rank], want[rank], f"rank {rank}", exact=True)
+
+
+async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_the_schedule(salt):
+    """Rank 2 trains two cycles, crashes, and comes back with a fresh model: join() gives
+    it every fragment's newest consensus and the newest buffers (as the controller sent
+    them), and the trainer, told the window it enters, syncs each fragment at the
+    cluster's step; the run ends with the last fragment identical on every rank."""
+    world, sync_every, windows = 3, 4, 6
+    buffer = (2,)
+    recorder = Recorder()
+    buffers_seen: list[np.ndarray] = []
+    record_buffers = recorder.__call__
+
+    def sink(round_index: int, consensus: RoundFrame) -> None:
+        awaiting_buffers = consensus.kind == RoundKind.MODEL and not recorder._awaiting_params
+        record_buffers(round_index, consensus)
+        if awaiting_buffers and recorder._fragment == FragmentTag(1, 2):
+            buffers_seen.append(consensus_as_f32(consensus, copy=True)[0])
+
+    final: dict[int, list[np.ndarray]] = {}
+    joined: dict[str, object] = {}
+
+    def model(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [torch.from_numpy(a.copy()) for a in start_params(rank)], [torch.full(buffer, float(rank))]
+
+    def stepper(rank: int, params: list[torch.Tensor], buffers: list[torch.Tensor]):
+        def inner_step() -> None:
+            time.sleep(0.01)
+            for p in params:
+                p.add_(float(step_size(rank)))
+            buffers[0].add_(1.0)
+        return inner_step
+
+    async with open_local_cluster(world_size=world, hosts=[[0, 1], [2]], salt=salt, rejoin_timeout=60,
+                                  checkpoint=sink) as cluster:
+
+        async def survivor(rank: int) -> None:
+            params, buffers = model(rank)
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                assert await client.join(params, buffers) == 0
+                async with open_window_trainer(client, params, buffers, rank=rank, world_size=world,
+                                               sync_every=sync_every, overlap=1, fragments=2) as trainer:
+                    await trainer.run_steps(sync_every * windows, stepper(rank, params, buffers))
+            final[rank] = [p.numpy().copy() for p in params]
+
+        async def crashes_and_returns() -> None:
+            rank = 2
+            params, buffers = model(rank)
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                await client.join(params, buffers)
+                async with open_window_trainer(client, params, buffers, rank=rank, world_size=world,
+                                               sync_every=sync_every, overlap=1, fragments=2) as trainer:
+                    await trainer.run_steps(sync_every * 2, stepper(rank, params, buffers))
+                await client.aclose()  # gone without saying it finished
+            await trio.sleep(0.05)
+            params, buffers = model(rank + 10)  # a restarted process
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+                start = await client.join(params, buffers)
+                joined["start"] = start
+                # What it loaded: each fragment's consensus of the newest window before `start`.
+                newest = {f: arrays for f, arrays in recorder.syncs[:start]}
+                joined["ok"] = all(np.array_equal(p.numpy(), w) for p, w in zip(params, newest[0] + newest[1]))
+                joined["buffers_ok"] = np.array_equal(buffers[0].numpy(), buffers_seen[-1])
+                schedule = WindowSchedule(sync_every, overlap=1, fragments=2)
+                async with open_window_trainer(client, params, buffers, rank=rank, world_size=world,
+                                               sync_every=sync_every, overlap=1, fragments=2,
+                                               start_window=start) as trainer:
+                    await trainer.run_steps(sync_every * windows - schedule.boundary_step(start - 1),
+                                            stepper(rank, params, buffers))
+                joined["windows"] = list(trainer.stats.fragment_windows)
+            final[rank] = [p.numpy().copy() for p in params]
+
+        async with trio.open_nursery() as nursery:
+            for rank in (0, 1):
+                nursery.start_soon(survivor, rank)
+            nursery.start_soon(crashes_and_returns)
+        assert cluster.controller.stats.rejoins == 1
+    start = joined["start"]
+    assert 5 <= start < 2 * windows - 1, start  # it came back after its fourth window, before the end
+    assert joined["ok"] and joined["buffers_ok"], joined
+    # It synced exactly the windows from `start` on: fragment k % 2 for window k.
+    assert joined["windows"] == [sum(1 for w in range(start, 2 * windows) if w % 2 == f) for f in (0, 1)]
+    assert [f for f, _ in recorder.syncs] == [0, 1] * windows
+    for i in (2, 3):  # fragment 1 synced at the final step
+        assert np.array_equal(final[0][i], final[2][i]) and np.array_equal(final[1][i], final[2][i])

@@ -24,6 +24,7 @@ from flodl_trio.errors import FramingError, HandshakeError, MacError
 from flodl_trio.relay import HostFold
 from flodl_trio.relay.host_fold import FoldedHostFrame
 from flodl_trio.wire import EncodedFrame, SessionSalt
+from flodl_trio.wire.fragment import FragmentTag
 from flodl_trio.wire.mux import (
     DeclareDead,
     RankJoin,
@@ -160,7 +161,7 @@ def test_window_store_learns_the_window_shape_then_names_each_windows_last_round
     assert store.latest is None
     assert feed(store, 1, 2) == [False, False, True]  # window 1's buffers round ends it
     assert store.latest is not None and store.latest.window == 1
-    assert store.latest.params.chunks == [b"w1r1"] and store.latest.buffers.chunks == [b"w1r2"]
+    assert [f.chunks for f in store.latest.params] == [[b"w1r1"]] and store.latest.buffers.chunks == [b"w1r2"]
 
 
 def test_window_store_without_buffers_a_window_is_one_model_round():
@@ -180,6 +181,33 @@ def test_window_store_a_window_of_another_shape_still_completes_at_the_next_cont
     store.keep(WindowPart(3, 0), encoded(b"c3"))
     assert store.latest.window == 2 and store.latest.buffers is None
     assert store.model_rounds_per_window == 1
+
+
+def feed_fragment(store: WindowStore, window: int, fragment: FragmentTag, model_rounds: int) -> list[bool]:
+    ends = [store.keep(WindowPart(window, 0, fragment), encoded(b"c%d" % window))]
+    for index in range(1, model_rounds + 1):
+        ends.append(store.keep(WindowPart(window, index, fragment), encoded(b"w%dr%d" % (window, index))))
+    return ends
+
+
+def test_window_store_with_fragments_keeps_each_fragments_newest_and_the_buffers():
+    """Three fragments, the buffers with the last: each fragment's window shape is learned
+    on its own; the state is complete (a boundary for joiners) once every fragment had one."""
+    store = WindowStore()
+    tags = [FragmentTag(i, 3) for i in range(3)]
+    ends = [feed_fragment(store, w, tags[w % 3], 2 if w % 3 == 2 else 1) for w in range(6)]
+    # Shapes unknown in the first cycle; in the second each window's last round is named.
+    assert ends[:3] == [[False, False], [False, False], [False, False, False]]
+    assert ends[3:5] == [[False, True], [False, True]]  # fragment 2 had no complete state before window 5
+    assert ends[5] == [False, False, True]
+    state = store.latest
+    assert state is not None and state.window == 5
+    assert [f.chunks for f in state.params] == [[b"w3r1"], [b"w4r1"], [b"w5r1"]]
+    assert state.buffers.chunks == [b"w5r2"]
+    assert [f.chunks for f in state.frames] == [[b"w3r1"], [b"w4r1"], [b"w5r1"], [b"w5r2"]]
+    # The next fragment-0 window replaces only fragment 0's frame; the buffers stay the newest.
+    assert feed_fragment(store, 6, tags[0], 1) == [False, True]
+    assert [f.chunks for f in store.latest.frames] == [[b"w6r1"], [b"w4r1"], [b"w5r1"], [b"w5r2"]]
 
 
 # -- HostFold: a rank coming back -------------------------------------------------------------
@@ -305,7 +333,7 @@ def test_state_reply_carries_a_refusal_reason_under_its_mac():
 
 @pytest.mark.parametrize(
     ("window", "frames", "message"),
-    [(-1, 1, "window -1 with 1 frames"), (3, 0, "window 3 with 0 frames"), (3, 3, "window 3 with 3 frames"),
+    [(-1, 1, "window -1 with 1 frames"), (3, 0, "window 3 with 0 frames"), (3, 258, "window 3 with 258 frames"),
      (-2, 0, "window -2")],
 )
 def test_state_reply_header_shapes_that_cannot_be(window, frames, message):

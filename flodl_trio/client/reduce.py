@@ -278,12 +278,17 @@ class ReduceClient:
 
         check_destinations([*params, *buffers], "join destination")
         state = self.last_state = await self.fetch_state()
-        if state.params is None:
+        if not state.frames:
             return 0
-        if state.params.weight > 0:  # a window with no realized work kept everyone's own params
-            round_frame_to_tensors(state.params, out=list(params))
-        if state.buffers is not None and state.buffers.weight > 0 and buffers:
-            round_frame_to_tensors(state.buffers, out=list(buffers))
+        params_frames, buffers_frame = state.split(len(params), len(buffers))  # checked before any copy
+        start = 0
+        for frame in params_frames:  # one frame, or one per fragment
+            end = start + len(frame.tensors)
+            if frame.weight > 0:  # a window with no realized work kept everyone's own params
+                round_frame_to_tensors(frame, out=list(params[start:end]))
+            start = end
+        if buffers_frame is not None and buffers_frame.weight > 0:
+            round_frame_to_tensors(buffers_frame, out=list(buffers))
         return state.window + 1
 
     # -- tensor level --------------------------------------------------------

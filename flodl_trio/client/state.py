@@ -21,6 +21,7 @@ from ..errors import (
     JoinRefused,
     PeerClosedMidFrame,
     PeerTimeout,
+    SchemaError,
 )
 from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
@@ -45,13 +46,32 @@ from ..wire.state import (
 @attrs.frozen
 class ClusterState:
     """The last completed window's consensus: ``window`` is its index (-1 with no frames:
-    no window has completed yet); ``params``/``buffers`` are what every rank adopted."""
+    no window has completed yet); ``frames`` are what every rank adopted, in order: the
+    params (one frame, or one per fragment), then the float buffers if the model has any."""
 
     window: int
-    params: RoundFrame | None = None
-    buffers: RoundFrame | None = None
+    frames: tuple[RoundFrame, ...] = ()
     nbytes: int = 0  # the frames' bytes on the wire
     transfer_seconds: float = 0.0  # from the reply's header to its last byte (not the wait before)
+
+    def split(self, params: int, buffers: int) -> tuple[list[RoundFrame], RoundFrame | None]:
+        """The frames as (params frames, buffers frame) for a model of ``params`` and
+        ``buffers`` tensors: params frames until they hold ``params`` tensors, then at
+        most one buffers frame. SchemaError naming the counts when they do not fit."""
+        taken, index = 0, 0
+        while taken < params and index < len(self.frames):
+            taken += len(self.frames[index].tensors)
+            index += 1
+        rest = self.frames[index:]
+        # A model without float buffers ignores the cluster's (as a window would not send them).
+        fits = taken == params and len(rest) <= 1 and (not rest or not buffers or len(rest[0].tensors) == buffers)
+        if not fits:
+            counts = [len(f.tensors) for f in self.frames]
+            raise SchemaError(
+                f"the cluster's state of window {self.window} has frames of {counts} tensors; "
+                f"this model has {params} params and {buffers} float buffers"
+            )
+        return list(self.frames[:index]), (rest[0] if rest and buffers else None)
 
 
 async def fetch_cluster_state(
@@ -89,8 +109,7 @@ async def fetch_cluster_state(
         seconds = trio.current_time() - started
     finally:
         await conn.aclose()
-    params, buffers = (frames + [None, None])[:2]
-    return ClusterState(reply.window, params, buffers, conn.bytes_received - received, seconds)
+    return ClusterState(reply.window, tuple(frames), conn.bytes_received - received, seconds)
 
 
 async def _receive_reply(
@@ -117,15 +136,15 @@ async def _receive_frame(
 ) -> RoundFrame:
     """One consensus frame of the reply, its MAC checked as it arrives, into memory of
     the size the reply announced under its MAC (checked against the frame's prefix)."""
-    what = ("params", "buffers")[index]
+    what = f"state frame {index}"
     length = await conn.receive_length_prefix(ceiling)
     if length is None:
-        raise FramingError(f"rank {rank}: the state reply ended before its {what} frame")
+        raise FramingError(f"rank {rank}: the state reply ended before {what}")
     if length != announced:
-        raise FramingError(f"rank {rank}: the {what} state frame is {length} bytes, the reply announced {announced}")
+        raise FramingError(f"rank {rank}: {what} is {length} bytes, the reply announced {announced}")
     mac = RunningMac(salt.hmac(), max(length - MAC_LEN, 0))
-    body = await conn.receive_into_buffer(ReceiveBuffer(length), length, f"the {what} state frame", mac)
-    source = f"the cluster's {what} state"
+    body = await conn.receive_into_buffer(ReceiveBuffer(length), length, what, mac)
+    source = f"the cluster's {what}"
     frame = decode_round_frame(body, salt, source=source, mac_of_body=mac.tag(), ceiling=ceiling)
     check_payloads(frame, source)
     return frame

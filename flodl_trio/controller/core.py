@@ -706,7 +706,7 @@ class _Controller:
             reply, frames = StateReply(StateStatus.OK), []
         else:
             state = answer.state
-            frames = [state.params] + ([state.buffers] if state.buffers is not None else [])
+            frames = state.frames
             reply = StateReply(StateStatus.OK, state.window, len(frames), lengths=tuple(f.nbytes for f in frames))
         chunks: list[Buffer] = [encode_state_reply(reply, request.nonce, self.config.salt)]
         for frame in frames:

@@ -90,11 +90,18 @@ class Consensus:
 @attrs.frozen
 class WindowState:
     """The consensus of the last completed window, as the ranks received it: each
-    frame a RoundFrame's signed bytes (its own MAC last). What a joiner starts from."""
+    frame a RoundFrame's signed bytes (its own MAC last). What a joiner starts from.
+    ``params``: the params frame, or with fragments each fragment's newest, in
+    fragment order (their tensors, concatenated, are the model's params)."""
 
     window: int
-    params: EncodedFrame
+    params: tuple[EncodedFrame, ...]
     buffers: EncodedFrame | None
+
+    @property
+    def frames(self) -> list[EncodedFrame]:
+        """What a joiner is sent, in order: the params frames, then the buffers'."""
+        return [*self.params, *([self.buffers] if self.buffers is not None else [])]
 
 
 class WindowStore:
@@ -103,28 +110,41 @@ class WindowStore:
 
     A window is a Control round and then the Model rounds up to the next
     Control round; how many Model rounds is learned from each window for the
-    next (two with float buffers, one without). Knowing it, :meth:`keep`
+    next (two with float buffers, one without), per fragment when the ranks
+    sync in fragments (the buffers go with the last). Knowing it, :meth:`keep`
     says which consensus is a window's last *before* it goes out: the moment
-    the controller lets joiners in. Kept frames are never recycled; a
-    joiner's transfer holds references to the state it is sending, so
-    replacing it never changes bytes in flight.
+    the controller lets joiners in. With fragments the state is every
+    fragment's newest params (and the newest buffers), complete once each
+    fragment has had a window. Kept frames are never recycled; a joiner's
+    transfer holds references to the state it is sending, so replacing it
+    never changes bytes in flight.
     """
 
     def __init__(self) -> None:
         self.latest: WindowState | None = None
-        self.model_rounds_per_window: int | None = None  # learned from the window before
+        self._shapes: dict[FragmentTag | None, int] = {}  # Model rounds per window, learned per fragment
         self._window = -1
+        self._fragment: FragmentTag | None = None
         self._model_rounds = 0
         self._params: EncodedFrame | None = None
         self._buffers: EncodedFrame | None = None
+        # With fragments: each fragment's newest params, and the newest buffers.
+        self._newest: list[EncodedFrame | None] = []
+        self._newest_buffers: EncodedFrame | None = None
+
+    @property
+    def model_rounds_per_window(self) -> int | None:
+        """Model rounds a window of the current window's fragment has (None: not learned yet)."""
+        return self._shapes.get(self._fragment)
 
     def keep(self, part: WindowPart, frame: EncodedFrame) -> bool:
-        """Take a window round's consensus; True if it ends the window (a boundary)."""
+        """Take a window round's consensus; True if it ends the window (a boundary) and
+        a joiner can be given the state."""
         if part.index == 0:
             if self._window >= 0:
-                self.model_rounds_per_window = self._model_rounds
+                self._shapes[self._fragment] = self._model_rounds
                 self._complete()  # a no-op if the window ended at its boundary already
-            self._window, self._model_rounds = part.window, 0
+            self._window, self._fragment, self._model_rounds = part.window, part.fragment, 0
             return False
         self._model_rounds += 1
         if part.index == 1:
@@ -133,7 +153,7 @@ class WindowStore:
             self._buffers = frame
         if self._model_rounds == self.model_rounds_per_window:
             self._complete()
-            return True
+            return self.latest is not None and self.latest.window == self._window
         return False
 
     def abandon_window(self) -> None:
@@ -143,9 +163,21 @@ class WindowStore:
         self._params = self._buffers = None
 
     def _complete(self) -> None:
-        if self._params is not None:
-            self.latest = WindowState(self._window, self._params, self._buffers)
-        self._params = self._buffers = None
+        params, buffers, self._params, self._buffers = self._params, self._buffers, None, None
+        if params is None:
+            return
+        fragment = self._fragment
+        if fragment is None:
+            self.latest = WindowState(self._window, (params,), buffers)
+            return
+        if len(self._newest) != fragment.count:  # a new fragment layout: start over
+            self._newest, self._newest_buffers = [None] * fragment.count, None
+        self._newest[fragment.index] = params
+        if buffers is not None:
+            self._newest_buffers = buffers
+        newest = [f for f in self._newest if f is not None]
+        if len(newest) == fragment.count:  # every fragment has had a window
+            self.latest = WindowState(self._window, tuple(newest), self._newest_buffers)
 
 
 @attrs.define(eq=False)

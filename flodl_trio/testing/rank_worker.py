@@ -210,31 +210,34 @@ async def _windows(args: argparse.Namespace, client: Any, go: _Go) -> None:
 async def _trainer(args: argparse.Namespace, client: Any, go: _Go) -> None:
     """The window loop run by :func:`open_window_trainer`: ``--train-windows`` windows of
     ``--sync-every`` inner steps, each a ``--step-time`` wait (accelerator time) then
-    a made-up update, the round overlapped with ``--overlap 1``."""
+    a made-up update, the round overlapped with ``--overlap 1``, the params (one
+    tensor of ``--numel`` per fragment) synced in ``--fragments`` fragments."""
     import time
 
     import torch
 
     from flodl_trio.trainer import open_window_trainer
 
-    params = [torch.zeros(args.numel)]
+    params = [torch.zeros(args.numel) for _ in range(args.fragments)]
     step = 0
 
     def inner_step() -> None:
         nonlocal step
         time.sleep(args.step_time)
-        params[0].add_(torch.from_numpy(window_delta(args.rank, step, args.numel)))
+        for index, p in enumerate(params):
+            p.add_(torch.from_numpy(window_delta(args.rank + index, step, args.numel)))
         step += 1
 
     async with open_window_trainer(
         client, params, rank=args.rank, world_size=args.world_size, sync_every=args.sync_every, overlap=args.overlap,
+        fragments=args.fragments,
     ) as trainer:
         for window in range(args.train_windows):
             await trainer.run_steps(args.sync_every, inner_step)
             emit("window", rank=args.rank, window=window, merged=trainer.stats.windows, counts=trainer.stats.last_counts)
     emit(
         "trained", rank=args.rank, windows=trainer.stats.windows, waited=trainer.stats.waited_s,
-        digest=_digest(params), head=params[0][:4].tolist(),
+        digest=_digest(params), head=params[0][:4].tolist(), last_fragment=_digest(params[-1:]),
     )
 
 
@@ -332,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync-every", type=int, default=4, help="inner steps per window (--train-windows)")
     parser.add_argument("--overlap", type=int, default=0, choices=(0, 1), help="overlap each window's round (--train-windows)")
     parser.add_argument("--step-time", type=float, default=0.01, help="seconds one inner step waits (--train-windows)")
+    parser.add_argument("--fragments", type=int, default=1, help="sync the params in this many fragments (--train-windows)")
     parser.add_argument("--tcp", action="store_true",
                         help="reach the data relay over TCP with MACs even where the local leg is offered")
     parser.add_argument("--data-salt", help=f"salt hex for the data connection (default ${SALT_ENV})")

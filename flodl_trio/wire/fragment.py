@@ -25,7 +25,7 @@ from .constants import DTYPE_F32
 from .round_frame import RoundFrame, RoundKind, TensorPayload
 
 _EMPTY = np.zeros(0, dtype="<f4")
-MAX_FRAGMENTS = 1 << 16
+MAX_FRAGMENTS = 256  # a model cut finer than this gains nothing: a fragment per layer group
 
 
 @attrs.frozen(order=True)

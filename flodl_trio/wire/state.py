@@ -18,6 +18,10 @@ verify::
                         | MAC8(header || reason || lengths || request nonce)
     then per frame:     u32 length | a RoundFrame, its own MAC8 last (params first, then buffers)
 
+With fragments (docs/wire.md, "Fragment tag") the params are one frame per
+fragment, in fragment order, so a reply carries up to MAX_FRAGMENTS + 1
+frames; the joiner splits them by its own model's tensor counts.
+
 The frame lengths sit under the reply's MAC, so a joiner can take each frame
 into memory of the right size at once (it still checks every frame's MAC).
 
@@ -34,6 +38,7 @@ import attrs
 
 from ..errors import HandshakeError
 from .constants import CHANNEL_MAGIC_STATE, MAC_LEN, STATE_REPLY_MAGIC, STATE_VERSION
+from .fragment import MAX_FRAGMENTS
 from .handshake import check_magic_version, check_world, exact_bytes
 from .salt import Buffer, SessionSalt, verify_mac
 
@@ -43,7 +48,7 @@ NONCE_LEN = 16
 STATE_REQUEST_LEN = _REQUEST.size + MAC_LEN  # 40
 STATE_REPLY_HEADER_LEN = _REPLY.size  # 28
 MAX_REASON_LEN = 1024
-MAX_STATE_FRAMES = 2
+MAX_STATE_FRAMES = MAX_FRAGMENTS + 1  # each fragment's params, then the buffers
 
 
 class StateStatus(enum.IntEnum):
