@@ -38,10 +38,10 @@ OUTERS: dict[str, Any] = {"none": lambda: None, "slowmo": SlowMo, "diloco": DiLo
 # ---------------------------------------------------------------------------
 
 
-def make_model() -> Any:
+def make_model(seed: int = 0) -> Any:
     import torch
 
-    torch.manual_seed(0)  # every rank starts from the same weights
+    torch.manual_seed(seed)  # every rank starts from the same weights
     return torch.nn.Sequential(
         torch.nn.Linear(FEATURES, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
     )
@@ -76,12 +76,12 @@ async def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     rank, salt = args.rank, SessionSalt.from_hex(os.environ["FLODL_SALT_HEX"])
-    model = make_model()
+    model = make_model(args.seed)
     x, y, x_val, y_val = make_data(rank, 4096)
     inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
     params = list(model.parameters())
     buffers = [b for b in model.buffers() if b.dtype.is_floating_point]
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator().manual_seed(rank + 1000 * args.seed)  # minibatch order
 
     def emit(**fields: Any) -> None:
         print(json.dumps({"rank": rank, **fields}), flush=True)
@@ -109,18 +109,23 @@ async def worker(args: argparse.Namespace) -> None:
             client.bf16_wire = args.bf16
             # 0 at first start; after a restart the model is the cluster's consensus from here on.
             start = await client.join(params, buffers)
-            emit(joined=start, consensus_loss=validation_loss())
             # The window loop: every window's averages land in the model's own parameters
-            # and buffers; with --overlap the round runs while the next window trains.
+            # and buffers; with --overlap the round runs while the next window trains, with
+            # --fragments the params go in staggered fragments (a cluster window each).
             async with open_window_trainer(
                 client, params, buffers, rank=rank, world_size=WORLD, sync_every=args.inner_steps,
                 overlap=args.overlap, outer=OUTERS[args.outer](),  # the controller's, mirrored (see --overlap)
-                merge_after=args.merge_after,
+                merge_after=args.merge_after, fragments=args.fragments, start_window=start,
             ) as trainer:
-                for window in range(start, args.windows):
-                    await trainer.run_steps(args.inner_steps, inner_step)
+                # Where the cluster is (0 at first start): the step its window `start` begins at.
+                step, total = trainer.schedule.boundary_step(start - 1), args.windows * args.inner_steps
+                emit(joined=step / args.inner_steps, consensus_loss=validation_loss())
+                while step < total:
+                    todo = args.inner_steps - step % args.inner_steps
+                    await trainer.run_steps(todo, inner_step)
+                    step += todo
                     local_loss, losses[:] = sum(losses) / len(losses), []
-                    emit(window=window, local_loss=local_loss, consensus_loss=validation_loss(),
+                    emit(window=step // args.inner_steps - 1, local_loss=local_loss, consensus_loss=validation_loss(),
                          live=sum(1 for c in trainer.stats.last_counts if c > 0) if trainer.stats.last_counts else None,
                          waited=trainer.stats.waited_s)
             # Leaving the trainer's block brought the last window's round in (with --overlap).
@@ -178,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
             commands[r] = py + ["flodl_trio.demo", "--worker", "--rank", str(r), "--data-port", str(ports[r][0]),
                                 "--control-port", str(ports[r][1]), "--windows", str(args.windows),
                                 "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout),
-                                "--overlap", str(args.overlap)]
+                                "--overlap", str(args.overlap), "--fragments", str(args.fragments),
+                                "--seed", str(args.seed)]
             if args.merge_after is not None:
                 commands[r] += ["--merge-after", str(args.merge_after)]
             if args.bf16:
@@ -249,7 +255,7 @@ def follow_training(
                 if "joined" in event:
                     if event["joined"] > 0:
                         events["rejoined"] = event["joined"]
-                        bar.write(f"window {event['joined']}: rank {r} is back, from the consensus "
+                        bar.write(f"window {event['joined']:g}: rank {r} is back, from the consensus "
                                   f"(validation loss {event['consensus_loss']:.4f})")
                     continue
                 if "final_loss" in event:
@@ -311,24 +317,46 @@ def late_text(late: list[int]) -> str:
     return f"median {ordered[len(ordered) // 2]}, max {ordered[-1]} (of {len(ordered)} windows)"
 
 
+def cluster_model_loss(directory: Path) -> float | None:
+    """Validation loss of the cluster's model: the newest checkpoint (every fragment's newest
+    consensus, after the outer step) loaded into a fresh model. Unlike a rank's own
+    params it holds no local steps taken since a fragment's last sync."""
+    import torch
+
+    from flodl_trio.checkpoint import latest_checkpoint, load_checkpoint, restore_module
+
+    path = latest_checkpoint(directory)
+    if path is None:
+        return None
+    model = make_model()
+    restore_module(model, load_checkpoint(path))
+    _, _, x_val, y_val = make_data(0, 1)
+    with torch.no_grad():
+        model.eval()
+        return float(torch.nn.functional.mse_loss(model(x_val), y_val).item())
+
+
 def print_summary(history: dict[int, list[dict[str, Any]]], events: dict[str, int], status: dict[str, Any],
                   workdir: Path, elapsed: float, args: argparse.Namespace) -> None:
     stats = status["stats"]
     first, last = windows_of(history[0])[0], windows_of(history[0])[-1]
     final = next((e for e in history[0] if "final_loss" in e), {"final_loss": last["consensus_loss"], "waited": last["waited"]})
+    cluster_loss = cluster_model_loss(workdir / "checkpoints")
     deaths = "none"
     if "killed" in events:
         deaths = f"rank {args.victim} killed after window {events['killed']}"
         if "rejoined" in events:
-            deaths += f"; restarted, back at window {events['rejoined']} from the consensus"
+            deaths += f"; restarted, back at window {events['rejoined']:g} from the consensus"
     rows = [
         ("windows trained", str(len(windows_of(history[0])))),
         ("live ranks", live_path(history[0])),
         ("averaging rounds", str(stats["rounds"])),
         ("outer optimizer", args.outer),
         ("wire", "bf16" if args.bf16 else "f32"),
-        ("consensus loss, first window -> end", f"{first['consensus_loss']:.4f} -> {final['final_loss']:.4f}"),
-        ("trainer time waiting on the network", f"{final['waited']:.2f} s of {elapsed:.1f} s (rank 0; --overlap {args.overlap})"),
+        ("consensus loss, first window -> end", f"{first['consensus_loss']:.4f} -> {final['final_loss']:.4f} (rank 0)"),
+        ("cluster model's validation loss", "n/a" if cluster_loss is None else f"{cluster_loss:.4f} (newest checkpoint)"),
+        ("trainer time waiting on the network",
+         f"{final['waited']:.2f} s of {elapsed:.1f} s (rank 0; --overlap {args.overlap}, --fragments {args.fragments})"),
         *([("inner steps before each consensus was merged", late_text(final["late_steps"]))] if final.get("late_steps") else []),
         ("bytes into controller", f"{stats['bytes_in'] / 1e6:.2f} MB"),
         ("bytes out of controller", f"{stats['bytes_out'] / 1e6:.2f} MB"),
@@ -404,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="1: each window's round runs while the next window trains (default 0: wait for it)")
     parser.add_argument("--merge-after", type=int, default=None,
                         help="with --overlap 1: merge each consensus after exactly this many steps of the next window")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="sync the params in this many staggered fragments, one every inner-steps/fragments "
+                             "steps (default 1: the whole model each window)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialization and minibatch order (default 0)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--plot", default="flodl_demo.png", help="where to write the PNG (default flodl_demo.png)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
