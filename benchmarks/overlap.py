@@ -348,6 +348,14 @@ def convergence(args: argparse.Namespace, results: dict[str, dict[str, dict[str,
         f"(e) P = {FRAGMENTS} fragments, merged when they land on this CPU":
             ["--overlap", "1", "--fragments", str(FRAGMENTS)],
         f"P = {FRAGMENTS} fragments, synchronous": ["--overlap", "0", "--fragments", str(FRAGMENTS)],
+        "plain averaging (--outer none), synchronous": ["--outer", "none", "--overlap", "0"],
+        f"plain averaging, overlap merged after {staleness['flodl overlap']} steps":
+            ["--outer", "none", "--overlap", "1", "--merge-after", str(max(1, staleness["flodl overlap"]))],
+        f"plain averaging, P = {FRAGMENTS} fragments, synchronous":
+            ["--outer", "none", "--overlap", "0", "--fragments", str(FRAGMENTS)],
+        f"plain averaging, P = {FRAGMENTS} fragments merged after {min(gap, staleness['flodl fragments'])} steps":
+            ["--outer", "none", "--overlap", "1", "--fragments", str(FRAGMENTS), "--merge-after",
+             str(max(1, min(gap, staleness["flodl fragments"])))],
     }
     losses: dict[str, list[float]] = {}
     merged: dict[str, list[int]] = {}
@@ -360,14 +368,15 @@ def convergence(args: argparse.Namespace, results: dict[str, dict[str, dict[str,
                 merged.setdefault(name, []).append(after)
     base = statistics.mean(losses["(c) flodl sync"])
     lines = [
-        f"| schedule ({args.convergence_windows} windows x H = {args.sync_every}, DiLoCo, {args.seeds} seeds) "
-        "| mean final loss | vs (c) | spread over seeds | merged after (median steps) |",
+        f"| schedule ({args.convergence_windows} windows x H = {args.sync_every}, DiLoCo unless said, {args.seeds} seeds) "
+        "| mean final loss | vs synchronous, same outer | spread over seeds | merged after (median steps) |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, values in losses.items():
         mean = statistics.mean(values)
         after = f"{statistics.median(merged[name]):g}" if name in merged else ""
-        lines.append(f"| {name} | {mean:.4f} | {mean / base:.3f}x | {min(values):.4f}-{max(values):.4f} | {after} |")
+        reference = statistics.mean(losses["plain averaging (--outer none), synchronous"]) if "plain" in name else base
+        lines.append(f"| {name} | {mean:.4f} | {mean / reference:.3f}x | {min(values):.4f}-{max(values):.4f} | {after} |")
     checks = []
     for name in list(schedules)[1:3]:
         ratio = statistics.mean(losses[name]) / base

@@ -312,8 +312,6 @@ class WindowTrainer:
     ) -> None:
         if start_window < 0:
             raise ConfigError(f"start_window must be >= 0 (what join() returned), got {start_window}")
-        if outer is not None:
-            OuterMirror.of(outer)  # refuse an outer optimizer the mirror cannot follow, overlapped or not
         self._client = client
         self.rank, self.world_size = rank, world_size
         self.schedule = schedule
