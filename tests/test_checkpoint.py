@@ -837,3 +837,55 @@ async def test_cluster_without_outer_checkpoints_the_plain_consensus(salt, tmp_p
     np.testing.assert_array_equal(ckpt.params[0], received[0])
     assert ckpt.buffers == [] and ckpt.mass == 6.0 and ckpt.outer == {}
     assert json.loads(json.dumps(ckpt.metadata))["window"] == "0"
+
+
+# ---------------------------------------------------------------------------
+# fragmented windows: every file holds the whole model
+# ---------------------------------------------------------------------------
+
+
+async def test_fragmented_windows_are_saved_whole_once_every_fragment_has_one(tmp_path, caplog):
+    """Three fragments in turn (the buffers with the last), every second window due: a file
+    holds every fragment's newest params in fragment order and the newest buffers;
+    windows before each fragment had one are not saved; a zero-mass window keeps
+    its fragment's previous consensus."""
+    from flodl_trio.wire.fragment import FragmentTag
+
+    shapes = [[(2, 3)], [(4,), (1,)], [(5,)]]
+    rng = np.random.default_rng(5)
+
+    def tagged_control(fragment: int) -> RoundFrame:
+        return RoundFrame([*control_frame().tensors, FragmentTag(fragment, 3).payload()], RoundKind.CONTROL, 0.0)
+
+    newest: dict[int, list[np.ndarray]] = {}
+    newest_buffers = None
+    expected: dict[int, tuple[list[np.ndarray], list[np.ndarray] | None, int]] = {}
+    caplog.set_level(logging.INFO, logger="flodl_trio.checkpoint")
+    async with ConsensusCheckpointer(tmp_path, every=2, keep=10) as sink:
+        r = 1
+        for window in range(9):
+            fragment = window % 3
+            params = [rng.standard_normal(s).astype(np.float32) for s in shapes[fragment]]
+            mass = 0.0 if window == 7 else 4.0  # window 7 (fragment 1): nobody did any work
+            sink(r, tagged_control(fragment))
+            sink(r + 1, model_frame(params, mass))
+            r += 2
+            if mass > 0:
+                newest[fragment] = params
+            if fragment == 2:
+                newest_buffers = [rng.standard_normal(3).astype(np.float32)]
+                sink(r, model_frame(newest_buffers, 2.0))
+                r += 1
+            if window % 2 == 0 and len(newest) == 3 and mass > 0:
+                expected[window] = ([a for f in range(3) for a in newest[f]], newest_buffers, fragment)
+            await written(sink)
+    assert files_in(tmp_path) == window_files(*sorted(expected)) == window_files(2, 4, 6, 8)
+    for window, (params, buffers, fragment) in expected.items():
+        ckpt = load_checkpoint(tmp_path / f"window-{window:06d}.safetensors")
+        assert ckpt.metadata["fragments"] == "3" and ckpt.metadata["fragment"] == str(fragment)
+        assert [p.shape for p in ckpt.params] == [(2, 3), (4,), (1,), (5,)]
+        for got, want in zip(ckpt.params, params, strict=True):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(ckpt.buffers, buffers, strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert "window 0 not saved: fragments [1, 2] of 3 have had no window with mass yet" in caplog.text
