@@ -47,7 +47,7 @@ from .errors import ConfigError
 from .outer import DiLoCoNesterov, PlainAverage, SlowMo
 from .realized_work import _ReduceClientLike, average_window
 from .transport.tasks import one_error
-from .wire.fragment import FragmentTag
+from .wire.fragment import MAX_FRAGMENTS, FragmentTag
 
 if TYPE_CHECKING:
     import torch
@@ -68,10 +68,10 @@ class WindowSchedule:
             raise ConfigError(f"sync_every must be >= 1 inner step, got {self.sync_every}")
         if self.overlap not in (0, 1):
             raise ConfigError(f"overlap must be 0 (wait for each window's round) or 1 (overlap it), got {self.overlap}")
-        if not 1 <= self.fragments <= self.sync_every:
+        if not 1 <= self.fragments <= min(self.sync_every, MAX_FRAGMENTS):
             raise ConfigError(
-                f"fragments must be 1..sync_every={self.sync_every} (each fragment syncs at its own step), "
-                f"got {self.fragments}"
+                f"fragments must be 1..sync_every={self.sync_every} (each fragment syncs at its own step) "
+                f"and at most {MAX_FRAGMENTS}, got {self.fragments}"
             )
         if self.merge_after is not None and not 1 <= self.merge_after <= self.sync_gap:
             raise ConfigError(

@@ -63,6 +63,8 @@ def test_the_schedule_staggers_the_fragments():
     assert schedule.sync_gap == 5
     with pytest.raises(ConfigError, match="fragments must be 1..sync_every=3"):
         WindowSchedule(sync_every=3, fragments=4)
+    with pytest.raises(ConfigError, match="at most 256"):
+        WindowSchedule(sync_every=1000, fragments=257)
     with pytest.raises(ConfigError, match="merge_after must be None .* or 1..5 steps"):
         WindowSchedule(sync_every=20, overlap=1, fragments=4, merge_after=6)
 
