@@ -147,6 +147,10 @@ class ConsensusCheckpointer:
     once it does. One checkpointer per directory: opening removes stale temp
     files of interrupted writes.
 
+    With fragments (a tagged Control round opens each fragment's window) it
+    keeps each fragment's newest params and writes the whole model each due
+    window, once every fragment has had one (docs/outer-and-checkpoints.md).
+
     Outcomes, for monitoring and tests: ``written`` (paths), ``skipped_windows``
     (dropped for a newer one), ``failures`` and ``last_error`` (recording or
     writing errors, which are logged and never raised into the controller).
