@@ -389,3 +389,45 @@ async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_th
     assert [f for f, _ in recorder.syncs] == [0, 1] * windows
     for i in (2, 3):  # fragment 1 synced at the final step
         assert np.array_equal(final[0][i], final[2][i]) and np.array_equal(final[1][i], final[2][i])
+
+
+async def test_fragments_with_a_fixed_merge_point_and_a_bf16_wire_are_reproducible(salt):
+    """P = 4 fragments, overlapped, merged after exactly 2 steps, params on a bf16 wire,
+    DiLoCo at the controller, the cluster's deterministic mode: two runs end bit-identical
+    and every fragment synced once per sync_every steps (the updates are not exact in
+    f32 or bf16, and the ranks start at staggered times)."""
+    sync_every, windows, fragments = 8, 4, 4
+
+    async def run() -> dict[int, list[bytes]]:
+        final: dict[int, list[bytes]] = {}
+        async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt, deterministic=True,
+                                      outer_optimizer=DiLoCoNesterov(0.7, 0.9)) as cluster:
+
+            async def rank_main(rank: int) -> None:
+                await trio.sleep(0.01 * ((rank * 7) % 3))
+                gen = torch.Generator().manual_seed(rank)
+                params = [torch.nn.Parameter(torch.zeros(n)) for n in (97, 64, 64, 33, 40)]
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 3, salt) as client:
+                    async with open_window_trainer(
+                        client, params, rank=rank, world_size=3, sync_every=sync_every, overlap=1,
+                        merge_after=2, fragments=fragments, bf16_wire=True, outer=DiLoCoNesterov(0.7, 0.9),
+                    ) as trainer:
+
+                        def inner_step() -> None:
+                            time.sleep(0.002)
+                            with torch.no_grad():
+                                for p in params:
+                                    p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+                        await trainer.run_steps(sync_every * windows, inner_step)
+                    assert trainer.stats.fragment_windows == [windows] * fragments
+                    assert set(trainer.stats.late_steps[:-1]) == {2}  # the last merges at finish()
+                final[rank] = [p.detach().numpy().tobytes() for p in params]
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(3):
+                    nursery.start_soon(rank_main, rank)
+        return final
+
+    first, second = await run(), await run()
+    assert first == second
