@@ -19,6 +19,7 @@ from .control_frame import (
     decode_control_frame,
     encode_control_frame,
 )
+from .fragment import FragmentTag, fragment_of
 from .handshake import (
     RankHello,
     decode_control_ack,
@@ -61,6 +62,8 @@ from .round_frame import (
 from .salt import SessionSalt
 
 __all__ = [
+    "FragmentTag",
+    "fragment_of",
     "CHANNEL_MAGIC_CONTROL",
     "CHANNEL_MAGIC_DATA",
     "DEFAULT_FRAME_CEILING",
