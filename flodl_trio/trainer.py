@@ -312,6 +312,7 @@ class WindowTrainer:
     ) -> None:
         if start_window < 0:
             raise ConfigError(f"start_window must be >= 0 (what join() returned), got {start_window}")
+        _check_start_window(client, schedule, start_window)
         self._client = client
         self.rank, self.world_size = rank, world_size
         self.schedule = schedule
@@ -451,6 +452,20 @@ def _step_to_stand_in(fragment: _Fragment) -> None:
     if eager:
         for p, s in zip(fragment.params, stand_in[:n], strict=True):
             p.detach().copy_(s)
+
+
+def _check_start_window(client: object, schedule: WindowSchedule, start_window: int) -> None:
+    """A rank that joined a running fragmented cluster must say where it enters: from
+    window 0's schedule it would open the wrong fragment's window (its relay would
+    refuse it, and it would have trained the wrong fragments)."""
+    state = getattr(client, "last_state", None)
+    joined_at = None if state is None or not state.frames else state.window + 1
+    if schedule.fragments > 1 and joined_at is not None and start_window != joined_at:
+        raise ConfigError(
+            f"this rank joined the cluster at window {joined_at} (what join() returned); pass "
+            f"start_window={joined_at} so that its {schedule.fragments} fragments sync at the cluster's steps "
+            f"(got start_window={start_window})"
+        )
 
 
 def _run_steps(inner_step: Callable[[], object], steps: int) -> int:

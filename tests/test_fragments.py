@@ -368,6 +368,10 @@ async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_th
                 joined["ok"] = all(np.array_equal(p.numpy(), w) for p, w in zip(params, newest[0] + newest[1]))
                 joined["buffers_ok"] = np.array_equal(buffers[0].numpy(), buffers_seen[-1])
                 schedule = WindowSchedule(sync_every, overlap=1, fragments=2)
+                with pytest.raises(ConfigError, match=f"joined the cluster at window {start}.*pass start_window={start}"):
+                    async with open_window_trainer(client, params, buffers, rank=rank, world_size=world,
+                                                   sync_every=sync_every, fragments=2):
+                        pass  # refused before any frame: a trainer that forgot where it entered
                 async with open_window_trainer(client, params, buffers, rank=rank, world_size=world,
                                                sync_every=sync_every, overlap=1, fragments=2,
                                                start_window=start) as trainer:
