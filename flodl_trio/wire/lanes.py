@@ -1,0 +1,160 @@
+"""flodl_trio extension (in progress): a round cut into lanes, and put back together.
+
+With ``lanes = L`` a relay ships its HostFrame as L RoundFrames in lane order,
+each holding an about equal share of the frame's payload bytes, so that the
+controller can reduce lane i and send its consensus down while lane i + 1 is
+still going up. A lane's frame is an ordinary RoundFrame whose tensors are
+*pieces*: runs of consecutive elements of the original tensors, each sent
+flat (shape ``[n]``), in the original order. A tensor may be split across
+lanes; a lane that gets no bytes carries one empty piece. An elided tensor's
+pieces are elided. Every lane carries the frame's kind and weight.
+
+:class:`LaneLayout` is computed from the frame's schema alone (dtypes and
+shapes), so every host that folds the same schema cuts it the same way, and
+the relay puts the consensus lanes back into the original shapes with
+:meth:`LaneLayout.join`. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from ..errors import ConfigError, SchemaError
+from .bf16 import itemsize
+from .round_frame import RoundFrame, TensorPayload
+
+MAX_LANES = 64
+
+
+@attrs.frozen
+class Piece:
+    """Elements ``start:stop`` of tensor ``tensor`` (``stop - start`` may be 0)."""
+
+    tensor: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@attrs.frozen
+class LaneLayout:
+    """How a frame of one schema is cut into lanes: each lane's pieces, in order."""
+
+    schema: tuple[tuple[int, tuple[int, ...]], ...]  # (dtype, shape) per tensor
+    lanes: tuple[tuple[Piece, ...], ...]
+
+    @classmethod
+    def of(cls, frame: RoundFrame, count: int) -> LaneLayout:
+        """The layout of ``frame``'s schema over ``count`` lanes."""
+        return cls.for_schema([(t.dtype, tuple(t.shape)) for t in frame.tensors], count)
+
+    @classmethod
+    def for_schema(cls, schema: Sequence[tuple[int, tuple[int, ...]]], count: int) -> LaneLayout:
+        if not 1 <= count <= MAX_LANES:
+            raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
+        if not schema:
+            raise SchemaError("a frame with no tensors cannot be cut into lanes")
+        sizes = [itemsize(dtype) for dtype, _ in schema]
+        numels = [int(np.prod(shape, dtype=np.int64)) for _, shape in schema]
+        total = sum(n * s for n, s in zip(numels, sizes))
+        # Byte offsets where lanes start, each moved down to its tensor's element boundary.
+        starts = [_element_boundary(total * k // count, numels, sizes) for k in range(count)] + [(len(schema), 0)]
+        lanes = []
+        for (t0, e0), (t1, e1) in zip(starts, starts[1:]):
+            lanes.append(_pieces_between(t0, e0, t1, e1, numels))
+        return cls(tuple((dtype, tuple(shape)) for dtype, shape in schema), tuple(lanes))
+
+    @property
+    def count(self) -> int:
+        return len(self.lanes)
+
+    def split(self, frame: RoundFrame) -> list[RoundFrame]:
+        """``frame`` as its lanes' frames; the pieces are views of its payloads (no copy)."""
+        self._check(frame, "the frame to split")
+        out = []
+        for pieces in self.lanes:
+            payloads = []
+            for p in pieces:
+                t = frame.tensors[p.tensor]
+                size = itemsize(t.dtype)
+                data = t.data if t.elided else t.data[p.start * size:p.stop * size]
+                payloads.append(TensorPayload(t.dtype, (p.numel,), data))
+            out.append(RoundFrame(payloads, frame.kind, frame.weight))
+        return out
+
+    def join(self, lanes: Sequence[RoundFrame]) -> RoundFrame:
+        """The lanes' frames put back into the schema's tensors (copied into new
+        arrays; a tensor every piece of which is elided stays elided). The weight
+        is the smallest lane's: the mass every element of the result has behind it."""
+        if len(lanes) != self.count:
+            raise SchemaError(f"{len(lanes)} lane frames for a layout of {self.count} lanes")
+        for index, (frame, pieces) in enumerate(zip(lanes, self.lanes)):
+            self._check_lane(index, frame, pieces)
+        parts: list[list[tuple[Piece, TensorPayload]]] = [[] for _ in self.schema]
+        for frame, pieces in zip(lanes, self.lanes):
+            for p, t in zip(pieces, frame.tensors):
+                parts[p.tensor].append((p, t))
+        tensors = [self._joined(index, found) for index, found in enumerate(parts)]
+        kinds = {frame.kind for frame in lanes}
+        if len(kinds) != 1:
+            raise SchemaError(f"lane frames of different kinds: {sorted(k.name for k in kinds)}")
+        return RoundFrame(tensors, lanes[0].kind, min(frame.weight for frame in lanes))
+
+    # -- internals -------------------------------------------------------------
+
+    def _joined(self, index: int, found: list[tuple[Piece, TensorPayload]]) -> TensorPayload:
+        dtype, shape = self.schema[index]
+        if all(t.elided or p.numel == 0 for p, t in found) and any(t.elided for _, t in found):
+            return TensorPayload(dtype, shape)
+        size = itemsize(dtype)
+        out = np.zeros(int(np.prod(shape, dtype=np.int64)) * size, dtype=np.uint8)
+        for p, t in found:
+            if not t.elided:
+                out[p.start * size:p.stop * size] = np.frombuffer(t.data, dtype=np.uint8)
+        return TensorPayload(dtype, shape, out)
+
+    def _check(self, frame: RoundFrame, what: str) -> None:
+        schema = tuple((t.dtype, tuple(t.shape)) for t in frame.tensors)
+        if schema != self.schema:
+            raise SchemaError(f"{what} has schema {list(schema)}, the lane layout {list(self.schema)}")
+
+    def _check_lane(self, index: int, frame: RoundFrame, pieces: tuple[Piece, ...]) -> None:
+        want = [(self.schema[p.tensor][0], (p.numel,)) for p in pieces]
+        got = [(t.dtype, tuple(t.shape)) for t in frame.tensors]
+        if got != want:
+            raise SchemaError(f"lane {index}: pieces {got}, the layout says {want}")
+
+
+def _element_boundary(offset: int, numels: list[int], sizes: list[int]) -> tuple[int, int]:
+    """The (tensor, element) where byte ``offset`` of the concatenated payloads falls,
+    moved down to an element boundary."""
+    for index, (n, s) in enumerate(zip(numels, sizes)):
+        if offset < n * s:
+            return index, offset // s
+        offset -= n * s
+    return len(numels), 0
+
+
+def _pieces_between(t0: int, e0: int, t1: int, e1: int, numels: list[int]) -> tuple[Piece, ...]:
+    """The pieces from (tensor t0, element e0) up to, not including, (t1, e1)."""
+    pieces = []
+    tensor, element = t0, e0
+    while (tensor, element) < (t1, e1) and tensor < len(numels):
+        stop = e1 if tensor == t1 else numels[tensor]
+        if stop > element or numels[tensor] == 0:
+            pieces.append(Piece(tensor, element, stop))
+        tensor, element = tensor + 1, 0
+    if not pieces:  # a lane with no bytes still carries a frame: one empty piece
+        anchor = min(t0, len(numels) - 1)
+        at = e0 if t0 < len(numels) else numels[anchor]
+        pieces.append(Piece(anchor, at, at))
+    return tuple(pieces)
+
+
+__all__ = ["MAX_LANES", "LaneLayout", "Piece"]

@@ -1,0 +1,113 @@
+"""Lanes, I/O-free: a frame cut into byte-balanced lanes of flat pieces and put back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flodl_trio.errors import ConfigError, SchemaError
+from flodl_trio.wire import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload
+from flodl_trio.wire.bf16 import f32_to_bf16, itemsize
+from flodl_trio.wire.lanes import LaneLayout
+from flodl_trio.wire.round_frame import decode_round_frame, encode_round_frame
+
+
+def frame_of(shapes, dtype=DTYPE_F32, *, elide=(), seed=0, weight=3.0, kind=RoundKind.MODEL) -> RoundFrame:
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for i, shape in enumerate(shapes):
+        if i in elide:
+            tensors.append(TensorPayload(dtype, shape))
+            continue
+        values = rng.standard_normal(int(np.prod(shape))).astype(np.float32)
+        tensors.append(TensorPayload(dtype, shape, values if dtype == DTYPE_F32 else f32_to_bf16(values)))
+    return RoundFrame(tensors, kind, weight)
+
+
+SCHEMAS = {
+    "one big tensor": [(1000,)],
+    "uneven": [(3, 5), (1,), (400,), (2, 2, 2), (17,)],
+    "many small": [(1,)] * 9,
+    "with a zero-size tensor": [(10,), (0, 4), (7,)],
+}
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 4, 7])
+@pytest.mark.parametrize("dtype", [DTYPE_F32, DTYPE_BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_split_then_join_gives_the_frame_back(name, dtype, lanes, salt):
+    frame = frame_of(SCHEMAS[name], dtype, seed=lanes)
+    layout = LaneLayout.of(frame, lanes)
+    parts = layout.split(frame)
+    assert len(parts) == lanes
+    # Each lane is an ordinary RoundFrame: it survives the wire.
+    parts = [decode_round_frame(encode_round_frame(p, salt), salt) for p in parts]
+    assert all(p.kind == frame.kind and p.weight == frame.weight for p in parts)
+    assert layout.join(parts) == frame
+    # Byte-balanced: every lane within one element (of the widest dtype) of an equal share.
+    total = sum(t.nbytes for t in frame.tensors)
+    sizes = [sum(t.nbytes for t in p.tensors) for p in parts]
+    assert sum(sizes) == total
+    assert all(abs(s - total / lanes) <= itemsize(dtype) for s in sizes), sizes
+
+
+def test_a_tensor_is_split_across_lanes_as_runs_of_its_elements():
+    frame = frame_of([(10,), (6,)])  # 64 bytes: lanes of 32, 32
+    layout = LaneLayout.of(frame, 2)
+    assert [[(p.tensor, p.start, p.stop) for p in lane] for lane in layout.lanes] == [[(0, 0, 8)], [(0, 8, 10), (1, 0, 6)]]
+    lane0, lane1 = layout.split(frame)
+    assert [t.shape for t in lane1.tensors] == [(2,), (6,)]
+    assert bytes(lane1.tensors[0].data) == bytes(frame.tensors[0].data[32:40])
+
+
+def test_more_lanes_than_bytes_gives_empty_pieces_and_still_joins(salt):
+    frame = frame_of([(2,)])
+    layout = LaneLayout.of(frame, 7)
+    parts = layout.split(frame)
+    assert sum(t.numel for p in parts for t in p.tensors) == 2
+    assert all(len(p.tensors) >= 1 for p in parts)
+    assert layout.join([decode_round_frame(encode_round_frame(p, salt), salt) for p in parts]) == frame
+
+
+def test_elided_tensors_stay_elided_and_a_partly_elided_join_is_zero_filled():
+    frame = frame_of([(8,), (8,)], elide={1})
+    layout = LaneLayout.of(frame, 3)
+    parts = layout.split(frame)
+    joined = layout.join(parts)
+    assert joined.tensors[1].elided and joined == frame
+    # A consensus lane may elide a piece the others carry: zeros there.
+    pieces = [TensorPayload(t.dtype, t.shape) if i == 0 else t for i, t in enumerate(parts[0].tensors)]
+    first = RoundFrame(pieces, parts[0].kind, parts[0].weight)
+    values = np.frombuffer(layout.join([first, *parts[1:]]).tensors[0].data, dtype="<f4")
+    cut = layout.lanes[0][0].stop
+    assert not values[:cut].any()
+    assert np.array_equal(values[cut:], np.frombuffer(frame.tensors[0].data, dtype="<f4")[cut:])
+
+
+def test_the_joined_weight_is_the_smallest_lanes():
+    frame = frame_of([(12,)], weight=5.0)
+    layout = LaneLayout.of(frame, 3)
+    parts = layout.split(frame)
+    parts[1] = RoundFrame(parts[1].tensors, parts[1].kind, 3.0)  # a host died between lanes 0 and 1
+    assert layout.join(parts).weight == 3.0
+
+
+def test_the_layout_depends_on_the_schema_only():
+    a, b = frame_of([(5, 3), (9,)], seed=1), frame_of([(5, 3), (9,)], seed=2, elide={0})
+    assert LaneLayout.of(a, 4) == LaneLayout.of(b, 4)
+
+
+def test_what_does_not_fit_is_refused():
+    frame = frame_of([(6,)])
+    layout = LaneLayout.of(frame, 2)
+    with pytest.raises(SchemaError, match="the lane layout"):
+        layout.split(frame_of([(7,)]))
+    parts = layout.split(frame)
+    with pytest.raises(SchemaError, match="1 lane frames for a layout of 2"):
+        layout.join(parts[:1])
+    with pytest.raises(SchemaError, match="lane 1: pieces"):
+        layout.join([parts[0], frame_of([(2,)])])
+    with pytest.raises(SchemaError, match="different kinds"):
+        layout.join([parts[0], RoundFrame(parts[1].tensors, RoundKind.CONTROL, 0.0)])
+    with pytest.raises(ConfigError, match="lanes must be 1..64"):
+        LaneLayout.of(frame, 0)
