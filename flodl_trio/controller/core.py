@@ -58,9 +58,11 @@ from ..wire.constants import (
     DEFAULT_FRAME_CEILING,
     MUX_HEADER_LEN,
 )
+from ..wire.lanes import MAX_LANES
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
+    Lanes,
     MuxHeader,
     MuxKind,
     RankAway,
@@ -117,6 +119,7 @@ class ControllerConfig:
     ceiling: int = DEFAULT_FRAME_CEILING
     bounds: NetBounds = attrs.field(factory=NetBounds)
     deterministic: bool = False  # fold hosts in a fixed order (by their lowest rank)
+    lanes: int = 1  # each round reduced in this many lanes (docs/wire.md, "Lanes")
 
 
 @attrs.define(eq=False)
@@ -167,6 +170,20 @@ class ControllerHandle:
         await self.outcome.wait()
 
 
+def check_lanes(lanes: int, *, outer_optimizer: object, checkpoint: object, rejoin_timeout: float) -> None:
+    """Lanes need a lane count the relays share, and (for now) no per-window state:
+    the hooks and the joiners' state see whole frames, a lane sees a slice."""
+    if not 1 <= lanes <= MAX_LANES:
+        raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
+    if lanes == 1:
+        return
+    wanted = [name for name, on in (("an outer optimizer", outer_optimizer is not None),
+                                    ("checkpoints", checkpoint is not None),
+                                    ("rejoining (rejoin_timeout > 0)", rejoin_timeout > 0)) if on]
+    if wanted:
+        raise ConfigError(f"lanes={lanes} cannot be combined with {', '.join(wanted)} yet; use lanes=1")
+
+
 def membership_policy(
     world_size: int, rejoin_timeout: float, min_ranks: int | None, formation_timeout: float | None
 ) -> Membership:
@@ -204,6 +221,7 @@ async def open_controller(
     min_ranks: int | None = None,
     formation_timeout: float | None = None,
     deterministic: bool = False,
+    lanes: int = 1,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -219,9 +237,14 @@ async def open_controller(
     present once its trainer called ``join``). ``deterministic``: add the hosts'
     frames in a fixed order (by each relay's lowest rank) whatever order they
     arrive in; with deterministic relays, the same frames give the same bytes.
+    ``lanes``: reduce each round in this many lanes (every data relay must be
+    started with the same count): a lane's consensus goes down while the next
+    lane is still coming up. With lanes > 1 the controller keeps no per-window
+    state yet: no outer optimizer, checkpoints or rejoining.
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
+    check_lanes(lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, rejoin_timeout=rejoin_timeout)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
@@ -229,7 +252,7 @@ async def open_controller(
     net = bounds if bounds is not None else NetBounds.from_env()
     if heartbeat_timeout is not None:
         net = attrs.evolve(net, heartbeat_timeout=heartbeat_timeout)
-    config = ControllerConfig(world_size, SessionSalt.coerce(salt), ceiling, net, deterministic)
+    config = ControllerConfig(world_size, SessionSalt.coerce(salt), ceiling, net, deterministic, lanes)
     coordinator = Coordinator(world_size, config.salt, ledger, heartbeat_timeout=net.heartbeat_timeout,
                               beacon_interval=beacon_interval, bounds=net)
     if listeners is None:
@@ -266,10 +289,16 @@ class _Controller:
         self.stats = handle.stats
         self.dead = handle.dead_ranks
         self.round_changed = ChangeSignal()
-        self.round = ControllerRound(
-            config.world_size, self.dead, self.stats,
-            outer_optimizer=outer_optimizer, checkpoint=checkpoint, on_change=self.round_changed.notify,
-        )
+        # One round per lane (one in all without lanes); membership lives in each alike.
+        self.rounds = [
+            ControllerRound(
+                config.world_size, self.dead, self.stats,
+                outer_optimizer=outer_optimizer, checkpoint=checkpoint, on_change=self.round_changed.notify,
+            )
+            for _ in range(config.lanes)
+        ]
+        self.round = self.rounds[0]
+        self._next_lane: dict[int, int] = {}  # link id -> the lane its next HostFrame is
         self.links: dict[int, RelayLink] = {}
         # One model-sized receive buffer; a second (sized by a verified record, so
         # it never grows) once there are two relays whose frames can overlap.
@@ -279,7 +308,8 @@ class _Controller:
         # Capacity 1 suffices: the next round cannot complete before this one's
         # consensus has been queued to the relays (every relay that delivered
         # waits for it), so a second send_nowait here would be a bug and raise.
-        self._consensus_send, self._consensus_receive = trio.open_memory_channel[Consensus](1)
+        # With lanes, each lane's round may have one consensus waiting.
+        self._consensus_send, self._consensus_receive = trio.open_memory_channel[tuple[int, Consensus]](config.lanes)
 
     async def run(self) -> None:
         async with self._consensus_send, trio.open_nursery() as nursery:
@@ -369,9 +399,13 @@ class _Controller:
             return None
         link = RelayLink.accept(hello, conn, self.config.world_size + 8)
         self.links[link.id] = link
-        self.round.seat(link.id, hello, link.name)
+        for lane_round in self.rounds:
+            lane_round.seat(link.id, hello, link.name)
+        self._next_lane[link.id] = 0
         self.stats.relays += 1
         link.queue_control(HelloAck(), self.config.salt)
+        if self.config.lanes > 1:
+            link.queue_control(Lanes(self.config.lanes), self.config.salt)
         now = trio.current_time()
         for rank in link.ranks:
             if self.dead.is_dead(rank):
@@ -382,7 +416,8 @@ class _Controller:
 
     async def _drop_link(self, link: RelayLink, why: str) -> None:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
-        self.round.unseat(link.id)
+        for lane_round in self.rounds:
+            lane_round.unseat(link.id)
         for rank in self.membership.seat_gone(link.id):
             self._call_off_return(rank, f"{link.name} left before it was let back in")
         await link.close_and_declare_dead(self.dead, why, log)
@@ -425,7 +460,7 @@ class _Controller:
     async def _wait_for_turn(self, link: RelayLink) -> None:
         """Deterministic mode: fold this relay's HostFrame only after those of the
         relays before it (by their lowest rank) are folded or gone."""
-        while not self.round.may_fold_now(link.id):
+        while not self.rounds[self._next_lane[link.id]].may_fold_now(link.id):
             await self.round_changed.wait()
 
     async def _read_record(self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer) -> bool:
@@ -463,7 +498,7 @@ class _Controller:
         """A record's payload, verified as it arrives. A large HostFrame that becomes the
         round's last has the consensus computed and signed beside it."""
         salt = self.config.salt
-        if header.length <= SMALL_MESSAGE or not self.round.may_speculate(link.id, header.kind):
+        if header.length <= SMALL_MESSAGE or self.config.lanes > 1 or not self.round.may_speculate(link.id, header.kind):
             kind, payload = await link.conn.receive_mux_payload(header, buf, salt)
             return kind, payload, Speculation()
         watch = ArrivalWatch(header.length)
@@ -475,7 +510,12 @@ class _Controller:
         return kind, payload, speculation
 
     def _on_host_frame(self, link: RelayLink, payload: memoryview, speculation: Speculation) -> bool:
-        """Fold a relay's HostFrame; whether the speculation became the round's consensus."""
+        """Fold a relay's HostFrame (with lanes: its next lane's); whether the speculation
+        became the round's consensus."""
+        lane = self._next_lane[link.id]
+        self._next_lane[link.id] = (lane + 1) % self.config.lanes
+        if self.config.lanes > 1:
+            return self._on_lane_frame(link, lane, payload)
         if not self.round.accepts_host_frame(link.id):
             log.info("controller: dropped a late frame from %s (all its ranks are dead)", link.name)
             return False
@@ -487,11 +527,26 @@ class _Controller:
         if speculation.frame is not None and speculation.record is not None:
             consensus = self.round.commit_speculation(link.id, speculation.frame, speculation.record, now)
             if consensus is not None:
-                self._consensus_send.send_nowait(consensus)
+                self._consensus_send.send_nowait((0, consensus))
                 return True
         consensus = self.round.deposit(link.id, frame, now)
         if consensus is not None:
-            self._consensus_send.send_nowait(consensus)
+            self._consensus_send.send_nowait((0, consensus))
+        return False
+
+    def _on_lane_frame(self, link: RelayLink, lane: int, payload: memoryview) -> bool:
+        """One lane of a relay's HostFrame: folded into that lane's round, whose
+        consensus goes down as soon as every live relay delivered its lane."""
+        lane_round = self.rounds[lane]
+        if not lane_round.accepts_host_frame(link.id):
+            log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
+            return False
+        frame = decode_round_frame(
+            payload, self.config.salt, ceiling=self.config.ceiling, source=f"{link.name} lane {lane}", authenticated=True
+        )
+        consensus = lane_round.deposit(link.id, frame, trio.current_time())
+        if consensus is not None:
+            self._consensus_send.send_nowait((lane, consensus))
         return False
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
@@ -579,15 +634,16 @@ class _Controller:
 
     # -- the consensus out, and deaths -----------------------------------------
 
-    async def _broadcaster(self, inbox: trio.MemoryReceiveChannel[Consensus]) -> None:
+    async def _broadcaster(self, inbox: trio.MemoryReceiveChannel[tuple[int, Consensus]]) -> None:
         """Sign each consensus once (both MACs in parallel) and queue it to every live relay."""
-        async for consensus in inbox:
+        async for lane, consensus in inbox:
+            lane_round = self.rounds[lane]
             self.membership.formed = True
             if isinstance(consensus.outgoing, EncodedFrame):
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
-            targets = self.round.broadcast_targets()  # before any joiner is revived: they did not ask
+            targets = lane_round.broadcast_targets()  # before any joiner is revived: they did not ask
             if (
                 consensus.part is not None
                 and self.round.keep_window_state
@@ -598,7 +654,7 @@ class _Controller:
             for seat_id in targets:
                 self.links[seat_id].queue(
                     record,
-                    before_write=partial(self.round.broadcast_going_out, seat_id),
+                    before_write=partial(lane_round.broadcast_going_out, seat_id),
                     on_written=None if written is None else written.one,
                 )
             # Only the link outboxes may keep this round's consensus alive (until written).
@@ -618,9 +674,10 @@ class _Controller:
                 away = rank in self.membership.absent  # the cluster formed without it: it may come
                 self.links[seat_id].queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
         self.membership_changed.notify()
-        consensus = self.round.rank_died(now)
-        if consensus is not None:
-            self._consensus_send.send_nowait(consensus)
+        for lane, lane_round in enumerate(self.rounds):  # in lane order: the relays take them so
+            consensus = lane_round.rank_died(now)
+            if consensus is not None:
+                self._consensus_send.send_nowait((lane, consensus))
 
     async def _form_without_everyone(self) -> None:
         """With a formation_timeout: once it has passed and min_ranks ranks are present,

@@ -25,6 +25,8 @@ import attrs
 import trio
 
 from ..errors import (
+    ConfigError,
+    DesyncError,
     FlodlError,
     MacError,
     ProtocolError,
@@ -42,8 +44,10 @@ from ..wire.constants import (
     MAC_LEN,
     MUX_HEADER_LEN,
 )
+from ..wire.lanes import LaneLayout
 from ..wire.mux import (
     DeclareDead,
+    Lanes,
     MuxHeader,
     MuxKind,
     RankAway,
@@ -59,8 +63,10 @@ from ..wire.mux import (
 from ..wire.round_frame import (
     EncodedFrame,
     RoundFrame,
+    TensorPayload,
     check_payloads,
     decode_round_frame,
+    encode_round_frame,
 )
 from ..wire.salt import Buffer
 from .config import RelayConfig, RelayStats
@@ -385,8 +391,17 @@ class DataChannel(_Channel):
         super().__init__(config, upstream, stats, host, released)
         self.fold_changed = ChangeSignal()
         self.fold = HostFold(config.host_name, config.ranks, on_change=self.fold_changed.notify)
-        self.single = len(config.ranks) == 1
+        self.lanes = config.lanes
+        # A single rank's frame goes up as it is, unless it must be cut into lanes.
+        self.single = len(config.ranks) == 1 and self.lanes == 1
         self._budget_refused = False
+        # Lanes: the controller confirms the count after HelloAck; the layout of the
+        # HostFrame in flight, and the consensus lanes come down so far.
+        self._lanes_confirmed = trio.Event()
+        if self.lanes == 1:
+            self._lanes_confirmed.set()
+        self._layout: LaneLayout | None = None
+        self._lanes_in: list[RoundFrame] = []
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         while True:
@@ -511,8 +526,9 @@ class DataChannel(_Channel):
 
     async def _receive_folding(self, rank: int, buf: ReceiveBuffer, length: int) -> tuple[RoundFrame, Speculation]:
         """Receive and verify ``rank``'s frame; a large one that is the last the host
-        waits for has its HostFrame computed and signed beside it."""
-        if length <= SMALL_MESSAGE:
+        waits for has its HostFrame computed and signed beside it (not with lanes:
+        the HostFrame goes up as lane frames, signed as they are cut)."""
+        if length <= SMALL_MESSAGE or self.lanes > 1:
             return (await self._receive_verified(rank, buf, length))[1], Speculation()
         watch = ArrivalWatch(length)
 
@@ -569,6 +585,8 @@ class DataChannel(_Channel):
         await out.send(RankJoin(rank))
 
     async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
+        if isinstance(msg, Lanes):
+            return self._on_lanes(msg.count)
         if isinstance(msg, RankAway):
             return await self._on_away(msg.rank, out)
         if not isinstance(msg, RankJoin):
@@ -579,10 +597,45 @@ class DataChannel(_Channel):
             if self.fold.idle and msg.rank in self.fold.held:  # its first frame beat this answer: in now
                 await self._enter_approved(out)
 
+    def _on_lanes(self, count: int) -> None:
+        if count != self.lanes:
+            raise ConfigError(
+                f"relay {self.config.host_name}: the controller reduces each round in {count} lanes, this relay "
+                f"was started with lanes={self.lanes} (start both with the same --lanes)"
+            )
+        self._lanes_confirmed.set()
+
+    async def _wait_for_lanes(self) -> None:
+        """A relay with lanes ships lane frames only to a controller that said it takes them."""
+        try:
+            with trio.fail_after(self.config.bounds.handshake):
+                await self._lanes_confirmed.wait()
+        except trio.TooSlowError:
+            raise ConfigError(
+                f"relay {self.config.host_name}: started with lanes={self.lanes}, but the controller did not say it "
+                f"reduces in lanes within {self.config.bounds.handshake:g} s (start both with the same --lanes)"
+            ) from None
+
+    async def _write_lanes(self, item: FoldedHostFrame) -> int:
+        """The HostFrame as its lane frames, in lane order, each its own signed record."""
+        await self._wait_for_lanes()
+        self._layout = layout = LaneLayout.of(item.frame, self.lanes)
+        nbytes = 0
+        for part in layout.split(item.frame):
+            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self.config.salt)
+            await self.upstream.send_chunks(record.chunks)
+            nbytes += record.nbytes
+        return nbytes
+
     async def _write_upstream(self, item: _Outbound) -> None:
         if not isinstance(item, _HOST_FRAMES):
             return await super()._write_upstream(item)
         self.fold.host_frame_sent()  # before the write: the answer may beat our resumption
+        if isinstance(item, FoldedHostFrame) and self.lanes > 1:
+            sent = await self._write_lanes(item)
+            self.fold.images.give(item.images)
+            self._count_round(sent)
+            return
         if isinstance(item, FoldedHostFrame):
             record = await encode_enveloped_frame(MuxKind.HOST_FRAME, item.frame, self.config.salt)
             await self.upstream.send_chunks(record.chunks)
@@ -595,14 +648,17 @@ class DataChannel(_Channel):
                 await self.upstream.send_chunks(record.chunks)
             finally:
                 self.pool.release(item.buffer)
+        self._count_round(record.nbytes)
+
+    def _count_round(self, nbytes: int) -> None:
         self.stats.rounds += 1
         self.stats.fold_images_reused = self.fold.images.reused
-        self.stats.bytes_up += record.nbytes
+        self.stats.bytes_up += nbytes
 
     async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:
         # The kind byte is not authenticated yet: it only picks the path. A record
         # that is not what it claims fails its MAC before any rank sees its end.
-        if header.kind == MuxKind.BROADCAST and self.fold.host_frame_up and header.length > SMALL_MESSAGE:
+        if header.kind == MuxKind.BROADCAST and self.fold.host_frame_up and header.length > SMALL_MESSAGE and self.lanes == 1:
             await self._cut_through_broadcast(header, buf, out)
         else:
             await super()._receive_record(header, buf, out)
@@ -650,12 +706,34 @@ class DataChannel(_Channel):
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         if kind is not MuxKind.BROADCAST:
             return await super()._on_record(kind, rank, payload, out)
+        if self.lanes > 1:
+            joined = self._take_lane(payload)
+            if joined is None:
+                return  # more lanes to come
+            payload = memoryview(encode_round_frame(joined, self.config.salt))
         # Send the consensus to every rank waiting for it, concurrently.
         targets = self.fold.consensus_arrived()
         await self._enter_approved(out)
         async with trio.open_nursery() as nursery:
             for target in targets:
                 nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
+
+    def _take_lane(self, payload: memoryview) -> RoundFrame | None:
+        """One lane of the consensus (its record verified); the whole consensus, in the
+        HostFrame's shapes, once every lane is in."""
+        if self._layout is None or not self.fold.host_frame_up:
+            raise DesyncError(f"relay {self.config.host_name}: a consensus lane came down with no HostFrame up")
+        lane = decode_round_frame(
+            payload, self.config.salt, ceiling=self.config.ceiling, source=f"the controller's lane {len(self._lanes_in)}",
+            authenticated=True,
+        )
+        # The record's buffer is reused for the next lane: keep a copy.
+        self._lanes_in.append(RoundFrame([TensorPayload(t.dtype, t.shape, bytes(t.data)) for t in lane.tensors],
+                                         lane.kind, lane.weight))
+        if len(self._lanes_in) < self.lanes:
+            return None
+        lanes, self._lanes_in = self._lanes_in, []
+        return self._layout.join(lanes)
 
     async def _on_away(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """The controller says ``rank`` is dead but may come back (this relay was

@@ -13,6 +13,7 @@ from ..wire.constants import (
     CHANNEL_MAGIC_DATA,
     DEFAULT_FRAME_CEILING,
 )
+from ..wire.lanes import MAX_LANES
 from ..wire.salt import SessionSalt
 
 # The default memory budget's allowance above two model sizes: the interpreter,
@@ -71,6 +72,8 @@ class RelayConfig:
     # Resident bytes the data relay may grow to by taking a second receive buffer
     # (None: 2 x the model's frame + DEFAULT_BUDGET_HEADROOM, see memory_budget_for).
     memory_budget: int | None = None
+    # The controller reduces each round in this many lanes (it says so after HelloAck).
+    lanes: int = 1
 
     def memory_budget_for(self, frame_bytes: int) -> int:
         """The budget for a model of ``frame_bytes`` (what docs/operations.md promises)."""
@@ -86,6 +89,8 @@ class RelayConfig:
             raise ConfigError(f"relay {self.host_name}: the host's rank set is empty")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ConfigError(f"relay {self.host_name}: memory budget must be > 0 bytes, got {self.memory_budget}")
+        if not 1 <= self.lanes <= MAX_LANES:
+            raise ConfigError(f"relay {self.host_name}: lanes must be 1..{MAX_LANES}, got {self.lanes}")
         if len(set(self.ranks)) != len(self.ranks):
             raise ConfigError(f"relay {self.host_name}: duplicate ranks in {list(self.ranks)}")
         outside = [r for r in self.ranks if not 0 <= r < self.world_size]

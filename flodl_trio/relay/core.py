@@ -130,6 +130,7 @@ async def open_relay(
     local_leg: bool | None = None,
     unix_dir: str | os.PathLike[str] | None = None,
     memory_budget: int | None = None,
+    lanes: int = 1,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
@@ -149,6 +150,8 @@ async def open_relay(
     ``/tmp/flodl_trio-<uid>``); ``handle.unix_path`` is the socket.
     ``memory_budget`` (bytes; default 2 x the model's frame + 150 MiB): a data
     relay takes its second model-sized receive buffer only if it stays within it.
+    ``lanes``: the controller's lane count (its ``lanes``); the data relay ships
+    each HostFrame as that many lane frames (docs/wire.md, "Lanes").
     Leaving the block shuts the relay down; an error it hit that nobody
     awaited through ``wait_finished()`` is raised on exit.
     """
@@ -159,7 +162,7 @@ async def open_relay(
         net = attrs.evolve(net, connect_interval=connect_interval)
     config = RelayConfig(
         kind, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt), ceiling, net,
-        deterministic, memory_budget,
+        deterministic, memory_budget, lanes,
     )
     config.validate()
     unix_path = None

@@ -122,6 +122,7 @@ async def open_local_cluster(
     bounds: NetBounds | None = None,
     deterministic: bool = False,
     local_leg: bool | None = None,
+    lanes: int = 1,
     **controller_options: Any,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
@@ -134,7 +135,8 @@ async def open_local_cluster(
     on a :class:`~flodl_trio.testing.MemoryNetwork` instead of TCP (for
     tests in virtual time; no fault proxies there). ``bounds`` and
     ``deterministic`` go to every role (default: each reads the environment;
-    arrival-order folding); ``local_leg`` to the data relays (default: on
+    arrival-order folding); ``lanes`` to the controller and the data relays;
+    ``local_leg`` to the data relays (default: on
     unless ``FLODL_NO_UNIX`` is set).
     """
     if network is not None and (upstream_faults or upstream):
@@ -148,7 +150,7 @@ async def open_local_cluster(
     async with AsyncExitStack() as stack:
         controller = await stack.enter_async_context(
             open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, bounds=bounds,
-                            deterministic=deterministic, **listeners(), **controller_options)
+                            deterministic=deterministic, lanes=lanes, **listeners(), **controller_options)
         )
         target = upstream or (LOOPBACK if network is None else MEMORY_HOST, controller.port)
         proxies: dict[int, FaultProxy] = {}
@@ -178,6 +180,7 @@ async def open_local_cluster(
                     host=shared[index],
                     deterministic=deterministic,
                     local_leg=local_leg,
+                    lanes=lanes if kind is ChannelKind.DATA else 1,
                     **listeners(),
                 )
                 relays[kind].append(await stack.enter_async_context(relay))

@@ -111,9 +111,21 @@ class RankAway:
     rank: int
 
 
-RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway
+@attrs.frozen
+class Lanes:
+    """flodl_trio extension (variant 203), controller -> relay, right after HelloAck: the
+    controller reduces each round in ``count`` lanes, so the relay ships its HostFrame
+    as that many lane frames and takes the consensus back the same way. Sent only
+    when ``count`` > 1. See docs/wire.md."""
+
+    count: int
+
+
+RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
-_VARIANT = {Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202}
+_VARIANT = {
+    Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
+}
 
 
 def _check_u32(value: int, what: str) -> None:
@@ -146,6 +158,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += sig
         case RankExit(rank=r) | DeclareDead(rank=r) | RankJoin(rank=r) | RankFinished(rank=r) | RankAway(rank=r):
             out += _varint(r)
+        case Lanes(count=count):
+            out += _varint(count)
         case HelloAck():
             pass
     return bytes(out)
@@ -221,6 +235,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = RankFinished(reader.varint("RankFinished rank"))
     elif variant == 202:
         msg = RankAway(reader.varint("RankAway rank"))
+    elif variant == 203:
+        msg = Lanes(reader.varint("Lanes count"))
     else:
         raise FramingError(f"RelayControlMsg: unknown variant index {variant}")
     if reader.pos != len(reader.data):
