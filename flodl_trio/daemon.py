@@ -56,6 +56,11 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "[env FLODL_DETERMINISTIC=1; default off]",
     )
     parser.add_argument(
+        "--lanes", type=int, default=int(env_default("FLODL_LANES", 1)),
+        help="reduce each round in this many lanes, so one lane's consensus comes down while the next goes up; "
+        "give the controller and every data relay the same count [env FLODL_LANES; default 1]",
+    )
+    parser.add_argument(
         "--log-level", default=env_default("FLODL_LOG_LEVEL", "INFO"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
         help="log verbosity [env FLODL_LOG_LEVEL; default INFO]",

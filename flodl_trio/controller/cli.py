@@ -24,7 +24,7 @@ from ..outer import DiLoCoNesterov, PlainAverage, SlowMo
 from ..settings import NetBounds
 from ..wire.salt import SessionSalt
 from .checkpointer import ConsensusCheckpointer
-from .core import OuterOptimizer, membership_policy, open_controller
+from .core import OuterOptimizer, check_lanes, membership_policy, open_controller
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -99,6 +99,7 @@ class ControllerDaemonSettings:
     min_ranks: int | None = None
     formation_timeout: float | None = None
     deterministic: bool = False
+    lanes: int = 1
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -127,11 +128,12 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     min_ranks = None if args.min_ranks is None else int(args.min_ranks)
     formation = None if args.formation_timeout is None else float(args.formation_timeout)
     membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
+    outer = make_outer(args.outer, args.outer_lr, args.outer_momentum)
+    check_lanes(int(args.lanes), outer_optimizer=outer, checkpoint=args.checkpoint_dir, rejoin_timeout=rejoin)
     return ControllerDaemonSettings(
-        args.host, args.port, world, load_salt(args.salt_file), timeout,
-        make_outer(args.outer, args.outer_lr, args.outer_momentum),
+        args.host, args.port, world, load_salt(args.salt_file), timeout, outer,
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
-        bool(args.deterministic),
+        bool(args.deterministic), int(args.lanes),
     )
 
 
@@ -152,6 +154,7 @@ async def serve_controller_daemon(
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
                 rejoin_timeout=settings.rejoin_timeout, min_ranks=settings.min_ranks,
                 formation_timeout=settings.formation_timeout, deterministic=settings.deterministic,
+                lanes=settings.lanes,
             )
         )
         if metrics is not None:

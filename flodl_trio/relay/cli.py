@@ -107,6 +107,7 @@ class RelayDaemonSettings:
     local_leg: bool = True
     unix_dir: str | None = None
     memory_budget: int | None = None  # bytes
+    lanes: int = 1
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -129,11 +130,11 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     settings = RelayDaemonSettings(
         controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file),
         bool(args.deterministic), not args.no_unix, args.unix_dir,
-        None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)),
+        None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)), int(args.lanes),
     )
     RelayConfig(
         ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt,
-        memory_budget=settings.memory_budget,
+        memory_budget=settings.memory_budget, lanes=settings.lanes,
     ).validate()
     return settings
 
@@ -151,6 +152,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                     salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, host=host,
                     deterministic=settings.deterministic, local_leg=settings.local_leg, unix_dir=settings.unix_dir,
                     memory_budget=settings.memory_budget,
+                    lanes=settings.lanes if kind is ChannelKind.DATA else 1,
                 )
             )
         if metrics is not None:

@@ -1,0 +1,125 @@
+"""Lanes through real roles: each round reduced in L lanes on the relays' connections.
+
+The seed-ported end-to-end tests and the random-mass numpy comparison are run
+again with L = 2, 4 and 7 (their modules' cluster opener given the lane
+count); a host lost between two lanes of a round; settings that cannot work.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import numpy as np
+import pytest
+import test_data_plane
+import test_seed_e2e
+import torch
+import trio
+
+from flodl_trio import ConfigError, FlodlError, RoundKind, connect_reduce_client
+from flodl_trio.controller import open_controller
+from flodl_trio.outer import SlowMo
+from flodl_trio.relay import ChannelKind, open_relay
+from flodl_trio.testing import CutAt, open_local_cluster
+from flodl_trio.wire import DTYPE_F32, Hello, RoundFrame, TensorPayload
+from flodl_trio.wire.constants import MUX_HEADER_LEN
+from flodl_trio.wire.lanes import LaneLayout
+from flodl_trio.wire.mux import encode_control_msg
+from flodl_trio.wire.round_frame import round_frame_len
+
+LANES = [2, 4, 7]
+
+
+def _reruns(module, names):
+    return [pytest.param(getattr(module, name), id=name) for name in names]
+
+
+SEED_TESTS = _reruns(test_seed_e2e, [
+    "test_two_rank_client_average", "test_client_multi_round_persistence",
+    "test_three_rank_broadcast_from_root_delivers_root_values", "test_broadcast_from_root_multi_tensor_distinct_shapes",
+    "test_two_rank_tensor_average", "test_two_rank_tensor_average_bf16_wire",
+    "test_two_rank_scaled_weighted_average_bf16_wire", "test_realized_work_all_alive_scattered_frame_is_consensus",
+    "test_realized_work_after_death",
+])
+
+
+@pytest.mark.parametrize("lanes", LANES)
+@pytest.mark.parametrize("test", SEED_TESTS)
+async def test_seed_end_to_end_tests_pass_with_lanes(test, lanes, salt, monkeypatch):
+    monkeypatch.setattr(test_seed_e2e, "open_local_cluster", functools.partial(open_local_cluster, lanes=lanes))
+    await test(salt)
+
+
+@pytest.mark.parametrize("lanes", LANES)
+async def test_random_masses_against_numpy_with_lanes(lanes, salt, monkeypatch):
+    monkeypatch.setattr(test_data_plane, "open_local_cluster", functools.partial(open_local_cluster, lanes=lanes))
+    test = test_data_plane.test_fifty_rounds_random_masses_against_numpy
+    kwargs = {"in_place": True} if "in_place" in inspect.signature(test).parameters else {}
+    await test(salt, **kwargs)
+
+
+async def test_a_host_lost_between_two_lanes_counts_in_the_first_and_not_the_second(salt):
+    """Host 1's connection is cut right after its lane-0 frame: lane 0's consensus still
+    holds rank 2's contribution (realized work), lane 1's does not; every survivor
+    gets the same values, and the round's mass is the smaller lane's."""
+    shapes, weights = [(1000,), (37,)], [1.0, 2.0, 4.0]
+    values = [[np.full(s, 10.0 * (r + 1) + i, dtype=np.float32) for i, s in enumerate(shapes)] for r in range(3)]
+    schema = RoundFrame([TensorPayload(DTYPE_F32, s, np.zeros(s, "<f4").reshape(-1)) for s in shapes])
+    layout = LaneLayout.of(schema, 2)
+    hello = MUX_HEADER_LEN + len(encode_control_msg(Hello("host1", [2], [])))
+    lane0 = MUX_HEADER_LEN + round_frame_len(layout.split(schema)[0].tensors)
+    got: dict[int, object] = {}
+    cut = CutAt(at_byte=4 + hello + lane0)
+    async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt, lanes=2,
+                                  upstream_faults={1: [cut]}) as cluster:
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 3, salt) as client:
+                tensors = [torch.from_numpy(v * weights[rank]) for v in values[rank]]
+                try:
+                    got[rank] = await client.all_reduce_weighted(tensors, RoundKind.MODEL, weights[rank])
+                except FlodlError as exc:
+                    got[rank] = exc
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(3):
+                nursery.start_soon(rank_main, rank)
+        assert cluster.upstream_proxies[1].fired(cut)
+        with pytest.raises(FlodlError, match="relay host1: connection to the controller failed"):
+            await cluster.relays[1].wait_finished()
+    assert isinstance(got[2], FlodlError), got[2]
+    cut = layout.lanes[0][0].stop  # lane 0: tensor 0's elements [0, cut)
+    with_2 = sum(weights[r] * values[r][0][:cut] for r in range(3)) / sum(weights)
+    without_2 = [sum(weights[r] * values[r][i] for r in (0, 1)) / (weights[0] + weights[1]) for i in range(2)]
+    for rank in (0, 1):
+        tensors, mass = got[rank]
+        assert mass == weights[0] + weights[1]
+        np.testing.assert_allclose(tensors[0].numpy()[:cut], with_2, rtol=1e-6)
+        np.testing.assert_allclose(tensors[0].numpy()[cut:], without_2[0][cut:], rtol=1e-6)
+        np.testing.assert_allclose(tensors[1].numpy(), without_2[1], rtol=1e-6)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got[0][0], got[1][0]))
+
+
+async def test_a_relay_with_another_lane_count_fails_naming_both(salt):
+    """The controller says it reduces in 2 lanes; a relay started with 1 stops, saying so
+    (its rank's round fails, nothing hangs)."""
+    async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=2) as controller:
+        async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
+                              host_name="h", ranks=[0], world_size=1, salt=salt, lanes=1) as relay:
+            with trio.fail_after(10):
+                with pytest.raises(FlodlError):
+                    async with connect_reduce_client(("127.0.0.1", relay.port), 0, 1, salt) as client:
+                        await client.all_reduce_tensors([torch.ones(4)])
+                with pytest.raises(ConfigError, match="reduces each round in 2 lanes, this relay was started with lanes=1"):
+                    await relay.wait_finished()
+
+
+async def test_lanes_with_per_window_state_are_refused_up_front(salt):
+    for options, what in (({"outer_optimizer": SlowMo()}, "an outer optimizer"), ({"rejoin_timeout": 5.0}, "rejoining")):
+        with pytest.raises(ConfigError, match=f"lanes=2 cannot be combined with {what}"):
+            async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=2, **options):
+                pass
+    with pytest.raises(ConfigError, match="lanes must be 1..64"):
+        async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=0):
+            pass
