@@ -123,7 +123,7 @@ def one_host_floor(costs: MachineCosts, frame_bytes: int, ranks: int, local_leg:
 
 
 def two_host_floor(
-    costs: MachineCosts, frame_bytes: int, rate: str, ranks_per_host: int, local_leg: bool = False
+    costs: MachineCosts, frame_bytes: int, rate: str, ranks_per_host: int, local_leg: bool = False, lanes: int = 1
 ) -> Floor:
     """Two hosts joined by a ``rate`` link, the controller on host A.
 
@@ -135,9 +135,11 @@ def two_host_floor(
     the relay; over TCP the K ranks also sign and the relay verifies K frames
     (2K + 2 hash passes in all, 2 on the local leg). That work cannot overlap
     either link transfer. Even with every core of this machine given to it,
-    it takes that CPU divided by the cores.
+    it takes that CPU divided by the cores. With ``lanes`` the consensus of
+    each lane comes down while the next goes up: only the last lane's
+    downlink follows the whole uplink, (1 + 1 / lanes) x the record bytes.
     """
-    link_ms = 2 * (frame_bytes + MUX_HEADER) * 8 / parse_rate(rate) * 1e3
+    link_ms = (1 + 1 / lanes) * (frame_bytes + lanes * MUX_HEADER) * 8 / parse_rate(rate) * 1e3
     passes = 2 if local_leg else 2 * ranks_per_host + 2
     tcp, unix = (0, ranks_per_host) if local_leg else (ranks_per_host, 0)
     return Floor(link_ms + _cpu_work_ms(costs, frame_bytes, passes, tcp, unix), passes, link_ms)

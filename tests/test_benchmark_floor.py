@@ -131,3 +131,13 @@ def test_every_timed_function_of_the_timing_mode_exists() -> None:
         found[dotted] = found.get(dotted, 0) + (owner is not None)
     missing = sorted(name for name, hits in found.items() if hits == 0)
     assert missing == [], f"timed nowhere: {missing}"
+
+
+def test_two_host_floor_with_lanes_overlaps_all_but_the_last_lanes_downlink() -> None:
+    one = floor.two_host_floor(DOC_MACHINE, F32_FRAME_16MIB, "1gbit", ranks_per_host=2)
+    four = floor.two_host_floor(DOC_MACHINE, F32_FRAME_16MIB, "1gbit", ranks_per_host=2, lanes=4)
+    header = 25 * 8 / 1e9 * 1e3  # one MuxRecord header at 1 Gbit/s, in ms
+    assert four.link_ms == pytest.approx((1 + 1 / 4) / 2 * one.link_ms + 1.25 * 3 * header)
+    assert four.link_ms == pytest.approx(167.8, abs=0.1)  # 16 MiB up, then the last 4 MiB down
+    assert four.hash_passes == one.hash_passes
+    assert four.ms - four.link_ms == pytest.approx(one.ms - one.link_ms)
