@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import attrs
 import numpy as np
 import pytest
 import test_data_plane
@@ -123,3 +124,19 @@ async def test_lanes_with_per_window_state_are_refused_up_front(salt):
     with pytest.raises(ConfigError, match="lanes must be 1..64"):
         async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=0):
             pass
+
+
+async def test_a_relay_with_lanes_facing_a_controller_without_them_stops_before_sending(salt):
+    from flodl_trio.settings import NetBounds
+
+    bounds = attrs.evolve(NetBounds(), handshake=0.5)
+    async with open_controller("127.0.0.1", 0, world_size=1, salt=salt) as controller:
+        async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
+                              host_name="h", ranks=[0], world_size=1, salt=salt, lanes=3, bounds=bounds) as relay:
+            with trio.fail_after(10):
+                with pytest.raises(FlodlError):
+                    async with connect_reduce_client(("127.0.0.1", relay.port), 0, 1, salt) as client:
+                        await client.all_reduce_tensors([torch.ones(4)])
+                with pytest.raises(ConfigError, match="started with lanes=3, but the controller did not say"):
+                    await relay.wait_finished()
+        assert controller.stats.rounds == 0  # nothing reached it
