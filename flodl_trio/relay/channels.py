@@ -44,7 +44,7 @@ from ..wire.constants import (
     MAC_LEN,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import LaneLayout
+from ..wire.lanes import LaneAssembler, LaneLayout
 from ..wire.mux import (
     DeclareDead,
     Lanes,
@@ -63,10 +63,8 @@ from ..wire.mux import (
 from ..wire.round_frame import (
     EncodedFrame,
     RoundFrame,
-    TensorPayload,
     check_payloads,
     decode_round_frame,
-    encode_round_frame,
 )
 from ..wire.salt import Buffer
 from .config import RelayConfig, RelayStats
@@ -401,7 +399,7 @@ class DataChannel(_Channel):
         if self.lanes == 1:
             self._lanes_confirmed.set()
         self._layout: LaneLayout | None = None
-        self._lanes_in: list[RoundFrame] = []
+        self._assembler: LaneAssembler | None = None  # one frame-sized buffer, reused while the layout holds
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         while True:
@@ -620,6 +618,8 @@ class DataChannel(_Channel):
         """The HostFrame as its lane frames, in lane order, each its own signed record."""
         await self._wait_for_lanes()
         self._layout = layout = LaneLayout.of(item.frame, self.lanes)
+        if self._assembler is None or self._assembler.layout != layout:
+            self._assembler = LaneAssembler(layout)
         nbytes = 0
         for part in layout.split(item.frame):
             record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self.config.salt)
@@ -707,10 +707,10 @@ class DataChannel(_Channel):
         if kind is not MuxKind.BROADCAST:
             return await super()._on_record(kind, rank, payload, out)
         if self.lanes > 1:
-            joined = self._take_lane(payload)
+            joined = await self._take_lane(payload)
             if joined is None:
                 return  # more lanes to come
-            payload = memoryview(encode_round_frame(joined, self.config.salt))
+            payload = joined
         # Send the consensus to every rank waiting for it, concurrently.
         targets = self.fold.consensus_arrived()
         await self._enter_approved(out)
@@ -718,22 +718,23 @@ class DataChannel(_Channel):
             for target in targets:
                 nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
 
-    def _take_lane(self, payload: memoryview) -> RoundFrame | None:
-        """One lane of the consensus (its record verified); the whole consensus, in the
-        HostFrame's shapes, once every lane is in."""
-        if self._layout is None or not self.fold.host_frame_up:
+    async def _take_lane(self, payload: memoryview) -> memoryview | None:
+        """One lane of the consensus (its record verified), copied into the round's
+        frame; the whole consensus, in the HostFrame's shapes and signed, once every
+        lane is in."""
+        assembler = self._assembler
+        if assembler is None or not self.fold.host_frame_up:
             raise DesyncError(f"relay {self.config.host_name}: a consensus lane came down with no HostFrame up")
         lane = decode_round_frame(
-            payload, self.config.salt, ceiling=self.config.ceiling, source=f"the controller's lane {len(self._lanes_in)}",
+            payload, self.config.salt, ceiling=self.config.ceiling, source="the controller's consensus lane",
             authenticated=True,
         )
-        # The record's buffer is reused for the next lane: keep a copy.
-        self._lanes_in.append(RoundFrame([TensorPayload(t.dtype, t.shape, bytes(t.data)) for t in lane.tensors],
-                                         lane.kind, lane.weight))
-        if len(self._lanes_in) < self.lanes:
+        assembler.add(lane)
+        if not assembler.complete:
             return None
-        lanes, self._lanes_in = self._lanes_in, []
-        return self._layout.join(lanes)
+        if assembler.buffer.nbytes <= SMALL_MESSAGE:
+            return assembler.finish(self.config.salt)
+        return await trio.to_thread.run_sync(assembler.finish, self.config.salt)  # the MAC, off the event loop
 
     async def _on_away(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """The controller says ``rank`` is dead but may come back (this relay was

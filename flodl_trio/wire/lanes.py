@@ -17,6 +17,7 @@ the relay puts the consensus lanes back into the original shapes with
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import attrs
@@ -24,7 +25,12 @@ import numpy as np
 
 from ..errors import ConfigError, SchemaError
 from .bf16 import itemsize
-from .round_frame import RoundFrame, TensorPayload
+from .constants import MAC_LEN, ROUND_FRAME_MAGIC
+from .round_frame import RoundFrame, RoundKind, TensorPayload, round_frame_len
+from .salt import SessionSalt
+
+_FRAME_HEADER = struct.Struct("<IIBd")  # magic, count, kind, weight (PROTOCOL.md's RoundFrame)
+_TENSOR_HEAD = struct.Struct("<BB")
 
 MAX_LANES = 64
 
@@ -131,6 +137,71 @@ class LaneLayout:
             raise SchemaError(f"lane {index}: pieces {got}, the layout says {want}")
 
 
+class LaneAssembler:
+    """Joins a round's consensus lanes straight into the bytes of one RoundFrame in the
+    layout's shapes (every tensor written out; an elided piece as zeros), so the
+    relay holds one frame-sized buffer, reused round after round, and no copies.
+    Use: :meth:`add` each lane in order, then :meth:`finish` (signs it)."""
+
+    def __init__(self, layout: LaneLayout) -> None:
+        self.layout = layout
+        tensors = [TensorPayload(dtype, shape, np.zeros(0, np.uint8)) for dtype, shape in layout.schema]
+        self.buffer = np.zeros(round_frame_len(tensors) + sum(
+            int(np.prod(shape, dtype=np.int64)) * itemsize(dtype) for dtype, shape in layout.schema
+        ), dtype=np.uint8)
+        view = self.buffer.data
+        _FRAME_HEADER.pack_into(view, 0, ROUND_FRAME_MAGIC, len(tensors), 0, 0.0)
+        at = _FRAME_HEADER.size
+        self._payload_at: list[int] = []
+        for dtype, shape in layout.schema:
+            size = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
+            _TENSOR_HEAD.pack_into(view, at, dtype, len(shape))
+            at += _TENSOR_HEAD.size
+            struct.pack_into(f"<{len(shape)}I", view, at, *shape)
+            at += 4 * len(shape)
+            struct.pack_into("<Q", view, at, size)
+            at += 8
+            self._payload_at.append(at)
+            at += size
+        self._lanes = 0
+        self._kind: RoundKind | None = None
+        self._weight = float("inf")
+
+    def add(self, lane: RoundFrame) -> None:
+        """The next lane's consensus (its pieces must be the layout's)."""
+        index = self._lanes
+        if index >= self.layout.count:
+            raise SchemaError(f"lane {index}: the layout has {self.layout.count} lanes")
+        pieces = self.layout.lanes[index]
+        self.layout._check_lane(index, lane, pieces)
+        if self._kind is not None and lane.kind != self._kind:
+            raise SchemaError(f"lane {index} is a {lane.kind.name} frame, lane 0 a {self._kind.name} frame")
+        for p, t in zip(pieces, lane.tensors):
+            size = itemsize(self.layout.schema[p.tensor][0])
+            start = self._payload_at[p.tensor] + p.start * size
+            target = self.buffer[start:start + p.numel * size]
+            if t.elided:
+                target[:] = 0
+            else:
+                target[:] = np.frombuffer(t.data, dtype=np.uint8)
+        self._kind, self._weight, self._lanes = lane.kind, min(self._weight, lane.weight), index + 1
+
+    @property
+    def complete(self) -> bool:
+        return self._lanes == self.layout.count
+
+    def finish(self, salt: SessionSalt) -> memoryview:
+        """The joined frame, signed (its weight: the smallest lane's); the assembler is
+        then ready for the next round's lanes (the bytes stay valid until then)."""
+        if not self.complete or self._kind is None:
+            raise SchemaError(f"{self._lanes} of {self.layout.count} lanes came down")
+        view = self.buffer.data
+        _FRAME_HEADER.pack_into(view, 0, ROUND_FRAME_MAGIC, len(self.layout.schema), int(self._kind), self._weight)
+        view[len(view) - MAC_LEN:] = salt.mac8(view[:len(view) - MAC_LEN])
+        self._lanes, self._kind, self._weight = 0, None, float("inf")
+        return view
+
+
 def _element_boundary(offset: int, numels: list[int], sizes: list[int]) -> tuple[int, int]:
     """The (tensor, element) where byte ``offset`` of the concatenated payloads falls,
     moved down to an element boundary."""
@@ -157,4 +228,4 @@ def _pieces_between(t0: int, e0: int, t1: int, e1: int, numels: list[int]) -> tu
     return tuple(pieces)
 
 
-__all__ = ["MAX_LANES", "LaneLayout", "Piece"]
+__all__ = ["MAX_LANES", "LaneAssembler", "LaneLayout", "Piece"]
