@@ -48,13 +48,13 @@ SEED_TESTS = _reruns(test_seed_e2e, [
 @pytest.mark.parametrize("lanes", LANES)
 @pytest.mark.parametrize("test", SEED_TESTS)
 async def test_seed_end_to_end_tests_pass_with_lanes(test, lanes, salt, monkeypatch):
-    monkeypatch.setattr(test_seed_e2e, "open_local_cluster", functools.partial(open_local_cluster, lanes=lanes))
+    monkeypatch.setattr(test_seed_e2e, "open_local_cluster", functools.partial(open_local_cluster, lanes=lanes, lane_min_bytes=0))
     await test(salt)
 
 
 @pytest.mark.parametrize("lanes", LANES)
 async def test_random_masses_against_numpy_with_lanes(lanes, salt, monkeypatch):
-    monkeypatch.setattr(test_data_plane, "open_local_cluster", functools.partial(open_local_cluster, lanes=lanes))
+    monkeypatch.setattr(test_data_plane, "open_local_cluster", functools.partial(open_local_cluster, lanes=lanes, lane_min_bytes=0))
     test = test_data_plane.test_fifty_rounds_random_masses_against_numpy
     kwargs = {"in_place": True} if "in_place" in inspect.signature(test).parameters else {}
     await test(salt, **kwargs)
@@ -69,10 +69,10 @@ async def test_a_host_lost_between_two_lanes_counts_in_the_first_and_not_the_sec
     schema = RoundFrame([TensorPayload(DTYPE_F32, s, np.zeros(s, "<f4").reshape(-1)) for s in shapes])
     layout = LaneLayout.of(schema, 2)
     hello = MUX_HEADER_LEN + len(encode_control_msg(Hello("host1", [2], [])))
-    lane0 = MUX_HEADER_LEN + round_frame_len(layout.split(schema)[0].tensors)
+    lane0 = MUX_HEADER_LEN + round_frame_len(layout.split(schema)[0].tensors)  # its tag included
     got: dict[int, object] = {}
     cut = CutAt(at_byte=4 + hello + lane0)
-    async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt, lanes=2,
+    async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt, lanes=2, lane_min_bytes=0,
                                   upstream_faults={1: [cut]}) as cluster:
 
         async def rank_main(rank: int) -> None:
@@ -140,3 +140,19 @@ async def test_a_relay_with_lanes_facing_a_controller_without_them_stops_before_
                 with pytest.raises(ConfigError, match="started with lanes=3, but the controller did not say"):
                     await relay.wait_finished()
         assert controller.stats.rounds == 0  # nothing reached it
+
+
+async def test_small_rounds_go_in_one_lane_and_large_ones_in_all(salt):
+    """With the default of a lane per 256 KiB, a 4 KiB round is one record each way and
+    a 4 MiB one goes in all 4 lanes: the controller finishes one round per lane used."""
+    async with open_local_cluster(world_size=2, hosts=[[0], [1]], salt=salt, lanes=4) as cluster:
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 2, salt) as client:
+                for numel in (1024, 1 << 20):
+                    out = await client.all_reduce_tensors([torch.full((numel,), float(rank))])
+                    assert out[0].numel() == numel and bool((out[0] == 0.5).all())
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(2):
+                nursery.start_soon(rank_main, rank)
+        assert cluster.controller.stats.rounds == 1 + 4

@@ -56,7 +56,7 @@ def test_a_tensor_is_split_across_lanes_as_runs_of_its_elements():
     layout = LaneLayout.of(frame, 2)
     assert [[(p.tensor, p.start, p.stop) for p in lane] for lane in layout.lanes] == [[(0, 0, 8)], [(0, 8, 10), (1, 0, 6)]]
     lane0, lane1 = layout.split(frame)
-    assert [t.shape for t in lane1.tensors] == [(2,), (6,)]
+    assert [t.shape for t in lane1.tensors] == [(2,), (6,), (0, 0, 2, 1)]  # the pieces, then the lane tag
     assert bytes(lane1.tensors[0].data) == bytes(frame.tensors[0].data[32:40])
 
 
@@ -105,8 +105,11 @@ def test_what_does_not_fit_is_refused():
     parts = layout.split(frame)
     with pytest.raises(SchemaError, match="1 lane frames for a layout of 2"):
         layout.join(parts[:1])
-    with pytest.raises(SchemaError, match="lane 1: pieces"):
+    with pytest.raises(SchemaError, match="lane 1: tag None"):
         layout.join([parts[0], frame_of([(2,)])])
+    with pytest.raises(SchemaError, match="lane 1: pieces"):
+        wrong = TensorPayload(DTYPE_F32, (2,), np.zeros(2, "<f4"))
+        layout.join([parts[0], RoundFrame([wrong, parts[1].tensors[-1]], parts[1].kind, 1.0)])
     with pytest.raises(SchemaError, match="different kinds"):
         layout.join([parts[0], RoundFrame(parts[1].tensors, RoundKind.CONTROL, 0.0)])
     with pytest.raises(ConfigError, match="lanes must be 1..64"):
@@ -136,3 +139,19 @@ def test_the_assembler_joins_lanes_into_one_signed_frame(lanes, salt):
                 w.elided and not np.frombuffer(g.data, "<f4").any())
     with pytest.raises(SchemaError, match="0 of"):
         assembler.finish(salt)
+
+
+def test_a_frame_goes_in_one_lane_per_min_bytes_and_every_lane_is_tagged(salt):
+    from flodl_trio.wire.lanes import lanes_for, read_lane_tag
+
+    assert lanes_for(4096, 8, 256 << 10) == 1  # a small round: one record each way
+    assert lanes_for(1 << 20, 8, 256 << 10) == 4
+    assert lanes_for(64 << 20, 8, 256 << 10) == 8
+    assert lanes_for(10, 8, 0) == 8  # 0: always the cluster's count
+    small = frame_of([(1024,)])
+    assert LaneLayout.of(small, 8, 256 << 10).count == 1
+    big = frame_of([(300_000,)])  # 1.2 MB: 4 lanes of 256 KiB or more
+    parts = LaneLayout.of(big, 8, 256 << 10).split(big)
+    assert [read_lane_tag(p) for p in parts] == [(k, 4) for k in range(4)]
+    assert read_lane_tag(decode_round_frame(encode_round_frame(parts[2], salt), salt)) == (2, 4)
+    assert read_lane_tag(big) is None

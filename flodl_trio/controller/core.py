@@ -31,7 +31,7 @@ from functools import partial
 import attrs
 import trio
 
-from ..errors import ConfigError, FlodlError, MacError, ProtocolError
+from ..errors import ConfigError, DesyncError, FlodlError, MacError, ProtocolError
 from ..fold.speculative import Speculation, receive_speculating
 from ..settings import NetBounds
 from ..transport.arrival import ArrivalWatch
@@ -58,7 +58,7 @@ from ..wire.constants import (
     DEFAULT_FRAME_CEILING,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import MAX_LANES
+from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, MAX_LANES, read_lane_tag
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
@@ -119,7 +119,8 @@ class ControllerConfig:
     ceiling: int = DEFAULT_FRAME_CEILING
     bounds: NetBounds = attrs.field(factory=NetBounds)
     deterministic: bool = False  # fold hosts in a fixed order (by their lowest rank)
-    lanes: int = 1  # each round reduced in this many lanes (docs/wire.md, "Lanes")
+    lanes: int = 1  # each round reduced in up to this many lanes (docs/wire.md, "Lanes")
+    lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES  # a lane per this many payload bytes (0: always ``lanes``)
 
 
 @attrs.define(eq=False)
@@ -222,6 +223,7 @@ async def open_controller(
     formation_timeout: float | None = None,
     deterministic: bool = False,
     lanes: int = 1,
+    lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -240,7 +242,9 @@ async def open_controller(
     ``lanes``: reduce each round in this many lanes (every data relay must be
     started with the same count): a lane's consensus goes down while the next
     lane is still coming up. With lanes > 1 the controller keeps no per-window
-    state yet: no outer optimizer, checkpoints or rejoining.
+    state yet: no outer optimizer, checkpoints or rejoining. A round goes in one
+    lane per ``lane_min_bytes`` of its frame's payload (0: always ``lanes``), so
+    small rounds stay one record each way.
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
@@ -252,7 +256,9 @@ async def open_controller(
     net = bounds if bounds is not None else NetBounds.from_env()
     if heartbeat_timeout is not None:
         net = attrs.evolve(net, heartbeat_timeout=heartbeat_timeout)
-    config = ControllerConfig(world_size, SessionSalt.coerce(salt), ceiling, net, deterministic, lanes)
+    if lane_min_bytes < 0:
+        raise ConfigError(f"lane_min_bytes must be >= 0, got {lane_min_bytes}")
+    config = ControllerConfig(world_size, SessionSalt.coerce(salt), ceiling, net, deterministic, lanes, lane_min_bytes)
     coordinator = Coordinator(world_size, config.salt, ledger, heartbeat_timeout=net.heartbeat_timeout,
                               beacon_interval=beacon_interval, bounds=net)
     if listeners is None:
@@ -405,7 +411,7 @@ class _Controller:
         self.stats.relays += 1
         link.queue_control(HelloAck(), self.config.salt)
         if self.config.lanes > 1:
-            link.queue_control(Lanes(self.config.lanes), self.config.salt)
+            link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
         now = trio.current_time()
         for rank in link.ranks:
             if self.dead.is_dead(rank):
@@ -512,10 +518,8 @@ class _Controller:
     def _on_host_frame(self, link: RelayLink, payload: memoryview, speculation: Speculation) -> bool:
         """Fold a relay's HostFrame (with lanes: its next lane's); whether the speculation
         became the round's consensus."""
-        lane = self._next_lane[link.id]
-        self._next_lane[link.id] = (lane + 1) % self.config.lanes
         if self.config.lanes > 1:
-            return self._on_lane_frame(link, lane, payload)
+            return self._on_lane_frame(link, payload)
         if not self.round.accepts_host_frame(link.id):
             log.info("controller: dropped a late frame from %s (all its ranks are dead)", link.name)
             return False
@@ -534,16 +538,25 @@ class _Controller:
             self._consensus_send.send_nowait((0, consensus))
         return False
 
-    def _on_lane_frame(self, link: RelayLink, lane: int, payload: memoryview) -> bool:
-        """One lane of a relay's HostFrame: folded into that lane's round, whose
-        consensus goes down as soon as every live relay delivered its lane."""
+    def _on_lane_frame(self, link: RelayLink, payload: memoryview) -> bool:
+        """One lane of a relay's HostFrame (its tag says which, and of how many): folded
+        into that lane's round, whose consensus goes down as soon as every live relay
+        delivered its lane."""
+        frame = decode_round_frame(
+            payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, authenticated=True
+        )
+        tag = read_lane_tag(frame)
+        expected = self._next_lane[link.id]
+        if tag is None or tag[0] != expected or tag[1] > self.config.lanes:
+            raise DesyncError(
+                f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
+            )
+        lane, count = tag
+        self._next_lane[link.id] = 0 if lane == count - 1 else lane + 1
         lane_round = self.rounds[lane]
         if not lane_round.accepts_host_frame(link.id):
             log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
             return False
-        frame = decode_round_frame(
-            payload, self.config.salt, ceiling=self.config.ceiling, source=f"{link.name} lane {lane}", authenticated=True
-        )
         consensus = lane_round.deposit(link.id, frame, trio.current_time())
         if consensus is not None:
             self._consensus_send.send_nowait((lane, consensus))

@@ -399,6 +399,7 @@ class DataChannel(_Channel):
         if self.lanes == 1:
             self._lanes_confirmed.set()
         self._layout: LaneLayout | None = None
+        self._lane_min_bytes = 0
         self._assembler: LaneAssembler | None = None  # one frame-sized buffer, reused while the layout holds
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
@@ -584,7 +585,7 @@ class DataChannel(_Channel):
 
     async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
         if isinstance(msg, Lanes):
-            return self._on_lanes(msg.count)
+            return self._on_lanes(msg.count, msg.min_bytes)
         if isinstance(msg, RankAway):
             return await self._on_away(msg.rank, out)
         if not isinstance(msg, RankJoin):
@@ -595,12 +596,13 @@ class DataChannel(_Channel):
             if self.fold.idle and msg.rank in self.fold.held:  # its first frame beat this answer: in now
                 await self._enter_approved(out)
 
-    def _on_lanes(self, count: int) -> None:
+    def _on_lanes(self, count: int, min_bytes: int) -> None:
         if count != self.lanes:
             raise ConfigError(
                 f"relay {self.config.host_name}: the controller reduces each round in {count} lanes, this relay "
                 f"was started with lanes={self.lanes} (start both with the same --lanes)"
             )
+        self._lane_min_bytes = min_bytes  # the controller's: every relay cuts a frame the same way
         self._lanes_confirmed.set()
 
     async def _wait_for_lanes(self) -> None:
@@ -617,7 +619,7 @@ class DataChannel(_Channel):
     async def _write_lanes(self, item: FoldedHostFrame) -> int:
         """The HostFrame as its lane frames, in lane order, each its own signed record."""
         await self._wait_for_lanes()
-        self._layout = layout = LaneLayout.of(item.frame, self.lanes)
+        self._layout = layout = LaneLayout.of(item.frame, self.lanes, self._lane_min_bytes)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
         nbytes = 0

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import ConfigError, SchemaError
 from .bf16 import itemsize
-from .constants import MAC_LEN, ROUND_FRAME_MAGIC
+from .constants import DTYPE_F32, MAC_LEN, ROUND_FRAME_MAGIC
 from .round_frame import RoundFrame, RoundKind, TensorPayload, round_frame_len
 from .salt import SessionSalt
 
@@ -33,6 +33,36 @@ _FRAME_HEADER = struct.Struct("<IIBd")  # magic, count, kind, weight (PROTOCOL.m
 _TENSOR_HEAD = struct.Struct("<BB")
 
 MAX_LANES = 64
+# A lane per this many payload bytes, at most the cluster's count: small frames go as one.
+DEFAULT_LANE_MIN_BYTES = 256 << 10
+_EMPTY = np.zeros(0, dtype="<f4")
+
+
+def lanes_for(payload_bytes: int, count: int, min_bytes: int) -> int:
+    """How many lanes a frame of ``payload_bytes`` goes in: one per ``min_bytes``
+    (0: always ``count``), at least 1, at most ``count``."""
+    if min_bytes <= 0:
+        return count
+    return max(1, min(count, payload_bytes // min_bytes))
+
+
+def lane_tag(index: int, count: int) -> TensorPayload:
+    """The tag a lane frame ends with: a 0-element f32 tensor of shape [0, 0, count, index]."""
+    return TensorPayload(DTYPE_F32, (0, 0, count, index), _EMPTY)
+
+
+def read_lane_tag(frame: RoundFrame) -> tuple[int, int] | None:
+    """``(index, count)`` from a lane frame's last tensor; None if it carries no lane tag."""
+    if not frame.tensors:
+        return None
+    tag = frame.tensors[-1]
+    shape = tuple(tag.shape)
+    if tag.dtype != DTYPE_F32 or len(shape) != 4 or shape[:2] != (0, 0):
+        return None
+    _, _, count, index = shape
+    if not 1 <= count <= MAX_LANES or not 0 <= index < count:
+        return None
+    return index, count
 
 
 @attrs.frozen
@@ -56,9 +86,14 @@ class LaneLayout:
     lanes: tuple[tuple[Piece, ...], ...]
 
     @classmethod
-    def of(cls, frame: RoundFrame, count: int) -> LaneLayout:
-        """The layout of ``frame``'s schema over ``count`` lanes."""
-        return cls.for_schema([(t.dtype, tuple(t.shape)) for t in frame.tensors], count)
+    def of(cls, frame: RoundFrame, count: int, min_bytes: int = 0) -> LaneLayout:
+        """The layout of ``frame``'s schema over ``count`` lanes (fewer for a small
+        frame: one per ``min_bytes`` of payload, see :func:`lanes_for`)."""
+        schema = [(t.dtype, tuple(t.shape)) for t in frame.tensors]
+        if not 1 <= count <= MAX_LANES:
+            raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
+        payload = sum(int(np.prod(shape, dtype=np.int64)) * itemsize(dtype) for dtype, shape in schema)
+        return cls.for_schema(schema, lanes_for(payload, count, min_bytes))
 
     @classmethod
     def for_schema(cls, schema: Sequence[tuple[int, tuple[int, ...]]], count: int) -> LaneLayout:
@@ -81,16 +116,18 @@ class LaneLayout:
         return len(self.lanes)
 
     def split(self, frame: RoundFrame) -> list[RoundFrame]:
-        """``frame`` as its lanes' frames; the pieces are views of its payloads (no copy)."""
+        """``frame`` as its lanes' frames, each ending with its lane tag; the pieces are
+        views of its payloads (no copy)."""
         self._check(frame, "the frame to split")
         out = []
-        for pieces in self.lanes:
+        for index, pieces in enumerate(self.lanes):
             payloads = []
             for p in pieces:
                 t = frame.tensors[p.tensor]
                 size = itemsize(t.dtype)
                 data = t.data if t.elided else t.data[p.start * size:p.stop * size]
                 payloads.append(TensorPayload(t.dtype, (p.numel,), data))
+            payloads.append(lane_tag(index, self.count))
             out.append(RoundFrame(payloads, frame.kind, frame.weight))
         return out
 
@@ -104,7 +141,7 @@ class LaneLayout:
             self._check_lane(index, frame, pieces)
         parts: list[list[tuple[Piece, TensorPayload]]] = [[] for _ in self.schema]
         for frame, pieces in zip(lanes, self.lanes):
-            for p, t in zip(pieces, frame.tensors):
+            for p, t in zip(pieces, frame.tensors[:-1]):
                 parts[p.tensor].append((p, t))
         tensors = [self._joined(index, found) for index, found in enumerate(parts)]
         kinds = {frame.kind for frame in lanes}
@@ -131,8 +168,10 @@ class LaneLayout:
             raise SchemaError(f"{what} has schema {list(schema)}, the lane layout {list(self.schema)}")
 
     def _check_lane(self, index: int, frame: RoundFrame, pieces: tuple[Piece, ...]) -> None:
+        if read_lane_tag(frame) != (index, self.count):
+            raise SchemaError(f"lane {index}: tag {read_lane_tag(frame)}, the layout says ({index}, {self.count})")
         want = [(self.schema[p.tensor][0], (p.numel,)) for p in pieces]
-        got = [(t.dtype, tuple(t.shape)) for t in frame.tensors]
+        got = [(t.dtype, tuple(t.shape)) for t in frame.tensors[:-1]]
         if got != want:
             raise SchemaError(f"lane {index}: pieces {got}, the layout says {want}")
 
@@ -176,7 +215,7 @@ class LaneAssembler:
         self.layout._check_lane(index, lane, pieces)
         if self._kind is not None and lane.kind != self._kind:
             raise SchemaError(f"lane {index} is a {lane.kind.name} frame, lane 0 a {self._kind.name} frame")
-        for p, t in zip(pieces, lane.tensors):
+        for p, t in zip(pieces, lane.tensors[:-1]):
             size = itemsize(self.layout.schema[p.tensor][0])
             start = self._payload_at[p.tensor] + p.start * size
             target = self.buffer[start:start + p.numel * size]
@@ -228,4 +267,13 @@ def _pieces_between(t0: int, e0: int, t1: int, e1: int, numels: list[int]) -> tu
     return tuple(pieces)
 
 
-__all__ = ["MAX_LANES", "LaneAssembler", "LaneLayout", "Piece"]
+__all__ = [
+    "DEFAULT_LANE_MIN_BYTES",
+    "MAX_LANES",
+    "LaneAssembler",
+    "LaneLayout",
+    "Piece",
+    "lane_tag",
+    "lanes_for",
+    "read_lane_tag",
+]

@@ -114,11 +114,13 @@ class RankAway:
 @attrs.frozen
 class Lanes:
     """flodl_trio extension (variant 203), controller -> relay, right after HelloAck: the
-    controller reduces each round in ``count`` lanes, so the relay ships its HostFrame
-    as that many lane frames and takes the consensus back the same way. Sent only
-    when ``count`` > 1. See docs/wire.md."""
+    controller reduces each round in up to ``count`` lanes, one per ``min_bytes`` of
+    the frame's payload (0: always ``count``), so the relay ships its HostFrame as
+    that many tagged lane frames and takes the consensus back the same way. Sent
+    only when ``count`` > 1. See docs/wire.md."""
 
     count: int
+    min_bytes: int = 0
 
 
 RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes
@@ -158,8 +160,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += sig
         case RankExit(rank=r) | DeclareDead(rank=r) | RankJoin(rank=r) | RankFinished(rank=r) | RankAway(rank=r):
             out += _varint(r)
-        case Lanes(count=count):
-            out += _varint(count)
+        case Lanes(count=count, min_bytes=min_bytes):
+            out += _varint(count) + _varint(min_bytes)
         case HelloAck():
             pass
     return bytes(out)
@@ -236,7 +238,7 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
     elif variant == 202:
         msg = RankAway(reader.varint("RankAway rank"))
     elif variant == 203:
-        msg = Lanes(reader.varint("Lanes count"))
+        msg = Lanes(reader.varint("Lanes count"), reader.varint("Lanes min_bytes"))
     else:
         raise FramingError(f"RelayControlMsg: unknown variant index {variant}")
     if reader.pos != len(reader.data):
