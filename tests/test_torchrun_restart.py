@@ -110,7 +110,7 @@ async def test_torchrun_max_restarts_brings_a_failed_node_back_and_the_run_compl
             env=env, capture_stdout=True, capture_stderr=True, check=False, cwd=tmp_path,
         )
         log = torchrun.stdout.decode() + torchrun.stderr.decode()
-        assert torchrun.returncode == 0, log
+        assert torchrun.returncode == 0, f"{log}\n--- relay ---\n{relay.text}\n--- controller ---\n{controller.text}"
         with trio.fail_after(30):
             assert await relay.process.wait() == 0, relay.text
             assert await controller.process.wait() == 0, controller.text

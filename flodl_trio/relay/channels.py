@@ -474,12 +474,14 @@ class DataChannel(_Channel):
         decided once, from the first verified frame."""
         budget = self.config.memory_budget_for(length)
         fold = 4 * sum(math.prod(t.shape) for t in frame.tensors)
-        needed = 2 * length + fold + RELAY_BASELINE
+        joined = fold if self.lanes > 1 else 0  # with lanes: the consensus joined in a frame of its own
+        needed = 2 * length + fold + joined + RELAY_BASELINE
         if needed > budget:
             self._budget_refused = True
             log.info(
-                "relay %s: one receive buffer: with a second, %.0f MiB each, and the %.0f MiB f32 fold the relay "
-                "would need %.0f MiB, over its memory budget of %.0f MiB (frames are received one at a time)",
+                "relay %s: one receive buffer: with a second, %.0f MiB each, the %.0f MiB f32 fold (and with lanes "
+                "the joined consensus) the relay would need %.0f MiB, over its memory budget of %.0f MiB (frames are "
+                "received one at a time)",
                 self.config.host_name, length / MiB, fold / MiB, needed / MiB, budget / MiB,
             )
             return
