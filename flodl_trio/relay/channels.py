@@ -479,10 +479,10 @@ class DataChannel(_Channel):
         if needed > budget:
             self._budget_refused = True
             log.info(
-                "relay %s: one receive buffer: with a second, %.0f MiB each, the %.0f MiB f32 fold (and with lanes "
-                "the joined consensus) the relay would need %.0f MiB, over its memory budget of %.0f MiB (frames are "
-                "received one at a time)",
-                self.config.host_name, length / MiB, fold / MiB, needed / MiB, budget / MiB,
+                "relay %s: one receive buffer: with a second, %.0f MiB each, and the %.0f MiB f32 fold%s the relay "
+                "would need %.0f MiB, over its memory budget of %.0f MiB (frames are received one at a time)",
+                self.config.host_name, length / MiB, fold / MiB, " (and the joined consensus lanes)" if joined else "",
+                needed / MiB, budget / MiB,
             )
             return
         self.pool.add(ReceiveBuffer(length))
