@@ -52,9 +52,12 @@ async def test_seed_end_to_end_tests_pass_with_lanes(test, lanes, salt, monkeypa
     await test(salt)
 
 
+@pytest.mark.parametrize("local_leg", [True, False], ids=["local-leg", "tcp"])
 @pytest.mark.parametrize("lanes", LANES)
-async def test_random_masses_against_numpy_with_lanes(lanes, salt, monkeypatch):
-    monkeypatch.setattr(test_data_plane, "open_local_cluster", functools.partial(open_local_cluster, lanes=lanes, lane_min_bytes=0))
+async def test_random_masses_against_numpy_with_lanes(lanes, local_leg, salt, monkeypatch):
+    """Over the local leg the relay answers with the joined consensus unsigned; over TCP signed (the rank checks it)."""
+    cluster = functools.partial(open_local_cluster, lanes=lanes, lane_min_bytes=0, local_leg=local_leg)
+    monkeypatch.setattr(test_data_plane, "open_local_cluster", cluster)
     test = test_data_plane.test_fifty_rounds_random_masses_against_numpy
     kwargs = {"in_place": True} if "in_place" in inspect.signature(test).parameters else {}
     await test(salt, **kwargs)

@@ -229,14 +229,17 @@ class LaneAssembler:
     def complete(self) -> bool:
         return self._lanes == self.layout.count
 
-    def finish(self, salt: SessionSalt) -> memoryview:
-        """The joined frame, signed (its weight: the smallest lane's); the assembler is
-        then ready for the next round's lanes (the bytes stay valid until then)."""
+    def finish(self, salt: SessionSalt | None) -> memoryview:
+        """The joined frame (its weight: the smallest lane's), signed with ``salt`` or,
+        with None, unsigned (zeros where the MAC goes: only for the local leg); the
+        assembler is then ready for the next round's lanes (the bytes stay valid until
+        then)."""
         if not self.complete or self._kind is None:
             raise SchemaError(f"{self._lanes} of {self.layout.count} lanes came down")
         view = self.buffer.data
         _FRAME_HEADER.pack_into(view, 0, ROUND_FRAME_MAGIC, len(self.layout.schema), int(self._kind), self._weight)
-        view[len(view) - MAC_LEN:] = salt.mac8(view[:len(view) - MAC_LEN])
+        end = len(view) - MAC_LEN
+        view[end:] = salt.mac8(view[:end]) if salt is not None else bytes(MAC_LEN)
         self._lanes, self._kind, self._weight = 0, None, float("inf")
         return view
 
