@@ -105,18 +105,26 @@ async def test_a_host_lost_between_two_lanes_counts_in_the_first_and_not_the_sec
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got[0][0], got[1][0]))
 
 
-async def test_a_relay_with_another_lane_count_fails_naming_both(salt):
-    """The controller says it reduces in 2 lanes; a relay started with 1 stops, saying so
-    (its rank's round fails, nothing hangs)."""
-    async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=2) as controller:
+async def relay_stops_on_a_lane_mismatch(salt, controller_lanes: int, relay_lanes: int, match: str, **relay_options):
+    """A controller and a one-rank relay with these lane counts: the rank's round fails
+    (nothing hangs), the relay stops with a ConfigError matching ``match``, and the
+    controller finished no round."""
+    async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=controller_lanes) as controller:
         async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
-                              host_name="h", ranks=[0], world_size=1, salt=salt, lanes=1) as relay:
+                              host_name="h", ranks=[0], world_size=1, salt=salt, lanes=relay_lanes,
+                              **relay_options) as relay:
             with trio.fail_after(10):
                 with pytest.raises(FlodlError):
                     async with connect_reduce_client(("127.0.0.1", relay.port), 0, 1, salt) as client:
                         await client.all_reduce_tensors([torch.ones(4)])
-                with pytest.raises(ConfigError, match="reduces each round in 2 lanes, this relay was started with lanes=1"):
+                with pytest.raises(ConfigError, match=match):
                     await relay.wait_finished()
+        assert controller.stats.rounds == 0
+
+
+async def test_a_relay_with_another_lane_count_fails_naming_both(salt):
+    """The controller says it reduces in 2 lanes; a relay started with 1 stops, saying so."""
+    await relay_stops_on_a_lane_mismatch(salt, 2, 1, "reduces each round in 2 lanes, this relay was started with lanes=1")
 
 
 async def test_lanes_with_per_window_state_are_refused_up_front(salt):
@@ -132,17 +140,8 @@ async def test_lanes_with_per_window_state_are_refused_up_front(salt):
 async def test_a_relay_with_lanes_facing_a_controller_without_them_stops_before_sending(salt):
     from flodl_trio.settings import NetBounds
 
-    bounds = attrs.evolve(NetBounds(), handshake=0.5)
-    async with open_controller("127.0.0.1", 0, world_size=1, salt=salt) as controller:
-        async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
-                              host_name="h", ranks=[0], world_size=1, salt=salt, lanes=3, bounds=bounds) as relay:
-            with trio.fail_after(10):
-                with pytest.raises(FlodlError):
-                    async with connect_reduce_client(("127.0.0.1", relay.port), 0, 1, salt) as client:
-                        await client.all_reduce_tensors([torch.ones(4)])
-                with pytest.raises(ConfigError, match="started with lanes=3, but the controller did not say"):
-                    await relay.wait_finished()
-        assert controller.stats.rounds == 0  # nothing reached it
+    await relay_stops_on_a_lane_mismatch(salt, 1, 3, "started with lanes=3, but the controller did not say",
+                                         bounds=attrs.evolve(NetBounds(), handshake=0.5))
 
 
 async def test_small_rounds_go_in_one_lane_and_large_ones_in_all(salt):

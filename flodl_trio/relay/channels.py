@@ -393,12 +393,10 @@ class DataChannel(_Channel):
         # A single rank's frame goes up as it is, unless it must be cut into lanes.
         self.single = len(config.ranks) == 1 and self.lanes == 1
         self._budget_refused = False
-        # Lanes: the controller confirms the count after HelloAck; the layout of the
-        # HostFrame in flight, and the consensus lanes come down so far.
+        # Lanes: the controller confirms the count (and the bytes per lane) after HelloAck.
         self._lanes_confirmed = trio.Event()
         if self.lanes == 1:
             self._lanes_confirmed.set()
-        self._layout: LaneLayout | None = None
         self._lane_min_bytes = 0
         self._assembler: LaneAssembler | None = None  # one frame-sized buffer, reused while the layout holds
 
@@ -474,7 +472,7 @@ class DataChannel(_Channel):
         decided once, from the first verified frame."""
         budget = self.config.memory_budget_for(length)
         fold = 4 * sum(math.prod(t.shape) for t in frame.tensors)
-        joined = fold if self.lanes > 1 else 0  # with lanes: the consensus joined in a frame of its own
+        joined = length if self.lanes > 1 else 0  # with lanes: the consensus joined in a frame of its own
         needed = 2 * length + fold + joined + RELAY_BASELINE
         if needed > budget:
             self._budget_refused = True
@@ -621,7 +619,7 @@ class DataChannel(_Channel):
     async def _write_lanes(self, item: FoldedHostFrame) -> int:
         """The HostFrame as its lane frames, in lane order, each its own signed record."""
         await self._wait_for_lanes()
-        self._layout = layout = LaneLayout.of(item.frame, self.lanes, self._lane_min_bytes)
+        layout = LaneLayout.of(item.frame, self.lanes, self._lane_min_bytes)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
         nbytes = 0
@@ -738,11 +736,10 @@ class DataChannel(_Channel):
             return None
         # Ranks on the local leg take frames unsigned: sign only for one that reads its MAC.
         tcp = any(self.conns[r].signed_frames for r in self.fold.awaiting_reply if r in self.conns)
-        if not tcp:
-            return assembler.finish(None)
-        if assembler.buffer.nbytes <= SMALL_MESSAGE:
-            return assembler.finish(self.config.salt)
-        return await trio.to_thread.run_sync(assembler.finish, self.config.salt)  # the MAC, off the event loop
+        salt = self.config.salt if tcp else None
+        if salt is None or assembler.buffer.nbytes <= SMALL_MESSAGE:
+            return assembler.finish(salt)
+        return await trio.to_thread.run_sync(assembler.finish, salt)  # the MAC, off the event loop
 
     async def _on_away(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """The controller says ``rank`` is dead but may come back (this relay was
