@@ -33,16 +33,19 @@ async def run_rounds(relay: tuple[str, int], salt, world: int, rounds: int) -> d
     return got
 
 
+@pytest.mark.parametrize("lanes", [1, 4])
 @pytest.mark.parametrize(("budget", "buffers"), [(None, 2), (1 << 20, 1)], ids=["default-budget", "tight-budget"])
-async def test_the_second_receive_buffer_is_lent_only_within_the_budget(salt, caplog, budget, buffers):
+async def test_the_second_receive_buffer_is_lent_only_within_the_budget(salt, caplog, budget, buffers, lanes):
     """A 1 MiB model fits twice in the default budget (2 x model + 150 MiB: two
     buffers, the f32 fold and the relay's 48 MiB baseline); with a 1 MiB budget the
-    relay keeps one buffer, says so, and every round is still exact."""
+    relay keeps one buffer, says so, and every round is still exact. With lanes the
+    consensus is joined in a pool buffer: with one, the ranks' next frames wait for
+    it to have gone out."""
     caplog.set_level(logging.INFO, logger="flodl_trio.relay")
-    async with open_controller("127.0.0.1", 0, world_size=3, salt=salt) as controller:
+    async with open_controller("127.0.0.1", 0, world_size=3, salt=salt, lanes=lanes) as controller:
         async with open_relay(
             ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port), host_name="h0",
-            ranks=[0, 1, 2], world_size=3, salt=salt, memory_budget=budget,
+            ranks=[0, 1, 2], world_size=3, salt=salt, memory_budget=budget, lanes=lanes,
         ) as relay:
             got = await run_rounds(("127.0.0.1", relay.port), salt, 3, 4)
             assert relay.stats.receive_buffers == buffers

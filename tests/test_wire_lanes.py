@@ -41,7 +41,10 @@ def test_split_then_join_gives_the_frame_back(name, dtype, lanes, salt):
     parts = layout.split(frame)
     assert len(parts) == lanes
     # Each lane is an ordinary RoundFrame: it survives the wire.
-    parts = [decode_round_frame(encode_round_frame(p, salt), salt) for p in parts]
+    encoded = [encode_round_frame(p, salt) for p in parts]
+    # Nothing elided: each lane's frame is as long as the layout says a lane can be.
+    assert [len(e) for e in encoded] == [layout.frame_bytes(k) for k in range(lanes)]
+    parts = [decode_round_frame(e, salt) for e in encoded]
     assert all(p.kind == frame.kind and p.weight == frame.weight for p in parts)
     assert layout.join(parts) == frame
     # Byte-balanced: every lane within one element (of the widest dtype) of an equal share.
@@ -119,15 +122,19 @@ def test_what_does_not_fit_is_refused():
 @pytest.mark.parametrize("lanes", [1, 3, 7])
 def test_the_assembler_joins_lanes_into_one_signed_frame(lanes, salt):
     """The bytes it signs decode (MAC checked) to what join() gives, elided tensors as
-    zeros; the smallest lane's weight; reused for a second round."""
+    zeros; the smallest lane's weight; a second round in a lent buffer full of an
+    earlier frame's bytes (as a reused receive buffer is), larger than the frame."""
     from flodl_trio.wire.lanes import LaneAssembler
 
     layout = LaneLayout.of(frame_of(SCHEMAS["uneven"]), lanes)
     assembler = LaneAssembler(layout)
-    for seed in (1, 2):
+    dirty = np.full(assembler.nbytes + 100, 0xAB, dtype=np.uint8)
+    for seed, lent in ((1, None), (2, dirty)):
         frame = frame_of(SCHEMAS["uneven"], seed=seed, elide={1}, weight=float(seed))
         parts = layout.split(frame)
         parts[-1] = RoundFrame(parts[-1].tensors, parts[-1].kind, 0.5)
+        assert not assembler.begun
+        assembler.begin(lent)
         for part in parts:
             assembler.add(decode_round_frame(encode_round_frame(part, salt), salt))
         got = decode_round_frame(assembler.finish(salt), salt)
@@ -139,6 +146,10 @@ def test_the_assembler_joins_lanes_into_one_signed_frame(lanes, salt):
                 w.elided and not np.frombuffer(g.data, "<f4").any())
     with pytest.raises(SchemaError, match="0 of"):
         assembler.finish(salt)
+    with pytest.raises(SchemaError, match="before the round's frame was begun"):
+        assembler.add(layout.split(frame)[0])
+    with pytest.raises(ValueError, match=f"needs {assembler.nbytes} bytes"):
+        assembler.begin(np.zeros(assembler.nbytes - 1, np.uint8))
 
 
 def test_a_frame_goes_in_one_lane_per_min_bytes_and_every_lane_is_tagged(salt):

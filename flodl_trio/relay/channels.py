@@ -44,7 +44,7 @@ from ..wire.constants import (
     MAC_LEN,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import LaneAssembler, LaneLayout
+from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
 from ..wire.mux import (
     DeclareDead,
     Lanes,
@@ -321,13 +321,18 @@ class _Channel:
                 assert self._nursery is not None
                 self._nursery.cancel_scope.cancel()
                 return
-            big = header.length > SMALL_MESSAGE
-            buf = await self.pool.acquire() if big else self._small
+            buf, pooled = await self._upstream_buffer(header)
             try:
                 await self._receive_record(header, buf, out)
             finally:
-                if big:
+                if pooled:
                     self.pool.release(buf)
+
+    async def _upstream_buffer(self, header: MuxHeader) -> tuple[ReceiveBuffer, bool]:
+        """Where a record from the controller lands, and whether it is lent from the pool."""
+        if header.length <= SMALL_MESSAGE:
+            return self._small, False
+        return await self.pool.acquire(), True
 
     async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Receive and verify one record from the controller, then act on it."""
@@ -398,7 +403,9 @@ class DataChannel(_Channel):
         if self.lanes == 1:
             self._lanes_confirmed.set()
         self._lane_min_bytes = 0
-        self._assembler: LaneAssembler | None = None  # one frame-sized buffer, reused while the layout holds
+        self._assembler: LaneAssembler | None = None  # joins the consensus lanes (its layout is the round's)
+        self._lane_buffer = ReceiveBuffer()  # a consensus lane lands here: a slice of the frame
+        self._joined_in: ReceiveBuffer | None = None  # the pool buffer the round's consensus is joined in
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         while True:
@@ -472,19 +479,26 @@ class DataChannel(_Channel):
         decided once, from the first verified frame."""
         budget = self.config.memory_budget_for(length)
         fold = 4 * sum(math.prod(t.shape) for t in frame.tensors)
-        joined = length if self.lanes > 1 else 0  # with lanes: the consensus joined in a frame of its own
-        needed = 2 * length + fold + joined + RELAY_BASELINE
+        lane = self._lane_record_bytes(length)
+        needed = 2 * length + fold + lane + RELAY_BASELINE
         if needed > budget:
             self._budget_refused = True
             log.info(
                 "relay %s: one receive buffer: with a second, %.0f MiB each, and the %.0f MiB f32 fold%s the relay "
                 "would need %.0f MiB, over its memory budget of %.0f MiB (frames are received one at a time)",
-                self.config.host_name, length / MiB, fold / MiB, " (and the joined consensus lanes)" if joined else "",
+                self.config.host_name, length / MiB, fold / MiB, " (and a consensus lane's buffer)" if lane else "",
                 needed / MiB, budget / MiB,
             )
             return
         self.pool.add(ReceiveBuffer(length))
         self.stats.receive_buffers = self.pool.size
+
+    def _lane_record_bytes(self, length: int) -> int:
+        """About the largest consensus lane a frame of ``length`` bytes comes down in
+        (0 without lanes: the consensus lands in a pool buffer)."""
+        if self.lanes == 1:
+            return 0
+        return length // lanes_for(length, self.lanes, self._lane_min_bytes) + SMALL_MESSAGE
 
     async def _queue_owning(self, out: trio.MemorySendChannel[_Outbound], item: _RawHostFrame | _SealedHostFrame) -> None:
         """Queue an item that owns a pool buffer; the buffer comes back if it never gets queued."""
@@ -622,6 +636,8 @@ class DataChannel(_Channel):
         layout = LaneLayout.of(item.frame, self.lanes, self._lane_min_bytes)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
+            # The consensus lanes come back the size these go up (at most): room for the largest, once.
+            self._lane_buffer.reserve(max(layout.frame_bytes(k) for k in range(layout.count)))
         nbytes = 0
         for part in layout.split(item.frame):
             record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self.config.salt)
@@ -705,15 +721,26 @@ class DataChannel(_Channel):
         except CONNECTION_LOST as exc:
             await self._rank_gone(rank, out, f"could not take the consensus: {exc}")
 
+    async def _upstream_buffer(self, header: MuxHeader) -> tuple[ReceiveBuffer, bool]:
+        if self.lanes > 1 and header.length > SMALL_MESSAGE:
+            return self._lane_buffer, False  # the pool's buffers are for frames and the joined consensus
+        return await super()._upstream_buffer(header)
+
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         if kind is not MuxKind.BROADCAST:
             return await super()._on_record(kind, rank, payload, out)
-        if self.lanes > 1:
-            joined = await self._take_lane(payload)
-            if joined is None:
-                return  # more lanes to come
-            payload = joined
-        # Send the consensus to every rank waiting for it, concurrently.
+        if self.lanes == 1:
+            return await self._fan_out(payload, out)
+        joined = await self._take_lane(payload)
+        if joined is None:
+            return  # more lanes to come
+        try:
+            await self._fan_out(joined, out)
+        finally:
+            self._release_joined()
+
+    async def _fan_out(self, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Send the consensus to every rank waiting for it, concurrently."""
         targets = self.fold.consensus_arrived()
         await self._enter_approved(out)
         async with trio.open_nursery() as nursery:
@@ -723,7 +750,12 @@ class DataChannel(_Channel):
     async def _take_lane(self, payload: memoryview) -> memoryview | None:
         """One lane of the consensus (its record verified), copied into the round's
         frame; the whole consensus, in the HostFrame's shapes and signed, once every
-        lane is in."""
+        lane is in.
+
+        The frame is joined in a pool buffer: the ranks' frames of this round are
+        folded already and their next ones come only after it has gone out, so
+        the relay holds no model-sized buffer of its own for it (a rank's early
+        frame waits for the buffer in its socket meanwhile)."""
         assembler = self._assembler
         if assembler is None or not self.fold.host_frame_up:
             raise DesyncError(f"relay {self.config.host_name}: a consensus lane came down with no HostFrame up")
@@ -731,15 +763,25 @@ class DataChannel(_Channel):
             payload, self.config.salt, ceiling=self.config.ceiling, source="the controller's consensus lane",
             authenticated=True,
         )
+        if not assembler.begun:
+            self._joined_in = await self.pool.acquire()
+            self._joined_in.reserve(assembler.nbytes)
+            assembler.begin(self._joined_in.array(assembler.nbytes))
         assembler.add(lane)
         if not assembler.complete:
             return None
         # Ranks on the local leg take frames unsigned: sign only for one that reads its MAC.
         tcp = any(self.conns[r].signed_frames for r in self.fold.awaiting_reply if r in self.conns)
         salt = self.config.salt if tcp else None
-        if salt is None or assembler.buffer.nbytes <= SMALL_MESSAGE:
+        if salt is None or assembler.nbytes <= SMALL_MESSAGE:
             return assembler.finish(salt)
         return await trio.to_thread.run_sync(assembler.finish, salt)  # the MAC, off the event loop
+
+    def _release_joined(self) -> None:
+        """The joined consensus has gone out: its buffer goes back to the pool."""
+        if self._joined_in is not None:
+            self.pool.release(self._joined_in)
+            self._joined_in = None
 
     async def _on_away(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """The controller says ``rank`` is dead but may come back (this relay was

@@ -48,6 +48,10 @@ class ReceiveBuffer:
     def view(self, n: int) -> memoryview:
         return self._array.data[:n]
 
+    def array(self, n: int) -> np.ndarray:
+        """The first ``n`` bytes as a writable uint8 array (a view, no copy)."""
+        return self._array[:n]
+
     def reserve(self, n: int) -> None:
         """At least ``n`` bytes of capacity, contents discarded: only for a size
         already proven (computed from verified frames)."""

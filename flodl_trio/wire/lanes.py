@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import ConfigError, SchemaError
 from .bf16 import itemsize
 from .constants import DTYPE_F32, MAC_LEN, ROUND_FRAME_MAGIC
-from .round_frame import RoundFrame, RoundKind, TensorPayload, round_frame_len
+from .round_frame import RoundFrame, RoundKind, TensorPayload, schema_frame_len
 from .salt import SessionSalt
 
 _FRAME_HEADER = struct.Struct("<IIBd")  # magic, count, kind, weight (PROTOCOL.md's RoundFrame)
@@ -115,6 +115,11 @@ class LaneLayout:
     def count(self) -> int:
         return len(self.lanes)
 
+    def frame_bytes(self, index: int) -> int:
+        """The length of lane ``index``'s frame with nothing elided: the most it can be."""
+        pieces = [(self.schema[p.tensor][0], (p.numel,)) for p in self.lanes[index]]
+        return schema_frame_len([*pieces, (DTYPE_F32, (0, 0, self.count, index))])
+
     def split(self, frame: RoundFrame) -> list[RoundFrame]:
         """``frame`` as its lanes' frames, each ending with its lane tag; the pieces are
         views of its payloads (no copy)."""
@@ -178,37 +183,54 @@ class LaneLayout:
 
 class LaneAssembler:
     """Joins a round's consensus lanes straight into the bytes of one RoundFrame in the
-    layout's shapes (every tensor written out; an elided piece as zeros), so the
-    relay holds one frame-sized buffer, reused round after round, and no copies.
-    Use: :meth:`add` each lane in order, then :meth:`finish` (signs it)."""
+    layout's shapes (every tensor written out; an elided piece as zeros), with no
+    copies beyond the one into the frame. The frame's memory is lent for each round
+    (:meth:`begin`), so a relay can join the consensus in the receive buffer its
+    ranks' frames arrived in: it is idle until the consensus has gone out.
+    Use: :meth:`begin`, :meth:`add` each lane in order, then :meth:`finish`."""
 
     def __init__(self, layout: LaneLayout) -> None:
         self.layout = layout
-        tensors = [TensorPayload(dtype, shape, np.zeros(0, np.uint8)) for dtype, shape in layout.schema]
-        self.buffer = np.zeros(round_frame_len(tensors) + sum(
-            int(np.prod(shape, dtype=np.int64)) * itemsize(dtype) for dtype, shape in layout.schema
-        ), dtype=np.uint8)
-        view = self.buffer.data
-        _FRAME_HEADER.pack_into(view, 0, ROUND_FRAME_MAGIC, len(tensors), 0, 0.0)
-        at = _FRAME_HEADER.size
+        self._heads: list[tuple[int, bytes]] = []  # (offset, bytes) of each tensor's header
         self._payload_at: list[int] = []
+        at = _FRAME_HEADER.size
         for dtype, shape in layout.schema:
             size = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
-            _TENSOR_HEAD.pack_into(view, at, dtype, len(shape))
-            at += _TENSOR_HEAD.size
-            struct.pack_into(f"<{len(shape)}I", view, at, *shape)
-            at += 4 * len(shape)
-            struct.pack_into("<Q", view, at, size)
-            at += 8
+            head = _TENSOR_HEAD.pack(dtype, len(shape)) + struct.pack(f"<{len(shape)}IQ", *shape, size)
+            self._heads.append((at, head))
+            at += len(head)
             self._payload_at.append(at)
             at += size
+        self.nbytes = at + MAC_LEN  # the whole RoundFrame, its MAC included
+        self._buffer: np.ndarray | None = None
         self._lanes = 0
         self._kind: RoundKind | None = None
         self._weight = float("inf")
 
+    def begin(self, buffer: np.ndarray | None = None) -> None:
+        """Start a round's frame in ``buffer`` (uint8, at least :attr:`nbytes`; None: a
+        new array), which must stay untouched until the frame :meth:`finish` returns
+        has been used."""
+        if buffer is None:
+            buffer = np.empty(self.nbytes, dtype=np.uint8)
+        if buffer.dtype != np.uint8 or buffer.size < self.nbytes:
+            raise ValueError(f"the joined frame needs {self.nbytes} bytes of uint8, got {buffer.size} of {buffer.dtype}")
+        self._buffer = buffer[:self.nbytes]
+        view = self._buffer.data
+        for at, head in self._heads:
+            view[at:at + len(head)] = head
+        self._lanes, self._kind, self._weight = 0, None, float("inf")
+
+    @property
+    def begun(self) -> bool:
+        """Whether a round's frame is being joined (between :meth:`begin` and :meth:`finish`)."""
+        return self._buffer is not None
+
     def add(self, lane: RoundFrame) -> None:
         """The next lane's consensus (its pieces must be the layout's)."""
         index = self._lanes
+        if self._buffer is None:
+            raise SchemaError(f"lane {index} came down before the round's frame was begun")
         if index >= self.layout.count:
             raise SchemaError(f"lane {index}: the layout has {self.layout.count} lanes")
         pieces = self.layout.lanes[index]
@@ -218,7 +240,7 @@ class LaneAssembler:
         for p, t in zip(pieces, lane.tensors[:-1]):
             size = itemsize(self.layout.schema[p.tensor][0])
             start = self._payload_at[p.tensor] + p.start * size
-            target = self.buffer[start:start + p.numel * size]
+            target = self._buffer[start:start + p.numel * size]
             if t.elided:
                 target[:] = 0
             else:
@@ -231,16 +253,15 @@ class LaneAssembler:
 
     def finish(self, salt: SessionSalt | None) -> memoryview:
         """The joined frame (its weight: the smallest lane's), signed with ``salt`` or,
-        with None, unsigned (zeros where the MAC goes: only for the local leg); the
-        assembler is then ready for the next round's lanes (the bytes stay valid until
-        then)."""
-        if not self.complete or self._kind is None:
+        with None, unsigned (zeros where the MAC goes: only for the local leg), as a
+        view of the lent buffer; the assembler then waits for the next :meth:`begin`."""
+        if not self.complete or self._kind is None or self._buffer is None:
             raise SchemaError(f"{self._lanes} of {self.layout.count} lanes came down")
-        view = self.buffer.data
+        view = self._buffer.data
         _FRAME_HEADER.pack_into(view, 0, ROUND_FRAME_MAGIC, len(self.layout.schema), int(self._kind), self._weight)
         end = len(view) - MAC_LEN
         view[end:] = salt.mac8(view[:end]) if salt is not None else bytes(MAC_LEN)
-        self._lanes, self._kind, self._weight = 0, None, float("inf")
+        self._buffer, self._lanes, self._kind, self._weight = None, 0, None, float("inf")
         return view
 
 
