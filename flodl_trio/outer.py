@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -36,6 +36,7 @@ from .errors import ConfigError, SchemaError
 from .wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
 from .wire.constants import DTYPE_F32
 from .wire.fragment import FragmentTag
+from .wire.lanes import LaneLayout
 from .wire.round_frame import RoundFrame, TensorPayload, check_payload
 
 F32Array = npt.NDArray[np.float32]
@@ -79,6 +80,11 @@ class PlainAverage:
     def step(self, consensus: RoundFrame, fragment: FragmentTag | None) -> RoundFrame:
         return consensus
 
+    def step_lane(
+        self, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> RoundFrame:
+        return consensus
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return {}
 
@@ -100,11 +106,19 @@ _WINDOWS_KEY = re.compile(r"^(?:fragment\.(\d+)\.(\d+)\.)?windows$")
 
 @attrs.define(eq=False)
 class _OuterState:
-    """One fragment's (or the whole model's) f32 master params, momentum and window count."""
+    """One fragment's (or the whole model's) f32 master params, momentum and window count.
+    Built lane by lane (with lanes), ``unfilled`` holds the lanes whose elements have
+    not had their first window yet: that window only initializes them."""
 
     x: list[F32Array]
     m: list[F32Array]
     windows: int = 1
+    unfilled: set[tuple[int, int]] = attrs.field(factory=set)  # (lane, lane count)
+
+    @classmethod
+    def zeros(cls, layout: LaneLayout) -> _OuterState:
+        x = [np.zeros(shape, dtype=F32) for _, shape in layout.schema]
+        return cls(x, [np.zeros_like(a) for a in x], unfilled={(k, layout.count) for k in range(layout.count)})
 
 
 def _state_prefix(fragment: FragmentTag | None) -> str:
@@ -164,22 +178,58 @@ class _MomentumOuter:
         state.windows += 1
         return RoundFrame(out, consensus.kind, consensus.weight)
 
+    def step_lane(
+        self, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> RoundFrame:
+        """The outer step of lane ``lane`` of a params consensus cut into lanes
+        (``layout`` says which elements of which tensors its pieces are). The step is
+        elementwise, so a window's lanes give the ranks the same bytes :meth:`step`
+        gives them for the whole frame, and the state is the same whole-tensor state
+        (checkpoints do not depend on lanes)."""
+        if not consensus.weight > 0:
+            return consensus
+        state = self._states.get(fragment)
+        if state is None:
+            state = self._states[fragment] = _OuterState.zeros(layout)
+        self._check_shapes(layout.schema, state, fragment)
+        pieces = layout.lanes[lane]
+        values = consensus_as_f32(RoundFrame(consensus.tensors[:len(pieces)], consensus.kind), copy=False)
+        if (lane, layout.count) in state.unfilled:  # these elements' first window only initializes them
+            state.unfilled.discard((lane, layout.count))
+            for p, c in zip(pieces, values):
+                state.x[p.tensor].reshape(-1)[p.start:p.stop] = c
+            return consensus
+        out: list[TensorPayload] = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for p, t, c in zip(pieces, consensus.tensors, values):
+                x, m = (a.reshape(-1)[p.start:p.stop] for a in (state.x[p.tensor], state.m[p.tensor]))
+                out.append(TensorPayload(t.dtype, t.shape, encode_f32_as(self._step(x, m, c), t.dtype)))
+        if lane == layout.count - 1:
+            state.windows += 1
+        return RoundFrame([*out, *consensus.tensors[len(pieces):]], consensus.kind, consensus.weight)
+
     def _step(self, x: F32Array, m: F32Array, c: F32Array) -> F32Array:
         """Update ``x`` and ``m`` in place; return a fresh array holding the new ``x``."""
         raise NotImplementedError
 
     def _check_schema(self, consensus: RoundFrame, state: _OuterState, fragment: FragmentTag | None) -> None:
+        for i, t in enumerate(consensus.tensors):
+            check_payload(t, i, f"{type(self).__name__}{_where(fragment)}: params consensus")
+        self._check_shapes([(t.dtype, tuple(t.shape)) for t in consensus.tensors], state, fragment)
+
+    def _check_shapes(
+        self, schema: Sequence[tuple[int, tuple[int, ...]]], state: _OuterState, fragment: FragmentTag | None
+    ) -> None:
         name = type(self).__name__ + _where(fragment)
-        if len(consensus.tensors) != len(state.x):
+        if len(schema) != len(state.x):
             raise SchemaError(
-                f"{name}: this window's params consensus has {len(consensus.tensors)} tensors, "
+                f"{name}: this window's params consensus has {len(schema)} tensors, "
                 f"the outer state holds {len(state.x)} (the model's schema changed between windows)"
             )
-        for i, (t, x) in enumerate(zip(consensus.tensors, state.x)):
-            check_payload(t, i, f"{name}: params consensus")
-            if tuple(t.shape) != x.shape:
+        for i, ((_, shape), x) in enumerate(zip(schema, state.x)):
+            if shape != x.shape:
                 raise SchemaError(
-                    f"{name}: tensor {i} has shape {list(t.shape)} this window, the outer state "
+                    f"{name}: tensor {i} has shape {list(shape)} this window, the outer state "
                     f"holds shape {list(x.shape)} (the model's schema changed between windows)"
                 )
 

@@ -139,8 +139,10 @@ class Recorder:
         self.syncs: list[tuple[int, list[np.ndarray]]] = []
         self._fragment: FragmentTag | None = None
         self._awaiting_params = False
+        self.rounds = 0
 
     def __call__(self, round_index: int, consensus: RoundFrame) -> None:
+        self.rounds += 1
         if consensus.kind == RoundKind.CONTROL:
             self._fragment, self._awaiting_params = fragment_of(consensus), True
         elif self._awaiting_params:
@@ -190,13 +192,22 @@ def assert_close(got: list[np.ndarray], want: list[np.ndarray], what: str, *, ex
 # -- through real roles -------------------------------------------------------
 
 
+# With lanes (every round cut into 3, however small) the controller steps and records
+# each window from lane slices: the same numbers must come out.
+LANES = [pytest.param({}, id="no-lanes"), pytest.param({"lanes": 3, "lane_min_bytes": 0}, id="lanes-3")]
+
+
+@pytest.mark.parametrize("lanes", LANES)
 @pytest.mark.parametrize("overlap", [0, 1])
 @pytest.mark.parametrize("outer", sorted(OUTERS))
-async def test_fragmented_windows_match_the_reference(salt, outer, overlap):
+async def test_fragmented_windows_match_the_reference(salt, outer, overlap, lanes):
     recorder = Recorder()
     options = {} if OUTERS[outer] is None else {"outer_optimizer": OUTERS[outer]()}
-    async with open_local_cluster(world_size=WORLD, hosts=[[0], [1]], salt=salt, checkpoint=recorder, **options) as cluster:
+    async with open_local_cluster(world_size=WORLD, hosts=[[0], [1]], salt=salt, checkpoint=recorder, **options,
+                                  **lanes) as cluster:
         final = await train(cluster, salt, overlap=overlap, outer=OUTERS[outer])
+        # The sink saw each round once, whole; the lanes' rounds finished three times as many.
+        assert cluster.controller.stats.rounds == recorder.rounds * lanes.get("lanes", 1)
     want_final, want_syncs = reference(outer)
     exact = not (outer == "diloco" and overlap)
     # The controller's consensus of each fragment, sync by sync (fragment 0 at steps 2, 6, 10; 1 at 4, 8, 12).
@@ -210,11 +221,12 @@ async def test_fragmented_windows_match_the_reference(salt, outer, overlap):
         assert np.array_equal(final[0][i], final[1][i])
 
 
-async def test_the_outer_state_per_fragment_survives_a_checkpoint_and_restore(salt, tmp_path):
+@pytest.mark.parametrize("lanes", LANES)
+async def test_the_outer_state_per_fragment_survives_a_checkpoint_and_restore(salt, tmp_path, lanes):
     outer = DiLoCoNesterov(LR, MOMENTUM)
     async with ConsensusCheckpointer(tmp_path, keep=10, outer=outer) as sink:
         async with open_local_cluster(world_size=WORLD, hosts=[[0, 1]], salt=salt, outer_optimizer=outer,
-                                      checkpoint=sink) as cluster:
+                                      checkpoint=sink, **lanes) as cluster:
             await train(cluster, salt, overlap=1, outer=lambda: DiLoCoNesterov(LR, MOMENTUM))
     assert outer.fragments == [FragmentTag(0, 2), FragmentTag(1, 2)]
     path = latest_checkpoint(tmp_path)
@@ -306,11 +318,13 @@ async def test_the_blocking_facade_syncs_fragments(salt):
         assert_close(final[rank], want[rank], f"rank {rank}", exact=True)
 
 
-async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_the_schedule(salt):
+@pytest.mark.parametrize("lanes", LANES)
+async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_the_schedule(salt, lanes):
     """Rank 2 trains two cycles, crashes, and comes back with a fresh model: join() gives
     it every fragment's newest consensus and the newest buffers (as the controller sent
     them), and the trainer, told the window it enters, syncs each fragment at the
-    cluster's step; the run ends with the last fragment identical on every rank."""
+    cluster's step; the run ends with the last fragment identical on every rank. With
+    lanes the controller keeps each window joined from its lanes."""
     world, sync_every, windows = 3, 4, 6
     buffer = (2,)
     recorder = Recorder()
@@ -338,7 +352,7 @@ async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_th
         return inner_step
 
     async with open_local_cluster(world_size=world, hosts=[[0, 1], [2]], salt=salt, rejoin_timeout=60,
-                                  checkpoint=sink) as cluster:
+                                  checkpoint=sink, **lanes) as cluster:
 
         async def survivor(rank: int) -> None:
             params, buffers = model(rank)
@@ -399,13 +413,14 @@ async def test_fragments_with_a_fixed_merge_point_and_a_bf16_wire_are_reproducib
     """P = 4 fragments, overlapped, merged after exactly 2 steps, params on a bf16 wire,
     DiLoCo at the controller, the cluster's deterministic mode: two runs end bit-identical
     and every fragment synced once per sync_every steps (the updates are not exact in
-    f32 or bf16, and the ranks start at staggered times)."""
+    f32 or bf16, and the ranks start at staggered times). A third run in 3 lanes, the
+    outer step taken lane by lane, ends bit-identical too."""
     sync_every, windows, fragments = 8, 4, 4
 
-    async def run() -> dict[int, list[bytes]]:
+    async def run(**lanes: int) -> dict[int, list[bytes]]:
         final: dict[int, list[bytes]] = {}
         async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt, deterministic=True,
-                                      outer_optimizer=DiLoCoNesterov(0.7, 0.9)) as cluster:
+                                      outer_optimizer=DiLoCoNesterov(0.7, 0.9), **lanes) as cluster:
 
             async def rank_main(rank: int) -> None:
                 await trio.sleep(0.01 * ((rank * 7) % 3))
@@ -435,3 +450,4 @@ async def test_fragments_with_a_fixed_merge_point_and_a_bf16_wire_are_reproducib
 
     first, second = await run(), await run()
     assert first == second
+    assert await run(lanes=3, lane_min_bytes=0) == first

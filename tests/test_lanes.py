@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import pytest
 import test_data_plane
+import test_rejoin
 import test_seed_e2e
 import torch
 import trio
@@ -43,6 +44,26 @@ SEED_TESTS = _reruns(test_seed_e2e, [
     "test_two_rank_scaled_weighted_average_bf16_wire", "test_realized_work_all_alive_scattered_frame_is_consensus",
     "test_realized_work_after_death",
 ])
+
+
+# Elastic membership with lanes: the controller keeps each window joined from its lanes.
+REJOIN_TESTS = [
+    pytest.param(test_rejoin.test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_exact, {"control": True},
+                 id="rejoins-with-the-consensus"),
+    pytest.param(test_rejoin.test_two_ranks_coming_back_together_enter_the_same_window, {}, id="two-come-back-together"),
+    pytest.param(test_rejoin.test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster_nothing, {},
+                 id="dies-while-it-waits"),
+    pytest.param(test_rejoin.test_when_every_rank_died_the_first_to_return_restarts_the_run_from_the_last_window, {},
+                 id="everyone-died-then-returned"),
+    pytest.param(test_rejoin.test_a_cluster_forms_without_a_missing_rank_which_joins_later, {"control": False},
+                 id="forms-without-one"),
+]
+
+
+@pytest.mark.parametrize(("test", "kwargs"), REJOIN_TESTS)
+async def test_rejoin_tests_pass_with_lanes(test, kwargs, monkeypatch):
+    monkeypatch.setattr(test_rejoin, "open_local_cluster", functools.partial(open_local_cluster, lanes=3, lane_min_bytes=0))
+    await test(**kwargs)
 
 
 @pytest.mark.parametrize("lanes", LANES)
@@ -127,11 +148,17 @@ async def test_a_relay_with_another_lane_count_fails_naming_both(salt):
     await relay_stops_on_a_lane_mismatch(salt, 2, 1, "reduces each round in 2 lanes, this relay was started with lanes=1")
 
 
-async def test_lanes_with_per_window_state_are_refused_up_front(salt):
-    for options, what in (({"outer_optimizer": SlowMo()}, "an outer optimizer"), ({"rejoin_timeout": 5.0}, "rejoining")):
-        with pytest.raises(ConfigError, match=f"lanes=2 cannot be combined with {what}"):
-            async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=2, **options):
-                pass
+async def test_an_outer_optimizer_that_cannot_step_a_lane_is_refused_up_front(salt):
+    class WholeFramesOnly:
+        def __call__(self, consensus: RoundFrame) -> RoundFrame:
+            return consensus
+
+    with pytest.raises(ConfigError, match="outer optimizer WholeFramesOnly needs a step_lane"):
+        async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=2, outer_optimizer=WholeFramesOnly()):
+            pass
+    async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=2, outer_optimizer=SlowMo(),
+                               rejoin_timeout=5.0):
+        pass  # the built-in ones step lanes; rejoining keeps windows joined from lanes
     with pytest.raises(ConfigError, match="lanes must be 1..64"):
         async with open_controller("127.0.0.1", 0, world_size=1, salt=salt, lanes=0):
             pass
@@ -158,3 +185,37 @@ async def test_small_rounds_go_in_one_lane_and_large_ones_in_all(salt):
             for rank in range(2):
                 nursery.start_soon(rank_main, rank)
         assert cluster.controller.stats.rounds == 1 + 4
+
+
+@pytest.mark.parametrize("lie", ["lane-0-schema", "lane-1-piece"])
+async def test_a_relay_whose_lanes_do_not_match_the_schema_it_sent_is_dropped_alone(salt, lie):
+    """The controller checks every lane against the schema the relay's lane 0 carried,
+    before folding it: a relay whose schema lies about its pieces (or whose lane 1 is
+    not the layout's) breaks the protocol and is dropped; rank 0's round completes
+    without it (with its lane 0 where that was sound), and the controller serves on."""
+    from test_data_plane import _expect_ack, _fake_relay
+
+    from flodl_trio.wire.mux import MuxKind, encode_mux_record
+    from flodl_trio.wire.round_frame import encode_round_frame
+
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (10,), np.full(10, 3.0, "<f4"))], RoundKind.MODEL, 1.0)
+    lane0, lane1 = LaneLayout.of(frame, 2).split(frame)
+    if lie == "lane-0-schema":  # says the tensor has 9 elements: its lane 0 would be 4 of them, not 5
+        lane0 = RoundFrame([lane0.tensors[0], TensorPayload(DTYPE_F32, (0, 9)), lane0.tensors[-1]], lane0.kind, 1.0)
+    else:  # lane 1 carries 4 elements where the layout says 5
+        lane1 = RoundFrame([TensorPayload(DTYPE_F32, (4,), np.full(4, 3.0, "<f4")), lane1.tensors[-1]], lane1.kind, 1.0)
+    async with open_controller("127.0.0.1", 0, world_size=2, salt=salt, lanes=2, lane_min_bytes=0) as controller:
+        async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
+                              host_name="h0", ranks=[0], world_size=2, salt=salt, lanes=2) as relay:
+            liar = await _fake_relay(controller.port, salt, "liar", [1])
+            await _expect_ack(liar, salt)  # HelloAck
+            await _expect_ack(liar, salt)  # Lanes
+            for lane in (lane0, lane1):
+                await liar.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(lane, salt), salt).chunks)
+            async with connect_reduce_client(("127.0.0.1", relay.port), 0, 2, salt) as client:
+                tensors, mass = await client.all_reduce_weighted([torch.ones(10)], RoundKind.MODEL, 1.0)
+            assert controller.stats.relays_dropped == 1 and controller.dead_ranks.is_dead(1)
+            assert mass == 1.0  # the smallest lane's: rank 0's alone
+            want = [2.0] * 5 + [1.0] * 5 if lie == "lane-1-piece" else [1.0] * 10
+            assert tensors[0].tolist() == want
+            await liar.aclose()

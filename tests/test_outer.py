@@ -273,3 +273,41 @@ def test_outer_and_checkpoint_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 7])
+@pytest.mark.parametrize("dtype", [DTYPE_F32, DTYPE_BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("make", [lambda: SlowMo(lr=0.8, momentum=0.5), lambda: DiLoCoNesterov(0.7, 0.9), PlainAverage],
+                         ids=["slowmo", "diloco", "plain"])
+def test_stepping_lane_by_lane_gives_the_whole_frame_step_bit_for_bit(make, dtype, lanes):
+    """With lanes the controller steps each lane's slice as it finishes: over several
+    windows (the first only initializing, an elided tensor in one) the lanes, joined,
+    are the bytes of the whole-frame step, and the state is the same state."""
+    from flodl_trio.wire.lanes import LaneLayout
+
+    whole, laned = make(), make()
+    for window, values in enumerate(consensus_sequence(4, seed=lanes)):
+        frame = make_frame(values, dtype)
+        if window == 2:  # an all-zero tensor, elided on the wire
+            frame = RoundFrame([TensorPayload(dtype, (3,)) if i == 1 else t for i, t in enumerate(frame.tensors)],
+                               frame.kind, frame.weight)
+        layout = LaneLayout.of(frame, lanes)
+        want = whole.step(frame, None)
+        parts = [laned.step_lane(part, layout, k, None) for k, part in enumerate(layout.split(frame))]
+        for got, expect in zip(layout.join(parts).tensors, want.tensors, strict=True):
+            assert got.shape == expect.shape and bytes(got.data) == bytes(expect.data), window
+    a, b = whole.state_dict(), laned.state_dict()
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_lane_of_another_schema_is_refused_by_the_outer_state():
+    from flodl_trio.wire.lanes import LaneLayout
+
+    opt = SlowMo()
+    frame = make_frame(consensus_sequence(1)[0])
+    layout = LaneLayout.of(frame, 2)
+    for k, part in enumerate(layout.split(frame)):
+        opt.step_lane(part, layout, k, None)
+    other = make_frame([np.zeros((5,), np.float32)])
+    with pytest.raises(SchemaError, match="has 1 tensors, the outer state holds 4"):
+        opt.step_lane(LaneLayout.of(other, 2).split(other)[0], LaneLayout.of(other, 2), 0, None)

@@ -59,7 +59,9 @@ def test_a_tensor_is_split_across_lanes_as_runs_of_its_elements():
     layout = LaneLayout.of(frame, 2)
     assert [[(p.tensor, p.start, p.stop) for p in lane] for lane in layout.lanes] == [[(0, 0, 8)], [(0, 8, 10), (1, 0, 6)]]
     lane0, lane1 = layout.split(frame)
-    assert [t.shape for t in lane1.tensors] == [(2,), (6,), (0, 0, 2, 1)]  # the pieces, then the lane tag
+    # Lane 0: its piece, the frame's schema ([0, *shape] per tensor), its tag (2 schema tensors before it).
+    assert [t.shape for t in lane0.tensors] == [(8,), (0, 10), (0, 6), (0, 0, 2, 0, 2)]
+    assert [t.shape for t in lane1.tensors] == [(2,), (6,), (0, 0, 2, 1, 0)]  # the pieces, then the lane tag
     assert bytes(lane1.tensors[0].data) == bytes(frame.tensors[0].data[32:40])
 
 
@@ -110,7 +112,7 @@ def test_what_does_not_fit_is_refused():
         layout.join(parts[:1])
     with pytest.raises(SchemaError, match="lane 1: tag None"):
         layout.join([parts[0], frame_of([(2,)])])
-    with pytest.raises(SchemaError, match="lane 1: pieces"):
+    with pytest.raises(SchemaError, match="lane 1: tensors"):
         wrong = TensorPayload(DTYPE_F32, (2,), np.zeros(2, "<f4"))
         layout.join([parts[0], RoundFrame([wrong, parts[1].tensors[-1]], parts[1].kind, 1.0)])
     with pytest.raises(SchemaError, match="different kinds"):
@@ -163,6 +165,61 @@ def test_a_frame_goes_in_one_lane_per_min_bytes_and_every_lane_is_tagged(salt):
     assert LaneLayout.of(small, 8, 256 << 10).count == 1
     big = frame_of([(300_000,)])  # 1.2 MB: 4 lanes of 256 KiB or more
     parts = LaneLayout.of(big, 8, 256 << 10).split(big)
-    assert [read_lane_tag(p) for p in parts] == [(k, 4) for k in range(4)]
-    assert read_lane_tag(decode_round_frame(encode_round_frame(parts[2], salt), salt)) == (2, 4)
+    assert [(t.index, t.count, t.schema) for t in map(read_lane_tag, parts)] == [(0, 4, 1)] + [(k, 4, 0) for k in (1, 2, 3)]
+    assert read_lane_tag(decode_round_frame(encode_round_frame(parts[2], salt), salt)) == read_lane_tag(parts[2])
     assert read_lane_tag(big) is None
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 7])
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_lane_0_carries_the_schema_and_the_layout_comes_back_from_it(name, lanes, salt):
+    """The controller sees whole tensors: the layout it rebuilds from a lane-0 frame
+    (after the wire) is the relay's, and every lane checks against it."""
+    frame = frame_of(SCHEMAS[name], DTYPE_BF16, seed=lanes, elide={0})
+    layout = LaneLayout.of(frame, lanes)
+    parts = [decode_round_frame(encode_round_frame(p, salt), salt) for p in layout.split(frame)]
+    assert LaneLayout.of_lane0(parts[0]) == layout
+    for index, part in enumerate(parts):
+        layout.check_lane(index, part)
+
+
+def test_a_lane_that_does_not_match_its_layout_is_refused_naming_it():
+    from flodl_trio.wire.lanes import lane_tag
+
+    frame = frame_of([(10,), (6,)])
+    layout = LaneLayout.of(frame, 2)
+    lane0, lane1 = layout.split(frame)
+    with pytest.raises(SchemaError, match="expected a round's lane 0"):
+        LaneLayout.of_lane0(lane1)
+    # A schema that does not describe the pieces sent with it.
+    lied = RoundFrame([lane0.tensors[0], TensorPayload(DTYPE_F32, (0, 9)), *lane0.tensors[2:]], lane0.kind, lane0.weight)
+    with pytest.raises(SchemaError, match="lane 0: tensors"):
+        LaneLayout.of_lane0(lied)
+    # A schema tensor with bytes in it.
+    full = RoundFrame([lane0.tensors[0], TensorPayload(DTYPE_F32, (1, 10), np.zeros(10, "<f4")), *lane0.tensors[2:]],
+                      lane0.kind, lane0.weight)
+    with pytest.raises(SchemaError, match="schema tensor 0 has shape \\[1, 10\\]"):
+        LaneLayout.of_lane0(full)
+    with pytest.raises(SchemaError, match="lane 1: tensors"):
+        layout.check_lane(1, RoundFrame([TensorPayload(DTYPE_F32, (3,), np.zeros(3, "<f4")), lane1.tensors[-1]]))
+    with pytest.raises(SchemaError, match="lane 1: tag"):
+        layout.check_lane(1, RoundFrame([*lane1.tensors[:-1], lane_tag(1, 3)]))
+
+
+def test_tags_that_cannot_be_are_not_tags():
+    from flodl_trio.wire.lanes import lane_tag, read_lane_tag
+
+    piece = TensorPayload(DTYPE_F32, (2,), np.zeros(2, "<f4"))
+    assert read_lane_tag(RoundFrame([piece, piece, lane_tag(0, 2, 1)])).schema == 1
+    assert read_lane_tag(RoundFrame([piece, lane_tag(1, 2, 1)])) is None  # a schema on lane 1
+    assert read_lane_tag(RoundFrame([piece, lane_tag(0, 2, 0)])) is None  # lane 0 without one
+    assert read_lane_tag(RoundFrame([piece, lane_tag(0, 2, 5)])) is None  # more schema than tensors
+    assert read_lane_tag(RoundFrame([piece, lane_tag(2, 2)])) is None  # index past the count
+    assert read_lane_tag(RoundFrame([piece, TensorPayload(DTYPE_F32, (0, 0, 2, 1), np.zeros(0, "<f4"))])) is None
+
+
+def test_a_frame_with_too_many_tensors_for_lane_0_is_refused_up_front():
+    from flodl_trio.wire.constants import MAX_TENSORS
+
+    with pytest.raises(SchemaError, match=f"a frame of {MAX_TENSORS // 2} tensors cannot be cut into lanes"):
+        LaneLayout.for_schema([(DTYPE_F32, (1,))] * (MAX_TENSORS // 2), 2)

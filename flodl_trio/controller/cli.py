@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rejoin-timeout", type=float, default=env_default("FLODL_REJOIN_TIMEOUT"),
                         help="seconds a crashed rank whose trainer calls join() may come back (restart it with the "
                         "same command); 0: dead is final [env FLODL_REJOIN_TIMEOUT; default "
-                        f"{DEFAULT_REJOIN_TIMEOUT_S:g}, 0 with --lanes > 1]")
+                        f"{DEFAULT_REJOIN_TIMEOUT_S:g}]")
     parser.add_argument("--min-ranks", type=int, default=env_default("FLODL_MIN_RANKS"),
                         help="start once this many ranks are present after --formation-timeout; the others join "
                         "later (their trainers call join()) [env FLODL_MIN_RANKS; default: every rank]")
@@ -122,17 +122,14 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     if args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 1")
     lanes = int(args.lanes)
-    if args.rejoin_timeout is not None:
-        rejoin = float(args.rejoin_timeout)
-    else:  # rejoining keeps whole windows for joiners; lanes do not have them yet
-        rejoin = DEFAULT_REJOIN_TIMEOUT_S if lanes == 1 else 0.0
+    rejoin = DEFAULT_REJOIN_TIMEOUT_S if args.rejoin_timeout is None else float(args.rejoin_timeout)
     if not (math.isfinite(rejoin) and rejoin >= 0):
         raise ConfigError(f"--rejoin-timeout must be a finite number of seconds >= 0, got {args.rejoin_timeout}")
     min_ranks = None if args.min_ranks is None else int(args.min_ranks)
     formation = None if args.formation_timeout is None else float(args.formation_timeout)
     membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
     outer = make_outer(args.outer, args.outer_lr, args.outer_momentum)
-    check_lanes(lanes, outer_optimizer=outer, checkpoint=args.checkpoint_dir, rejoin_timeout=rejoin)
+    check_lanes(lanes, outer_optimizer=outer)
     return ControllerDaemonSettings(
         args.host, args.port, world, load_salt(args.salt_file), timeout, outer,
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,

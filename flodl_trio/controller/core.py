@@ -56,9 +56,10 @@ from ..wire.constants import (
     CHANNEL_MAGIC_DATA,
     CHANNEL_MAGIC_STATE,
     DEFAULT_FRAME_CEILING,
+    MAC_LEN,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, MAX_LANES, read_lane_tag
+from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, MAX_LANES, LaneLayout, read_lane_tag
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
@@ -85,6 +86,7 @@ from ..wire.state import (
 )
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
+from .lane_windows import LaneWindows
 from .links import AfterAllWrites, RelayLink, receive_hello
 from .membership import Membership
 from .round import (
@@ -146,6 +148,16 @@ class _Joiner:
         self.decided.set()
 
 
+async def _signed(frame: memoryview, salt: SessionSalt) -> EncodedFrame:
+    """A frame joined from lanes, its MAC (the last 8 bytes) written in off the event loop."""
+
+    def sign() -> None:
+        frame[-MAC_LEN:] = salt.mac8(frame[:-MAC_LEN])
+
+    await trio.to_thread.run_sync(sign)
+    return EncodedFrame([frame], len(frame))
+
+
 async def _cancel_on_eof(conn: MessageStream, scope: trio.CancelScope) -> None:
     """A waiting state request has nothing more to say: any byte, or the end, ends the wait."""
     try:
@@ -171,18 +183,17 @@ class ControllerHandle:
         await self.outcome.wait()
 
 
-def check_lanes(lanes: int, *, outer_optimizer: object, checkpoint: object, rejoin_timeout: float) -> None:
-    """Lanes need a lane count the relays share, and (for now) no per-window state:
-    the hooks and the joiners' state see whole frames, a lane sees a slice."""
+def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
+    """Lanes need a count the relays share and, with an outer optimizer, one that can
+    step a lane at a time (``step_lane``: the built-in ones can)."""
     if not 1 <= lanes <= MAX_LANES:
         raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
-    if lanes == 1:
-        return
-    wanted = [name for name, on in (("an outer optimizer", outer_optimizer is not None),
-                                    ("checkpoints", checkpoint is not None),
-                                    ("rejoining (rejoin_timeout > 0)", rejoin_timeout > 0)) if on]
-    if wanted:
-        raise ConfigError(f"lanes={lanes} cannot be combined with {', '.join(wanted)} yet; use lanes=1")
+    if lanes > 1 and outer_optimizer is not None and not callable(getattr(outer_optimizer, "step_lane", None)):
+        raise ConfigError(
+            f"lanes={lanes} steps each lane of a params consensus as it finishes: the outer optimizer "
+            f"{type(outer_optimizer).__name__} needs a step_lane(consensus, layout, lane, fragment) method "
+            "(the built-in ones have it), or use lanes=1"
+        )
 
 
 def membership_policy(
@@ -241,14 +252,13 @@ async def open_controller(
     arrive in; with deterministic relays, the same frames give the same bytes.
     ``lanes``: reduce each round in this many lanes (every data relay must be
     started with the same count): a lane's consensus goes down while the next
-    lane is still coming up. With lanes > 1 the controller keeps no per-window
-    state yet: no outer optimizer, checkpoints or rejoining. A round goes in one
-    lane per ``lane_min_bytes`` of its frame's payload (0: always ``lanes``), so
-    small rounds stay one record each way.
+    lane is still coming up (an outer optimizer steps each lane as it finishes).
+    A round goes in one lane per ``lane_min_bytes`` of its frame's payload (0:
+    always ``lanes``), so small rounds stay one record each way.
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
-    check_lanes(lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, rejoin_timeout=rejoin_timeout)
+    check_lanes(lanes, outer_optimizer=outer_optimizer)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
@@ -296,15 +306,21 @@ class _Controller:
         self.dead = handle.dead_ranks
         self.round_changed = ChangeSignal()
         # One round per lane (one in all without lanes); membership lives in each alike.
+        # With lanes, the windows (outer step, checkpoints, joiners' state) are the
+        # LaneWindows' to keep, over whole rounds; the lanes' rounds have no hooks.
+        laned = config.lanes > 1
         self.rounds = [
             ControllerRound(
-                config.world_size, self.dead, self.stats,
-                outer_optimizer=outer_optimizer, checkpoint=checkpoint, on_change=self.round_changed.notify,
+                config.world_size, self.dead, self.stats, on_change=self.round_changed.notify,
+                outer_optimizer=None if laned else outer_optimizer, checkpoint=None if laned else checkpoint,
             )
             for _ in range(config.lanes)
         ]
         self.round = self.rounds[0]
+        self.lane_windows = LaneWindows(config.salt, outer_optimizer, checkpoint) if laned else None
+        self.windows: ControllerRound | LaneWindows = self.lane_windows or self.round
         self._next_lane: dict[int, int] = {}  # link id -> the lane its next HostFrame is
+        self._lane_layout: dict[int, LaneLayout] = {}  # link id -> its round's layout (from its lane 0)
         self.links: dict[int, RelayLink] = {}
         # One model-sized receive buffer; a second (sized by a verified record, so
         # it never grows) once there are two relays whose frames can overlap.
@@ -547,11 +563,16 @@ class _Controller:
         )
         tag = read_lane_tag(frame)
         expected = self._next_lane[link.id]
-        if tag is None or tag[0] != expected or tag[1] > self.config.lanes:
+        if tag is None or tag.index != expected or tag.count > self.config.lanes:
             raise DesyncError(
                 f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
             )
-        lane, count = tag
+        lane, count = tag.index, tag.count
+        # Each lane must be what the schema its lane 0 carried says (SchemaError: this relay is dropped).
+        if lane == 0:
+            self._lane_layout[link.id] = LaneLayout.of_lane0(frame)
+        else:
+            self._lane_layout[link.id].check_lane(lane, frame)
         self._next_lane[link.id] = 0 if lane == count - 1 else lane + 1
         lane_round = self.rounds[lane]
         if not lane_round.accepts_host_frame(link.id):
@@ -616,7 +637,7 @@ class _Controller:
             return
         state = self.window_store.latest
         next_window = 0 if state is None else state.window + 1
-        self.round.restart_windows_at(next_window)
+        self.windows.restart_windows_at(next_window)
         self.window_store.abandon_window()
         log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
         self._let_joiners_in(state)
@@ -652,15 +673,21 @@ class _Controller:
         async for lane, consensus in inbox:
             lane_round = self.rounds[lane]
             self.membership.formed = True
+            part, kept = consensus.part, None
+            if self.lane_windows is not None:
+                laned = self.lane_windows.take(lane, consensus)
+                consensus, part = laned.consensus, laned.part
+                if laned.kept is not None:
+                    kept = await _signed(laned.kept, self.config.salt)
             if isinstance(consensus.outgoing, EncodedFrame):
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
             targets = lane_round.broadcast_targets()  # before any joiner is revived: they did not ask
             if (
-                consensus.part is not None
-                and self.round.keep_window_state
-                and self.window_store.keep(consensus.part, record_payload(record))
+                part is not None
+                and self.windows.keep_window_state
+                and self.window_store.keep(part, kept or record_payload(record))
             ):
                 self._let_joiners_in(self.window_store.latest)
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
@@ -765,7 +792,7 @@ class _Controller:
         self.membership.joined(rank)
         self.membership_changed.notify()  # one more rank present (formation counts them)
         if self.membership.rejoin_timeout > 0:
-            self.round.keep_window_state = True  # an elastic rank: keep each window's state from now on
+            self.windows.keep_window_state = True  # an elastic rank: keep each window's state from now on
         answer = await self._state_for(rank, conn)
         if answer is None:
             return  # the rank left while it waited
@@ -791,7 +818,7 @@ class _Controller:
         to refuse, or - for a dead rank coming back - the state at the next boundary
         (None if its connection closes first)."""
         dead = self.dead.is_dead(rank)
-        if not dead and self.round.windows == 0:
+        if not dead and self.windows.windows == 0:
             return _Joiner.fresh()
         refusal = self.membership.refusal(rank, trio.current_time(), dead=dead)
         if refusal is None and rank in self._joiners:

@@ -40,7 +40,9 @@ class OuterOptimizer(Protocol):
 
     One that also has ``step(consensus, fragment)`` is given the window's
     :class:`FragmentTag` that way when the ranks sync in fragments, and keeps
-    its state per fragment (the built-in ones do).
+    its state per fragment (the built-in ones do). A controller with lanes
+    needs ``step_lane(consensus, layout, lane, fragment)``: each lane of the
+    params round stepped as it finishes (see :mod:`flodl_trio.outer`).
     """
 
     def __call__(self, consensus: RoundFrame) -> RoundFrame: ...
@@ -72,6 +74,43 @@ class WindowPart:
     def kept(self) -> bool:
         """Whether the round's consensus is part of the window's state for joiners."""
         return self.index in (1, 2)
+
+    @property
+    def is_params(self) -> bool:
+        """Whether this is the window's params round (the one an outer optimizer steps)."""
+        return self.index == 1
+
+
+class WindowCounter:
+    """Places each finished round in the windows of ``average_window``: a Control
+    round opens a window (syncing the fragment its tag names, if any), the Model
+    rounds after it are that window's params round and buffers round."""
+
+    def __init__(self) -> None:
+        self.windows = 0  # Control rounds finished: windows opened
+        self.previous_kind: RoundKind | None = None  # the last finished round's
+        self._model_rounds = 0
+        self._fragment: FragmentTag | None = None
+
+    def place(self, kind: RoundKind, fragment: FragmentTag | None) -> WindowPart | None:
+        """Where the round just finished sits (None: before any window); ``fragment``:
+        the tag a Control round carries."""
+        self.previous_kind = kind
+        if kind == RoundKind.CONTROL:
+            self.windows += 1
+            self._model_rounds = 0
+            self._fragment = fragment
+            return WindowPart(self.windows - 1, 0, fragment)
+        if self.windows == 0:
+            return None
+        self._model_rounds += 1
+        return WindowPart(self.windows - 1, self._model_rounds, self._fragment)
+
+    def restart_at(self, window: int) -> None:
+        """The next Control round opens ``window`` (the cluster starts again after every
+        rank died, from the last finished window; the one cut short is abandoned)."""
+        self.windows = window
+        self._model_rounds = 0
 
 
 @attrs.frozen
@@ -230,10 +269,7 @@ class ControllerRound:
         self.acc = FoldAccumulator(self.images)
         self.delivered: set[int] = set()
         self.started: float | None = None  # when the round's first contribution arrived
-        self.previous_kind: RoundKind | None = None
-        self.windows = 0  # Control rounds finished: windows opened
-        self._model_rounds_in_window = 0
-        self._fragment: FragmentTag | None = None  # the window in progress syncs this fragment
+        self.counter = WindowCounter()
         # Buffers of consensus frames computed ahead and since sent to every relay.
         self._spare_buffers: list[ReceiveBuffer] = []
 
@@ -340,7 +376,7 @@ class ControllerRound:
         if kind != MuxKind.HOST_FRAME or self.seats[seat_id].awaiting_broadcast or seat_id in self.delivered:
             return False
         # A params round's consensus is transformed by the outer step before it is signed.
-        return self.outer_optimizer is None or self.previous_kind != RoundKind.CONTROL
+        return self.outer_optimizer is None or self.counter.previous_kind != RoundKind.CONTROL
 
     def is_last(self, seat_id: int) -> bool:
         """Whether ``seat_id``'s frame is now the only one the round waits for."""
@@ -404,40 +440,29 @@ class ControllerRound:
         self.stats.fold_images_reused = self.images.reused
         self.stats.round_seconds.observe(now - started)
         self.stats.last_mass = consensus.weight
-        part = self._window_part(consensus)
-        transformed = self._apply_hooks(consensus, None if part is None else part.fragment)
+        part = self.counter.place(consensus.kind, fragment_of(consensus))
+        transformed = self._apply_hooks(consensus, part)
         if self.hooked or (self.keep_window_state and part is not None and part.kept):
             after_write = None  # a hook may keep it; a window's params or buffers are kept for joiners
         if record is not None and transformed is consensus:
             return Consensus(record, after_write, part)
         return Consensus(transformed, after_write, part)
 
+    @property
+    def windows(self) -> int:
+        """Windows opened (Control rounds finished)."""
+        return self.counter.windows
+
     def restart_windows_at(self, window: int) -> None:
-        """The next Control round opens ``window`` (the cluster starts again after every
-        rank died, from the last finished window; the one cut short is abandoned)."""
-        self.windows = window
-        self._model_rounds_in_window = 0
+        """The next Control round opens ``window`` (see :meth:`WindowCounter.restart_at`)."""
+        self.counter.restart_at(window)
 
-    def _window_part(self, consensus: RoundFrame) -> WindowPart | None:
-        """Where the round just finished sits in the windows (None: before any window)."""
-        if consensus.kind == RoundKind.CONTROL:
-            self.windows += 1
-            self._model_rounds_in_window = 0
-            self._fragment = fragment_of(consensus)
-            return WindowPart(self.windows - 1, 0, self._fragment)
-        if self.windows == 0:
-            return None
-        self._model_rounds_in_window += 1
-        return WindowPart(self.windows - 1, self._model_rounds_in_window, self._fragment)
-
-    def _apply_hooks(self, consensus: RoundFrame, fragment: FragmentTag | None) -> RoundFrame:
-        is_params_round = consensus.kind == RoundKind.MODEL and self.previous_kind == RoundKind.CONTROL
-        self.previous_kind = consensus.kind
-        if is_params_round and self.outer_optimizer is not None and consensus.weight > 0:
+    def _apply_hooks(self, consensus: RoundFrame, part: WindowPart | None) -> RoundFrame:
+        if part is not None and part.is_params and self.outer_optimizer is not None and consensus.weight > 0:
             step = getattr(self.outer_optimizer, "step", None)
             try:
-                if fragment is not None and callable(step):
-                    consensus = step(consensus, fragment)
+                if part.fragment is not None and callable(step):
+                    consensus = step(consensus, part.fragment)
                 else:
                     consensus = self.outer_optimizer(consensus)
             except ProtocolError as exc:
@@ -472,6 +497,7 @@ __all__ = [
     "Seat",
     "WindowPart",
     "WindowState",
+    "WindowCounter",
     "WindowStore",
     "check_hello_ranks",
 ]

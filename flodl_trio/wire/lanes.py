@@ -1,22 +1,28 @@
-"""flodl_trio extension (in progress): a round cut into lanes, and put back together.
+"""flodl_trio extension: a round cut into lanes, and put back together.
 
-With ``lanes = L`` a relay ships its HostFrame as L RoundFrames in lane order,
-each holding an about equal share of the frame's payload bytes, so that the
-controller can reduce lane i and send its consensus down while lane i + 1 is
-still going up. A lane's frame is an ordinary RoundFrame whose tensors are
-*pieces*: runs of consecutive elements of the original tensors, each sent
-flat (shape ``[n]``), in the original order. A tensor may be split across
-lanes; a lane that gets no bytes carries one empty piece. An elided tensor's
-pieces are elided. Every lane carries the frame's kind and weight.
+With ``lanes = L`` a relay ships its HostFrame as up to L RoundFrames in lane
+order, each holding an about equal share of the frame's payload bytes, so
+that the controller can reduce lane i and send its consensus down while lane
+i + 1 is still going up. A lane's frame is an ordinary RoundFrame whose
+tensors are *pieces*: runs of consecutive elements of the original tensors,
+each sent flat (shape ``[n]``), in the original order. A tensor may be split
+across lanes; a lane that gets no bytes carries one empty piece. An elided
+tensor's pieces are elided. Every lane carries the frame's kind and weight
+and ends with its lane tag; lane 0 also carries the frame's *schema* (one
+empty tensor per original tensor, of its dtype and shape ``[0, *shape]``),
+so the controller can see whole tensors: its outer optimizer steps each
+lane's elements, and it joins the lanes it keeps for checkpoints and joiners.
 
 :class:`LaneLayout` is computed from the frame's schema alone (dtypes and
 shapes), so every host that folds the same schema cuts it the same way, and
-the relay puts the consensus lanes back into the original shapes with
-:meth:`LaneLayout.join`. Nothing here does I/O.
+the lanes are put back into the original shapes with
+:class:`LaneAssembler` (or :meth:`LaneLayout.join`). Nothing here does I/O.
+See docs/wire.md ("lanes").
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 
@@ -24,8 +30,8 @@ import attrs
 import numpy as np
 
 from ..errors import ConfigError, SchemaError
-from .bf16 import itemsize
-from .constants import DTYPE_F32, MAC_LEN, ROUND_FRAME_MAGIC
+from .bf16 import DTYPE_NAMES, itemsize
+from .constants import DTYPE_F32, MAC_LEN, MAX_TENSORS, ROUND_FRAME_MAGIC
 from .round_frame import RoundFrame, RoundKind, TensorPayload, schema_frame_len
 from .salt import SessionSalt
 
@@ -46,23 +52,38 @@ def lanes_for(payload_bytes: int, count: int, min_bytes: int) -> int:
     return max(1, min(count, payload_bytes // min_bytes))
 
 
-def lane_tag(index: int, count: int) -> TensorPayload:
-    """The tag a lane frame ends with: a 0-element f32 tensor of shape [0, 0, count, index]."""
-    return TensorPayload(DTYPE_F32, (0, 0, count, index), _EMPTY)
+def lane_tag(index: int, count: int, schema: int = 0) -> TensorPayload:
+    """The tag a lane frame ends with: a 0-element f32 tensor of shape
+    ``[0, 0, count, index, schema]``, ``schema`` the number of schema tensors
+    before it (lane 0's; 0 on every other lane)."""
+    return TensorPayload(DTYPE_F32, (0, 0, count, index, schema), _EMPTY)
 
 
-def read_lane_tag(frame: RoundFrame) -> tuple[int, int] | None:
-    """``(index, count)`` from a lane frame's last tensor; None if it carries no lane tag."""
+@attrs.frozen
+class LaneTag:
+    """Lane ``index`` of ``count``, carrying ``schema`` schema tensors before its tag."""
+
+    index: int
+    count: int
+    schema: int
+
+
+def read_lane_tag(frame: RoundFrame) -> LaneTag | None:
+    """The tag of a lane frame (its last tensor); None if it carries none, or one
+    that cannot be (an index outside the count, a schema on a lane other than 0,
+    more schema tensors than the frame has)."""
     if not frame.tensors:
         return None
     tag = frame.tensors[-1]
     shape = tuple(tag.shape)
-    if tag.dtype != DTYPE_F32 or len(shape) != 4 or shape[:2] != (0, 0):
+    if tag.dtype != DTYPE_F32 or len(shape) != 5 or shape[:2] != (0, 0):
         return None
-    _, _, count, index = shape
+    _, _, count, index, schema = shape
     if not 1 <= count <= MAX_LANES or not 0 <= index < count:
         return None
-    return index, count
+    if (schema > 0) != (index == 0) or schema > len(frame.tensors) - 2:
+        return None
+    return LaneTag(index, count, schema)
 
 
 @attrs.frozen
@@ -101,6 +122,11 @@ class LaneLayout:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
         if not schema:
             raise SchemaError("a frame with no tensors cannot be cut into lanes")
+        if 2 * len(schema) + 1 > MAX_TENSORS:
+            raise SchemaError(
+                f"a frame of {len(schema)} tensors cannot be cut into lanes: lane 0 would carry up to "
+                f"{2 * len(schema) + 1} (its pieces, the schema and the tag), over the {MAX_TENSORS} a frame may hold"
+            )
         sizes = [itemsize(dtype) for dtype, _ in schema]
         numels = [int(np.prod(shape, dtype=np.int64)) for _, shape in schema]
         total = sum(n * s for n, s in zip(numels, sizes))
@@ -111,6 +137,24 @@ class LaneLayout:
             lanes.append(_pieces_between(t0, e0, t1, e1, numels))
         return cls(tuple((dtype, tuple(shape)) for dtype, shape in schema), tuple(lanes))
 
+    @classmethod
+    def of_lane0(cls, frame: RoundFrame) -> LaneLayout:
+        """The layout a round's lane-0 frame (or its consensus) declares: its tag's lane
+        count over the schema it carries; SchemaError if the frame is not a lane 0
+        or its pieces are not that layout's."""
+        tag = read_lane_tag(frame)
+        if tag is None or tag.index != 0:
+            raise SchemaError(f"expected a round's lane 0 with its schema, got a frame tagged {tag}")
+        schema: list[tuple[int, tuple[int, ...]]] = []
+        for i, t in enumerate(frame.tensors[-1 - tag.schema:-1]):
+            if t.nbytes != 0 or not t.shape or t.shape[0] != 0:
+                raise SchemaError(f"lane 0: schema tensor {i} has shape {list(t.shape)} and {t.nbytes} bytes; "
+                                  "a schema tensor is empty, of shape [0, *shape]")
+            schema.append((t.dtype, tuple(t.shape[1:])))
+        layout = _layout_for(tuple(schema), tag.count)
+        layout.check_lane(0, frame)
+        return layout
+
     @property
     def count(self) -> int:
         return len(self.lanes)
@@ -118,7 +162,26 @@ class LaneLayout:
     def frame_bytes(self, index: int) -> int:
         """The length of lane ``index``'s frame with nothing elided: the most it can be."""
         pieces = [(self.schema[p.tensor][0], (p.numel,)) for p in self.lanes[index]]
-        return schema_frame_len([*pieces, (DTYPE_F32, (0, 0, self.count, index))])
+        return schema_frame_len([*pieces, *((t.dtype, tuple(t.shape)) for t in self._trailer(index))])
+
+    def _trailer(self, index: int) -> list[TensorPayload]:
+        """What lane ``index`` carries after its pieces: on lane 0 the schema, then the tag."""
+        schema = [TensorPayload(dtype, (0, *shape), _EMPTY) for dtype, shape in self.schema] if index == 0 else []
+        return [*schema, lane_tag(index, self.count, len(schema))]
+
+    def check_lane(self, index: int, frame: RoundFrame) -> None:
+        """SchemaError unless ``frame`` is lane ``index`` of this layout: its pieces
+        (dtype and length), its schema (lane 0) and its tag."""
+        pieces = self.lanes[index]
+        tag = read_lane_tag(frame)
+        want_tag = LaneTag(index, self.count, len(self.schema) if index == 0 else 0)
+        if tag != want_tag:
+            raise SchemaError(f"lane {index}: tag {tag}, the layout says {want_tag}")
+        want: list[tuple[int, tuple[int, ...]]] = [(self.schema[p.tensor][0], (p.numel,)) for p in pieces]
+        want += [(t.dtype, tuple(t.shape)) for t in self._trailer(index)[:-1]]
+        got = [(t.dtype, tuple(t.shape)) for t in frame.tensors[:-1]]
+        if got != want:
+            raise SchemaError(f"lane {index}: tensors {_brief(got)} before the tag, the layout says {_brief(want)}")
 
     def split(self, frame: RoundFrame) -> list[RoundFrame]:
         """``frame`` as its lanes' frames, each ending with its lane tag; the pieces are
@@ -132,8 +195,7 @@ class LaneLayout:
                 size = itemsize(t.dtype)
                 data = t.data if t.elided else t.data[p.start * size:p.stop * size]
                 payloads.append(TensorPayload(t.dtype, (p.numel,), data))
-            payloads.append(lane_tag(index, self.count))
-            out.append(RoundFrame(payloads, frame.kind, frame.weight))
+            out.append(RoundFrame([*payloads, *self._trailer(index)], frame.kind, frame.weight))
         return out
 
     def join(self, lanes: Sequence[RoundFrame]) -> RoundFrame:
@@ -142,11 +204,11 @@ class LaneLayout:
         is the smallest lane's: the mass every element of the result has behind it."""
         if len(lanes) != self.count:
             raise SchemaError(f"{len(lanes)} lane frames for a layout of {self.count} lanes")
-        for index, (frame, pieces) in enumerate(zip(lanes, self.lanes)):
-            self._check_lane(index, frame, pieces)
+        for index, frame in enumerate(lanes):
+            self.check_lane(index, frame)
         parts: list[list[tuple[Piece, TensorPayload]]] = [[] for _ in self.schema]
         for frame, pieces in zip(lanes, self.lanes):
-            for p, t in zip(pieces, frame.tensors[:-1]):
+            for p, t in zip(pieces, frame.tensors):
                 parts[p.tensor].append((p, t))
         tensors = [self._joined(index, found) for index, found in enumerate(parts)]
         kinds = {frame.kind for frame in lanes}
@@ -171,14 +233,6 @@ class LaneLayout:
         schema = tuple((t.dtype, tuple(t.shape)) for t in frame.tensors)
         if schema != self.schema:
             raise SchemaError(f"{what} has schema {list(schema)}, the lane layout {list(self.schema)}")
-
-    def _check_lane(self, index: int, frame: RoundFrame, pieces: tuple[Piece, ...]) -> None:
-        if read_lane_tag(frame) != (index, self.count):
-            raise SchemaError(f"lane {index}: tag {read_lane_tag(frame)}, the layout says ({index}, {self.count})")
-        want = [(self.schema[p.tensor][0], (p.numel,)) for p in pieces]
-        got = [(t.dtype, tuple(t.shape)) for t in frame.tensors[:-1]]
-        if got != want:
-            raise SchemaError(f"lane {index}: pieces {got}, the layout says {want}")
 
 
 class LaneAssembler:
@@ -234,10 +288,10 @@ class LaneAssembler:
         if index >= self.layout.count:
             raise SchemaError(f"lane {index}: the layout has {self.layout.count} lanes")
         pieces = self.layout.lanes[index]
-        self.layout._check_lane(index, lane, pieces)
+        self.layout.check_lane(index, lane)
         if self._kind is not None and lane.kind != self._kind:
             raise SchemaError(f"lane {index} is a {lane.kind.name} frame, lane 0 a {self._kind.name} frame")
-        for p, t in zip(pieces, lane.tensors[:-1]):
+        for p, t in zip(pieces, lane.tensors):
             size = itemsize(self.layout.schema[p.tensor][0])
             start = self._payload_at[p.tensor] + p.start * size
             target = self._buffer[start:start + p.numel * size]
@@ -263,6 +317,18 @@ class LaneAssembler:
         view[end:] = salt.mac8(view[:end]) if salt is not None else bytes(MAC_LEN)
         self._buffer, self._lanes, self._kind, self._weight = None, 0, None, float("inf")
         return view
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_for(schema: tuple[tuple[int, tuple[int, ...]], ...], count: int) -> LaneLayout:
+    """The layouts of the few schemas a cluster reduces, computed once each."""
+    return LaneLayout.for_schema(schema, count)
+
+
+def _brief(schema: Sequence[tuple[int, tuple[int, ...]]]) -> str:
+    """A schema for an error message, cut short past a few tensors."""
+    shown = ", ".join(f"{DTYPE_NAMES.get(dtype, dtype)}{list(shape)}" for dtype, shape in schema[:6])
+    return f"[{shown}{', ...' if len(schema) > 6 else ''}] ({len(schema)} tensors)"
 
 
 def _element_boundary(offset: int, numels: list[int], sizes: list[int]) -> tuple[int, int]:
@@ -296,6 +362,7 @@ __all__ = [
     "MAX_LANES",
     "LaneAssembler",
     "LaneLayout",
+    "LaneTag",
     "Piece",
     "lane_tag",
     "lanes_for",
