@@ -114,7 +114,9 @@ async def worker(args: argparse.Namespace) -> None:
             # --fragments the params go in staggered fragments (a cluster window each).
             async with open_window_trainer(
                 client, params, buffers, rank=rank, world_size=WORLD, sync_every=args.inner_steps,
-                overlap=args.overlap, outer=OUTERS[args.outer](),  # the controller's, mirrored (see --overlap)
+                # Steps before a consensus lands train from the boundary params, or with
+                # --eager-stand-in from the rank's estimate of the controller's outer step.
+                overlap=args.overlap, outer=OUTERS[args.outer]() if args.eager_stand_in else None,
                 merge_after=args.merge_after, fragments=args.fragments, start_window=start,
             ) as trainer:
                 # Where the cluster is (0 at first start): the step its window `start` begins at.
@@ -184,9 +186,11 @@ def run(args: argparse.Namespace) -> int:
                                 "--control-port", str(ports[r][1]), "--windows", str(args.windows),
                                 "--inner-steps", str(args.inner_steps), "--heartbeat-timeout", str(args.heartbeat_timeout),
                                 "--overlap", str(args.overlap), "--fragments", str(args.fragments),
-                                "--seed", str(args.seed)]
+                                "--seed", str(args.seed), "--outer", args.outer]
             if args.merge_after is not None:
                 commands[r] += ["--merge-after", str(args.merge_after)]
+            if args.eager_stand_in:
+                commands[r] += ["--eager-stand-in"]
             if args.bf16:
                 commands[r].append("--bf16")
 
@@ -432,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="1: each window's round runs while the next window trains (default 0: wait for it)")
     parser.add_argument("--merge-after", type=int, default=None,
                         help="with --overlap 1: merge each consensus after exactly this many steps of the next window")
+    parser.add_argument("--eager-stand-in", action="store_true",
+                        help="with --overlap 1: train the steps before a consensus lands from the rank's estimate of "
+                             "the outer step (eager update) instead of from its boundary params")
     parser.add_argument("--fragments", type=int, default=1,
                         help="sync the params in this many staggered fragments, one every inner-steps/fragments "
                              "steps (default 1: the whole model each window)")

@@ -494,10 +494,12 @@ async def open_window_trainer(
 ) -> AsyncIterator[WindowTrainer]:
     """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
 
-    ``outer``: the controller's outer optimizer (an object of the same class and
-    hyperparameters, e.g. ``DiLoCoNesterov(0.7, 0.9)`` for ``--outer diloco``);
-    with ``overlap=1`` the rank steps to its own estimate of the outer step while
-    the round is in flight instead of staying at its boundary params.
+    ``outer``: None (the default) trains the steps taken while a round is in
+    flight from the params the rank sent; the controller's outer optimizer (an
+    object of the same class and hyperparameters, e.g. ``DiLoCoNesterov(0.7, 0.9)``
+    for ``--outer diloco``) makes the rank step to its own estimate of the outer
+    step meanwhile (the eager stand-in; it ended at a higher loss on the demo's
+    model, see docs/performance.md).
     ``merge_after``: merge each consensus after exactly this many inner steps of
     the next window (waiting for it if it has not landed), instead of as soon
     as it lands; the params then do not depend on the network's timing (with
