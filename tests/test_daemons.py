@@ -105,6 +105,44 @@ def salt_bytes() -> bytes:
     return bytes.fromhex(SALT_HEX)
 
 
+@pytest.mark.deadline(60)
+async def test_a_rank_still_in_its_control_block_when_the_run_ends_leaves_it_normally():
+    """The run ends once every rank finished: the controller daemon exits and the
+    relay closes the ranks' control connections. A rank that is still inside its
+    control block then (saving its model, say) was told the run is over first: its
+    heartbeats stop, and the connection closing is the end, not CoordinatorLost."""
+    ctl_port, data, control = free_ports(3)
+    async with trio.open_nursery() as nursery:
+        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
+                                        "--world-size", "2", "--log-level", "INFO")
+        await controller.wait_for("controller started")
+        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
+                                   "--world-size", "2", "--host-name", "h", "--listen-host", LOOP,
+                                   "--data-port", str(data), "--control-port", str(control))
+        await relay.wait_for("started")
+        over: dict[int, bool] = {}
+
+        async def rank_main(rank: int) -> None:
+            async with connect_control_client((LOOP, control), rank, 2, salt_bytes(), SIG) as coordinator:
+                async with connect_reduce_client((LOOP, data), rank, 2, salt_bytes()) as client:
+                    params = [torch.full((3,), float(rank))]
+                    await client.join(params, [])
+                    for _ in range(2):
+                        await average_window(client, params, [], 1, rank=rank, world_size=2, in_place=True)
+                # Finished (the block said so). The run ends while this rank lingers here.
+                with trio.fail_after(20):
+                    await controller.process.wait()
+                    await relay.process.wait()
+                await trio.sleep(0.2)
+                over[rank] = coordinator.run_over
+
+        async with trio.open_nursery() as ranks:
+            for rank in range(2):
+                ranks.start_soon(rank_main, rank)
+        assert controller.process.returncode == 0 and relay.process.returncode == 0, controller.text + relay.text
+    assert over == {0: True, 1: True}
+
+
 @pytest.mark.deadline(90)
 async def test_full_cluster_of_daemons_with_every_flag(tmp_path):
     ctl_port, metrics_port, relay_metrics, d0, c0, d1, c1 = free_ports(7)

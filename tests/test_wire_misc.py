@@ -684,3 +684,27 @@ def test_all_protocol_errors_share_the_root():
     pairs = itertools.combinations((HandshakeError, FramingError, MacError, SchemaError), 2)
     for a, b in pairs:
         assert not issubclass(a, b) and not issubclass(b, a)
+
+
+def test_the_run_over_payload_is_exactly_its_tag():
+    from flodl_trio.wire.control_frame import (
+        ControlFrame,
+        ControlKind,
+        decode_control_frame,
+        encode_control_frame,
+    )
+    from flodl_trio.wire.liveness import (
+        Notice,
+        RunOver,
+        decode_liveness,
+        notice_frame,
+        run_over_frame,
+    )
+    from flodl_trio.wire.salt import SessionSalt
+
+    salt = SessionSalt(b"\x05" * 16)
+    frame = decode_control_frame(encode_control_frame(run_over_frame(), salt), salt)
+    assert decode_liveness(frame) == RunOver()
+    assert decode_liveness(ControlFrame(ControlKind.CONTROL, b"FN01 and more")) is None
+    assert decode_liveness(ControlFrame(ControlKind.HEARTBEAT, b"FN01")) is None
+    assert decode_liveness(notice_frame("gone")) == Notice("gone")

@@ -36,7 +36,7 @@ from ..wire.handshake import (
     decode_control_ack,
     encode_control_handshake,
 )
-from ..wire.liveness import Beacon, Notice, decode_liveness, heartbeat_frame
+from ..wire.liveness import Beacon, Notice, RunOver, decode_liveness, heartbeat_frame
 from ..wire.salt import SessionSalt
 from .reduce import Address, check_rank, dialing_bounds, open_handshaken
 
@@ -67,19 +67,28 @@ class ControlClient:
         self.beacon_timeout = beacon_timeout
         self.heartbeats_sent = 0
         self.last_beacon: Beacon | None = None
+        # The coordinator said the run is over (every rank finished or exited): the
+        # heartbeats stop, and the connection closing next is the end, not a loss.
+        self.run_over = False
+        self._beating = trio.CancelScope()
         self._pace_changed = ChangeSignal()
 
     async def _heartbeat_loop(self) -> None:
         """Beat every interval; runs in the trainer's task tree, so it beats while a reduce waits."""
-        while True:
-            self.heartbeats_sent += 1
-            blob = encode_control_frame(heartbeat_frame(self.rank, self.heartbeats_sent), self._salt)
-            try:
-                await self._conn.send_len_framed([blob], len(blob))
-            except CONNECTION_LOST as exc:
-                raise CoordinatorLost(f"rank {self.rank}: heartbeat could not be sent to the control relay: {exc}") from exc
-            with trio.move_on_after(self.heartbeat_interval):
-                await self._pace_changed.wait()
+        with self._beating:
+            while True:
+                self.heartbeats_sent += 1
+                blob = encode_control_frame(heartbeat_frame(self.rank, self.heartbeats_sent), self._salt)
+                try:
+                    await self._conn.send_len_framed([blob], len(blob))
+                except CONNECTION_LOST as exc:
+                    if self.run_over:
+                        return
+                    raise CoordinatorLost(
+                        f"rank {self.rank}: heartbeat could not be sent to the control relay: {exc}"
+                    ) from exc
+                with trio.move_on_after(self.heartbeat_interval):
+                    await self._pace_changed.wait()
 
     async def _reader(self, inbox: trio.MemorySendChannel[ControlFrame | None]) -> None:
         """Read whole messages with no deadline (a timeout must never cut one in half)
@@ -133,13 +142,19 @@ class ControlClient:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._reader, send)
                 await self._watch_beacons(inbox)
+                nursery.cancel_scope.cancel()  # the run is over: what the connection does next is no news
 
     async def _watch_beacons(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> None:
+        """Until the run is over: beacons keep the rank going; anything else ends it."""
         while True:
             frame = await self._next_message(inbox)
             if frame is None:
                 raise CoordinatorLost(f"rank {self.rank}: the control relay closed the connection (coordinator gone)")
             message = decode_liveness(frame)
+            if isinstance(message, RunOver):
+                self.run_over = True
+                self._beating.cancel()
+                return
             if isinstance(message, Notice):
                 raise RankDeadError(message.reason)
             if isinstance(message, Beacon):
@@ -176,7 +191,10 @@ async def connect_control_client(
     The heartbeat and beacon watch run as tasks beside the block's body; if the
     coordinator is lost (no beacon for ``beacon_timeout``, EOF, bad MAC) or this
     rank is declared dead, the body is cancelled - including a reduce it awaits
-    - and the block raises :class:`CoordinatorLost` / :class:`~flodl_trio.RankDeadError`. Defaults follow the cluster's:
+    - and the block raises :class:`CoordinatorLost` / :class:`~flodl_trio.RankDeadError`.
+    When the coordinator says the run is over (every rank finished or exited),
+    ``client.run_over`` becomes True and both tasks stop: the connection closing
+    afterwards ends nothing, and the block goes on. Defaults follow the cluster's:
     ``heartbeat_timeout`` is ``bounds.heartbeat_timeout`` (30 s x
     FLODL_NET_TIMEOUT_SCALE), beating 4x per timeout.
     """

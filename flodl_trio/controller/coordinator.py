@@ -31,7 +31,13 @@ from ..wire.control_frame import (
     decode_control_frame,
     encode_control_frame,
 )
-from ..wire.liveness import Heartbeat, beacon_frame, decode_liveness, notice_frame
+from ..wire.liveness import (
+    Heartbeat,
+    beacon_frame,
+    decode_liveness,
+    notice_frame,
+    run_over_frame,
+)
 from ..wire.mux import (
     DeclareDead,
     Hello,
@@ -44,6 +50,7 @@ from ..wire.mux import (
 from ..wire.salt import SessionSalt
 from .dead_ranks import DeadRanks
 from .links import (
+    AfterAllWrites,
     RelayLink,
     receive_hello,
 )
@@ -53,6 +60,7 @@ log = logging.getLogger("flodl_trio.coordinator")
 
 # A control-channel Data record carries one ControlFrame: its header and up to 16 MiB.
 CONTROL_RECORD_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
+RUN_OVER_WRITE_S = 2.0  # how long the end of the run waits for its notices to be written
 
 
 class Coordinator:
@@ -91,6 +99,9 @@ class Coordinator:
         self._ignored_logged: set[tuple[int, str]] = set()
         # Whether a dead rank may still come back (the controller's membership says).
         self.may_return: Callable[[int], bool] = lambda rank: False
+        # Ranks that said they finished their training: dead to the rounds, but nobody
+        # cut them off, so their control connection is left to them (or to the run's end).
+        self.finished: set[int] = set()
 
     # -- service tasks (run in the controller's nursery) ---------------------
 
@@ -140,11 +151,30 @@ class Coordinator:
                 continue  # noticed once its relay joins (see _accept)
             self._noticed.add(rank)
             self.last_seen.pop(rank, None)
-            if link.closed:
+            if link.closed or rank in self.finished:
                 continue
             reason = self.death_reasons.get(rank, "declared dead by the cluster")
             self._send_frame(link, rank, notice_frame(f"rank {rank} was declared dead: {reason}"))
             link.queue_control(DeclareDead(rank), self.salt)
+
+    async def say_run_over(self) -> None:
+        """The run is over (every rank finished or exited): tell every rank whose control
+        connection may still be open, so that the connections closing next end their
+        blocks quietly instead of as a lost coordinator; wait (bounded) until it is written."""
+        links = [link for link in self.links.values() if not link.closed]
+        written = trio.Event()
+        count = sum(len(link.ranks) for link in links)
+        if count == 0:
+            return
+        done = AfterAllWrites(count, written.set)
+        for link in links:
+            for rank in link.ranks:
+                record = encode_mux_record(
+                    MuxKind.DATA, encode_control_frame(run_over_frame(), self.salt), self.salt, rank=rank
+                )
+                link.queue(record, on_written=done.one)
+        with trio.move_on_after(RUN_OVER_WRITE_S):  # a relay that cannot take a few bytes by then is gone
+            await written.wait()
 
     def _send_frame(self, link: RelayLink, rank: int, frame: ControlFrame) -> None:
         link.queue(encode_mux_record(MuxKind.DATA, encode_control_frame(frame, self.salt), self.salt, rank=rank))

@@ -592,6 +592,7 @@ class _Controller:
             return self._on_rank_join(link, msg.rank)
         if isinstance(msg, RankFinished):
             self.membership.said_finished(msg.rank)
+            self.handle.coordinator.finished.add(msg.rank)  # no death notice: it left by itself
         else:
             self.membership.left_plainly(msg.rank)
         self.membership_changed.notify()
@@ -753,6 +754,7 @@ class _Controller:
             deadline = self.membership.finish_deadline(self.dead.snapshot())
             if deadline is not None and trio.current_time() >= deadline:
                 log.info("controller: every rank is dead or has exited; finished after %d rounds", self.stats.rounds)
+                await self.handle.coordinator.say_run_over()  # before the connections close
                 self.handle.outcome.end()
                 return
             with trio.move_on_at(math.inf if deadline is None else deadline):

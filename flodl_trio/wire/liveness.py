@@ -10,6 +10,9 @@ All three ride in ControlFrames on the control channel, little-endian:
 * Notice (coordinator -> rank), msg_kind 1: ``b"NT01" | UTF-8 reason`` - why the rank
   is being cut off (declared dead, refused at formation) just before its
   connection is closed, so the rank can raise that reason instead of "EOF".
+* RunOver (coordinator -> rank), msg_kind 1: ``b"FN01"`` - the run is over (every
+  rank finished or exited); the coordinator stops watching and the connection
+  closes next, which the rank then takes as the end, not as the coordinator lost.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ _BEACON = struct.Struct("<4sQIII")
 HEARTBEAT_TAG = b"HB01"
 BEACON_TAG = b"BC01"
 NOTICE_TAG = b"NT01"
+RUN_OVER_TAG = b"FN01"
 
 
 @attrs.frozen
@@ -47,7 +51,12 @@ class Notice:
     reason: str
 
 
-LivenessMessage = Heartbeat | Beacon | Notice
+@attrs.frozen
+class RunOver:
+    """Every rank finished or exited: the coordinator's watch is over."""
+
+
+LivenessMessage = Heartbeat | Beacon | Notice | RunOver
 
 
 def heartbeat_frame(rank: int, seq: int) -> ControlFrame:
@@ -62,6 +71,10 @@ def notice_frame(reason: str) -> ControlFrame:
     return ControlFrame(ControlKind.CONTROL, NOTICE_TAG + reason.encode("utf-8"))
 
 
+def run_over_frame() -> ControlFrame:
+    return ControlFrame(ControlKind.CONTROL, RUN_OVER_TAG)
+
+
 def decode_liveness(frame: ControlFrame) -> LivenessMessage | None:
     """The liveness message a (MAC-verified) ControlFrame carries; None for other traffic."""
     tag = frame.payload[:4]
@@ -74,6 +87,8 @@ def decode_liveness(frame: ControlFrame) -> LivenessMessage | None:
             return Beacon(seq, world, dead, timeout_ms)
         if frame.msg_kind == ControlKind.CONTROL and tag == NOTICE_TAG:
             return Notice(frame.payload[4:].decode("utf-8", errors="replace"))
+        if frame.msg_kind == ControlKind.CONTROL and frame.payload == RUN_OVER_TAG:
+            return RunOver()
     except struct.error:
         raise FramingError(
             f"{tag!r} liveness payload has {len(frame.payload)} bytes, which is not its fixed size"
