@@ -18,6 +18,8 @@ It never awaits, so it reads and tests without trio.
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 
 from ..errors import FlodlError, ProtocolError
@@ -26,6 +28,8 @@ from ..wire.lanes import LaneAssembler, LaneLayout
 from ..wire.round_frame import RoundFrame, TensorPayload, decode_round_frame
 from ..wire.salt import SessionSalt
 from .round import CheckpointSink, Consensus, OuterOptimizer, WindowCounter, WindowPart
+
+log = logging.getLogger("flodl_trio.controller")
 
 
 @attrs.frozen
@@ -72,7 +76,10 @@ class LaneWindows:
             self._begin_round(frame)
         layout = self._layout
         if layout is None or lane != self._next_lane:
-            raise FlodlError(f"lane {lane}'s consensus finished where lane {self._next_lane} of {layout} was due")
+            # A lane of a round that was abandoned (every rank died and the cluster
+            # started again from the last window): nothing of a window to do with it.
+            log.warning("controller: lane %d's consensus finished outside the round in progress; sent as it is", lane)
+            return LaneOut(attrs.evolve(consensus, part=None))
         part = self._part
         if part is not None and part.is_params and self.outer_optimizer is not None and frame.weight > 0:
             frame = self._outer_step(frame, layout, lane, part)
