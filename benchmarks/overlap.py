@@ -22,8 +22,8 @@ them), and the time it was held up by rounds. Systems:
 * (c) ``flodl sync``: flodl_trio's :class:`~flodl_trio.trainer.WindowTrainer`,
   ``overlap=0`` (every window's counts, params and buffers rounds waited for);
 * (d) ``flodl overlap``: the same with ``overlap=1``;
-* (e) ``flodl fragments``: overlapped, the params in P = 4 fragments (four
-  tensors of 4 MiB, one synced every H/4 steps).
+* (e) ``flodl fragments``: overlapped, the params in P = 4 fragments (a
+  quarter of the tensor's elements each, one synced every H/4 steps).
 
 Peak bandwidth: the veth's byte counters are read every ~20 ms during each
 run (``/proc/<pid>/net/dev`` of a rank in host A: no process started per
@@ -99,10 +99,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if args.system.startswith("flodl"):  # the same bytes in four tensors (fragments are whole tensors)
-        params = [torch.full((args.numel // FRAGMENTS,), float(args.rank)) for _ in range(FRAGMENTS)]
-    else:
-        params = [torch.full((args.numel,), float(args.rank))]
+    params = [torch.full((args.numel,), float(args.rank))]  # one tensor: a fragment is a run of its elements
     boundaries: list[float] = []
     if args.system == "none":
         for _window in range(args.windows):
@@ -426,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         loss_text, loss_checks = convergence(args, results)
         text += "\n\n" + loss_text
         checks += loss_checks
-    print(f"2 hosts x 2 ranks, 16 MiB f32 (flodl_trio: 4 tensors of 4 MiB), H = {args.sync_every} inner steps of {args.step_time * 1e3:.0f} ms, "
+    print(f"2 hosts x 2 ranks, 16 MiB f32 (one tensor), H = {args.sync_every} inner steps of {args.step_time * 1e3:.0f} ms, "
           f"{args.windows} windows per run (the first left out); wall time {time.monotonic() - started:.0f} s\n")
     print(text)
     print()

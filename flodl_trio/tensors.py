@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .errors import SchemaError
+from .errors import ConfigError, SchemaError
 from .wire.bf16 import F32, bf16_to_f32, scale_payload
 from .wire.constants import DTYPE_BF16, DTYPE_F32
+from .wire.fragment import piece_range
 from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, check_payload
 
 # An elided (all-zero) tensor costs no wire bytes, so its shape alone must be sane.
@@ -136,6 +137,27 @@ def round_frame_to_tensors(
         dest = None if out is None else out[i]
         result.append(_decode_one(payload, dest, i))
     return result
+
+
+def fragment_pieces(params: Sequence[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+    """Each fragment's pieces: fragment ``p`` holds run ``p`` of every parameter's
+    elements (:func:`~flodl_trio.wire.fragment.piece_range`), as flat views of the
+    parameter's storage, so a fragment's average lands in the parameters in place.
+    Every sync then moves a part of every layer (a fragment of whole tensors - a
+    layer or two at a time - cost DiLoCo 11% of its loss on short windows;
+    docs/performance.md). ``join`` writes a fragmented cluster's state through them."""
+    total = sum(t.numel() for t in params)
+    if total < fragments:
+        raise ConfigError(f"fragments={fragments} needs at least that many parameter elements, the model has {total}")
+    flats = []
+    for i, t in enumerate(params):
+        if not t.is_contiguous():
+            raise ConfigError(
+                f"fragments={fragments} cuts every parameter into runs of its elements, which needs contiguous "
+                f"tensors: parameter {i} (shape {list(t.shape)}) is not; make it contiguous before training"
+            )
+        flats.append(t.detach().view(-1))
+    return [[flat[slice(*piece_range(flat.numel(), fragments, p))] for flat in flats] for p in range(fragments)]
 
 
 def check_destinations(tensors: Sequence[torch.Tensor], what: str = "in-place destination") -> None:

@@ -20,9 +20,10 @@ is still in flight. Every contribution is still the
 params a rank had at its window's boundary, and the consensus the exact
 realized-work average (or the controller's outer step of it).
 
-With ``fragments=P`` (streamed windows, as in Streaming DiLoCo) the params are
-cut into ``P`` byte-balanced runs of consecutive tensors, each synced on its
-own window schedule of ``sync_every`` steps, staggered so that fragment ``p``
+With ``fragments=P`` (streamed windows, as in Streaming DiLoCo) every
+parameter is cut into ``P`` runs of its elements, fragment ``p`` holding run
+``p`` of each (:func:`fragment_pieces`), each fragment synced on its own
+window schedule of ``sync_every`` steps, staggered so that fragment ``p``
 syncs after ``(p + 1) * sync_every // P`` steps and every ``sync_every`` after:
 a round carries a ``P``-th of the model, and one goes out every
 ``sync_every / P`` steps instead of the whole model every ``sync_every``. The
@@ -46,6 +47,7 @@ import trio
 from .errors import ConfigError
 from .outer import DiLoCoNesterov, PlainAverage, SlowMo
 from .realized_work import _ReduceClientLike, average_window
+from .tensors import fragment_pieces
 from .transport.tasks import one_error
 from .wire.fragment import MAX_FRAGMENTS, FragmentTag
 
@@ -103,26 +105,6 @@ class WindowSchedule:
         first = self.first_sync(fragment)
         cycles = 0 if now < first else (now - first) // self.sync_every + 1
         return first + cycles * self.sync_every - now
-
-
-def split_fragments(nbytes: Sequence[int], fragments: int) -> list[range]:
-    """Cut tensors of these sizes into ``fragments`` runs of consecutive tensors, each
-    as close to an equal share of the bytes as whole tensors allow (none empty)."""
-    count = len(nbytes)
-    if not 1 <= fragments <= count:
-        raise ConfigError(f"fragments must be 1..{count} (the number of parameter tensors), got {fragments}")
-    total = sum(nbytes)
-    cumulative = [0]
-    for size in nbytes:
-        cumulative.append(cumulative[-1] + size)
-    starts = [0]
-    for k in range(1, fragments):
-        target = total * k / fragments
-        lowest, highest = starts[-1] + 1, count - (fragments - k)  # leave a tensor for every fragment after
-        cut = min(range(lowest, highest + 1), key=lambda j: abs(cumulative[j] - target))
-        starts.append(cut)
-    starts.append(count)
-    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 @attrs.define
@@ -264,18 +246,16 @@ class _Fragment:
 def _make_fragments(
     params: Sequence[Any], buffers: Sequence[Any], schedule: WindowSchedule, outer: object | None, start_window: int
 ) -> list[_Fragment]:
-    """The trainer's fragments: byte-balanced runs of params; the buffers go with the last."""
+    """The trainer's fragments: a run of every parameter's elements each; the buffers go with the last."""
     count = schedule.fragments
-    if count == 1:
-        runs = [range(len(params))]
-    else:
-        runs = split_fragments([t.numel() * t.element_size() for t in params], count)
+    pieces = [list(params)] if count == 1 else fragment_pieces(params, count)
+    shapes = tuple(tuple(t.shape) for t in params)
     fragments = []
-    for index, run in enumerate(runs):
+    for index, run in enumerate(pieces):
         last = index == count - 1
         fragments.append(_Fragment(
-            tag=FragmentTag(index, count) if count > 1 else None,
-            tensors=[params[i] for i in run] + (list(buffers) if last else []),
+            tag=FragmentTag(index, count, shapes) if count > 1 else None,
+            tensors=run + (list(buffers) if last else []),
             n_params=len(run),
             window_len=schedule.steps_to_first_sync(index, start_window),
             mirror=OuterMirror.of(outer) if schedule.overlap else None,
@@ -530,5 +510,5 @@ __all__ = [
     "WindowTrainer",
     "merge_late_consensus",
     "open_window_trainer",
-    "split_fragments",
+    "fragment_pieces",
 ]

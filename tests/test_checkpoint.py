@@ -845,17 +845,23 @@ async def test_cluster_without_outer_checkpoints_the_plain_consensus(salt, tmp_p
 
 
 async def test_fragmented_windows_are_saved_whole_once_every_fragment_has_one(tmp_path, caplog):
-    """Three fragments in turn (the buffers with the last), every second window due: a file
-    holds every fragment's newest params in fragment order and the newest buffers;
-    windows before each fragment had one are not saved; a zero-mass window keeps
-    its fragment's previous consensus."""
-    from flodl_trio.wire.fragment import FragmentTag
+    """Three fragments in turn (each a run of every tensor's elements, the buffers with
+    the last), every second window due: a file holds the model put back together from
+    every fragment's newest pieces, in the shapes the Control round carries, and the
+    newest buffers; windows before each fragment had one are not saved; a zero-mass
+    window keeps its fragment's previous consensus."""
+    from flodl_trio.wire.fragment import FragmentTag, piece_range
 
-    shapes = [[(2, 3)], [(4,), (1,)], [(5,)]]
+    model = [(2, 3), (4,), (1,), (5,)]
+    sizes = [[b - a for a, b in (piece_range(int(np.prod(s)), 3, f) for s in model)] for f in range(3)]
     rng = np.random.default_rng(5)
 
     def tagged_control(fragment: int) -> RoundFrame:
-        return RoundFrame([*control_frame().tensors, FragmentTag(fragment, 3).payload()], RoundKind.CONTROL, 0.0)
+        tag = FragmentTag(fragment, 3, tuple(model))
+        return RoundFrame([*control_frame().tensors, *tag.payloads()], RoundKind.CONTROL, 0.0)
+
+    def whole(pieces: dict[int, list[np.ndarray]]) -> list[np.ndarray]:
+        return [np.concatenate([pieces[f][i] for f in range(3)]).reshape(s) for i, s in enumerate(model)]
 
     newest: dict[int, list[np.ndarray]] = {}
     newest_buffers = None
@@ -865,7 +871,7 @@ async def test_fragmented_windows_are_saved_whole_once_every_fragment_has_one(tm
         r = 1
         for window in range(9):
             fragment = window % 3
-            params = [rng.standard_normal(s).astype(np.float32) for s in shapes[fragment]]
+            params = [rng.standard_normal(n).astype(np.float32) for n in sizes[fragment]]
             mass = 0.0 if window == 7 else 4.0  # window 7 (fragment 1): nobody did any work
             sink(r, tagged_control(fragment))
             sink(r + 1, model_frame(params, mass))
@@ -877,15 +883,23 @@ async def test_fragmented_windows_are_saved_whole_once_every_fragment_has_one(tm
                 sink(r, model_frame(newest_buffers, 2.0))
                 r += 1
             if window % 2 == 0 and len(newest) == 3 and mass > 0:
-                expected[window] = ([a for f in range(3) for a in newest[f]], newest_buffers, fragment)
+                expected[window] = (whole(newest), newest_buffers, fragment)
             await written(sink)
+        # Window 9 (not due), then window 10, whose pieces do not cut the model as the
+        # shapes say: it is not saved (and nothing else goes wrong).
+        sink(r, tagged_control(0))
+        sink(r + 1, model_frame([rng.standard_normal(n).astype(np.float32) for n in sizes[0]], 4.0))
+        sink(r + 2, tagged_control(1))
+        sink(r + 3, model_frame([np.zeros(3, np.float32)], 4.0))
+        await written(sink)
     assert files_in(tmp_path) == window_files(*sorted(expected)) == window_files(2, 4, 6, 8)
     for window, (params, buffers, fragment) in expected.items():
         ckpt = load_checkpoint(tmp_path / f"window-{window:06d}.safetensors")
         assert ckpt.metadata["fragments"] == "3" and ckpt.metadata["fragment"] == str(fragment)
-        assert [p.shape for p in ckpt.params] == [(2, 3), (4,), (1,), (5,)]
+        assert [p.shape for p in ckpt.params] == model
         for got, want in zip(ckpt.params, params, strict=True):
             np.testing.assert_array_equal(got, want)
         for got, want in zip(ckpt.buffers, buffers, strict=True):
             np.testing.assert_array_equal(got, want)
+    assert "window 10 not saved: the fragments' pieces [4, 1, 4] do not cut the model's 4 tensors" in caplog.text
     assert "window 0 not saved: fragments [1, 2] of 3 have had no window with mass yet" in caplog.text

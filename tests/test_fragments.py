@@ -20,14 +20,15 @@ from flodl_trio import ConfigError, FlodlError, connect_reduce_client
 from flodl_trio.checkpoint import latest_checkpoint, load_checkpoint, restore_module
 from flodl_trio.controller.checkpointer import ConsensusCheckpointer
 from flodl_trio.outer import DiLoCoNesterov, SlowMo, consensus_as_f32
+from flodl_trio.tensors import fragment_pieces
 from flodl_trio.testing import open_local_cluster
-from flodl_trio.trainer import WindowSchedule, open_window_trainer, split_fragments
+from flodl_trio.trainer import WindowSchedule, open_window_trainer
 from flodl_trio.wire import DTYPE_F32, RoundFrame, RoundKind, TensorPayload
-from flodl_trio.wire.fragment import FragmentTag, fragment_of
+from flodl_trio.wire.fragment import FragmentTag, fragment_of, piece_range
 from flodl_trio.wire.round_frame import decode_round_frame, encode_round_frame
 
 WORLD, SYNC_EVERY, WINDOWS, FRAGMENTS = 2, 4, 3, 2
-SHAPES = [(3,), (5,), (2, 2), (4,)]  # 12, 20, 16, 16 bytes: fragments [0, 1] and [2, 3]
+SHAPES = [(3,), (5,), (2, 2), (4,)]  # fragment 0: elements [0:1], [0:2], [0:2], [0:2]; fragment 1 the rest
 LR, MOMENTUM = 0.5, 0.5
 OUTERS = {"none": None, "slowmo": lambda: SlowMo(lr=LR, momentum=MOMENTUM), "diloco": lambda: DiLoCoNesterov(LR, MOMENTUM)}
 
@@ -43,18 +44,18 @@ def step_size(rank: int) -> np.float32:
 # -- the pieces ---------------------------------------------------------------
 
 
-def test_fragments_are_byte_balanced_runs_of_whole_tensors():
-    assert split_fragments([12, 20, 16, 16], 2) == [range(0, 2), range(2, 4)]
-    assert split_fragments([12, 20, 16, 16], 4) == [range(i, i + 1) for i in range(4)]
-    assert split_fragments([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]  # never an empty fragment
-    assert split_fragments([1, 1, 1, 100], 3) == [range(0, 2), range(2, 3), range(3, 4)]  # the big one alone
-    sizes = list(np.random.default_rng(3).integers(1, 1000, 40))
-    runs = split_fragments(sizes, 4)
-    assert [r.start for r in runs] == [0, *[r.stop for r in runs[:-1]]] and runs[-1].stop == 40
-    shares = [sum(sizes[i] for i in r) / sum(sizes) for r in runs]
-    assert all(abs(share - 0.25) < 1000 / sum(sizes) for share in shares), shares
-    with pytest.raises(ConfigError, match="fragments must be 1..4"):
-        split_fragments([1, 2, 3, 4], 5)
+def test_a_fragment_is_a_run_of_every_tensors_elements_viewed_in_place():
+    params = [torch.arange(float(np.prod(s))).reshape(s) for s in SHAPES]
+    pieces = fragment_pieces(params, 2)
+    assert [[tuple(t.shape) for t in run] for run in pieces] == [[(1,), (2,), (2,), (2,)], [(2,), (3,), (2,), (2,)]]
+    assert [piece_range(5, 2, p) for p in range(2)] == [(0, 2), (2, 5)]
+    pieces[1][2].fill_(-1.0)  # a view: the parameter itself changes
+    assert params[2].tolist() == [[0.0, 1.0], [-1.0, -1.0]]
+    assert [len(run) for run in fragment_pieces([torch.zeros(3)], 3)] == [1, 1, 1]
+    with pytest.raises(ConfigError, match="fragments=4 needs at least that many parameter elements, the model has 3"):
+        fragment_pieces([torch.zeros(3)], 4)
+    with pytest.raises(ConfigError, match="parameter 0 .* is not"):
+        fragment_pieces([torch.zeros(4, 3).t()], 2)
 
 
 def test_the_schedule_staggers_the_fragments():
@@ -92,7 +93,7 @@ def test_the_fragment_tag_is_an_empty_tensor_whose_shape_names_the_fragment(salt
 
 def reference(outer: str, windows: int = WINDOWS) -> tuple[dict[int, list[np.ndarray]], list[tuple[int, list[np.ndarray]]]]:
     """Every rank's final params, and each sync's (fragment, consensus) in order."""
-    runs = split_fragments([int(np.prod(s)) * 4 for s in SHAPES], FRAGMENTS)
+    runs = [[piece_range(int(np.prod(s)), FRAGMENTS, f) for s in SHAPES] for f in range(FRAGMENTS)]
     schedule = WindowSchedule(SYNC_EVERY, fragments=FRAGMENTS)
     theta = {r: start_params(r) for r in range(WORLD)}
     state: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
@@ -108,7 +109,8 @@ def reference(outer: str, windows: int = WINDOWS) -> tuple[dict[int, list[np.nda
                 continue
             mass = np.float32(since[f])
             since[f] = 0
-            avg = [sum(mass * theta[r][i] for r in theta) / (mass * WORLD) for i in run]
+            avg = [sum(mass * theta[r][i].reshape(-1)[a:b] for r in theta) / (mass * WORLD)
+                   for i, (a, b) in enumerate(run)]
             if outer == "none" or f not in state:
                 new = avg
                 if outer != "none":
@@ -127,9 +129,19 @@ def reference(outer: str, windows: int = WINDOWS) -> tuple[dict[int, list[np.nda
                     new.append(x[j].copy())
             syncs.append((f, new))
             for r in theta:
-                for j, i in enumerate(run):
-                    theta[r][i] = new[j].copy()
+                for i, (a, b) in enumerate(run):
+                    theta[r][i].reshape(-1)[a:b] = new[i]
     return theta, syncs
+
+
+def whole(newest: dict[int, list[np.ndarray]]) -> list[np.ndarray]:
+    """The model's tensors from every fragment's pieces (fragment f holds run f of each)."""
+    return [np.concatenate([newest[f][i] for f in range(FRAGMENTS)]).reshape(s) for i, s in enumerate(SHAPES)]
+
+
+def second_half(tensors: list[np.ndarray]) -> list[np.ndarray]:
+    """Fragment 1's elements of every tensor (the last fragment: synced at the final step)."""
+    return [t.reshape(-1)[piece_range(t.size, FRAGMENTS, 1)[0]:] for t in tensors]
 
 
 class Recorder:
@@ -217,8 +229,7 @@ async def test_fragmented_windows_match_the_reference(salt, outer, overlap, lane
     for rank in range(WORLD):
         assert_close(final[rank], want_final[rank], f"rank {rank}", exact=exact)
     # Fragment 1 synced last, at the final step: identical on every rank; fragment 0 has local steps since.
-    for i in (2, 3):
-        assert np.array_equal(final[0][i], final[1][i])
+    assert all(np.array_equal(a, b) for a, b in zip(second_half(final[0]), second_half(final[1])))
 
 
 @pytest.mark.parametrize("lanes", LANES)
@@ -236,7 +247,7 @@ async def test_the_outer_state_per_fragment_survives_a_checkpoint_and_restore(sa
     assert ckpt.metadata["fragments"] == "2" and ckpt.metadata["fragment"] == "1"
     _, want_syncs = reference("diloco")
     newest = {f: arrays for f, arrays in want_syncs}
-    assert_close(ckpt.params, newest[0] + newest[1], "checkpoint params", exact=True)
+    assert_close(ckpt.params, whole(newest), "checkpoint params", exact=True)
     assert {"outer.fragment.0.2.x_prev.0", "outer.fragment.1.2.momentum.1", "outer.fragment.0.2.windows"} <= {
         f"outer.{k}" for k in ckpt.outer
     }
@@ -249,16 +260,16 @@ async def test_the_outer_state_per_fragment_survives_a_checkpoint_and_restore(sa
     for key, value in restored.state_dict().items():
         assert np.array_equal(value, original[key]), key
     # ...and steps each fragment's next consensus exactly as the original would have.
-    for tag, run in ((FragmentTag(0, 2), range(0, 2)), (FragmentTag(1, 2), range(2, 4))):
-        nxt = RoundFrame([TensorPayload(DTYPE_F32, SHAPES[i], np.full(SHAPES[i], 7.0, "<f4").reshape(-1)) for i in run],
-                         RoundKind.MODEL, 4.0)
+    for tag in (FragmentTag(0, 2), FragmentTag(1, 2)):
+        sizes = [b - a for a, b in (piece_range(int(np.prod(s)), 2, tag.index) for s in SHAPES)]
+        nxt = RoundFrame([TensorPayload(DTYPE_F32, (n,), np.full(n, 7.0, "<f4")) for n in sizes], RoundKind.MODEL, 4.0)
         a = consensus_as_f32(outer.step(nxt, tag), copy=True)
         b = consensus_as_f32(restored.step(nxt, tag), copy=True)
         assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), tag
     # A rank restores the whole model from it.
     module = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in SHAPES])
     restore_module(module, ckpt)
-    assert_close([p.detach().numpy() for p in module], newest[0] + newest[1], "restored module", exact=True)
+    assert_close([p.detach().numpy() for p in module], whole(newest), "restored module", exact=True)
 
 
 async def test_a_rank_that_disagrees_on_the_fragment_is_refused_alone(salt):
@@ -379,7 +390,7 @@ async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_th
                 joined["start"] = start
                 # What it loaded: each fragment's consensus of the newest window before `start`.
                 newest = {f: arrays for f, arrays in recorder.syncs[:start]}
-                joined["ok"] = all(np.array_equal(p.numpy(), w) for p, w in zip(params, newest[0] + newest[1]))
+                joined["ok"] = all(np.array_equal(p.numpy(), w) for p, w in zip(params, whole(newest)))
                 joined["buffers_ok"] = np.array_equal(buffers[0].numpy(), buffers_seen[-1])
                 schedule = WindowSchedule(sync_every, overlap=1, fragments=2)
                 with pytest.raises(ConfigError, match=f"joined the cluster at window {start}.*pass start_window={start}"):
@@ -405,8 +416,8 @@ async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_th
     # It synced exactly the windows from `start` on: fragment k % 2 for window k.
     assert joined["windows"] == [sum(1 for w in range(start, 2 * windows) if w % 2 == f) for f in (0, 1)]
     assert [f for f, _ in recorder.syncs] == [0, 1] * windows
-    for i in (2, 3):  # fragment 1 synced at the final step
-        assert np.array_equal(final[0][i], final[2][i]) and np.array_equal(final[1][i], final[2][i])
+    for rank in (0, 1):  # fragment 1 synced at the final step
+        assert all(np.array_equal(a, b) for a, b in zip(second_half(final[rank]), second_half(final[2])))
 
 
 async def test_fragments_with_a_fixed_merge_point_and_a_bf16_wire_are_reproducible(salt):
@@ -451,3 +462,27 @@ async def test_fragments_with_a_fixed_merge_point_and_a_bf16_wire_are_reproducib
     first, second = await run(), await run()
     assert first == second
     assert await run(lanes=3, lane_min_bytes=0) == first
+
+
+def test_a_cluster_state_is_split_as_whole_tensors_or_as_runs_per_fragment():
+    """What join() loads: one frame of whole parameters, or one frame per fragment each
+    holding run p of every parameter; then the buffers' frame. Anything else is a
+    SchemaError naming the counts."""
+    from flodl_trio.client.state import ClusterState
+    from flodl_trio.errors import SchemaError
+
+    def frame_of(shapes) -> RoundFrame:
+        return RoundFrame([TensorPayload(DTYPE_F32, s, np.zeros(int(np.prod(s)), "<f4")) for s in shapes],
+                          RoundKind.MODEL, 1.0)
+
+    numels = [3, 5]  # two params; one float buffer of 2
+    whole_model, buffers = frame_of([(3,), (5,)]), frame_of([(2,)])
+    runs = [frame_of([(b - a,) for a, b in (piece_range(n, 2, p) for n in numels)]) for p in range(2)]
+    assert ClusterState(4, (whole_model, buffers)).split(numels, 1) == ([whole_model], buffers)
+    assert ClusterState(4, (*runs, buffers)).split(numels, 1) == (runs, buffers)
+    assert ClusterState(4, tuple(runs)).split(numels, 0) == (runs, None)
+    assert ClusterState(4, (whole_model, buffers)).split(numels, 0) == ([whole_model], None)  # no buffers here
+    with pytest.raises(SchemaError, match=r"frames of \[2, 1\] tensors; this model has 3 params and 1 float buffers"):
+        ClusterState(4, (whole_model, buffers)).split([3, 5, 1], 1)
+    with pytest.raises(SchemaError, match="frames of"):
+        ClusterState(4, (runs[1], runs[0], buffers)).split(numels, 1)  # runs out of order

@@ -274,19 +274,22 @@ class ReduceClient:
         own: a restarted rank starts it fresh. Raises :class:`JoinRefused`
         (with the controller's reason) if the rank may not come back.
         """
-        from ..tensors import check_destinations, round_frame_to_tensors
+        from ..tensors import (
+            check_destinations,
+            fragment_pieces,
+            round_frame_to_tensors,
+        )
 
         check_destinations([*params, *buffers], "join destination")
         state = self.last_state = await self.fetch_state()
         if not state.frames:
             return 0
-        params_frames, buffers_frame = state.split(len(params), len(buffers))  # checked before any copy
-        start = 0
-        for frame in params_frames:  # one frame, or one per fragment
-            end = start + len(frame.tensors)
+        params_frames, buffers_frame = state.split([t.numel() for t in params], len(buffers))  # checked before any copy
+        # One frame of whole tensors, or one per fragment, each a run of every tensor's elements.
+        destinations = [list(params)] if len(params_frames) == 1 else fragment_pieces(params, len(params_frames))
+        for frame, pieces in zip(params_frames, destinations):
             if frame.weight > 0:  # a window with no realized work kept everyone's own params
-                round_frame_to_tensors(frame, out=list(params[start:end]))
-            start = end
+                round_frame_to_tensors(frame, out=pieces)
         if buffers_frame is not None and buffers_frame.weight > 0:
             round_frame_to_tensors(buffers_frame, out=list(buffers))
         return state.window + 1
@@ -378,7 +381,7 @@ class ReduceClient:
         slots[self.rank] = values[self.rank]
         tensors = [TensorPayload(DTYPE_F32, (self.world_size,), slots)]
         if fragment is not None:
-            tensors.append(fragment.payload())
+            tensors += fragment.payloads()
         reply = await self.all_reduce(RoundFrame(tensors, RoundKind.CONTROL, 0.0))
         payload = reply.tensors[0]
         if payload.elided:

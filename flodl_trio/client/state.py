@@ -11,6 +11,7 @@ or replayed reply is refused. See docs/wire.md ("State for joiners").
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
 import trio
@@ -29,6 +30,7 @@ from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
 from ..transport.stream import MessageStream
 from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN
+from ..wire.fragment import piece_range
 from ..wire.round_frame import RoundFrame, check_payloads, decode_round_frame
 from ..wire.salt import SessionSalt
 from ..wire.state import (
@@ -54,24 +56,39 @@ class ClusterState:
     nbytes: int = 0  # the frames' bytes on the wire
     transfer_seconds: float = 0.0  # from the reply's header to its last byte (not the wait before)
 
-    def split(self, params: int, buffers: int) -> tuple[list[RoundFrame], RoundFrame | None]:
-        """The frames as (params frames, buffers frame) for a model of ``params`` and
-        ``buffers`` tensors: params frames until they hold ``params`` tensors, then at
-        most one buffers frame. SchemaError naming the counts when they do not fit."""
-        taken, index = 0, 0
-        while taken < params and index < len(self.frames):
-            taken += len(self.frames[index].tensors)
-            index += 1
-        rest = self.frames[index:]
-        # A model without float buffers ignores the cluster's (as a window would not send them).
-        fits = taken == params and len(rest) <= 1 and (not rest or not buffers or len(rest[0].tensors) == buffers)
-        if not fits:
-            counts = [len(f.tensors) for f in self.frames]
-            raise SchemaError(
-                f"the cluster's state of window {self.window} has frames of {counts} tensors; "
-                f"this model has {params} params and {buffers} float buffers"
-            )
-        return list(self.frames[:index]), (rest[0] if rest and buffers else None)
+    def split(self, params: Sequence[int], buffers: int) -> tuple[list[RoundFrame], RoundFrame | None]:
+        """The frames as (params frames, buffers frame) for a model whose parameters have
+        these element counts and that has ``buffers`` float buffers. The params come as
+        one frame of whole tensors, or - from a cluster that syncs in P >= 2 fragments -
+        as P frames of pieces, frame p holding run p of every parameter's elements
+        (docs/wire.md, "fragment tag"); then at most one buffers frame. SchemaError
+        naming the counts when the frames fit neither."""
+        frames = self.frames
+        for count in (1, len(frames), len(frames) - 1):  # the whole model; fragments, with or without buffers
+            head, rest = frames[:count], frames[count:]
+            if count < 1 or len(rest) > 1 or (rest and buffers and len(rest[0].tensors) != buffers):
+                continue
+            if all(_holds_run(frame, params, p, count) for p, frame in enumerate(head)):
+                # A model without float buffers ignores the cluster's (as a window would not send them).
+                return list(head), (rest[0] if rest and buffers else None)
+        counts = [len(f.tensors) for f in frames]
+        raise SchemaError(
+            f"the cluster's state of window {self.window} has frames of {counts} tensors; "
+            f"this model has {len(params)} params and {buffers} float buffers"
+        )
+
+
+def _holds_run(frame: RoundFrame, numels: Sequence[int], index: int, count: int) -> bool:
+    """Whether ``frame`` holds run ``index`` of ``count`` of every parameter (the whole
+    parameters when ``count`` is 1: their shapes are checked as they are written)."""
+    if len(frame.tensors) != len(numels):
+        return False
+    if count == 1:
+        return all(math.prod(t.shape) == n for t, n in zip(frame.tensors, numels))
+    return all(
+        len(t.shape) == 1 and t.shape[0] == stop - start
+        for t, (start, stop) in zip(frame.tensors, (piece_range(n, count, index) for n in numels))
+    )
 
 
 async def fetch_cluster_state(

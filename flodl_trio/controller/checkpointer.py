@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -55,7 +56,7 @@ from ..errors import ConfigError
 from ..outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
 from ..transport.tasks import one_error
 from ..wire.bf16 import DTYPE_NAMES
-from ..wire.fragment import FragmentTag, fragment_of
+from ..wire.fragment import FragmentTag, fragment_of, piece_range
 from ..wire.round_frame import RoundFrame, RoundKind
 
 # The name operators already filter on; the checkpointer's messages keep it.
@@ -327,9 +328,28 @@ class ConsensusCheckpointer:
             log.info("checkpoint: window %d not saved: fragments %s of %d have had no window with mass yet",
                      window, missing, len(self._fragments))
             return None
-        # Each fragment's arrays are replaced, never written into, when its next window
-        # comes: the snapshot can hold them as they are.
-        return [a for arrays in self._fragments if arrays is not None for a in arrays]
+        return self._joined_fragments(window, [arrays for arrays in self._fragments if arrays is not None])
+
+    def _joined_fragments(
+        self, window: int, fragments: list[list[npt.NDArray[np.float32]]]
+    ) -> list[npt.NDArray[np.float32]] | None:
+        """The model's params from every fragment's newest pieces (fragment p holds run p
+        of every tensor's elements; the Control round's shapes say how to put them back)."""
+        assert self._fragment is not None
+        shapes, count = self._fragment.shapes, len(fragments)
+        out: list[npt.NDArray[np.float32]] = []
+        for i, shape in enumerate(shapes):
+            numel = math.prod(shape)
+            runs = [piece_range(numel, count, p) for p in range(count)]
+            pieces = [arrays[i].reshape(-1) if i < len(arrays) else None for arrays in fragments]
+            if any(piece is None or piece.size != stop - start for piece, (start, stop) in zip(pieces, runs)):
+                break
+            out.append(np.concatenate(pieces).reshape(shape))  # type: ignore[arg-type]
+        if not shapes or len(out) != len(shapes) or any(len(arrays) != len(shapes) for arrays in fragments):
+            log.warning("checkpoint: window %d not saved: the fragments' pieces %s do not cut the model's %d tensors "
+                        "as its Control round's shapes say", window, [len(a) for a in fragments], len(shapes))
+            return None
+        return out
 
     def _outer_snapshot(self) -> tuple[dict[str, np.ndarray] | None, dict[str, object] | None]:
         """The outer optimizer's state (owned) and config at this params round."""

@@ -210,12 +210,14 @@ async def _windows(args: argparse.Namespace, client: Any, go: _Go) -> None:
 async def _trainer(args: argparse.Namespace, client: Any, go: _Go) -> None:
     """The window loop run by :func:`open_window_trainer`: ``--train-windows`` windows of
     ``--sync-every`` inner steps, each a ``--step-time`` wait (accelerator time) then
-    a made-up update, the round overlapped with ``--overlap 1``, the params (one
-    tensor of ``--numel`` per fragment) synced in ``--fragments`` fragments."""
+    a made-up update, the round overlapped with ``--overlap 1``, the params
+    (``--fragments`` tensors of ``--numel``) synced in ``--fragments`` fragments;
+    ``last_fragment`` digests the last fragment's elements (synced at the last step)."""
     import time
 
     import torch
 
+    from flodl_trio.tensors import fragment_pieces
     from flodl_trio.trainer import open_window_trainer
 
     params = [torch.zeros(args.numel) for _ in range(args.fragments)]
@@ -235,9 +237,10 @@ async def _trainer(args: argparse.Namespace, client: Any, go: _Go) -> None:
         for window in range(args.train_windows):
             await trainer.run_steps(args.sync_every, inner_step)
             emit("window", rank=args.rank, window=window, merged=trainer.stats.windows, counts=trainer.stats.last_counts)
+    last_fragment = fragment_pieces(params, args.fragments)[-1]
     emit(
         "trained", rank=args.rank, windows=trainer.stats.windows, waited=trainer.stats.waited_s,
-        digest=_digest(params), head=params[0][:4].tolist(), last_fragment=_digest(params[-1:]),
+        digest=_digest(params), head=params[0][:4].tolist(), last_fragment=_digest(last_fragment),
     )
 
 
