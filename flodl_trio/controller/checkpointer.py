@@ -337,19 +337,18 @@ class ConsensusCheckpointer:
         of every tensor's elements; the Control round's shapes say how to put them back)."""
         assert self._fragment is not None
         shapes, count = self._fragment.shapes, len(fragments)
-        out: list[npt.NDArray[np.float32]] = []
-        for i, shape in enumerate(shapes):
-            numel = math.prod(shape)
-            runs = [piece_range(numel, count, p) for p in range(count)]
-            pieces = [arrays[i].reshape(-1) if i < len(arrays) else None for arrays in fragments]
-            if any(piece is None or piece.size != stop - start for piece, (start, stop) in zip(pieces, runs)):
-                break
-            out.append(np.concatenate(pieces).reshape(shape))  # type: ignore[arg-type]
-        if not shapes or len(out) != len(shapes) or any(len(arrays) != len(shapes) for arrays in fragments):
+        fits = bool(shapes) and all(len(arrays) == len(shapes) for arrays in fragments) and all(
+            arrays[i].size == stop - start
+            for i, shape in enumerate(shapes)
+            for p, arrays in enumerate(fragments)
+            for start, stop in [piece_range(math.prod(shape), count, p)]
+        )
+        if not fits:
             log.warning("checkpoint: window %d not saved: the fragments' pieces %s do not cut the model's %d tensors "
                         "as its Control round's shapes say", window, [len(a) for a in fragments], len(shapes))
             return None
-        return out
+        return [np.concatenate([arrays[i].reshape(-1) for arrays in fragments]).reshape(shape)
+                for i, shape in enumerate(shapes)]
 
     def _outer_snapshot(self) -> tuple[dict[str, np.ndarray] | None, dict[str, object] | None]:
         """The outer optimizer's state (owned) and config at this params round."""

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoint every Nth window [env FLODL_CHECKPOINT_EVERY; default 1]")
     parser.add_argument("--checkpoint-keep", type=int, default=int(env_default("FLODL_CHECKPOINT_KEEP", 3)),
                         help="newest checkpoints to keep [env FLODL_CHECKPOINT_KEEP; default 3]")
-    parser.add_argument("--rejoin-timeout", type=float, default=env_default("FLODL_REJOIN_TIMEOUT"),
+    parser.add_argument("--rejoin-timeout", type=float,
+                        default=env_default("FLODL_REJOIN_TIMEOUT", DEFAULT_REJOIN_TIMEOUT_S),
                         help="seconds a crashed rank whose trainer calls join() may come back (restart it with the "
                         "same command); 0: dead is final [env FLODL_REJOIN_TIMEOUT; default "
                         f"{DEFAULT_REJOIN_TIMEOUT_S:g}]")
@@ -122,7 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     if args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 1")
     lanes = int(args.lanes)
-    rejoin = DEFAULT_REJOIN_TIMEOUT_S if args.rejoin_timeout is None else float(args.rejoin_timeout)
+    rejoin = float(args.rejoin_timeout)
     if not (math.isfinite(rejoin) and rejoin >= 0):
         raise ConfigError(f"--rejoin-timeout must be a finite number of seconds >= 0, got {args.rejoin_timeout}")
     min_ranks = None if args.min_ranks is None else int(args.min_ranks)

@@ -162,22 +162,22 @@ class Coordinator:
         connection may still be open, so that the connections closing next end their
         blocks quietly instead of as a lost coordinator; wait (bounded) until it is written."""
         links = [link for link in self.links.values() if not link.closed]
-        written = trio.Event()
         count = sum(len(link.ranks) for link in links)
         if count == 0:
             return
+        written = trio.Event()
         done = AfterAllWrites(count, written.set)
         for link in links:
             for rank in link.ranks:
-                record = encode_mux_record(
-                    MuxKind.DATA, encode_control_frame(run_over_frame(), self.salt), self.salt, rank=rank
-                )
-                link.queue(record, on_written=done.one)
+                self._send_frame(link, rank, run_over_frame(), on_written=done.one)
         with trio.move_on_after(RUN_OVER_WRITE_S):  # a relay that cannot take a few bytes by then is gone
             await written.wait()
 
-    def _send_frame(self, link: RelayLink, rank: int, frame: ControlFrame) -> None:
-        link.queue(encode_mux_record(MuxKind.DATA, encode_control_frame(frame, self.salt), self.salt, rank=rank))
+    def _send_frame(
+        self, link: RelayLink, rank: int, frame: ControlFrame, *, on_written: Callable[[], None] | None = None
+    ) -> None:
+        record = encode_mux_record(MuxKind.DATA, encode_control_frame(frame, self.salt), self.salt, rank=rank)
+        link.queue(record, on_written=on_written)
 
     # -- control relay sessions ----------------------------------------------
 

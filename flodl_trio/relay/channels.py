@@ -495,7 +495,8 @@ class DataChannel(_Channel):
 
     def _lane_record_bytes(self, length: int) -> int:
         """About the largest consensus lane a frame of ``length`` bytes comes down in
-        (0 without lanes: the consensus lands in a pool buffer)."""
+        (0 without lanes: the consensus lands in a pool buffer); the frame's schema is
+        checked against the lane limits only when it is cut, by the writer."""
         if self.lanes == 1:
             return 0
         return length // lanes_for(length, self.lanes, self._lane_min_bytes) + SMALL_MESSAGE
@@ -637,7 +638,7 @@ class DataChannel(_Channel):
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
-            self._lane_buffer.reserve(max(layout.frame_bytes(k) for k in range(layout.count)))
+            self._lane_buffer.reserve(layout.max_frame_bytes)
         nbytes = 0
         for part in layout.split(item.frame):
             record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self.config.salt)

@@ -164,6 +164,11 @@ class LaneLayout:
         pieces = [(self.schema[p.tensor][0], (p.numel,)) for p in self.lanes[index]]
         return schema_frame_len([*pieces, *((t.dtype, tuple(t.shape)) for t in self._trailer(index))])
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The length of the largest lane frame (nothing elided): what a lane buffer needs."""
+        return max(self.frame_bytes(k) for k in range(self.count))
+
     def _trailer(self, index: int) -> list[TensorPayload]:
         """What lane ``index`` carries after its pieces: on lane 0 the schema, then the tag."""
         schema = [TensorPayload(dtype, (0, *shape), _EMPTY) for dtype, shape in self.schema] if index == 0 else []
