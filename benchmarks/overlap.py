@@ -2,11 +2,14 @@
 
 Run from the repository root, as root (the two hosts are network namespaces)::
 
-    python benchmarks/overlap.py                        # 1 Gbit/s and 200 Mbit/s, ~3 minutes
+    python benchmarks/overlap.py                        # 1 Gbit/s and 200 Mbit/s, the loss runs: ~15 minutes
+    python benchmarks/overlap.py --convergence-windows 0  # the throughput table alone, ~3 minutes
     python benchmarks/overlap.py --rates 200mbit --windows 6 --out /tmp/overlap.png
 
 Two network namespaces joined by a veth pair shaped with ``tc tbf`` (the
 setup of ``benchmarks/allreduce.py``), 2 ranks in each, a 16 MiB f32 model,
+flodl_trio's daemons with ``--lanes 8`` (``--lanes``; docs/operations.md's
+setting for a link-bound cluster of several hosts),
 ``--sync-every`` (H) inner steps per window. An inner step is a fixed wait
 (``--step-time``): a stand-in for accelerator time that leaves the CPU free,
 as a GPU kernel does, so the table shows what the network costs a GPU
@@ -45,7 +48,8 @@ late than on a GPU host; the overlapped schedules are therefore also run with
 throughput run at each rate (a fixed merge point reproduces that staleness
 exactly, whatever this machine's timing). The ranks train the steps before a
 consensus lands from their boundary params; one row uses the eager stand-in
-instead (the demo's ``--eager-stand-in``).
+instead (the demo's ``--eager-stand-in``). A second table sweeps the merge
+point of the whole model (``--staleness``): how late a DiLoCo round may land.
 
 Targets (PASS/FAIL lines): (d) >= 0.95 x (a) at every rate; (d) >= 1.5 x (b)
 at 200 Mbit/s; (e)'s peak bandwidth at most 1/3 of (d)'s at the fastest
@@ -249,6 +253,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
     workdir = Path(tempfile.mkdtemp(prefix="flodl-overlap-"))
     launcher = ar.Launcher(workdir, None)
     env = {**os.environ, "FLODL_SALT_HEX": secrets.token_hex(16), "PYTHONUNBUFFERED": "1"}
+    if args.lanes > 1:  # the controller and both relays reduce each round in lanes
+        env["FLODL_LANES"] = str(args.lanes)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for rate in args.rates.split(","):
         results[rate] = {}
@@ -330,6 +336,15 @@ def demo_loss(args: argparse.Namespace, options: list[str], seed: int) -> tuple[
     return float(loss.group(1)), None if merged is None else int(merged.group(1))
 
 
+def _staleness_sweep(args: argparse.Namespace) -> list[int]:
+    """The merge points of the staleness sweep (``--staleness``), within the window."""
+    steps = [int(k) for k in args.staleness.split(",") if k.strip()]
+    bad = [k for k in steps if not 1 <= k <= args.sync_every]
+    if bad:
+        raise SystemExit(f"--staleness: merge points must be 1..{args.sync_every} (H), got {bad}")
+    return steps
+
+
 def convergence(args: argparse.Namespace, results: dict[str, dict[str, dict[str, float]]]) -> tuple[str, list[str]]:
     """The demo's training under each schedule, ``--seeds`` seeds each: mean final loss."""
     slowest = min(results, key=lambda rate: results[rate]["gloo"]["steps_per_s"])
@@ -366,15 +381,21 @@ def convergence(args: argparse.Namespace, results: dict[str, dict[str, dict[str,
             ["--outer", "none", "--overlap", "1", "--fragments", str(FRAGMENTS), "--merge-after",
              str(staleness["flodl fragments"])],
     }
-    losses: dict[str, list[float]] = {}
-    merged: dict[str, list[int]] = {}
+    sweep = {k: f"(d) merged after {k} steps" for k in _staleness_sweep(args)}
+    schedules |= {name: ["--overlap", "1", "--merge-after", str(k)] for k, name in sweep.items()}
+    runs: dict[tuple[str, ...], tuple[list[float], list[int]]] = {}  # by options: a schedule listed twice runs once
     for name, options in schedules.items():
+        if tuple(options) in runs:
+            continue
+        losses_, merged_ = runs[tuple(options)] = ([], [])
         for seed in range(args.seeds):
             print(f"[{time.strftime('%H:%M:%S')}] convergence: {name}, seed {seed}", file=sys.stderr, flush=True)
             loss, after = demo_loss(args, options, seed)
-            losses.setdefault(name, []).append(loss)
+            losses_.append(loss)
             if after is not None:
-                merged.setdefault(name, []).append(after)
+                merged_.append(after)
+    losses = {name: runs[tuple(options)][0] for name, options in schedules.items() if name not in sweep.values()}
+    merged = {name: runs[tuple(options)][1] for name, options in schedules.items() if runs[tuple(options)][1]}
     base = statistics.mean(losses["(c) flodl sync"])
     lines = [
         f"| schedule ({args.convergence_windows} windows x H = {args.sync_every}, DiLoCo unless said, {args.seeds} seeds) "
@@ -386,6 +407,13 @@ def convergence(args: argparse.Namespace, results: dict[str, dict[str, dict[str,
         after = f"{statistics.median(merged[name]):g}" if name in merged else ""
         reference = statistics.mean(losses["plain averaging (--outer none), synchronous"]) if "plain" in name else base
         lines.append(f"| {name} | {mean:.4f} | {mean / reference:.3f}x | {min(values):.4f}-{max(values):.4f} | {after} |")
+    if sweep:
+        lines += ["", "| DiLoCo, whole model, merged after (steps of H = "
+                  f"{args.sync_every}) | mean final loss | vs synchronous | spread over seeds |", "|---:|---:|---:|---:|"]
+        for k, name in sweep.items():
+            values = runs[tuple(schedules[name])][0]
+            mean = statistics.mean(values)
+            lines.append(f"| {k} | {mean:.4f} | {mean / base:.3f}x | {min(values):.4f}-{max(values):.4f} |")
     checks = []
     for name in checked:
         ratio = statistics.mean(losses[name]) / base
@@ -399,11 +427,15 @@ def convergence(args: argparse.Namespace, results: dict[str, dict[str, dict[str,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="1gbit,200mbit", help="tc rates of the veth (comma-separated)")
+    parser.add_argument("--lanes", type=int, default=8,
+                        help="flodl_trio's daemons reduce each round in this many lanes (1: none)")
     parser.add_argument("--windows", type=int, default=6, help="windows per run (the first is warm-up)")
     parser.add_argument("--sync-every", type=int, default=20, help="inner steps per window (H)")
     parser.add_argument("--step-time", type=float, default=0.1, help="seconds one inner step waits")
     parser.add_argument("--convergence-windows", type=int, default=40,
                         help="windows of the demo's training per schedule (0: skip the convergence runs)")
+    parser.add_argument("--staleness", default="5,9,12,13,14,15,17",
+                        help="merge points (steps) of the whole-model staleness sweep, comma-separated ('' to skip)")
     parser.add_argument("--seeds", type=int, default=3, help="convergence runs per schedule")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "overlap.png"), help="chart path")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
