@@ -9,6 +9,7 @@ its host, the other hosts - carry on with exact results.
 from __future__ import annotations
 
 import logging
+import re
 import struct
 
 import numpy as np
@@ -289,3 +290,70 @@ async def test_declaring_a_never_connected_rank_dead_lets_its_host_go_on(salt):
             assert results == {0: [], 2: []}  # the round waits for rank 1
             cluster.controller.dead_ranks.declare_dead(1)
     assert results == {0: [1.0] * 3, 2: [1.0] * 3}
+
+
+# -- a wrong schema that arrives first ---------------------------------------------------------
+
+
+async def _rounds(cluster, rank: int, world: int, salt: SessionSalt, numels: list[int], out: dict) -> None:
+    """Rank ``rank`` runs one round per entry of ``numels`` (a tensor of that many elements,
+    all equal to the rank); ``out[rank]`` is the last mean, or the error that ended it."""
+    try:
+        async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
+            for numel in numels:
+                [mean] = await client.all_reduce_tensors([torch.full((numel,), float(rank))])
+                out[rank] = mean.tolist()
+    except FlodlError as exc:
+        out[rank] = exc
+
+
+@pytest.mark.parametrize("hosts", [[[0, 1, 2], [3]], [[0, 1], [2, 3]]], ids=["3+1", "2+2"])
+@pytest.mark.parametrize("numel", [4, 200_000], ids=["small", "finish-ahead-sized"])
+@pytest.mark.parametrize("lanes", [1, 3])
+async def test_a_rank_whose_wrong_schema_is_folded_first_costs_itself_not_its_neighbours(
+    salt, caplog, lanes, numel, hosts
+):
+    """Rank 0's second frame has 5 elements where every rank sent 4 in the first round.
+    In deterministic mode its relay folds it first (rank order), so the round's first
+    frame is the wrong one; the relay takes it out when rank 1's frame - with the
+    schema the cluster completed a round with - arrives, and drops rank 0 alone."""
+    caplog.set_level(logging.WARNING)
+    out: dict[int, object] = {}
+    async with open_local_cluster(world_size=4, hosts=hosts, salt=salt, deterministic=True,
+                                  lanes=lanes, lane_min_bytes=4) as cluster:
+        async with trio.open_nursery() as nursery:
+            for rank in range(4):
+                rounds = [numel, numel + 1 if rank == 0 else numel, numel]
+                nursery.start_soon(_rounds, cluster, rank, 4, salt, rounds, out)
+        assert cluster.controller.dead_ranks.snapshot() == {0}
+        assert cluster.controller.stats.relays_dropped == 0
+    assert isinstance(out[0], FlodlError)
+    assert out[1] == out[2] == out[3] == [2.0] * numel  # the survivors' rounds: (1 + 2 + 3) / 3, exact
+    dropped = [r.getMessage() for r in caplog.records if "rank 0 dropped" in r.getMessage()]
+    assert len(dropped) == 1 and f"tensor 0 of shape [{numel + 1}], not [{numel}]" in dropped[0], dropped
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+async def test_a_host_whose_wrong_schema_is_folded_first_costs_itself_not_the_other_hosts(salt, caplog, lanes):
+    """Both ranks of host h0 send 5-element frames in round 2; h0's
+    relay folds them (they agree) and the controller folds h0's HostFrame first (host
+    order); h1's, with the schema of the completed round, takes it out and h0's relay
+    is dropped alone: h1's ranks get their exact mean, every round after too."""
+    caplog.set_level(logging.WARNING)
+    out: dict[int, object] = {}
+    async with open_local_cluster(world_size=4, hosts=[[0, 1], [2, 3]], salt=salt, deterministic=True,
+                                  lanes=lanes, lane_min_bytes=4) as cluster:
+        async with trio.open_nursery() as nursery:
+            for rank in range(4):
+                nursery.start_soon(_rounds, cluster, rank, 4, salt, [4, 5 if rank < 2 else 4, 4], out)
+        assert cluster.controller.dead_ranks.snapshot() == {0, 1}
+        assert cluster.controller.stats.relays_dropped == 1
+        try:
+            await cluster.relays[0].wait_finished()
+        except FlodlError as exc:  # cut off while it still wrote lanes: its connection reset rather than closed
+            assert "relay host0: connection to the controller failed" in str(exc)
+    assert isinstance(out[0], FlodlError) and isinstance(out[1], FlodlError)
+    assert out[2] == out[3] == [2.5] * 4
+    dropped = [r.getMessage() for r in caplog.records if "relay host0" in r.getMessage() and "dropped" in r.getMessage()]
+    # With lanes the first difference is in lane 0's schema tensors (an empty [0, *shape] each).
+    assert any(re.search(r"tensor \d of shape \[(0, )?5\], not \[(0, )?4\]", m) for m in dropped), dropped

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from flodl_trio import (
+    DTYPE_BF16,
     DTYPE_F32,
     DesyncError,
     FlodlError,
@@ -157,6 +158,71 @@ def test_host_fold_schema_error_names_the_rank():
         fold.deposit(1, frame([1, 2, 3]))
 
 
+def _complete_round(fold: HostFold, f: RoundFrame) -> None:
+    """Every live rank deposits ``f``; the HostFrame goes up and its consensus comes back."""
+    for rank in sorted(fold.live):
+        folded = fold.deposit(rank, f)
+    assert folded is not None
+    fold.host_frame_sent()
+    fold.consensus_arrived()
+
+
+def test_host_fold_a_first_frame_with_a_schema_no_round_completed_with_costs_its_sender_not_the_others():
+    fold = HostFold("h0", [0, 1, 2])
+    _complete_round(fold, frame([0, 0]))  # the cluster completed a round of 2-element frames
+    assert fold.deposit(0, frame([1, 2, 3])) is None  # rank 0 is wrong, and first
+    assert fold.deposit(1, frame([10, 20])) is None  # rank 1 is right: rank 0's part is taken out
+    expelled = fold.take_expelled()
+    assert list(expelled) == [0] and fold.take_expelled() == {}
+    assert "rank 0's frame has tensor 0 of shape [3], not [2]" in expelled[0]
+    assert "rank 1 sent it" in expelled[0]
+    assert fold.deposited == {1} and 0 not in fold.awaiting_reply
+    assert fold.deposit(2, frame([30, 40])) is None  # rank 0 is still live until the channel drops it
+    folded = fold.mark_dead(0)
+    assert folded is not None and values(folded.frame) == [40, 60] and folded.frame.weight == 2.0
+    fold.host_frame_sent()
+    assert fold.consensus_arrived() == [1, 2]
+
+
+def test_host_fold_several_wrong_first_frames_are_all_taken_out_and_a_wrong_later_one_is_refused():
+    fold = HostFold("h0", [0, 1, 2, 3])
+    _complete_round(fold, frame([0, 0]))
+    fold.deposit(0, frame([1, 2, 3]))
+    fold.deposit(2, frame([4, 5, 6]))  # agrees with rank 0, and is as wrong
+    fold.deposit(3, frame([7, 8]))
+    assert sorted(fold.take_expelled()) == [0, 2]
+    with pytest.raises(SchemaError, match="rank 1 tensor 0 has shape \\[1\\], rank 3 sent \\[2\\]"):
+        fold.deposit(1, frame([9]))  # the round's schema is the agreed one now: a later wrong frame is its own error
+
+
+def test_host_fold_before_any_round_completed_the_first_frame_still_decides():
+    fold = HostFold("h0", [0, 1])
+    fold.deposit(0, frame([1, 2, 3]))
+    with pytest.raises(SchemaError, match="rank 1"):
+        fold.deposit(1, frame([1, 2]))
+    assert fold.take_expelled() == {}
+
+
+def test_host_fold_a_schema_change_every_rank_makes_is_no_error():
+    fold = HostFold("h0", [0, 1])
+    _complete_round(fold, frame([0, 0]))
+    fold.deposit(0, frame([1, 2, 3]))
+    folded = fold.deposit(1, frame([1, 2, 3]))
+    assert folded is not None and values(folded.frame) == [2, 4, 6] and fold.take_expelled() == {}
+
+
+def test_host_fold_learns_a_schema_only_when_its_consensus_comes_back():
+    fold = HostFold("h0", [0, 1])
+    fold.deposit(0, frame([0, 0]))
+    assert fold.deposit(1, frame([0, 0])) is not None
+    fold.host_frame_sent()  # up, but no consensus yet (the controller could still drop this host)
+    assert len(fold.agreed) == 0
+    fold.consensus_arrived()
+    assert len(fold.agreed) == 1
+    _complete_round(fold, frame([0, 0], kind=RoundKind.CONTROL))
+    assert len(fold.agreed) == 2  # another kind is another schema
+
+
 # -- ControllerRound -----------------------------------------------------------------------------
 
 
@@ -183,6 +249,55 @@ def test_controller_round_completes_when_every_live_rank_is_delivered_and_divide
     assert values(consensus.outgoing) == [2, 3] and consensus.outgoing.weight == 4.0
     assert stats.rounds == 1 and stats.last_mass == 4.0
     assert stats.round_seconds.total == pytest.approx(0.5)
+
+
+def test_controller_round_a_host_frame_with_a_schema_no_round_completed_with_costs_its_relay_alone():
+    r, dead, stats = controller_round(world=6)
+    seat(r, 1, "a", (0, 1))
+    seat(r, 2, "b", (2, 3))
+    seat(r, 3, "c", (4, 5))
+    for sid in (1, 2, 3):  # a completed round of 2-element frames
+        consensus = r.deposit(sid, frame([1, 1], weight=2.0), now=0.0)
+    assert consensus is not None
+    for sid in (1, 2, 3):
+        r.broadcast_going_out(sid)
+    assert r.deposit(1, frame([1, 2, 3], weight=2.0), now=1.0) is None  # relay a is wrong, and first
+    assert r.deposit(2, frame([4, 8], weight=2.0), now=1.1) is None  # relay b is right
+    expelled = r.take_expelled()
+    assert list(expelled) == [1] and "tensor 0 of shape [3], not [2]" in expelled[1] and "relay b sent it" in expelled[1]
+    assert r.deposit(3, frame([8, 4], weight=2.0), now=1.2) is None  # a's ranks still live: the round waits
+    dead.declare_dead(0)
+    dead.declare_dead(1)
+    consensus = r.rank_died(now=1.5)
+    assert consensus is not None and values(consensus.outgoing) == [3, 3] and consensus.outgoing.weight == 4.0
+    assert stats.rounds == 2
+
+
+def test_controller_round_before_any_round_completed_the_first_host_frame_still_decides():
+    r, _dead, _stats = controller_round()
+    seat(r, 1, "a", (0, 1))
+    seat(r, 2, "b", (2, 3))
+    r.deposit(1, frame([1, 2, 3]), now=0.0)
+    with pytest.raises(SchemaError, match="relay b"):
+        r.deposit(2, frame([1, 2]), now=0.0)
+    assert r.take_expelled() == {}
+
+
+def test_agreed_schemas_keep_the_most_recent_and_name_the_first_difference():
+    from flodl_trio.fold.schemas import AgreedSchemas, describe_difference, schema_of
+
+    agreed = AgreedSchemas(limit=2)
+    a, b, c = (schema_of(frame([0.0] * n)) for n in (1, 2, 3))
+    for s in (a, b, a, c):  # a was seen again after b: b is the oldest when c comes
+        agreed.agree(s)
+    assert a in agreed and c in agreed and b not in agreed and len(agreed) == 2
+    assert agreed.folded_frames_at_fault(b, a) and not agreed.folded_frames_at_fault(a, b)
+    assert not agreed.folded_frames_at_fault(None, a) and not agreed.folded_frames_at_fault(a, a)
+    assert describe_difference(schema_of(frame([0.0], kind=RoundKind.CONTROL)), a) == "a CONTROL frame, not MODEL"
+    two = RoundFrame([frame([0.0]).tensors[0]] * 2, RoundKind.MODEL, 1.0)
+    assert describe_difference(schema_of(two), a) == "2 tensors, not 1"
+    bf16 = RoundFrame([TensorPayload(DTYPE_BF16, (1,), b"\0\0")], RoundKind.MODEL, 1.0)
+    assert describe_difference(schema_of(bf16), a) == "tensor 0 in bf16, not f32"
 
 
 def test_controller_round_a_death_completes_the_round_without_that_host():

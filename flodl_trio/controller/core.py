@@ -405,6 +405,10 @@ class _Controller:
             if named is exc:
                 raise
             raise named from exc
+        if link.dropped_for is not None:
+            why = f"dropped: {link.dropped_for}"
+            self.stats.relays_dropped += 1
+            log.warning("controller: %s %s; its ranks are dead", link.name, why)
         await self._drop_link(link, why)
 
     async def _accept_relay(self, conn: MessageStream) -> RelayLink | None:
@@ -550,9 +554,18 @@ class _Controller:
                 self._consensus_send.send_nowait((0, consensus))
                 return True
         consensus = self.round.deposit(link.id, frame, now)
+        self._expel(self.round)
         if consensus is not None:
             self._consensus_send.send_nowait((0, consensus))
         return False
+
+    def _expel(self, lane_round: ControllerRound) -> None:
+        """Cut off the relays whose folded frames a later one proved wrong (their part
+        of the round's sum is gone already; their ranks' deaths let it complete)."""
+        for seat_id, why in lane_round.take_expelled().items():
+            link = self.links.get(seat_id)
+            if link is not None:
+                link.expel(why)
 
     def _on_lane_frame(self, link: RelayLink, payload: memoryview) -> bool:
         """One lane of a relay's HostFrame (its tag says which, and of how many): folded
@@ -579,6 +592,7 @@ class _Controller:
             log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
             return False
         consensus = lane_round.deposit(link.id, frame, trio.current_time())
+        self._expel(lane_round)
         if consensus is not None:
             self._consensus_send.send_nowait((lane, consensus))
         return False

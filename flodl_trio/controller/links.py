@@ -65,6 +65,7 @@ class RelayLink:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: bool = False
     small: ReceiveBuffer = attrs.field(factory=ReceiveBuffer)
+    dropped_for: str | None = None  # why another task's round cut this relay off (see ``expel``)
 
     @classmethod
     def accept(cls, hello: Hello, conn: MessageStream, depth: int) -> RelayLink:
@@ -72,6 +73,12 @@ class RelayLink:
         link = cls(hello.host, hello.ranks, conn, outbox, inbox, hello.model_sigs)
         conn.peer = link.name
         return link
+
+    def expel(self, why: str) -> None:
+        """Drop this relay from another task: its session ends, and logs ``why``."""
+        if self.dropped_for is None:
+            self.dropped_for = why
+        self.scope.cancel()
 
     @property
     def name(self) -> str:

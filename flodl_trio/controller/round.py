@@ -26,6 +26,7 @@ from ..fold.accumulator import (
     finish_consensus,
     shares_sums,
 )
+from ..fold.schemas import AgreedSchemas, schema_of, why_taken_out
 from ..fold.speculative import SpeculativeFrame
 from ..transport.buffers import ReceiveBuffer
 from ..wire.fragment import FragmentTag, fragment_of
@@ -268,6 +269,8 @@ class ControllerRound:
         self.images = ImageCache()
         self.acc = FoldAccumulator(self.images)
         self.delivered: set[int] = set()
+        self.agreed = AgreedSchemas()  # schemas of the rounds completed (:mod:`flodl_trio.fold.schemas`)
+        self.expelled: dict[int, str] = {}  # relays whose folded frames proved wrong: why, until dropped
         self.started: float | None = None  # when the round's first contribution arrived
         self.counter = WindowCounter()
         # Buffers of consensus frames computed ahead and since sent to every relay.
@@ -342,10 +345,30 @@ class ControllerRound:
         consensus when it completes the round."""
         if self.acc.count == 0:
             self.started = now
+        if self.agreed.folded_frames_at_fault(self.acc.schema, schema_of(frame)):
+            self._take_out_folded(seat_id, frame)
         self.acc.add(frame, self.seats[seat_id].name)
         self._delivered_by(seat_id)
         self._on_change()
         return self.consensus_if_complete(now)
+
+    def _take_out_folded(self, seat_id: int, frame: RoundFrame) -> None:
+        """``seat_id``'s HostFrame has the schema completed rounds had; the ones folded
+        before it have another: start the round's sum again without them. Their
+        relays stay in the barrier (their ranks live) until the caller drops them."""
+        folded = self.acc.schema
+        assert folded is not None
+        why = why_taken_out(folded, schema_of(frame), self.seats[seat_id].name)
+        for culprit in sorted(self.delivered):
+            self.expelled[culprit] = f"its HostFrame {why}"
+        self.images.give(self.acc.sums())
+        self.acc = FoldAccumulator(self.images)
+        self.delivered = set()
+
+    def take_expelled(self) -> dict[int, str]:
+        """The relays to drop (seat id: why) since the last call."""
+        expelled, self.expelled = self.expelled, {}
+        return expelled
 
     def rank_died(self, now: float) -> Consensus | None:
         """A death was declared: the round may now be complete without it."""
@@ -432,6 +455,7 @@ class ControllerRound:
     ) -> Consensus:
         """Account for the finished round, start the next, and apply the hooks."""
         started = self.started if self.started is not None else now
+        self.agreed.agree(schema_of(consensus))
         self.acc = FoldAccumulator(self.images)
         self.delivered = set()
         self.started = None

@@ -35,6 +35,7 @@ from ..wire.round_frame import (
     check_payload,
     describe_dtype,
 )
+from .schemas import Schema
 
 
 class ImageCache:
@@ -186,6 +187,13 @@ class FoldAccumulator:
                     f"round fold: {source} tensor {i} has shape {list(t.shape)}, "
                     f"{first} sent {list(slot.shape)}"
                 )
+
+    @property
+    def schema(self) -> Schema | None:
+        """The folded frames' schema (None before the first)."""
+        if self.count == 0 or self.kind is None:
+            return None
+        return self.kind, tuple((slot.dtype, tuple(slot.shape)) for slot in self._slots)
 
     def layout(self) -> list[tuple[int, tuple[int, ...], npt.NDArray[np.float32] | None]]:
         """(dtype, shape, running f32 sum or None) of every tensor position, in order."""

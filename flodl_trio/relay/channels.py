@@ -459,6 +459,7 @@ class DataChannel(_Channel):
             self._count_frame(length, frame)
             if folded is not None:
                 await out.send(folded)
+            await self._drop_expelled(out)
 
     async def _wait_for_turn(self, rank: int) -> None:
         """Deterministic mode: leave the frame in its socket until the ranks before
@@ -805,6 +806,13 @@ class DataChannel(_Channel):
         folded = self.fold.enter_approved()
         if folded is not None:
             await out.send(folded)
+        await self._drop_expelled(out)
+
+    async def _drop_expelled(self, out: trio.MemorySendChannel[_Outbound]) -> None:
+        """Drop the ranks whose folded frames a later one proved wrong (their part of
+        the round's sum is gone already; the round may complete without them now)."""
+        for rank, why in self.fold.take_expelled().items():
+            await self._rank_gone(rank, out, f"dropped: {why}")
 
 
 __all__ = ["ControlChannel", "DataChannel"]

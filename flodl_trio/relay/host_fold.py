@@ -16,6 +16,7 @@ import attrs
 
 from ..errors import DesyncError, SchemaError
 from ..fold.accumulator import FoldAccumulator, ImageCache
+from ..fold.schemas import AgreedSchemas, Schema, schema_of, why_taken_out
 from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
 
 
@@ -37,6 +38,10 @@ class HostFold:
 
     A rank that deposited is owed the round's consensus; a second frame from
     it before that consensus arrived breaks the ping-pong (``DesyncError``).
+    Frames that disagree on the round's schema cost the rank whose schema no
+    completed round had (:mod:`flodl_trio.fold.schemas`): when that is the
+    ranks already folded, their contributions are taken out and they are
+    listed in :attr:`expelled` for the channel to drop.
     ``on_change`` is called whenever the set of frames the round waits for
     moves (a task speculating on the last frame waits for that).
     """
@@ -55,6 +60,9 @@ class HostFold:
         self.held: dict[int, RoundFrame] = {}  # a joiner's early first frame (a copy), until it enters
         self.images = ImageCache()
         self.acc = FoldAccumulator(self.images)
+        self.agreed = AgreedSchemas()  # schemas of rounds whose consensus came back
+        self._schema_up: Schema | None = None  # the schema of the HostFrame in flight
+        self.expelled: dict[int, str] = {}  # ranks whose folded frames proved wrong: why, until dropped
         self._on_change = on_change
 
     @property
@@ -98,10 +106,30 @@ class HostFold:
             self.fresh.discard(rank)
             self._check_first_frame(rank, frame)
         self._owe_reply(rank)
+        if self.agreed.folded_frames_at_fault(self.acc.schema, schema_of(frame)):
+            self._take_out_folded(rank, frame)
         self.acc.add(frame, f"rank {rank}")
         self.deposited.add(rank)
         self._on_change()
         return self._take_if_complete()
+
+    def _take_out_folded(self, rank: int, frame: RoundFrame) -> None:
+        """``rank``'s frame has the schema the cluster completed rounds with; the ones
+        folded before it have another: start the round's sum again without them."""
+        folded = self.acc.schema
+        assert folded is not None
+        why = why_taken_out(folded, schema_of(frame), f"rank {rank}")
+        for culprit in sorted(self.deposited):
+            self.expelled[culprit] = f"relay {self.host}: rank {culprit}'s frame {why}"
+            self.awaiting_reply.discard(culprit)
+        self.images.give(self.acc.sums())
+        self.acc = FoldAccumulator(self.images)
+        self.deposited.clear()
+
+    def take_expelled(self) -> dict[int, str]:
+        """The ranks to drop (and why) since the last call."""
+        expelled, self.expelled = self.expelled, {}
+        return expelled
 
     # -- ranks that come back ----------------------------------------------------
 
@@ -170,6 +198,7 @@ class HostFold:
         if acc is not self.acc or not self.only_missing(rank):
             return False
         self.awaiting_reply.add(rank)
+        self._schema_up = acc.schema
         self._next_round()
         # The frame computed ahead has its own buffer: nothing reads these sums now.
         self.images.give(acc.sums())
@@ -200,6 +229,9 @@ class HostFold:
                 "(a replayed record, or the ping-pong broke)"
             )
         self.host_frame_up = False
+        if self._schema_up is not None:
+            self.agreed.agree(self._schema_up)
+            self._schema_up = None
         targets = sorted(self.awaiting_reply)
         self.awaiting_reply.clear()
         return targets
@@ -218,6 +250,7 @@ class HostFold:
         if not self.deposited or not self.live <= self.deposited:
             return None
         # The frame may alias the sums (it always does for f32): they go back once it is written.
+        self._schema_up = self.acc.schema
         folded = FoldedHostFrame(self.acc.result(overwrite_sums=True), self.acc.sums())
         self._next_round()
         return folded
