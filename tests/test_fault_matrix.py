@@ -40,6 +40,8 @@ REQUIRED = {
     "rank-kill-restart", "host-restart", "formation-missing-rank", "rejoin-wrong-salt",
     # the Unix-socket local leg: frames unsigned, the salt proven at the handshake
     "wrong-salt-local-leg",
+    # a wrong schema folded first costs its sender, not the ranks folded after it
+    "rank-schema-change-first",
 }
 
 

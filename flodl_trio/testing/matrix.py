@@ -1114,6 +1114,28 @@ async def rank_bad_schema_alone() -> Outcome:
     return await _bad_schema([[0], [1, 2]], attacker=0)
 
 
+@case("rank-schema-change-first", fault="a rank's round-1 frame has 5 elements where round 0 completed with 4, folded first",
+      leg="rank -> relay (data)")
+async def rank_schema_change_first() -> Outcome:
+    """In deterministic mode host 0 folds its ranks in rank order, so rank 0's wrong frame
+    is its round's first: the relay takes it out when rank 1's arrives (with the schema
+    round 0 completed with) and drops rank 0 alone."""
+    ordered = {"FLODL_DETERMINISTIC": "1"}
+    async with daemon_cluster(world_size=3, hosts=[[0, 1], [2]], rounds=2, worker_args={0: ["--numel-at", "1:5"]},
+                              controller_env=ordered, relay_env={0: ordered, 1: ordered}) as c:
+        with diagnose(c):
+            t0 = (await c.wait_event(0, "sending", round=1))["time"]
+            relay = c.relay_processes(0)[0]
+            await relay.wait_log(re.compile(r"rank 0 dropped: .*shape \[5\], not \[4\].*taken out of the round"))
+            rounds = await expect_consensus(c, [1, 2], 2, after(1, [0, 1, 2], [1, 2]))
+            error = await expect_error(c, 0, before_round=1, contributors=everyone(3))
+            seconds = max([rounds[r][1]["time"] for r in rounds] + [error["time"]]) - t0
+    return Outcome(
+        f"relay host0 took rank 0's frame out of the round and dropped it (tensor 0 of shape [5], not [4]), which "
+        f"raised {error['type']}; ranks 1,2 got round 1 without it, exact", seconds,
+    )
+
+
 @case("rank-mass-overflow", fault="two ranks of a host each send weight 1e308 (finite alone)", leg="rank -> relay (data)")
 async def rank_mass_overflow() -> Outcome:
     """The second 1e308 would make the host's mass infinite: its sender is dropped. The

@@ -81,6 +81,18 @@ def parse_pause(text: str) -> tuple[int, float]:
     return round_index, seconds
 
 
+def parse_numel_at(text: str) -> tuple[int, int]:
+    """``"ROUND:NUMEL"`` -> (round, numel): that round's frame has another size."""
+    round_text, sep, numel_text = text.partition(":")
+    try:
+        round_index, numel = int(round_text), int(numel_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want ROUND:NUMEL, got {text!r}") from None
+    if not sep or round_index < 0 or numel <= 0:
+        raise argparse.ArgumentTypeError(f"want ROUND:NUMEL with ROUND >= 0 and NUMEL > 0, got {text!r}")
+    return round_index, numel
+
+
 class _Go:
     """Lines ``go`` on stdin, counted; a pause consumes one."""
 
@@ -133,6 +145,7 @@ async def _rounds(args: argparse.Namespace, client: Any, go: _Go) -> None:
     reduce = _reduce_numpy if args.backend == "numpy" else _reduce_torch
     pauses = dict(args.pause_before or [])
     blocks = dict(args.block_before or [])
+    numels = dict(args.numel_at or [])
     for k in range(args.rounds):
         if k in blocks:
             emit("blocking", rank=args.rank, round=k)
@@ -143,7 +156,7 @@ async def _rounds(args: argparse.Namespace, client: Any, go: _Go) -> None:
             await go.wait(pauses[k])
             emit("resumed", rank=args.rank, round=k)
         emit("sending", rank=args.rank, round=k)
-        values, mass = await reduce(client, args.rank, k, args.numel)
+        values, mass = await reduce(client, args.rank, k, numels.get(k, args.numel))
         emit(
             "round", rank=args.rank, round=k, value=float(values[0]), min=float(values.min()),
             max=float(values.max()), mass=mass,
@@ -318,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run Local SGD windows instead of rounds: join, then average_window per window (torch backend)",
     )
     parser.add_argument("--numel", type=int, default=4)
+    parser.add_argument(
+        "--numel-at", type=parse_numel_at, action="append", metavar="ROUND:NUMEL",
+        help="send round ROUND with NUMEL elements instead of --numel (a rank whose schema changes; repeatable)",
+    )
     parser.add_argument("--start-delay", type=float, default=0.0, help="seconds to wait before connecting")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between rounds")
     parser.add_argument(
