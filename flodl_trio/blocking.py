@@ -224,6 +224,7 @@ class BlockingReduceClient:
         merge_after: int | None = None,
         fragments: int = 1,
         start_window: int = 0,
+        merge_by: int | None = None,
     ) -> BlockingWindowTrainer:
         """The window loop for a plain-Python trainer (see :class:`~flodl_trio.trainer.WindowTrainer`):
         call ``step()`` after every inner step; with ``overlap=1`` a window's round
@@ -232,7 +233,8 @@ class BlockingReduceClient:
         assert self._nursery is not None and self._client is not None
         trainer = WindowTrainer(
             self._client, params, buffers, rank=self.rank, world_size=self.world_size,
-            schedule=WindowSchedule(sync_every, overlap, gamma, merge_after, fragments), outer=outer, nursery=self._nursery,
+            schedule=WindowSchedule(sync_every, overlap, gamma, merge_after, fragments, merge_by), outer=outer,
+            nursery=self._nursery,
             start_window=start_window,
         )
         return BlockingWindowTrainer(self, trainer)

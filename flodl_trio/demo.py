@@ -117,7 +117,7 @@ async def worker(args: argparse.Namespace) -> None:
                 # Steps before a consensus lands train from the boundary params, or with
                 # --eager-stand-in from the rank's estimate of the controller's outer step.
                 overlap=args.overlap, outer=OUTERS[args.outer]() if args.eager_stand_in else None,
-                merge_after=args.merge_after, fragments=args.fragments, start_window=start,
+                merge_after=args.merge_after, merge_by=args.merge_by, fragments=args.fragments, start_window=start,
             ) as trainer:
                 # Where the cluster is (0 at first start): the step its window `start` begins at.
                 step, total = trainer.schedule.boundary_step(start - 1), args.windows * args.inner_steps
@@ -189,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
                                 "--seed", str(args.seed), "--outer", args.outer]
             if args.merge_after is not None:
                 commands[r] += ["--merge-after", str(args.merge_after)]
+            if args.merge_by is not None:
+                commands[r] += ["--merge-by", str(args.merge_by)]
             if args.eager_stand_in:
                 commands[r] += ["--eager-stand-in"]
             if args.bf16:
@@ -436,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="1: each window's round runs while the next window trains (default 0: wait for it)")
     parser.add_argument("--merge-after", type=int, default=None,
                         help="with --overlap 1: merge each consensus after exactly this many steps of the next window")
+    parser.add_argument("--merge-by", type=int, default=None,
+                        help="with --overlap 1: merge each consensus when it lands, at the latest after this many "
+                             "steps of the next window")
     parser.add_argument("--eager-stand-in", action="store_true",
                         help="with --overlap 1: train the steps before a consensus lands from the rank's estimate of "
                              "the outer step (eager update) instead of from its boundary params")

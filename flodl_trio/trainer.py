@@ -64,6 +64,7 @@ class WindowSchedule:
     gamma: float = 1.0
     merge_after: int | None = None
     fragments: int = 1
+    merge_by: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.sync_every < 1:
@@ -75,11 +76,22 @@ class WindowSchedule:
                 f"fragments must be 1..sync_every={self.sync_every} (each fragment syncs at its own step) "
                 f"and at most {MAX_FRAGMENTS}, got {self.fragments}"
             )
-        if self.merge_after is not None and not 1 <= self.merge_after <= self.sync_gap:
+        for name, steps in (("merge_after", self.merge_after), ("merge_by", self.merge_by)):
+            if steps is not None and not 1 <= steps <= self.sync_gap:
+                raise ConfigError(
+                    f"{name} must be None (when it lands) or 1..{self.sync_gap} steps (sync_every / fragments: "
+                    f"the next fragment's round starts then), got {steps}"
+                )
+        if self.merge_after is not None and self.merge_by is not None:
             raise ConfigError(
-                f"merge_after must be None (when it lands) or 1..{self.sync_gap} steps (sync_every / fragments: "
-                f"the next fragment's round starts then), got {self.merge_after}"
+                f"give merge_after (merge after exactly that many steps) or merge_by (when it lands, at the latest "
+                f"after that many), not both: got merge_after={self.merge_after}, merge_by={self.merge_by}"
             )
+
+    @property
+    def merge_deadline(self) -> int | None:
+        """The step of the next window at which a consensus still in flight is waited for."""
+        return self.merge_after if self.merge_after is not None else self.merge_by
 
     @property
     def sync_gap(self) -> int:
@@ -346,8 +358,9 @@ class WindowTrainer:
             fragment.window_steps += steps
         if self.merge_after is None:
             self._merge_if_landed()
-        elif self._in_flight is not None and self._in_flight[0].window_steps >= self.merge_after:
-            await self._wait_in_flight()  # a fixed merge point: the same step on every run
+        deadline = self.schedule.merge_deadline
+        if self._in_flight is not None and deadline is not None and self._in_flight[0].window_steps >= deadline:
+            await self._wait_in_flight()  # merge_after: the same step on every run; merge_by: no later
         for fragment in self._fragments:
             if fragment.steps_to_sync <= 0:
                 await self._end_window(fragment)
@@ -471,6 +484,7 @@ async def open_window_trainer(
     merge_after: int | None = None,
     fragments: int = 1,
     start_window: int = 0,
+    merge_by: int | None = None,
 ) -> AsyncIterator[WindowTrainer]:
     """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
 
@@ -485,6 +499,11 @@ async def open_window_trainer(
     as it lands; the params then do not depend on the network's timing (with
     the cluster's deterministic mode, two runs end bit-identical) and no step
     runs further than that from the consensus.
+    ``merge_by``: merge each consensus when it lands, but at the latest after
+    this many inner steps of the next window (waiting for it there): the
+    staleness is bounded, and a round that lands early is merged early. With
+    DiLoCo the loss depends on it (docs/outer-and-checkpoints.md); give one of
+    ``merge_after`` and ``merge_by``.
 
     Leaving the block normally waits for the last round and merges it. A round
     that fails (the relay or controller gone, this rank declared dead) cancels
@@ -492,7 +511,7 @@ async def open_window_trainer(
     """
     with one_error():
         async with trio.open_nursery() as nursery:
-            schedule = WindowSchedule(sync_every, overlap, gamma, merge_after, fragments)
+            schedule = WindowSchedule(sync_every, overlap, gamma, merge_after, fragments, merge_by)
             if bf16_wire is not None:  # the params rounds' wire dtype (step counts always go f32)
                 client.bf16_wire = bf16_wire
             trainer = WindowTrainer(

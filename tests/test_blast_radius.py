@@ -295,16 +295,34 @@ async def test_declaring_a_never_connected_rank_dead_lets_its_host_go_on(salt):
 # -- a wrong schema that arrives first ---------------------------------------------------------
 
 
-async def _rounds(cluster, rank: int, world: int, salt: SessionSalt, numels: list[int], out: dict) -> None:
+async def _rounds(cluster, rank: int, world: int, salt: SessionSalt, numels: list[int], out: dict,
+                  leave: trio.Event) -> None:
     """Rank ``rank`` runs one round per entry of ``numels`` (a tensor of that many elements,
-    all equal to the rank); ``out[rank]`` is the last mean, or the error that ended it."""
+    all equal to the rank); ``out[rank]`` is then the last mean, or the error that ended
+    it. A rank that got through stays connected until ``leave``: a clean exit is a death
+    in the controller's ledger too, so the test reads the ledger before anyone leaves."""
     try:
         async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
             for numel in numels:
                 [mean] = await client.all_reduce_tensors([torch.full((numel,), float(rank))])
-                out[rank] = mean.tolist()
+            out[rank] = mean.tolist()
+            await leave.wait()
     except FlodlError as exc:
         out[rank] = exc
+
+
+async def _run_ranks(cluster, world: int, salt: SessionSalt, numels_of, out: dict) -> frozenset[int]:
+    """Every rank's rounds (``numels_of(rank)``); the controller's dead ranks once every
+    rank finished or failed, before any of them left."""
+    leave = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for rank in range(world):
+            nursery.start_soon(_rounds, cluster, rank, world, salt, numels_of(rank), out, leave)
+        while len(out) < world:
+            await trio.sleep(0.01)
+        dead = cluster.controller.dead_ranks.snapshot()
+        leave.set()
+    return dead
 
 
 @pytest.mark.parametrize("hosts", [[[0, 1, 2], [3]], [[0, 1], [2, 3]]], ids=["3+1", "2+2"])
@@ -321,11 +339,8 @@ async def test_a_rank_whose_wrong_schema_is_folded_first_costs_itself_not_its_ne
     out: dict[int, object] = {}
     async with open_local_cluster(world_size=4, hosts=hosts, salt=salt, deterministic=True,
                                   lanes=lanes, lane_min_bytes=4) as cluster:
-        async with trio.open_nursery() as nursery:
-            for rank in range(4):
-                rounds = [numel, numel + 1 if rank == 0 else numel, numel]
-                nursery.start_soon(_rounds, cluster, rank, 4, salt, rounds, out)
-        assert cluster.controller.dead_ranks.snapshot() == {0}
+        dead = await _run_ranks(cluster, 4, salt, lambda rank: [numel, numel + 1 if rank == 0 else numel, numel], out)
+        assert dead == {0}
         assert cluster.controller.stats.relays_dropped == 0
     assert isinstance(out[0], FlodlError)
     assert out[1] == out[2] == out[3] == [2.0] * numel  # the survivors' rounds: (1 + 2 + 3) / 3, exact
@@ -343,10 +358,8 @@ async def test_a_host_whose_wrong_schema_is_folded_first_costs_itself_not_the_ot
     out: dict[int, object] = {}
     async with open_local_cluster(world_size=4, hosts=[[0, 1], [2, 3]], salt=salt, deterministic=True,
                                   lanes=lanes, lane_min_bytes=4) as cluster:
-        async with trio.open_nursery() as nursery:
-            for rank in range(4):
-                nursery.start_soon(_rounds, cluster, rank, 4, salt, [4, 5 if rank < 2 else 4, 4], out)
-        assert cluster.controller.dead_ranks.snapshot() == {0, 1}
+        dead = await _run_ranks(cluster, 4, salt, lambda rank: [4, 5 if rank < 2 else 4, 4], out)
+        assert dead == {0, 1}
         assert cluster.controller.stats.relays_dropped == 1
         try:
             await cluster.relays[0].wait_finished()

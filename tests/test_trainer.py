@@ -19,7 +19,7 @@ import trio
 from flodl_trio import ConfigError, connect_reduce_client
 from flodl_trio.outer import DiLoCoNesterov, SlowMo
 from flodl_trio.testing import open_local_cluster
-from flodl_trio.trainer import merge_late_consensus, open_window_trainer
+from flodl_trio.trainer import WindowSchedule, merge_late_consensus, open_window_trainer
 
 WORLD, SYNC_EVERY, WINDOWS = 2, 2, 4  # 2 ranks x mass 2: every average divides by 4
 LR, MOMENTUM = 0.5, 0.5
@@ -266,6 +266,52 @@ async def test_a_fixed_merge_point_makes_overlapped_training_reproducible(salt):
     for rank in range(3):
         assert first[rank].tobytes() == second[rank].tobytes(), f"rank {rank} differs between the runs"
     assert first[0].tobytes() == first[1].tobytes() == first[2].tobytes()
+
+
+async def test_merge_by_merges_a_round_when_it_lands_and_waits_for_one_at_the_deadline(salt):
+    """merge_by=3: a consensus that lands early is merged at once (after fewer than 3
+    steps); one that rank 1 holds up is waited for at exactly step 3 of the next
+    window, never later. Both ranks end on the last consensus."""
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
+        at_deadline = trio.Event()
+        late: dict[int, list[int]] = {}
+        final: dict[int, list[float]] = {}
+        waited: dict[int, float] = {}
+
+        async def rank_main(rank: int) -> None:
+            params = [torch.zeros(3)]
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 2, salt) as client:
+                async with open_window_trainer(client, params, rank=rank, world_size=2, sync_every=4, overlap=1,
+                                               merge_by=3) as trainer:
+                    for step in range(1, 17):
+                        await trio.sleep(0.03)  # the inner step
+                        params[0].add_(float(rank + 1))
+                        if rank == 1 and step == 8:
+                            await at_deadline.wait()  # window 1's round cannot land before rank 0 is there
+                        if rank == 0 and step == 11:
+                            at_deadline.set()  # step 3 of window 2: rank 0 now waits for window 1's consensus
+                        await trainer.after_step()
+                late[rank], waited[rank] = trainer.stats.late_steps, trainer.stats.waited_s
+                final[rank] = params[0].tolist()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rank_main, 0)
+            nursery.start_soon(rank_main, 1)
+    assert late[0][1] == 3 and waited[0] > 0, late  # held up: merged at the deadline, waited for
+    # Landed early (rank 1 sends last, so its rounds land right after its boundary): merged at once.
+    assert late[0][0] < 3 and all(steps < 3 for steps in late[1][:3]), late
+    assert all(steps <= 3 for steps in late[0]) and late[0][3] == 0 and late[1][3] == 0, late  # the last at finish()
+    assert final[0] == final[1]
+
+
+async def test_merge_after_and_merge_by_are_checked():
+    with pytest.raises(ConfigError, match="merge_by must be None .* or 1..4 steps"):
+        WindowSchedule(sync_every=4, overlap=1, merge_by=5)
+    with pytest.raises(ConfigError, match="give merge_after .* or merge_by .*, not both"):
+        WindowSchedule(sync_every=4, overlap=1, merge_after=2, merge_by=3)
+    assert WindowSchedule(sync_every=4, overlap=1, merge_by=3).merge_deadline == 3
+    assert WindowSchedule(sync_every=4, overlap=1, merge_after=2).merge_deadline == 2
+    assert WindowSchedule(sync_every=4, overlap=1).merge_deadline is None
 
 
 async def test_merge_after_is_checked(salt):
