@@ -48,8 +48,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -69,28 +70,29 @@ def emit(event: str, **fields: object) -> None:
     print(json.dumps({"event": event, "time": time.monotonic(), **fields}), flush=True)
 
 
+T = TypeVar("T", int, float)
+
+
+def _round_and(text: str, what: str, convert: Callable[[str], T], valid: Callable[[T], bool]) -> tuple[int, T]:
+    """``"ROUND:VALUE"`` -> (round, value), ``what`` naming VALUE in the error."""
+    round_text, sep, value_text = text.partition(":")
+    try:
+        round_index, value = int(round_text), convert(value_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want ROUND:{what}, got {text!r}") from None
+    if not sep or round_index < 0 or not valid(value):
+        raise argparse.ArgumentTypeError(f"want ROUND:{what} with ROUND >= 0 and a valid {what}, got {text!r}")
+    return round_index, value
+
+
 def parse_pause(text: str) -> tuple[int, float]:
     """``"ROUND:SECONDS"`` -> (round, seconds); SECONDS may be ``inf``."""
-    round_text, sep, seconds_text = text.partition(":")
-    try:
-        round_index, seconds = int(round_text), float(seconds_text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want ROUND:SECONDS, got {text!r}") from None
-    if not sep or round_index < 0 or not seconds >= 0:
-        raise argparse.ArgumentTypeError(f"want ROUND:SECONDS with both >= 0, got {text!r}")
-    return round_index, seconds
+    return _round_and(text, "SECONDS", float, lambda seconds: seconds >= 0)
 
 
 def parse_numel_at(text: str) -> tuple[int, int]:
     """``"ROUND:NUMEL"`` -> (round, numel): that round's frame has another size."""
-    round_text, sep, numel_text = text.partition(":")
-    try:
-        round_index, numel = int(round_text), int(numel_text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want ROUND:NUMEL, got {text!r}") from None
-    if not sep or round_index < 0 or numel <= 0:
-        raise argparse.ArgumentTypeError(f"want ROUND:NUMEL with ROUND >= 0 and NUMEL > 0, got {text!r}")
-    return round_index, numel
+    return _round_and(text, "NUMEL", int, lambda numel: numel > 0)
 
 
 class _Go:
