@@ -263,6 +263,49 @@ async def test_a_relay_stopped_by_its_controller_raises_one_flodl_error_naming_i
     assert "relay h-victim" in str(info.value) and "did not ask for" in str(info.value)
 
 
+async def test_a_goodbye_the_controller_no_longer_takes_ends_the_relay_cleanly(salt, monkeypatch, caplog):
+    """At the end of a run the controller closes its relay connections once every rank
+    finished; a relay channel may still be writing one of its ranks' exit notices then.
+    That write fails (EPIPE) where the reader would have seen EOF: the relay shuts down
+    as for EOF, it does not fail. (A HostFrame that cannot be written still fails it:
+    tests/test_lanes.py, tests/test_cut_through.py.)"""
+    from flodl_trio.relay.channels import DataChannel
+    from flodl_trio.wire.mux import RankExit, RankFinished
+
+    caplog.set_level(logging.INFO, logger="flodl_trio.relay")
+    write_upstream = DataChannel._write_upstream
+    lost: list[object] = []
+
+    async def controller_gone_for_goodbyes(self, item):  # type: ignore[no-untyped-def]
+        if isinstance(item, RankExit | RankFinished):
+            lost.append(item)
+            raise trio.BrokenResourceError("[Errno 32] Broken pipe")
+        await write_upstream(self, item)
+
+    monkeypatch.setattr(DataChannel, "_write_upstream", controller_gone_for_goodbyes)
+
+    async def quiet_controller(stream: trio.SocketStream) -> None:
+        conn = MessageStream(stream, "relay")
+        await conn.receive_exactly(4, "magic")
+        header = await conn.receive_mux_header()
+        assert header is not None
+        await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+        await conn.send_chunks([encode_control_record(HelloAck(), salt)])
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, quiet_controller, 0)
+        port = listeners[0].socket.getsockname()[1]
+        async with open_relay(ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, port), host_name="h-end",
+                              ranks=[0], world_size=1, salt=salt) as relay:
+            rank = await raw_rank((LOOP, relay.port), 0, 1)
+            await rank.aclose()
+            await relay.wait_finished()  # no error
+        nursery.cancel_scope.cancel()
+    assert len(lost) == 1
+    assert any("shutting down: the controller closed the upstream connection" in r.getMessage() for r in caplog.records)
+
+
 # -- a rank that never connects ----------------------------------------------------------------
 
 

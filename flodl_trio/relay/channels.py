@@ -291,6 +291,14 @@ class _Channel:
                 try:
                     await self._write_upstream(item)
                 except CONNECTION_LOST as exc:
+                    if isinstance(item, RankExit | RankFinished):
+                        # Only a rank's goodbye was lost: the controller closed the connection (it
+                        # does once every rank has finished) before this write, as when the reader
+                        # sees EOF first - a shutdown, not a failure.
+                        self._log_shutdown(f"the controller closed the upstream connection ({exc})")
+                        assert self._nursery is not None
+                        self._nursery.cancel_scope.cancel()
+                        return
                     raise FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {exc}") from exc
                 del item  # a sent HostFrame must not outlive its write while we wait for the next
 
