@@ -235,18 +235,24 @@ async def test_a_replayed_heartbeat_keeps_nobody_alive(salt):
 # -- errors that leave a public API ------------------------------------------------------------
 
 
+async def _answer_hello(stream: trio.SocketStream, salt: SessionSalt) -> MessageStream:
+    """A controller's side of a relay's handshake: read its magic and Hello, ack it."""
+    conn = MessageStream(stream, "relay")
+    await conn.receive_exactly(4, "magic")
+    header = await conn.receive_mux_header()
+    assert header is not None
+    await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+    await conn.send_chunks([encode_control_record(HelloAck(), salt)])
+    return conn
+
+
 async def test_a_relay_stopped_by_its_controller_raises_one_flodl_error_naming_it(salt):
     """A controller that answers the Hello and then sends a Broadcast nobody asked for:
     the relay stops, and wait_finished raises a DesyncError naming the relay - one
     error, not an exception group."""
 
     async def rogue_controller(stream: trio.SocketStream) -> None:
-        conn = MessageStream(stream, "relay")
-        await conn.receive_exactly(4, "magic")
-        header = await conn.receive_mux_header()
-        assert header is not None
-        await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
-        await conn.send_chunks([encode_control_record(HelloAck(), salt)])
+        conn = await _answer_hello(stream, salt)
         frame = encode_round_frame(one_tensor(1.0), salt)
         await conn.send_chunks(encode_mux_record(MuxKind.BROADCAST, frame, salt).chunks)
         await trio.sleep_forever()
@@ -285,12 +291,7 @@ async def test_a_goodbye_the_controller_no_longer_takes_ends_the_relay_cleanly(s
     monkeypatch.setattr(DataChannel, "_write_upstream", controller_gone_for_goodbyes)
 
     async def quiet_controller(stream: trio.SocketStream) -> None:
-        conn = MessageStream(stream, "relay")
-        await conn.receive_exactly(4, "magic")
-        header = await conn.receive_mux_header()
-        assert header is not None
-        await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
-        await conn.send_chunks([encode_control_record(HelloAck(), salt)])
+        await _answer_hello(stream, salt)
         await trio.sleep_forever()
 
     async with trio.open_nursery() as nursery:
