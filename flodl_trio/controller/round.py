@@ -19,7 +19,7 @@ from typing import Protocol
 
 import attrs
 
-from ..errors import DesyncError, FlodlError, HandshakeError, ProtocolError
+from ..errors import DesyncError, FlodlError, HandshakeError, ProtocolError, SchemaError
 from ..fold.accumulator import (
     FoldAccumulator,
     ImageCache,
@@ -345,9 +345,13 @@ class ControllerRound:
         consensus when it completes the round."""
         if self.acc.count == 0:
             self.started = now
-        if self.agreed.folded_frames_at_fault(self.acc.schema, schema_of(frame)):
+        try:
+            self.acc.add(frame, self.seats[seat_id].name)
+        except SchemaError:  # nothing of the frame was added: see who is wrong
+            if not self.agreed.folded_frames_at_fault(self.acc.schema, schema_of(frame)):
+                raise
             self._take_out_folded(seat_id, frame)
-        self.acc.add(frame, self.seats[seat_id].name)
+            self.acc.add(frame, self.seats[seat_id].name)
         self._delivered_by(seat_id)
         self._on_change()
         return self.consensus_if_complete(now)

@@ -106,9 +106,13 @@ class HostFold:
             self.fresh.discard(rank)
             self._check_first_frame(rank, frame)
         self._owe_reply(rank)
-        if self.agreed.folded_frames_at_fault(self.acc.schema, schema_of(frame)):
+        try:
+            self.acc.add(frame, f"rank {rank}")
+        except SchemaError:  # nothing of the frame was added: see who is wrong
+            if not self.agreed.folded_frames_at_fault(self.acc.schema, schema_of(frame)):
+                raise
             self._take_out_folded(rank, frame)
-        self.acc.add(frame, f"rank {rank}")
+            self.acc.add(frame, f"rank {rank}")
         self.deposited.add(rank)
         self._on_change()
         return self._take_if_complete()
