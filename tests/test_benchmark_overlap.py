@@ -60,7 +60,7 @@ def _args(staleness: str) -> argparse.Namespace:
     return argparse.Namespace(convergence_windows=40, sync_every=20, seeds=2, staleness=staleness)
 
 
-def test_every_distinct_schedule_trains_once_and_the_sweep_reuses_them(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_every_distinct_schedule_trains_once_and_the_sweep_reuses_them(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, ...]] = []
     monkeypatch.setattr(overlap, "demo_loss", _fake_demo({None: 1.0, 4: 1.01, 9: 1.01}, calls))
     text, _ = overlap.convergence(_args("4,9,14"), _throughput({"1gbit": 4, "200mbit": 9}))
@@ -72,7 +72,7 @@ def test_every_distinct_schedule_trains_once_and_the_sweep_reuses_them(monkeypat
     assert [row.split("|")[1].strip() for row in sweep.splitlines()[2:]] == ["4", "9", "14"]
 
 
-def test_the_loss_checks_use_each_rates_measured_staleness(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_loss_checks_use_each_rates_measured_staleness(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, ...]] = []
     monkeypatch.setattr(overlap, "demo_loss", _fake_demo({None: 1.0, 4: 1.015, 15: 1.13}, calls))
     _, checks = overlap.convergence(_args(""), _throughput({"1gbit": 4, "200mbit": 15}))
@@ -82,7 +82,7 @@ def test_the_loss_checks_use_each_rates_measured_staleness(monkeypatch: pytest.M
     assert not any("merged after" in c and c.startswith("FAIL") and "(e)" in c for c in checks)
 
 
-def test_a_merge_point_outside_the_window_is_refused() -> None:
+async def test_a_merge_point_outside_the_window_is_refused() -> None:
     with pytest.raises(SystemExit, match="1..20"):
         overlap._staleness_sweep(_args("5,21"))
     assert overlap._staleness_sweep(_args("")) == []
