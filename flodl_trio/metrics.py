@@ -70,6 +70,11 @@ class ControllerCollector(Collector):
         yield ignored
         yield _counter("flodl_controller_rejected_connections", "Connections refused", stats.rejected)
         yield _counter(
+            "flodl_controller_coordinator_rejections",
+            "Control-channel relays or ranks the coordinator refused (bad Hello, signature mismatch, ...)",
+            self.handle.coordinator.rejections.total,
+        )
+        yield _counter(
             "flodl_controller_rounds_finished_ahead",
             "Rounds whose consensus was computed and signed while the last host frame arrived",
             stats.rounds_finished_ahead,

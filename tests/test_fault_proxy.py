@@ -42,6 +42,7 @@ from flodl_trio.testing import (
     FlipBit,
     HalfClose,
     Stall,
+    hold_open,
     open_fault_proxy,
     open_local_cluster,
 )
@@ -833,7 +834,10 @@ async def test_cut_mid_host_frame_kills_that_host_only(salt):
                                 ranks=[0, 1], world_size=world, salt=salt)
             relay1 = open_relay(ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="host1",
                                 ranks=[2, 3], world_size=world, salt=salt)
-            async with relay0 as h0, relay1 as h1:
+            # Each relay in a task of its own, as on its own host: host0's failure cancels only it.
+            async with trio.open_nursery() as hosts:
+                h0 = await hosts.start(hold_open, relay0)
+                h1 = await hosts.start(hold_open, relay1)
                 async def cut_rank(rank: int) -> None:
                     async with connect_reduce_client((LOOP, h0.port), rank, world, salt) as client:
                         results[0, rank] = as_array(await client.all_reduce(frame_of(rank_values(rank, 0))))
@@ -853,6 +857,7 @@ async def test_cut_mid_host_frame_kills_that_host_only(salt):
                         nursery.start_soon(live_rank, rank)
                 with pytest.raises(FlodlError):
                     await h0.wait_finished()
+                hosts.cancel_scope.cancel()
             record = await proxy.wait_closed(0)
             assert record.outcome == "cut" and record.up.bytes_out == cut_at
             (event,) = proxy.fired(CutAt)

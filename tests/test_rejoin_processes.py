@@ -27,6 +27,7 @@ HOSTS = [[0, 1], [2, 3]]
 WINDOWS = 16
 NUMEL = 256
 DEADLINE_S = 90
+HOLD = 10  # survivors hold before this window until the restarted ranks have asked back in
 
 
 @pytest.mark.trio
@@ -34,7 +35,7 @@ async def test_a_killed_rank_restarted_with_the_same_command_rejoins_and_every_w
     with trio.fail_after(DEADLINE_S):
         async with open_process_cluster(
             world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, rejoin_timeout=60.0,
-            numel=NUMEL, pause=0.3, worker_args={r: ["--windows", str(WINDOWS)] for r in range(WORLD)},
+            numel=NUMEL, pause=0.3, worker_args=held_until(HOLD, survivors=(0, 1, 2)),
         ) as cluster:
             with diagnose(cluster):
                 await cluster.wait_event(3, "window", window=4)
@@ -42,6 +43,7 @@ async def test_a_killed_rank_restarted_with_the_same_command_rejoins_and_every_w
                 await cluster.wait_exit(3)
                 await cluster.wait_event(0, "window", window=7)
                 await cluster.restart(3)
+                await release_once_back(cluster, [3], survivors=(0, 1, 2))
                 joined = await cluster.wait_event(3, "joined")
                 for rank in range(WORLD):
                     outcome = await cluster.wait_outcome(rank)
@@ -49,12 +51,32 @@ async def test_a_killed_rank_restarted_with_the_same_command_rejoins_and_every_w
                 stats = cluster.local.controller.stats
                 assert stats.rejoins == 1 and stats.states_served == 1
     start = joined["start"]
-    assert 9 <= start <= WINDOWS - 2, f"rank 3 restarted after window 7 and entered window {start}"
+    # Asked after window 7, in before the survivors' hold at HOLD ended: window 9 at the earliest, HOLD + 1 at the latest.
+    assert 9 <= start <= HOLD + 1, f"rank 3 restarted after window 7 and entered window {start}"
     contributors = check_windows(cluster, WINDOWS, NUMEL, {5: {3}})
     check_final_and_joins(cluster, WINDOWS, contributors)
     for window in range(WINDOWS):
         want = {0, 1, 2, 3} if window < 5 or window >= start else {0, 1, 2}
         assert contributors[window] == want, f"window {window}: {contributors[window]}"
+
+
+def held_until(window: int, survivors: tuple[int, ...]) -> dict[int, list[str]]:
+    """Worker arguments: every rank runs WINDOWS windows; the survivors hold before
+    ``window`` until the test releases them (:func:`release_once_back`)."""
+    held = ["--pause-before", f"{window}:inf"]
+    return {r: ["--windows", str(WINDOWS), *(held if r in survivors else [])] for r in range(WORLD)}
+
+
+async def release_once_back(cluster, ranks: list[int], survivors: tuple[int, ...]) -> None:
+    """Let the survivors go on once the restarted ranks have asked to come back in full.
+
+    A restarted process takes seconds to start (torch's import) and the survivors run
+    a window every few tenths of one meanwhile: without the hold, whether the ranks
+    come back before the run ends would depend on the machine's speed. With it, they
+    enter at the boundary of window HOLD at the latest."""
+    await cluster.wait_returns_asked(ranks)
+    for rank in survivors:
+        await cluster.resume(rank)
 
 
 async def restart_host_1_and_finish(cluster) -> None:
@@ -63,6 +85,7 @@ async def restart_host_1_and_finish(cluster) -> None:
     await cluster.restart_relay(1)
     for rank in (2, 3):
         await cluster.restart(rank)
+    await release_once_back(cluster, [2, 3], survivors=(0, 1))
     for rank in range(WORLD):
         outcome = await cluster.wait_outcome(rank)
         assert outcome["event"] == "done", outcome
@@ -75,7 +98,7 @@ async def test_a_host_that_crashed_relay_and_ranks_comes_back_while_the_other_ho
         async with open_process_cluster(
             world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
             controller_args=["--rejoin-timeout", "60"], numel=NUMEL, pause=0.3,
-            worker_args={r: ["--windows", str(WINDOWS)] for r in range(WORLD)},
+            worker_args=held_until(HOLD, survivors=(0, 1)),
         ) as cluster:
             with diagnose(cluster):
                 await cluster.wait_event(2, "window", window=3)
@@ -94,7 +117,7 @@ async def test_a_host_that_crashed_relay_and_ranks_comes_back_while_the_other_ho
     contributors = check_windows(cluster, WINDOWS, NUMEL, {4: {2, 3}})
     check_final_and_joins(cluster, WINDOWS, contributors)
     starts = {rank: joined_event(cluster, rank)["start"] for rank in (2, 3)}
-    assert all(8 <= s <= WINDOWS - 2 for s in starts.values()), starts
+    assert all(8 <= s <= HOLD + 1 for s in starts.values()), starts  # asked after window 6, in by HOLD's end
     assert "rejoins" in cluster.controller.text
 
 
@@ -107,7 +130,7 @@ async def test_a_relay_dropped_for_a_flipped_bit_costs_only_its_host_which_then_
         async with open_process_cluster(
             world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
             controller_args=["--rejoin-timeout", "60"], numel=NUMEL, pause=0.3,
-            worker_args={r: ["--windows", str(WINDOWS)] for r in range(WORLD)},
+            worker_args=held_until(HOLD, survivors=(0, 1)),
             upstream_faults={1: [FlipBit(at_byte=6000, bit=3, connection=0)]},
         ) as cluster:
             with diagnose(cluster):

@@ -144,9 +144,13 @@ class ReduceClient:
         :meth:`join` says it (a length prefix of 0, a flodl_trio extension); for any
         other rank this is :meth:`aclose`."""
         if self.joined and self._broken is None:
-            with trio.move_on_after(self._bounds.handshake) as sending, trio.CancelScope(shield=True):
+            # Shielded from the caller's cancellation, bounded by our own deadline
+            # (inside the shield, so it can fire): a relay that stopped reading costs
+            # us the bound, not a hang. Cutting the 4 bytes short is harmless: the
+            # connection closes right after.
+            with trio.CancelScope(shield=True), trio.move_on_after(self._bounds.handshake) as sending:
                 try:
-                    await self._conn.send_chunks([_FINISHED])
+                    await self._conn.send_piece(_FINISHED)
                 except CONNECTION_LOST:
                     pass
             if sending.cancelled_caught:

@@ -24,6 +24,7 @@ import trio
 from ..errors import FlodlError, HandshakeError, ProtocolError
 from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
+from ..transport.refusals import Refusals
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD
 from ..wire.control_frame import (
@@ -86,7 +87,7 @@ class Coordinator:
         self.owner: dict[int, RelayLink] = {}
         self.last_seen: dict[int, float] = {}
         self.reference_sig: tuple[bytes, int, str] | None = None
-        self.rejections: list[str] = []
+        self.rejections = Refusals()
         self.death_reasons: dict[int, str] = {}
         self._beacon_seq = 0
         self._noticed: set[int] = set()
@@ -269,7 +270,7 @@ class Coordinator:
 
     def _refuse(self, message: str) -> None:
         log.warning("coordinator: %s", message)
-        self.rejections.append(message)
+        self.rejections.add(message)
 
     async def _read_link(self, link: RelayLink) -> None:
         while True:

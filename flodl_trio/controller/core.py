@@ -43,13 +43,13 @@ from ..transport.connect import (
     warn_if_public_peer,
 )
 from ..transport.hashing import encode_enveloped_frame
+from ..transport.refusals import Refusals
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import (
     ChangeSignal,
     RunOutcome,
     one_error,
-    run_service,
-    service_nursery,
+    serving,
 )
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
@@ -175,7 +175,7 @@ class ControllerHandle:
         self.dead_ranks = dead_ranks
         self.stats = stats
         self.coordinator = coordinator
-        self.rejections: list[str] = []
+        self.rejections = Refusals()
         self.outcome = RunOutcome()
 
     async def wait_finished(self) -> None:
@@ -277,11 +277,8 @@ async def open_controller(
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership)
-    async with service_nursery() as nursery:
-        nursery.start_soon(run_service, controller.run, handle.outcome, log, "controller")
+    async with serving(controller.run, handle.outcome, log, "controller"):
         yield handle
-    if (error := handle.outcome.unreported_error()) is not None:
-        raise error
 
 
 class _Controller:
@@ -344,7 +341,7 @@ class _Controller:
 
     def _refuse(self, message: str) -> None:
         log.warning("controller: %s", message)
-        self.handle.rejections.append(message)
+        self.handle.rejections.add(message)
         self.stats.rejected += 1
 
     # -- connections ---------------------------------------------------------
@@ -879,6 +876,8 @@ class _Controller:
             {
                 "world_size": self.config.world_size,
                 "dead_ranks": sorted(self.dead.snapshot()),
+                # Returns with both halves in (relay's ask, state request): let in at the next boundary.
+                "joining": [rank for rank, _seat in self.membership.ready()],
                 "relays": [
                     {"host": self.links[sid].host, "ranks": list(seat.ranks)}
                     for sid, seat in self.round.seats.items() if seat.connected

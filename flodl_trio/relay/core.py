@@ -41,8 +41,9 @@ from ..transport.local_leg import (
     trusted_uid,
     tune_local_stream,
 )
+from ..transport.refusals import Refusals
 from ..transport.stream import CONNECTION_LOST, MessageStream
-from ..transport.tasks import RunOutcome, run_service, service_nursery
+from ..transport.tasks import RunOutcome, serving
 from ..wire.constants import CHANNEL_MAGIC_STATE, DEFAULT_FRAME_CEILING
 from ..wire.handshake import (
     CONTROL_HANDSHAKE_LEN,
@@ -96,7 +97,7 @@ class RelayHandle:
         self.port = port
         self.unix_path = unix_path  # the local leg's socket (a data relay's), if it listens on one
         self.stats = RelayStats()
-        self.rejections: list[str] = []
+        self.rejections = Refusals()
         self.outcome = RunOutcome()
 
     @property
@@ -177,11 +178,8 @@ async def open_relay(
                 listeners, unix_path = [*listeners, unix], unix.path
     handle = RelayHandle(config, listener_port(listeners[0]), unix_path)
     relay = _Relay(config, handle, listeners, connect, host if host is not None else HostRanks(config.ranks))
-    async with service_nursery() as nursery:
-        nursery.start_soon(run_service, relay.run, handle.outcome, log, f"relay {host_name}")
+    async with serving(relay.run, handle.outcome, log, f"relay {host_name}"):
         yield handle
-    if (error := handle.outcome.unreported_error()) is not None:
-        raise error
 
 
 class _Relay:
@@ -414,7 +412,7 @@ class _Relay:
 
     def _refuse(self, message: str) -> None:
         log.warning("%s", message)
-        self.handle.rejections.append(message)
+        self.handle.rejections.add(message)
         self.handle.stats.rejected += 1
 
     async def _dial_controller(self, ranks: tuple[int, ...]) -> MessageStream:

@@ -12,7 +12,7 @@
 See docs/fault-injection.md.
 """
 
-from .local import LocalCluster, open_local_cluster
+from .local import LocalCluster, hold_open, open_local_cluster
 from .memory import MemoryListener, MemoryNetwork
 from .processes import (
     ChildProcess,
@@ -62,6 +62,7 @@ __all__ = [
     "ProcessCluster",
     "RankProcess",
     "Stall",
+    "hold_open",
     "memory_of",
     "open_fault_proxy",
     "open_local_cluster",

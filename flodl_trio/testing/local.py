@@ -21,8 +21,8 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -30,7 +30,7 @@ import trio
 from ..client import ReduceClient, connect_reduce_client
 from ..controller import ControllerHandle, open_controller
 from ..controller.dead_ranks import DeadRanks
-from ..errors import ConfigError
+from ..errors import ConfigError, FlodlError
 from ..relay import ChannelKind, HostRanks, RelayHandle, open_relay
 from ..settings import NetBounds
 from ..transport.connect import Connector
@@ -108,6 +108,30 @@ class LocalCluster:
         raise KeyError(f"rank {rank} has no control relay (open the cluster with control=True)")
 
 
+H = TypeVar("H")
+
+
+async def hold_open(
+    role: AbstractAsyncContextManager[H], *, task_status: trio.TaskStatus[H] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Hold a role's ``open_*`` block open in a task of its own until cancelled;
+    ``await nursery.start(hold_open, open_relay(...))`` returns its handle.
+
+    A role that stops with an error cancels the block it runs in (docs/api.md):
+    run that way, it cancels only this task, as a crashed daemon costs only its
+    host, and the error stays on its handle (``wait_finished()`` raises it).
+    """
+    started = False
+    try:
+        async with role as handle:
+            task_status.started(handle)
+            started = True
+            await trio.sleep_forever()
+    except FlodlError:
+        if not started:
+            raise
+
+
 @asynccontextmanager
 async def open_local_cluster(
     *,
@@ -162,6 +186,7 @@ async def open_local_cluster(
                 proxies[index] = FaultProxy(target, faults)
                 await nursery.start(proxies[index].serve)
         kinds = [ChannelKind.DATA, ChannelKind.CONTROL] if control else [ChannelKind.DATA]
+        hosts_nursery = await stack.enter_async_context(service_nursery())
         relays: dict[ChannelKind, list[RelayHandle]] = {kind: [] for kind in kinds}
         shared = [HostRanks(ranks) for ranks in hosts]  # what each host's two channels share
         for kind in kinds:
@@ -183,7 +208,7 @@ async def open_local_cluster(
                     lanes=lanes if kind is ChannelKind.DATA else 1,
                     **listeners(),
                 )
-                relays[kind].append(await stack.enter_async_context(relay))
+                relays[kind].append(await hosts_nursery.start(hold_open, relay))
         yield LocalCluster(
             controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
             relays.get(ChannelKind.CONTROL, []), proxies, network,

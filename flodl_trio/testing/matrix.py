@@ -1349,6 +1349,22 @@ def windowed_cluster(windows: int = WINDOWS, *, extra: dict[int, list[str]] | No
     )
 
 
+HOLD = 8  # survivors of a restart hold before this window until the restarted ranks asked back in
+
+
+def held(survivors: tuple[int, ...]) -> dict[int, list[str]]:
+    """Worker arguments that hold ``survivors`` before window :data:`HOLD` (see :func:`release_once_back`)."""
+    return {r: ["--pause-before", f"{HOLD}:inf"] for r in survivors}
+
+
+async def release_once_back(c: ProcessCluster, ranks: list[int], survivors: tuple[int, ...]) -> None:
+    """The survivors go on once the restarted ``ranks`` have asked to come back in full:
+    how long a process takes to start then decides nothing (they enter by window HOLD + 1)."""
+    await c.wait_returns_asked(ranks)
+    for rank in survivors:
+        await c.resume(rank)
+
+
 async def all_done(c: ProcessCluster) -> None:
     for rank in range(c.world_size):
         outcome = await c.wait_outcome(rank)
@@ -1367,13 +1383,14 @@ def windows_exact(c: ProcessCluster, maybe_in: dict[int, set[int]], windows: int
 
 @case("rank-kill-restart", fault="rank SIGKILLed mid-training, restarted with the same command", leg="rank process", deadline=60)
 async def rank_kill_restart() -> Outcome:
-    async with windowed_cluster() as c:
+    async with windowed_cluster(extra=held((0, 1, 2))) as c:
         with diagnose(c):
             await c.wait_event(3, "window", window=2)
             t0 = mono()
             c.kill(3)
             await c.wait_exit(3)
             await c.restart(3)
+            await release_once_back(c, [3], (0, 1, 2))
             start = (await c.wait_event(3, "joined"))["start"]
             first = await c.wait_event(3, "window", window=start)
             await all_done(c)
@@ -1386,7 +1403,7 @@ async def rank_kill_restart() -> Outcome:
 
 @case("host-restart", fault="host 1's relay and ranks SIGKILLed, then restarted", leg="relay + rank processes", deadline=60)
 async def host_restart() -> Outcome:
-    async with windowed_cluster() as c:
+    async with windowed_cluster(extra=held((0, 1))) as c:
         with diagnose(c):
             await c.wait_event(2, "window", window=2)
             t0 = mono()
@@ -1398,6 +1415,7 @@ async def host_restart() -> Outcome:
             await c.restart_relay(1)
             for rank in (2, 3):
                 await c.restart(rank)
+            await release_once_back(c, [2, 3], (0, 1))
             start = max([(await c.wait_event(rank, "joined"))["start"] for rank in (2, 3)])
             first = await c.wait_event(2, "window", window=start)
             await all_done(c)
@@ -1411,11 +1429,13 @@ async def host_restart() -> Outcome:
 @case("formation-missing-rank", fault="rank 3 starts 3 s late (--min-ranks 3 --formation-timeout 1)", leg="formation", deadline=60)
 async def formation_missing_rank() -> Outcome:
     async with windowed_cluster(
-        24, controller_args=["--min-ranks", "3", "--formation-timeout", "1"], extra={3: ["--start-delay", "3"]},
+        24, controller_args=["--min-ranks", "3", "--formation-timeout", "1"],
+        extra={3: ["--start-delay", "3"], **held((0, 1, 2))},
     ) as c:
         with diagnose(c):
             await c.controller.wait_log("starting without ranks [3]")
             t0 = mono()
+            await release_once_back(c, [3], (0, 1, 2))
             start = (await c.wait_event(3, "joined"))["start"]
             first = await c.wait_event(3, "window", window=start)
             await all_done(c)

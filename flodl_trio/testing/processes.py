@@ -317,6 +317,21 @@ class ProcessCluster:
     async def wait_exit(self, rank: int) -> int:
         return await self.ranks[rank].process.wait()
 
+    async def wait_returns_asked(self, ranks: Iterable[int], poll: float = 0.05) -> None:
+        """Until every rank of ``ranks`` has asked to come back in full (its relay's ask
+        and its state request are both at the controller: the status page lists it as
+        ``joining``) or has already rejoined. A test that holds the survivors
+        (``--pause-before W:inf``) until then knows the window the ranks enter by,
+        however long their processes took to start."""
+        pending = set(ranks)
+        while True:
+            pending -= {rank for rank in pending if any(e["event"] == "joined" for e in self.ranks[rank].events)}
+            if pending:
+                pending -= set((await self.status())["joining"])
+            if not pending:
+                return
+            await trio.sleep(poll)
+
     # -- daemons -------------------------------------------------------------
 
     def _daemons(self) -> None:

@@ -134,12 +134,16 @@ class RunOutcome:
         return None if self._reported else self._error
 
 
-async def run_service(run: Callable[[], Awaitable[None]], outcome: RunOutcome, log: logging.Logger, name: str) -> None:
+async def run_service(
+    run: Callable[[], Awaitable[None]], outcome: RunOutcome, log: logging.Logger, name: str,
+    on_error: trio.CancelScope | None = None,
+) -> None:
     """Run a role's service and record how it ended in ``outcome``.
 
     The one place its errors are caught: a FlodlError (a peer or the network
-    broke something the role cannot carry on without) is logged and recorded;
-    anything else is a bug and propagates, crashing the caller's block.
+    broke something the role cannot carry on without) is logged, recorded,
+    and cancels ``on_error`` (the caller's block); anything else is a bug and
+    propagates, crashing the caller's block.
     """
     try:
         with one_error():
@@ -147,5 +151,24 @@ async def run_service(run: Callable[[], Awaitable[None]], outcome: RunOutcome, l
     except FlodlError as exc:
         log.error("%s stopped: %s", name, exc)
         outcome.end(exc)
+        if on_error is not None:
+            on_error.cancel()
     else:
         outcome.end()
+
+
+@asynccontextmanager
+async def serving(run: Callable[[], Awaitable[None]], outcome: RunOutcome, log: logging.Logger, name: str) -> AsyncIterator[None]:
+    """Run a role's service beside the caller's block: how every ``open_*`` of a role
+    behaves, as ``connect_control_client`` does for a rank.
+
+    A FlodlError that stops the service cancels the block (a wait on the role,
+    ``wait_finished()`` included, ends) and leaves it as itself, never as a
+    group; a clean end (every rank finished) leaves the block running; leaving
+    the block stops the service.
+    """
+    async with service_nursery() as nursery:
+        nursery.start_soon(run_service, run, outcome, log, name, nursery.cancel_scope)
+        yield
+    if (error := outcome.unreported_error()) is not None:
+        raise error
