@@ -259,8 +259,8 @@ TIMED_FUNCTIONS = [
     ("flodl_trio.transport.hashing", "RunningMac.feed"),
     ("flodl_trio.fold.accumulator", "FoldAccumulator.add"),
     ("flodl_trio.fold.accumulator", "FoldAccumulator.result"),
-    ("flodl_trio.tensors", "tensors_to_round_frame"),
-    ("flodl_trio.tensors", "round_frame_to_tensors"),
+    ("flodl_trio.client.tensors", "tensors_to_round_frame"),
+    ("flodl_trio.client.tensors", "round_frame_to_tensors"),
 ]
 TIMING_PREFIX = "FLODL_BENCH_TIMING "
 
@@ -313,7 +313,7 @@ def timed_exec(argv: list[str]) -> None:
 
     is_rank = "--worker" in argv
     for mod_name, dotted in TIMED_FUNCTIONS:
-        if mod_name == "flodl_trio.tensors" and not is_rank:
+        if mod_name == "flodl_trio.client.tensors" and not is_rank:
             continue  # it imports torch: the daemons must not pay for it
         try:
             owner: Any = importlib.import_module(mod_name)

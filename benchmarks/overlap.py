@@ -22,7 +22,7 @@ them), and the time it was held up by rounds. Systems:
 * (a) ``none``: no communication at all, the ceiling;
 * (b) ``gloo``: ``torch.distributed`` gloo, a synchronous ``all_reduce``
   (then a divide) every H steps;
-* (c) ``flodl sync``: flodl_trio's :class:`~flodl_trio.trainer.WindowTrainer`,
+* (c) ``flodl sync``: flodl_trio's :class:`~flodl_trio.train.trainer.WindowTrainer`,
   ``overlap=0`` (every window's counts, params and buffers rounds waited for);
 * (d) ``flodl overlap``: the same with ``overlap=1``;
 * (e) ``flodl fragments``: overlapped, the params in P = 4 fragments (a
@@ -143,7 +143,7 @@ def _gloo_worker(args: argparse.Namespace, t: object, boundaries: list[float]) -
 
 async def _flodl_worker(args: argparse.Namespace, params: list[object], boundaries: list[float]) -> None:
     from flodl_trio import connect_reduce_client
-    from flodl_trio.trainer import open_window_trainer
+    from flodl_trio.train.trainer import open_window_trainer
 
     host, _, port = args.addr.rpartition(":")
     salt = bytes.fromhex(os.environ["FLODL_SALT_HEX"])

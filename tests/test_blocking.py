@@ -10,9 +10,9 @@ import torch
 import trio
 
 from flodl_trio import FlodlError, RankDeadError
-from flodl_trio.blocking import BlockingReduceClient
 from flodl_trio.client import CoordinatorLost
 from flodl_trio.testing import open_local_cluster
+from flodl_trio.train.blocking import BlockingReduceClient
 
 SIG = b"\x33" * 32
 

@@ -28,7 +28,7 @@ import torch
 import trio
 
 import flodl_trio
-import flodl_trio.checkpoint
+import flodl_trio.wire.checkpoint
 from flodl_trio import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -39,22 +39,22 @@ from flodl_trio import (
     average_window,
     connect_reduce_client,
 )
-from flodl_trio.checkpoint import (
+from flodl_trio.controller import checkpointer as checkpointer_module
+from flodl_trio.controller.checkpointer import ConsensusCheckpointer
+from flodl_trio.errors import ConfigError
+from flodl_trio.fold.outer import DiLoCoNesterov, SlowMo
+from flodl_trio.testing import open_local_cluster
+from flodl_trio.train.checkpoint import restore_module
+from flodl_trio.wire.bf16 import bf16_to_f32, f32_to_bf16
+from flodl_trio.wire.checkpoint import (
     FORMAT,
     Checkpoint,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    restore_module,
     write_safetensors_atomic,
 )
-from flodl_trio.controller import checkpointer as checkpointer_module
-from flodl_trio.controller.checkpointer import ConsensusCheckpointer
-from flodl_trio.errors import ConfigError
-from flodl_trio.outer import DiLoCoNesterov, SlowMo
-from flodl_trio.testing import open_local_cluster
-from flodl_trio.wire.bf16 import bf16_to_f32, f32_to_bf16
 
 PARAM_SHAPES = [(2, 3), (2,)]
 BUFFER_SHAPES = [(2,)]
@@ -458,11 +458,11 @@ async def test_outer_state_saved_and_reloadable(tmp_path):
 
 
 def test_checkpoint_module_imports_neither_trio_nor_the_controller():
-    """A rank reads checkpoints without the controller or trio.
+    """A rank reads checkpoints without the controller, trio or torch.
 
     ``flodl_trio/__init__.py`` imports the controller itself, so the subprocess
-    stands in an empty package for it and imports ``flodl_trio.checkpoint``
-    alone: whatever that module (or anything it imports) pulls in shows up.
+    stands in an empty package for it and imports the format and the rank's
+    restore alone: whatever they (or anything they import) pull in shows up.
     """
     code = textwrap.dedent(
         """
@@ -472,14 +472,10 @@ def test_checkpoint_module_imports_neither_trio_nor_the_controller():
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["flodl_trio"] = package
 
-        import flodl_trio.checkpoint
+        import flodl_trio.wire.checkpoint, flodl_trio.train.checkpoint
         heavy = sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in ("trio", "torch")}
                        | {m for m in sys.modules if m.startswith("flodl_trio.controller")})
-        assert not heavy, f"importing flodl_trio.checkpoint imported {heavy}"
-
-        from flodl_trio.checkpoint import ConsensusCheckpointer  # the old name, resolved on use
-        assert ConsensusCheckpointer.__module__ == "flodl_trio.controller.checkpointer"
-        assert "trio" in sys.modules
+        assert not heavy, f"importing the checkpoint reader imported {heavy}"
         """
     )
     root = Path(flodl_trio.__file__).resolve().parents[1]  # the checkout under test
@@ -488,10 +484,11 @@ def test_checkpoint_module_imports_neither_trio_nor_the_controller():
     assert result.returncode == 0, result.stderr
 
 
-def test_the_old_import_path_is_the_controller_checkpointer():
-    assert flodl_trio.checkpoint.ConsensusCheckpointer is ConsensusCheckpointer
+def test_the_package_exports_the_writer_and_the_readers_by_name():
+    assert flodl_trio.ConsensusCheckpointer is ConsensusCheckpointer
+    assert flodl_trio.load_checkpoint is load_checkpoint and flodl_trio.restore_module is restore_module
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        flodl_trio.checkpoint.Nope  # noqa: B018
+        flodl_trio.Nope  # noqa: B018
 
 
 # ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from flodl_trio import connect_reduce_client
-from flodl_trio.settings import NetBounds
+from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire.constants import FINISHED_LENGTH
 from flodl_trio.wire.handshake import DATA_HANDSHAKE_LEN, encode_data_ack
 

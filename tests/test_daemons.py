@@ -20,10 +20,10 @@ import torch
 import trio
 
 from flodl_trio import RoundKind, average_window, connect_reduce_client
-from flodl_trio.checkpoint import load_checkpoint
 from flodl_trio.client import connect_control_client
-from flodl_trio.outer import DiLoCoNesterov
+from flodl_trio.fold.outer import DiLoCoNesterov
 from flodl_trio.wire import RoundFrame, TensorPayload
+from flodl_trio.wire.checkpoint import load_checkpoint
 
 SALT_HEX = "42" * 16
 SIG = b"\x44" * 32

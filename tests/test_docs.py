@@ -49,8 +49,12 @@ import attrs
 import pytest
 import trio
 
-from flodl_trio.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from flodl_trio.testing import open_fault_proxy
+from flodl_trio.wire.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = "127.0.0.1"
@@ -532,7 +536,7 @@ import json, textwrap
 import torch, trio
 
 from flodl_trio import SessionSalt, connect_reduce_client
-from flodl_trio.outer import DiLoCoNesterov
+from flodl_trio import DiLoCoNesterov
 from flodl_trio.testing import open_local_cluster
 
 SNIPPET = open("snippet.py").read()
@@ -646,7 +650,7 @@ def port_is_free(port: int) -> bool:
 
 
 def free_ports_with_relay_offsets(count: int) -> list[int]:
-    """``count`` free ports P whose P+4 and P+5 (a host relay's loopback ports: flodl_trio.launch)
+    """``count`` free ports P whose P+4 and P+5 (a host relay's loopback ports: flodl_trio.daemon.launch)
     are free too, none of them overlapping."""
     chosen: list[int] = []
     while len(chosen) < count:
@@ -986,7 +990,7 @@ RESUME_CONTROLLER_DRIVER = """\
 import json
 import trio
 from doc_harness import run_snippet
-from flodl_trio.outer import DiLoCoNesterov
+from flodl_trio import DiLoCoNesterov
 
 
 async def main():
@@ -1005,7 +1009,7 @@ import numpy as np
 import trio
 from doc_harness import build_model, run_snippet
 from flodl_trio import SessionSalt, average_window, connect_reduce_client
-from flodl_trio.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from flodl_trio.wire.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from flodl_trio.testing import open_local_cluster
 
 

@@ -17,13 +17,15 @@ import torch
 import trio
 
 from flodl_trio import ConfigError, FlodlError, connect_reduce_client
-from flodl_trio.checkpoint import latest_checkpoint, load_checkpoint, restore_module
+from flodl_trio.client.tensors import fragment_pieces
 from flodl_trio.controller.checkpointer import ConsensusCheckpointer
-from flodl_trio.outer import DiLoCoNesterov, SlowMo, consensus_as_f32
-from flodl_trio.tensors import fragment_pieces
+from flodl_trio.fold.outer import DiLoCoNesterov, SlowMo, consensus_as_f32
 from flodl_trio.testing import open_local_cluster
-from flodl_trio.trainer import WindowSchedule, open_window_trainer
+from flodl_trio.train.checkpoint import restore_module
+from flodl_trio.train.schedule import WindowSchedule
+from flodl_trio.train.trainer import open_window_trainer
 from flodl_trio.wire import DTYPE_F32, RoundFrame, RoundKind, TensorPayload
+from flodl_trio.wire.checkpoint import latest_checkpoint, load_checkpoint
 from flodl_trio.wire.fragment import FragmentTag, fragment_of, piece_range
 from flodl_trio.wire.round_frame import decode_round_frame, encode_round_frame
 
@@ -300,7 +302,7 @@ async def test_a_rank_that_disagrees_on_the_fragment_is_refused_alone(salt):
 async def test_the_blocking_facade_syncs_fragments(salt):
     from test_blocking import run_rank_threads
 
-    from flodl_trio.blocking import BlockingReduceClient
+    from flodl_trio.train.blocking import BlockingReduceClient
 
     final: dict[int, list[np.ndarray]] = {}
     errors: list[BaseException] = []

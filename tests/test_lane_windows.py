@@ -6,7 +6,7 @@ import numpy as np
 
 from flodl_trio.controller.lane_windows import LaneWindows
 from flodl_trio.controller.round import Consensus
-from flodl_trio.outer import SlowMo, consensus_as_f32
+from flodl_trio.fold.outer import SlowMo, consensus_as_f32
 from flodl_trio.wire import DTYPE_F32, RoundFrame, RoundKind, TensorPayload
 from flodl_trio.wire.lanes import LaneLayout
 from flodl_trio.wire.round_frame import decode_round_frame

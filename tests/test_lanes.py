@@ -21,7 +21,7 @@ import trio
 
 from flodl_trio import ConfigError, FlodlError, RoundKind, connect_reduce_client
 from flodl_trio.controller import open_controller
-from flodl_trio.outer import SlowMo
+from flodl_trio.fold.outer import SlowMo
 from flodl_trio.relay import ChannelKind, open_relay
 from flodl_trio.testing import CutAt, open_local_cluster
 from flodl_trio.wire import DTYPE_F32, Hello, RoundFrame, TensorPayload
@@ -165,7 +165,7 @@ async def test_an_outer_optimizer_that_cannot_step_a_lane_is_refused_up_front(sa
 
 
 async def test_a_relay_with_lanes_facing_a_controller_without_them_stops_before_sending(salt):
-    from flodl_trio.settings import NetBounds
+    from flodl_trio.transport.settings import NetBounds
 
     await relay_stops_on_a_lane_mismatch(salt, 1, 3, "started with lanes=3, but the controller did not say",
                                          bounds=attrs.evolve(NetBounds(), handshake=0.5))

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from flodl_trio.daemon.launch import (
+    controller_address,
+    host_ranks_from_env,
+    rank_from_env,
+)
 from flodl_trio.errors import ConfigError
-from flodl_trio.launch import controller_address, host_ranks_from_env, rank_from_env
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
             "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}

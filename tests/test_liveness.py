@@ -87,7 +87,7 @@ async def test_control_handshake_refusals_are_distinct_and_harmless(salt):
 
 
 def test_model_signature_tracks_architecture_not_values():
-    from flodl_trio.tensors import model_signature
+    from flodl_trio.client.tensors import model_signature
 
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     with torch.no_grad():

@@ -25,9 +25,9 @@ import torch
 import trio
 
 from flodl_trio import ConfigError, RankDeadError, connect_reduce_client
+from flodl_trio.daemon.relay import build_parser, settings_from_args
 from flodl_trio.errors import FramingError, MacError
 from flodl_trio.relay import ChannelKind, open_relay
-from flodl_trio.relay.cli import build_parser, settings_from_args
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.transport import MessageStream
 from flodl_trio.transport.local_leg import (

@@ -376,7 +376,7 @@ async def test_a_state_frame_whose_length_differs_from_the_announced_one_is_refu
     import trio.testing
 
     from flodl_trio.client import fetch_cluster_state
-    from flodl_trio.settings import NetBounds
+    from flodl_trio.transport.settings import NetBounds
 
     client_end, server_end = trio.testing.memory_stream_pair()
 

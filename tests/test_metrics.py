@@ -9,7 +9,7 @@ import trio
 
 from flodl_trio import ChannelKind, connect_reduce_client
 from flodl_trio.client import ReduceClient
-from flodl_trio.metrics import serve_controller_metrics, serve_relay_metrics
+from flodl_trio.daemon.metrics import serve_controller_metrics, serve_relay_metrics
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.transport import MessageStream
 from flodl_trio.wire import (

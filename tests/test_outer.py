@@ -16,7 +16,7 @@ from flodl_trio import (
     TensorPayload,
 )
 from flodl_trio.errors import ConfigError
-from flodl_trio.outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
+from flodl_trio.fold.outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
 from flodl_trio.wire.bf16 import bf16_to_f32, f32_to_bf16
 
 SHAPES = [(4, 3), (3,), (), (2, 2, 2)]
@@ -269,7 +269,7 @@ def test_outer_and_checkpoint_modules_do_not_import_torch():
     import sys
 
     code = (
-        "import sys, flodl_trio.outer, flodl_trio.checkpoint, flodl_trio.controller; "
+        "import sys, flodl_trio.fold.outer, flodl_trio.wire.checkpoint, flodl_trio.controller; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,8 +21,8 @@ import trio
 from flodl_trio import JoinRefused, ReduceClient, average_window, connect_reduce_client
 from flodl_trio.client import connect_control_client, fetch_cluster_state
 from flodl_trio.errors import ConfigError, FlodlError
-from flodl_trio.settings import NetBounds
 from flodl_trio.testing import open_local_cluster
+from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire.salt import SessionSalt
 from flodl_trio.wire.state import (
     STATE_REPLY_HEADER_LEN,

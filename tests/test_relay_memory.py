@@ -10,8 +10,8 @@ import trio
 
 from flodl_trio import connect_reduce_client
 from flodl_trio.controller import open_controller
+from flodl_trio.daemon.relay import build_parser, settings_from_args
 from flodl_trio.relay import open_relay
-from flodl_trio.relay.cli import build_parser, settings_from_args
 from flodl_trio.relay.config import DEFAULT_BUDGET_HEADROOM, ChannelKind, RelayConfig
 
 NUMEL = 256 << 10  # 1 MiB of f32: large enough for the pool, small enough for any budget

@@ -10,11 +10,12 @@ import trio
 
 from flodl_trio import FlodlError, RankDeadError, connect_reduce_client
 from flodl_trio.controller import open_controller
+from flodl_trio.controller.metrics import ControllerCollector
 from flodl_trio.relay import ChannelKind, open_relay
-from flodl_trio.settings import NetBounds
+from flodl_trio.relay.metrics import RelayCollector
 from flodl_trio.testing import MemoryNetwork
 from flodl_trio.transport.refusals import RECENT_REFUSALS
-from flodl_trio.metrics import ControllerCollector, RelayCollector
+from flodl_trio.transport.settings import NetBounds
 
 BOUNDS = NetBounds()
 

@@ -34,8 +34,7 @@ import trio
 
 from flodl_trio import average_window, connect_reduce_client
 from flodl_trio.client import connect_control_client
-from flodl_trio.launch import rank_from_env
-from flodl_trio.settings import load_salt
+from flodl_trio import load_salt, rank_from_env
 
 WINDOWS, FAIL_AT = {WINDOWS}, {FAIL_AT}
 

@@ -17,9 +17,10 @@ import torch
 import trio
 
 from flodl_trio import ConfigError, connect_reduce_client
-from flodl_trio.outer import DiLoCoNesterov, SlowMo
+from flodl_trio.fold.outer import DiLoCoNesterov, SlowMo
 from flodl_trio.testing import open_local_cluster
-from flodl_trio.trainer import WindowSchedule, merge_late_consensus, open_window_trainer
+from flodl_trio.train.schedule import WindowSchedule, merge_late_consensus
+from flodl_trio.train.trainer import open_window_trainer
 
 WORLD, SYNC_EVERY, WINDOWS = 2, 2, 4  # 2 ranks x mass 2: every average divides by 4
 LR, MOMENTUM = 0.5, 0.5
@@ -53,8 +54,8 @@ def test_merge_rule_by_hand():
 def test_the_mirror_recovers_the_controllers_outer_state(make):
     """Fed only the controller's outputs, the mirror predicts its next output: its stand-in
     for the true average is the controller's step, window after window."""
-    from flodl_trio.outer import consensus_as_f32
-    from flodl_trio.trainer import OuterMirror
+    from flodl_trio.fold.outer import consensus_as_f32
+    from flodl_trio.train.mirror import OuterMirror
     from flodl_trio.wire import DTYPE_F32, RoundFrame, TensorPayload
 
     controller, mirror = make(), OuterMirror.of(make())
@@ -194,7 +195,7 @@ async def test_the_blocking_facade_drives_the_same_loop(salt):
     the client's helper thread; the result is the hand computation's."""
     from test_blocking import run_rank_threads
 
-    from flodl_trio.blocking import BlockingReduceClient
+    from flodl_trio.train.blocking import BlockingReduceClient
 
     final: dict[int, np.ndarray] = {}
     waited: dict[int, float] = {}

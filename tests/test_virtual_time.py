@@ -18,9 +18,9 @@ import trio
 from flodl_trio import FlodlError, RankDeadError, SessionSalt, connect_reduce_client
 from flodl_trio.client import CoordinatorLost, connect_control_client
 from flodl_trio.controller import DeadRanks
-from flodl_trio.settings import NetBounds
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.transport import MessageStream
+from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire import (
     RoundFrame,
     TensorPayload,

@@ -23,8 +23,8 @@ from flodl_trio.errors import (
     PeerClosedMidFrame,
     PeerTimeout,
 )
-from flodl_trio.settings import NetBounds
 from flodl_trio.transport import MessageStream, ReceiveBuffer
+from flodl_trio.transport.settings import NetBounds
 from flodl_trio.transport.stream import RECEIVE_LOW_WATER
 from flodl_trio.wire import (
     DTYPE_BF16,

@@ -16,7 +16,6 @@ import struct
 import numpy as np
 import pytest
 
-from flodl_trio import settings as netenv
 from flodl_trio.errors import (
     ConfigError,
     FlodlError,
@@ -26,8 +25,9 @@ from flodl_trio.errors import (
     ProtocolError,
     SchemaError,
 )
-from flodl_trio.settings import NetBounds
 from flodl_trio.transport import connect as peers
+from flodl_trio.transport import settings as netenv
+from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire import (
     DTYPE_F32,
     ControlFrame,

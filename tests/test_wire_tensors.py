@@ -1,4 +1,4 @@
-"""The torch bridge (flodl_trio.tensors): seed tests plus scaling, staging and copies."""
+"""The torch bridge (flodl_trio.client.tensors): seed tests plus scaling, staging and copies."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_trio.errors import SchemaError
-from flodl_trio.tensors import (
+from flodl_trio.client.tensors import (
     elided_like,
     numel_bytes,
     pinned_decode_affordable,
@@ -15,6 +14,7 @@ from flodl_trio.tensors import (
     staging_like,
     tensors_to_round_frame,
 )
+from flodl_trio.errors import SchemaError
 from flodl_trio.wire import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -166,7 +166,7 @@ def test_scale_one_is_no_scale():
 def test_send_staging_gives_the_same_bytes_and_is_reused(wire, dtype, scale):
     """Frames built into a SendStaging equal those built without, round after round,
     and a copy made for the wire lands in the same memory every round."""
-    from flodl_trio.tensors import SendStaging
+    from flodl_trio.client.tensors import SendStaging
 
     staging = SendStaging()
     gen = torch.Generator().manual_seed(5)

@@ -5,7 +5,7 @@
 - :mod:`.control`: :func:`connect_control_client`, heartbeats and beacons
   beside the trainer, so a lost cluster or a death ends a waiting round.
 
-The blocking facade for non-trio trainers is :mod:`flodl_trio.blocking`.
+The blocking facade for non-trio trainers is :mod:`flodl_trio.train.blocking`.
 """
 
 from .control import ControlClient, CoordinatorLost, connect_control_client

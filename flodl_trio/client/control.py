@@ -20,9 +20,9 @@ from ..errors import (
     MacError,
     RankDeadError,
 )
-from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import Connector
+from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal, one_error
 from ..wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD

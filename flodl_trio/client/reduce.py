@@ -31,12 +31,11 @@ from ..errors import (
     RankDeadError,
     SchemaError,
 )
-from ..realized_work import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
-from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
 from ..transport.local_leg import dial_local_leg, local_leg_enabled
+from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import DTYPE_BF16, DTYPE_F32, FINISHED_LENGTH
 from ..wire.fragment import FragmentTag
@@ -62,9 +61,13 @@ from .state import ClusterState, fetch_cluster_state
 if TYPE_CHECKING:
     import torch
 
-    from ..tensors import SendStaging
+    from .tensors import SendStaging
 
 Address = tuple[str, int] | str
+# The two reusable decode destinations a rank may arm (ReduceClient.arm_pinned_decode):
+# a window's params round and its buffers round.
+DECODE_SLOT_PARAMS = 0
+DECODE_SLOT_BUFFERS = 1
 log = logging.getLogger("flodl_trio.client")
 _FINISHED = FINISHED_LENGTH.to_bytes(4, "little")  # "this rank finished", a flodl_trio extension
 
@@ -278,11 +281,7 @@ class ReduceClient:
         own: a restarted rank starts it fresh. Raises :class:`JoinRefused`
         (with the controller's reason) if the rank may not come back.
         """
-        from ..tensors import (
-            check_destinations,
-            fragment_pieces,
-            round_frame_to_tensors,
-        )
+        from .tensors import check_destinations, fragment_pieces, round_frame_to_tensors
 
         check_destinations([*params, *buffers], "join destination")
         state = self.last_state = await self.fetch_state()
@@ -318,7 +317,7 @@ class ReduceClient:
     def _pinned_destinations(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The armed pinned-decode slot's reusable tensors, shaped like ``tensors``
         (the reply's schema), or None when no slot is armed."""
-        from ..tensors import staging_like
+        from .tensors import staging_like
 
         slot, self._armed_slot = self._armed_slot, None
         if not self.pinned_decode or slot is None:
@@ -329,7 +328,7 @@ class ReduceClient:
         return staging
 
     def _decode(self, reply: RoundFrame, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        from ..tensors import round_frame_to_tensors
+        from .tensors import round_frame_to_tensors
 
         return round_frame_to_tensors(reply, out=out)
 
@@ -344,7 +343,7 @@ class ReduceClient:
         accepted mass is 0 leaves them as they were. Steady-state rounds then
         allocate nothing model-sized.
         """
-        from ..tensors import SendStaging, check_destinations, tensors_to_round_frame
+        from .tensors import SendStaging, check_destinations, tensors_to_round_frame
 
         self._check_ready()  # before the frame is built into staging a round in flight may be sending
         if in_place:
@@ -394,7 +393,7 @@ class ReduceClient:
 
     async def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int) -> list[torch.Tensor]:
         """Every rank gets ``root``'s tensors; the others send only shapes (elided zeros)."""
-        from ..tensors import elided_like, tensors_to_round_frame
+        from .tensors import elided_like, tensors_to_round_frame
 
         if not 0 <= root < self.world_size:
             raise ConfigError(f"broadcast root {root} must be < world_size {self.world_size}")

@@ -24,10 +24,10 @@ from ..errors import (
     PeerTimeout,
     SchemaError,
 )
-from ..settings import NetBounds
 from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
+from ..transport.settings import NetBounds
 from ..transport.stream import MessageStream
 from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN
 from ..wire.fragment import piece_range

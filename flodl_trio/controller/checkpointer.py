@@ -22,7 +22,7 @@ for the disk. A writer still busy when another window completes keeps only
 the newest pending one (latest wins; logged and counted), so memory stays
 bounded at one window being written, one pending and one being recorded.
 
-The file format and the readers are in :mod:`flodl_trio.checkpoint`.
+The file format and the readers are in :mod:`flodl_trio.wire.checkpoint`.
 """
 
 from __future__ import annotations
@@ -45,17 +45,17 @@ import numpy.typing as npt
 import trio
 
 from .._version import __version__
-from ..checkpoint import (
+from ..errors import ConfigError
+from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
+from ..transport.tasks import one_error
+from ..wire.bf16 import DTYPE_NAMES
+from ..wire.checkpoint import (
     FORMAT,
     TEMP_RE,
     checkpoint_name,
     list_checkpoints,
     write_safetensors_atomic,
 )
-from ..errors import ConfigError
-from ..outer import DiLoCoNesterov, PlainAverage, SlowMo, consensus_as_f32
-from ..transport.tasks import one_error
-from ..wire.bf16 import DTYPE_NAMES
 from ..wire.fragment import FragmentTag, fragment_of, piece_range
 from ..wire.round_frame import RoundFrame, RoundKind
 

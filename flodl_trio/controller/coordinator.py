@@ -22,9 +22,9 @@ from collections.abc import Callable
 import trio
 
 from ..errors import FlodlError, HandshakeError, ProtocolError
-from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.refusals import Refusals
+from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD
 from ..wire.control_frame import (

@@ -33,7 +33,6 @@ import trio
 
 from ..errors import ConfigError, DesyncError, FlodlError, MacError, ProtocolError
 from ..fold.speculative import Speculation, receive_speculating
-from ..settings import NetBounds
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.connect import (
@@ -44,6 +43,7 @@ from ..transport.connect import (
 )
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.refusals import Refusals
+from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import (
     ChangeSignal,

@@ -15,8 +15,8 @@ import attrs
 import trio
 
 from ..errors import HandshakeError
-from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
+from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.mux import (
     Hello,

@@ -43,7 +43,7 @@ class OuterOptimizer(Protocol):
     :class:`FragmentTag` that way when the ranks sync in fragments, and keeps
     its state per fragment (the built-in ones do). A controller with lanes
     needs ``step_lane(consensus, layout, lane, fragment)``: each lane of the
-    params round stepped as it finishes (see :mod:`flodl_trio.outer`).
+    params round stepped as it finishes (see :mod:`flodl_trio.fold.outer`).
     """
 
     def __call__(self, consensus: RoundFrame) -> RoundFrame: ...

@@ -7,7 +7,7 @@ import enum
 import attrs
 
 from ..errors import ConfigError
-from ..settings import NetBounds
+from ..transport.settings import NetBounds
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,

@@ -25,7 +25,6 @@ import attrs
 import trio
 
 from ..errors import ConfigError, FlodlError, HandshakeError, ProtocolError
-from ..settings import NetBounds
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import (
     Connector,
@@ -42,6 +41,7 @@ from ..transport.local_leg import (
     tune_local_stream,
 )
 from ..transport.refusals import Refusals
+from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import RunOutcome, serving
 from ..wire.constants import CHANNEL_MAGIC_STATE, DEFAULT_FRAME_CEILING

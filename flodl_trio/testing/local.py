@@ -32,8 +32,8 @@ from ..controller import ControllerHandle, open_controller
 from ..controller.dead_ranks import DeadRanks
 from ..errors import ConfigError, FlodlError
 from ..relay import ChannelKind, HostRanks, RelayHandle, open_relay
-from ..settings import NetBounds
 from ..transport.connect import Connector
+from ..transport.settings import NetBounds
 from ..transport.tasks import service_nursery
 from ..wire.salt import SessionSalt
 from .memory import MEMORY_HOST, MemoryNetwork

@@ -124,7 +124,8 @@ class _Go:
 async def _reduce_numpy(client: Any, rank: int, k: int, numel: int) -> tuple[Any, float]:
     import numpy as np
 
-    from flodl_trio import DTYPE_F32, RoundFrame, RoundKind, TensorPayload
+    from flodl_trio.wire.constants import DTYPE_F32
+    from flodl_trio.wire.round_frame import RoundFrame, RoundKind, TensorPayload
 
     local = np.full(numel, contribution(rank, k), dtype="<f4")
     reply = await client.all_reduce(RoundFrame([TensorPayload(DTYPE_F32, (numel,), local)], RoundKind.MODEL, 1.0))
@@ -136,7 +137,7 @@ async def _reduce_numpy(client: Any, rank: int, k: int, numel: int) -> tuple[Any
 async def _reduce_torch(client: Any, rank: int, k: int, numel: int) -> tuple[Any, float]:
     import torch
 
-    from flodl_trio import RoundKind
+    from flodl_trio.wire.round_frame import RoundKind
 
     local = torch.full((numel,), contribution(rank, k))
     out, mass = await client.all_reduce_scaled([local], 1.0, RoundKind.MODEL, 1.0)
@@ -193,7 +194,7 @@ async def _windows(args: argparse.Namespace, client: Any, go: _Go) -> None:
     a restart), then ``average_window`` once per window, from the window join returns."""
     import torch
 
-    from flodl_trio import average_window
+    from flodl_trio.train.realized_work import average_window
 
     params = [torch.zeros(args.numel)]
     buffers = [torch.zeros(2)]
@@ -232,8 +233,8 @@ async def _trainer(args: argparse.Namespace, client: Any, go: _Go) -> None:
 
     import torch
 
-    from flodl_trio.tensors import fragment_pieces
-    from flodl_trio.trainer import open_window_trainer
+    from flodl_trio.client.tensors import fragment_pieces
+    from flodl_trio.train.trainer import open_window_trainer
 
     params = [torch.zeros(args.numel) for _ in range(args.fragments)]
     step = 0
@@ -260,14 +261,16 @@ async def _trainer(args: argparse.Namespace, client: Any, go: _Go) -> None:
 
 
 async def run(args: argparse.Namespace) -> None:
-    from flodl_trio import FlodlError, SessionSalt, connect_reduce_client
     from flodl_trio.client import connect_control_client
+    from flodl_trio.client.reduce import connect_reduce_client
+    from flodl_trio.errors import FlodlError
+    from flodl_trio.wire.salt import SessionSalt
 
     if args.backend == "torch":
         # Import torch (and the tensor bridge) before the control channel is up: an
         # import inside the first round would stall the event loop for seconds on a
         # busy machine, and with it the heartbeats.
-        import flodl_trio.tensors  # noqa: F401
+        import flodl_trio.client.tensors  # noqa: F401
 
     salt = SessionSalt.from_hex(os.environ[SALT_ENV])
     data_salt = SessionSalt.from_hex(args.data_salt) if args.data_salt else salt

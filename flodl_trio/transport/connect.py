@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from ..errors import ConnectFailed
-from ..settings import NetBounds
+from .settings import NetBounds
 
 log = logging.getLogger("flodl_trio.net")
 

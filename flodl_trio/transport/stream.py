@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import trio
 
 from ..errors import FramingError, PeerClosedMidFrame, PeerTimeout
-from ..settings import NetBounds
 from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN, MUX_HEADER_LEN
 from ..wire.mux import MuxHeader, MuxKind, parse_mux_header, verify_mux_payload
 from ..wire.round_frame import EncodedFrame
@@ -29,6 +28,7 @@ from ..wire.salt import Buffer, SessionSalt
 from .arrival import ArrivalWatch
 from .buffers import ReceiveBuffer
 from .hashing import THREADED_HASH_MIN, OnBytes, RunningMac, mac_feeder
+from .settings import NetBounds
 
 _U32 = struct.Struct("<I")
 # What stands in a frame's MAC field on the local leg.

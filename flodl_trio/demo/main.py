@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .outer import DiLoCoNesterov, SlowMo
+from ..fold.outer import DiLoCoNesterov, SlowMo
 
 WORLD = 4
 HOSTS = [[0, 1], [2, 3]]
@@ -69,10 +69,11 @@ def make_data(rank: int, samples: int) -> tuple[Any, Any, Any, Any]:
 async def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from flodl_trio import SessionSalt, connect_reduce_client
     from flodl_trio.client import connect_control_client
-    from flodl_trio.tensors import model_signature
-    from flodl_trio.trainer import open_window_trainer
+    from flodl_trio.client.reduce import connect_reduce_client
+    from flodl_trio.client.tensors import model_signature
+    from flodl_trio.train.trainer import open_window_trainer
+    from flodl_trio.wire.salt import SessionSalt
 
     torch.set_num_threads(1)
     rank, salt = args.rank, SessionSalt.from_hex(os.environ["FLODL_SALT_HEX"])
@@ -329,7 +330,8 @@ def cluster_model_loss(directory: Path) -> float | None:
     params it holds no local steps taken since a fragment's last sync."""
     import torch
 
-    from flodl_trio.checkpoint import latest_checkpoint, load_checkpoint, restore_module
+    from flodl_trio.train.checkpoint import restore_module
+    from flodl_trio.wire.checkpoint import latest_checkpoint, load_checkpoint
 
     path = latest_checkpoint(directory)
     if path is None:
@@ -462,6 +464,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     return run(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

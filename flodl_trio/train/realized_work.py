@@ -15,14 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from .wire.fragment import FragmentTag
-from .wire.round_frame import RoundKind
+from ..client.reduce import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
+from ..wire.fragment import FragmentTag
+from ..wire.round_frame import RoundKind
 
 if TYPE_CHECKING:
     import torch
-
-DECODE_SLOT_PARAMS = 0
-DECODE_SLOT_BUFFERS = 1
 
 
 def gamma_mass(steps: float, gamma: float) -> float:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import attrs
 
-from .errors import ConfigError
-from .wire.salt import SessionSalt
+from ..errors import ConfigError
+from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.net")
 

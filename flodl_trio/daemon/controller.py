@@ -10,21 +10,25 @@ from contextlib import AsyncExitStack
 import attrs
 import trio
 
-from ..daemon import (
+from ..controller.checkpointer import ConsensusCheckpointer
+from ..controller.core import (
+    OuterOptimizer,
+    check_lanes,
+    membership_policy,
+    open_controller,
+)
+from ..errors import ConfigError
+from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
+from ..transport.settings import NetBounds, load_salt
+from ..wire.salt import SessionSalt
+from .common import (
     add_common_flags,
     configure_logging,
     env_default,
-    load_salt,
     parse_or_exit,
     run_daemon,
 )
-from ..errors import ConfigError
-from ..launch import DEFAULT_CONTROLLER_PORT
-from ..outer import DiLoCoNesterov, PlainAverage, SlowMo
-from ..settings import NetBounds
-from ..wire.salt import SessionSalt
-from .checkpointer import ConsensusCheckpointer
-from .core import OuterOptimizer, check_lanes, membership_policy, open_controller
+from .launch import DEFAULT_CONTROLLER_PORT
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -159,7 +163,7 @@ async def serve_controller_daemon(
             )
         )
         if metrics is not None:
-            from ..metrics import serve_controller_metrics
+            from .metrics import serve_controller_metrics
 
             port = stack.enter_context(serve_controller_metrics(metrics, handle))
             log.info("controller metrics on http://%s:%d/metrics", metrics[0], port)

@@ -5,12 +5,11 @@ float buffers, the outer optimizer's state) in a standard safetensors file,
 ``window-NNNNNN.safetensors``. The ``safetensors`` library writes and reads
 the files: the format is its to define, and its numpy API needs no torch.
 
-This module is what a rank imports to resume: :func:`load_checkpoint`,
-:func:`latest_checkpoint` and :func:`restore_module` (which imports torch when
-called). It imports neither trio nor the controller. The writer that records
-each window, :class:`~flodl_trio.controller.checkpointer.ConsensusCheckpointer`,
-runs inside the controller and lives with it; ``from flodl_trio.checkpoint
-import ConsensusCheckpointer`` still works, and only then loads the controller.
+This module is the format alone, with neither trio nor torch: what the
+controller's writer (:class:`~flodl_trio.controller.checkpointer.ConsensusCheckpointer`)
+and a resuming rank share. A rank reads with :func:`load_checkpoint` and
+:func:`latest_checkpoint`, and copies one into a torch module with
+:func:`flodl_trio.train.checkpoint.restore_module`.
 
 :func:`write_safetensors_atomic` is the format-level writer the checkpointer
 uses: a reader sees either a complete file or none.
@@ -24,19 +23,14 @@ import re
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 import safetensors
 import safetensors.numpy
 
-from .errors import FlodlError, SchemaError
-
-if TYPE_CHECKING:
-    import torch
-
-    from .controller.checkpointer import ConsensusCheckpointer  # noqa: F401  (typing of the lazy name below)
+from ..errors import FlodlError
 
 FORMAT = "flodl_trio.checkpoint.v1"
 FILE_RE = re.compile(r"^window-(\d+)\.safetensors$")
@@ -60,7 +54,7 @@ def checkpoint_name(window: int) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _c_contiguous(array: np.ndarray) -> np.ndarray:
+def c_contiguous(array: np.ndarray) -> np.ndarray:
     """``array`` in C order, copied only if needed. Unlike ``np.ascontiguousarray``, 0-d stays 0-d."""
     array = np.asarray(array)
     return array if array.flags.c_contiguous else array.copy(order="C")
@@ -72,7 +66,7 @@ def _named_arrays(tensors: Sequence[tuple[str, np.ndarray]]) -> dict[str, np.nda
     for name, array in tensors:
         if name in out:
             raise CheckpointError(f"duplicate tensor name {name!r}")
-        out[name] = _c_contiguous(array)
+        out[name] = c_contiguous(array)
     return out
 
 
@@ -252,59 +246,6 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-# ---------------------------------------------------------------------------
-# rank side
-# ---------------------------------------------------------------------------
-
-
-def restore_module(module: torch.nn.Module, checkpoint: Checkpoint, *, buffers: bool = True) -> None:
-    """Copy a checkpoint into ``module``: its parameters, then its float buffers,
-    in registration order (``module.parameters()`` / floating ``module.buffers()``:
-    the order a rank passes them to ``average_window``).
-
-    Everything is checked before anything is copied; a count or shape mismatch
-    raises :class:`SchemaError` naming the index, the module's name for it and
-    both shapes. ``buffers=False`` restores the parameters only. Values are
-    cast to each tensor's dtype and device.
-    """
-    import torch
-
-    named_params: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
-    named_buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()] if buffers else []
-    pairs: list[tuple[torch.Tensor, np.ndarray]] = []
-    groups = [("parameter", named_params, checkpoint.params)]
-    if buffers:
-        groups.append(("float buffer", named_buffers, checkpoint.buffers))
-    for what, named, stored in groups:
-        if len(named) != len(stored):
-            hint = ""
-            if what == "float buffer" and not stored and checkpoint.metadata.get("buffers", "") == "absent":
-                hint = " (this window's buffers round had zero mass; pass buffers=False to restore parameters only)"
-            raise SchemaError(
-                f"restore_module: the checkpoint holds {len(stored)} {what}s, the module has {len(named)}{hint}"
-            )
-        for i, ((name, tensor), array) in enumerate(zip(named, stored)):
-            if tuple(tensor.shape) != tuple(array.shape):
-                raise SchemaError(
-                    f"restore_module: {what} {i} ({name}): the checkpoint has shape {list(array.shape)}, "
-                    f"the module has {list(tensor.shape)}"
-                )
-            pairs.append((tensor, array))
-    with torch.no_grad():
-        for tensor, array in pairs:
-            tensor.copy_(torch.from_numpy(_c_contiguous(array)))
-
-
-def __getattr__(name: str) -> Any:
-    # The writer moved to the controller; importing it here lazily keeps this module
-    # free of trio and the controller for ranks that only read checkpoints.
-    if name == "ConsensusCheckpointer":
-        from .controller.checkpointer import ConsensusCheckpointer
-
-        return ConsensusCheckpointer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "FORMAT",
     "Checkpoint",
@@ -314,6 +255,5 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "read_safetensors",
-    "restore_module",
     "write_safetensors_atomic",
 ]

@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import trio
 
-from .client import (
+from ..client import (
     Address,
     ClusterState,
     ReduceClient,
     connect_control_client,
     connect_reduce_client,
 )
-from .errors import FlodlError
+from ..errors import FlodlError
+from ..wire.round_frame import RoundFrame, RoundKind
+from ..wire.salt import SessionSalt
 from .trainer import TrainerStats, WindowSchedule, WindowTrainer
-from .wire.round_frame import RoundFrame, RoundKind
-from .wire.salt import SessionSalt
 
 if TYPE_CHECKING:
     import torch
@@ -226,7 +226,7 @@ class BlockingReduceClient:
         start_window: int = 0,
         merge_by: int | None = None,
     ) -> BlockingWindowTrainer:
-        """The window loop for a plain-Python trainer (see :class:`~flodl_trio.trainer.WindowTrainer`):
+        """The window loop for a plain-Python trainer (see :class:`~flodl_trio.train.trainer.WindowTrainer`):
         call ``step()`` after every inner step; with ``overlap=1`` a window's round
         runs in the helper thread while your next inner steps run in yours;
         ``fragments`` syncs the params in staggered fragments."""
@@ -263,7 +263,7 @@ class BlockingReduceClient:
 
 
 class BlockingWindowTrainer:
-    """A :class:`~flodl_trio.trainer.WindowTrainer` driven from the caller's thread: the
+    """A :class:`~flodl_trio.train.trainer.WindowTrainer` driven from the caller's thread: the
     same implementation, its rounds on the client's helper thread."""
 
     def __init__(self, client: BlockingReduceClient, trainer: WindowTrainer) -> None:
@@ -284,6 +284,6 @@ class BlockingWindowTrainer:
 
 
 def _unwrap(exc: BaseException) -> BaseException:
-    from .transport.tasks import unwrap_group
+    from ..transport.tasks import unwrap_group
 
     return unwrap_group(exc) if isinstance(exc, BaseExceptionGroup) else exc

@@ -9,29 +9,28 @@ from contextlib import AsyncExitStack
 
 import attrs
 
-from ..daemon import (
+from ..errors import ConfigError
+from ..relay.config import ChannelKind, RelayConfig
+from ..relay.core import open_relay
+from ..relay.host_ranks import HostRanks
+from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
+from ..transport.settings import NetBounds, load_salt
+from ..wire.salt import SessionSalt
+from .common import (
     add_common_flags,
     configure_logging,
     env_default,
-    load_salt,
     parse_host_port,
     parse_or_exit,
     parse_rank_list,
     run_daemon,
 )
-from ..errors import ConfigError
-from ..launch import (
+from .launch import (
     CONTROL_PORT_OFFSET,
     DATA_PORT_OFFSET,
     controller_address,
     host_ranks_from_env,
 )
-from ..settings import NetBounds
-from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
-from ..wire.salt import SessionSalt
-from .config import ChannelKind, RelayConfig
-from .core import open_relay
-from .host_ranks import HostRanks
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -156,7 +155,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                 )
             )
         if metrics is not None:
-            from ..metrics import serve_relay_metrics
+            from .metrics import serve_relay_metrics
 
             stack.enter_context(serve_relay_metrics(metrics, handles))
         ports = " ".join(f"{kind.value}={settings.listen_host}:{h.port}" for kind, h in handles.items())

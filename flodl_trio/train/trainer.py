@@ -44,79 +44,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .errors import ConfigError
-from .outer import DiLoCoNesterov, PlainAverage, SlowMo
+from ..client.tensors import fragment_pieces
+from ..errors import ConfigError
+from ..transport.tasks import one_error
+from ..wire.fragment import FragmentTag
+from .mirror import OuterMirror
 from .realized_work import _ReduceClientLike, average_window
-from .tensors import fragment_pieces
-from .transport.tasks import one_error
-from .wire.fragment import MAX_FRAGMENTS, FragmentTag
+from .schedule import WindowSchedule, merge_late_consensus
 
 if TYPE_CHECKING:
     import torch
-
-
-@attrs.frozen
-class WindowSchedule:
-    """How a rank's windows run (see :func:`open_window_trainer` for each field)."""
-
-    sync_every: int
-    overlap: int = 0
-    gamma: float = 1.0
-    merge_after: int | None = None
-    fragments: int = 1
-    merge_by: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if self.sync_every < 1:
-            raise ConfigError(f"sync_every must be >= 1 inner step, got {self.sync_every}")
-        if self.overlap not in (0, 1):
-            raise ConfigError(f"overlap must be 0 (wait for each window's round) or 1 (overlap it), got {self.overlap}")
-        if not 1 <= self.fragments <= min(self.sync_every, MAX_FRAGMENTS):
-            raise ConfigError(
-                f"fragments must be 1..sync_every={self.sync_every} (each fragment syncs at its own step) "
-                f"and at most {MAX_FRAGMENTS}, got {self.fragments}"
-            )
-        for name, steps in (("merge_after", self.merge_after), ("merge_by", self.merge_by)):
-            if steps is not None and not 1 <= steps <= self.sync_gap:
-                raise ConfigError(
-                    f"{name} must be None (when it lands) or 1..{self.sync_gap} steps (sync_every / fragments: "
-                    f"the next fragment's round starts then), got {steps}"
-                )
-        if self.merge_after is not None and self.merge_by is not None:
-            raise ConfigError(
-                f"give merge_after (merge after exactly that many steps) or merge_by (when it lands, at the latest "
-                f"after that many), not both: got merge_after={self.merge_after}, merge_by={self.merge_by}"
-            )
-
-    @property
-    def merge_deadline(self) -> int | None:
-        """The step of the next window at which a consensus still in flight is waited for."""
-        return self.merge_after if self.merge_after is not None else self.merge_by
-
-    @property
-    def sync_gap(self) -> int:
-        """The fewest steps between two syncs (of consecutive fragments)."""
-        return self.sync_every // self.fragments
-
-    def first_sync(self, fragment: int) -> int:
-        """Steps before ``fragment``'s first sync (the stagger); ``sync_every`` after that."""
-        return (fragment + 1) * self.sync_every // self.fragments
-
-    def boundary_step(self, window: int) -> int:
-        """The inner step (counted from the run's start) at which the cluster's window
-        ``window`` ends: windows sync the fragments in turn, window ``k`` fragment
-        ``k % fragments`` in its cycle ``k // fragments``. -1 gives 0 (the start)."""
-        if window < 0:
-            return 0
-        return self.first_sync(window % self.fragments) + (window // self.fragments) * self.sync_every
-
-    def steps_to_first_sync(self, fragment: int, start_window: int) -> int:
-        """Steps a rank entering at ``start_window`` (what ``join`` returned) takes before
-        ``fragment``'s first sync: to that fragment's next sync in the cluster's schedule."""
-        now = self.boundary_step(start_window - 1)
-        first = self.first_sync(fragment)
-        cycles = 0 if now < first else (now - first) // self.sync_every + 1
-        return first + cycles * self.sync_every - now
 
 
 @attrs.define
@@ -129,85 +66,6 @@ class TrainerStats:
     last_counts: list[float] = attrs.field(factory=list)  # step counts of the last merged window, per rank
     late_steps: list[int] = attrs.field(factory=list)  # per merged window: inner steps taken before it landed
     fragment_windows: list[int] = attrs.field(factory=list)  # windows merged, per fragment
-
-
-def merge_late_consensus(
-    live: Sequence[torch.Tensor], stand_in: Sequence[torch.Tensor], consensus: Sequence[torch.Tensor],
-    *, moved: bool = True,
-) -> None:
-    """The merge rule, in place: ``live += consensus - stand_in``, tensor by tensor.
-
-    ``stand_in`` (what the rank trained on from since the boundary: the params it
-    sent, or the eager outer step of them) is overwritten with the correction
-    ``consensus - stand_in`` (computed first, in the tensors' dtype), so the
-    merge allocates nothing. When the rank has not ``moved`` since the boundary
-    the rule says ``live = consensus``, and that is what it gets, bit for bit
-    (``live + (consensus - live)`` may round differently on every rank).
-    A model's parameters are written through ``detach()`` (their data, outside
-    autograd), as an optimizer step writes them.
-    """
-    for p, b, c in zip(live, stand_in, consensus, strict=True):
-        if not moved:
-            p.detach().copy_(c)
-            continue
-        b.neg_().add_(c)
-        p.detach().add_(b)
-
-
-class OuterMirror:
-    """The controller's outer optimizer, followed from the rank's side: its state
-    (the outer params ``x`` and momentum ``m``) recovered from the consensus frames
-    the rank receives, so the rank can compute its eager stand-in - the outer step
-    the controller would take if the average were the rank's own boundary params.
-
-    The recovery inverts the controller's update: SlowMo gives
-    ``m = (x - x_new) / lr``; DiLoCo's Nesterov step gives
-    ``m = (momentum * m + (x - x_new) / lr) / (1 + momentum)``. It is exact up to
-    rounding; it only shapes the stand-in, never the consensus the rank ends on.
-    """
-
-    def __init__(self, nesterov: bool, lr: float, momentum: float) -> None:
-        self.nesterov, self.lr, self.momentum = nesterov, lr, momentum
-        self._x: list[Any] | None = None
-        self._m: list[Any] = []
-
-    @classmethod
-    def of(cls, outer: object | None) -> OuterMirror | None:
-        """The mirror of the controller's ``outer`` (None for plain averaging)."""
-        if outer is None or isinstance(outer, PlainAverage):
-            return None
-        if isinstance(outer, SlowMo | DiLoCoNesterov):
-            return cls(isinstance(outer, DiLoCoNesterov), outer.lr, outer.momentum)
-        raise ConfigError(f"outer must be None, PlainAverage, SlowMo or DiLoCoNesterov (the controller's); got {outer!r}")
-
-    def stand_in(self, boundary: Sequence[Any], out: Sequence[Any]) -> bool:
-        """Write into ``out`` the outer step from ``boundary`` as the average; False (nothing
-        written) before the first consensus told the mirror where the outer params are."""
-        if self._x is None:
-            return False
-        beta = self.momentum
-        for x, m, b, o in zip(self._x, self._m, boundary, out, strict=True):
-            o.copy_(x).sub_(b)  # g = x - c
-            if self.nesterov:  # x - lr ((1 + beta) g + beta^2 m)
-                o.mul_(1 + beta).add_(m, alpha=beta * beta)
-            else:  # x - lr (beta m + g)
-                o.add_(m, alpha=beta)
-            o.mul_(-self.lr).add_(x)
-        return True
-
-    def follow(self, new_x: Sequence[Any]) -> None:
-        """The controller's output for a window with mass: update the mirrored state."""
-        if self._x is None:  # the controller's first window only sets x
-            self._x = [t.detach().clone() for t in new_x]
-            self._m = [t.detach().clone().zero_() for t in new_x]
-            return
-        for x, m, new in zip(self._x, self._m, new_x, strict=True):
-            x.sub_(new).div_(self.lr)  # (x - x_new) / lr
-            if self.nesterov:
-                m.mul_(self.momentum).add_(x).div_(1 + self.momentum)
-            else:
-                m.copy_(x)
-            x.copy_(new)
 
 
 @attrs.define(eq=False)
@@ -522,12 +380,4 @@ async def open_window_trainer(
             await trainer.finish()
 
 
-__all__ = [
-    "OuterMirror",
-    "TrainerStats",
-    "WindowSchedule",
-    "WindowTrainer",
-    "merge_late_consensus",
-    "open_window_trainer",
-    "fragment_pieces",
-]
+__all__ = ["TrainerStats", "WindowTrainer", "open_window_trainer"]

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DEFAULT_CONTROLLER_PORT = 1337
 DATA_PORT_OFFSET = 4

@@ -32,12 +32,12 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from .errors import ConfigError, SchemaError
-from .wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
-from .wire.constants import DTYPE_F32
-from .wire.fragment import FragmentTag
-from .wire.lanes import LaneLayout
-from .wire.round_frame import RoundFrame, TensorPayload, check_payload
+from ..errors import ConfigError, SchemaError
+from ..wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
+from ..wire.constants import DTYPE_F32
+from ..wire.fragment import FragmentTag
+from ..wire.lanes import LaneLayout
+from ..wire.round_frame import RoundFrame, TensorPayload, check_payload
 
 F32Array = npt.NDArray[np.float32]
 

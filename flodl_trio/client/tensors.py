@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .errors import ConfigError, SchemaError
-from .wire.bf16 import F32, bf16_to_f32, scale_payload
-from .wire.constants import DTYPE_BF16, DTYPE_F32
-from .wire.fragment import piece_range
-from .wire.round_frame import RoundFrame, RoundKind, TensorPayload, check_payload
+from ..errors import ConfigError, SchemaError
+from ..wire.bf16 import F32, bf16_to_f32, scale_payload
+from ..wire.constants import DTYPE_BF16, DTYPE_F32
+from ..wire.fragment import piece_range
+from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, check_payload
 
 # An elided (all-zero) tensor costs no wire bytes, so its shape alone must be sane.
 MAX_DECODE_NUMEL = 1 << 36

@@ -16,10 +16,8 @@ from typing import Any
 
 import trio
 
-from .errors import ConfigError, FlodlError
-
-# Re-exported: a trainer reads the salt the way the daemons do (flodl_trio.settings).
-from .settings import SALT_FILE_ENV, SALT_HEX_ENV, load_salt  # noqa: F401
+from ..errors import ConfigError, FlodlError
+from ..transport.settings import SALT_FILE_ENV, SALT_HEX_ENV
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -137,7 +135,7 @@ def run_daemon(name: str, main: Callable[[], Awaitable[None]]) -> int:
         log.error("%s failed: %s", name, exc)
         return EXIT_FAILURE
     except BaseExceptionGroup as group:
-        from .transport.tasks import unwrap_group
+        from ..transport.tasks import unwrap_group
 
         cause = unwrap_group(group)
         if isinstance(cause, FlodlError):

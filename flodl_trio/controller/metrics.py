@@ -1,0 +1,77 @@
+"""The controller's Prometheus collector: its counters, read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from ..transport.metric_families import counter, gauge
+from .core import ControllerHandle
+
+
+class ControllerCollector(Collector):
+    def __init__(self, handle: ControllerHandle) -> None:
+        self.handle = handle
+
+    def collect(self) -> Iterator[Any]:
+        stats, dead = self.handle.stats, self.handle.dead_ranks
+        yield counter("flodl_controller_rounds", "Rounds completed", stats.rounds)
+        hist = stats.round_seconds
+        buckets, running = [], 0
+        for bound, count in zip([*map(str, hist.bounds), "+Inf"], hist.counts):
+            running += count
+            buckets.append((bound, running))
+        yield HistogramMetricFamily(
+            "flodl_controller_round_seconds", "From a round's first host frame to its consensus",
+            buckets=buckets, sum_value=hist.total,
+        )
+        traffic = CounterMetricFamily("flodl_controller_bytes", "Bytes on relay links", labels=["direction"])
+        traffic.add_metric(["in"], stats.bytes_in)
+        traffic.add_metric(["out"], stats.bytes_out)
+        yield traffic
+        yield gauge("flodl_controller_live_ranks", "Ranks not dead", dead.world_size - dead.dead_count())
+        yield gauge("flodl_controller_dead_ranks", "Ranks dead or exited", dead.dead_count())
+        yield gauge("flodl_controller_relays", "Data relays accepted so far", stats.relays)
+        yield gauge("flodl_controller_accepted_mass", "Realized-work mass of the last round", stats.last_mass)
+        yield counter("flodl_controller_mac_failures", "Records whose MAC did not verify", stats.mac_failures)
+        yield counter(
+            "flodl_controller_relays_dropped", "Relay connections dropped for bytes that broke the protocol",
+            stats.relays_dropped,
+        )
+        yield counter("flodl_controller_rejoins", "Dead ranks let back in at a window boundary", stats.rejoins)
+        yield counter("flodl_controller_late_joins", "Ranks the cluster formed without, let in later", stats.late_joins)
+        yield counter(
+            "flodl_controller_rejoins_refused",
+            "State requests refused (a rank still live, one that finished, rejoining off, too late)",
+            stats.rejoins_refused,
+        )
+        yield counter("flodl_controller_states_served", "Window states sent to joining ranks", stats.states_served)
+        ignored = CounterMetricFamily(
+            "flodl_controller_control_frames_ignored",
+            "Rank control frames the coordinator ignored (anything but a valid, fresh heartbeat)", labels=["reason"],
+        )
+        for reason, count in sorted(self.handle.coordinator.ignored.items()):
+            ignored.add_metric([reason], count)
+        yield ignored
+        yield counter("flodl_controller_rejected_connections", "Connections refused", stats.rejected)
+        yield counter(
+            "flodl_controller_coordinator_rejections",
+            "Control-channel relays or ranks the coordinator refused (bad Hello, signature mismatch, ...)",
+            self.handle.coordinator.rejections.total,
+        )
+        yield counter(
+            "flodl_controller_rounds_finished_ahead",
+            "Rounds whose consensus was computed and signed while the last host frame arrived",
+            stats.rounds_finished_ahead,
+        )
+        yield counter(
+            "flodl_controller_fold_images_reused",
+            "Rounds folded into the f32 sum images of an earlier round instead of new ones",
+            stats.fold_images_reused,
+        )
+
+
+__all__ = ["ControllerCollector"]
