@@ -170,7 +170,7 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
     ),
     ("docs/api.md", "start = await client.join(params, buffers)"): NotRun(
         "a fragment (`...` for the inner steps, names it does not define); the same join-then-windows loop "
-        "runs for real as operations.md's trainer under torchrun, and with restarts in tests/test_rejoin*.py"
+        "runs for real as operations.md's trainer under torchrun, and with restarts in tests/e2e/test_rejoin*.py"
     ),
     ("docs/wire.md", "benchmarks/codec.py"): NotRun(
         "a timing benchmark (64 MiB x 7 repetitions) whose exit status depends on this machine's speed",

@@ -20,7 +20,7 @@ import sys
 import pytest
 import trio
 
-from tests.test_daemons import LOOP, SALT_HEX, free_ports, start_daemon
+from tests.daemon.test_daemons import LOOP, SALT_HEX, free_ports, start_daemon
 
 WINDOWS = 8
 FAIL_AT = 3

@@ -11,7 +11,7 @@ import pytest
 from flodl_trio.wire.constants import DTYPE_BF16, DTYPE_F32, MUX_HEADER_LEN
 from flodl_trio.wire.round_frame import schema_frame_len
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "_floor.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "_floor.py"
 _spec = importlib.util.spec_from_file_location("_floor", _PATH)
 assert _spec is not None and _spec.loader is not None
 floor = importlib.util.module_from_spec(_spec)

@@ -274,7 +274,7 @@ async def test_a_goodbye_the_controller_no_longer_takes_ends_the_relay_cleanly(s
     finished; a relay channel may still be writing one of its ranks' exit notices then.
     That write fails (EPIPE) where the reader would have seen EOF: the relay shuts down
     as for EOF, it does not fail. (A HostFrame that cannot be written still fails it:
-    tests/test_lanes.py, tests/test_cut_through.py.)"""
+    tests/e2e/test_lanes.py, tests/relay/test_cut_through.py.)"""
     from flodl_trio.relay.channels import DataChannel
     from flodl_trio.wire.mux import RankExit, RankFinished
 

@@ -193,7 +193,7 @@ async def test_bad_settings_are_refused_before_any_round(salt):
 async def test_the_blocking_facade_drives_the_same_loop(salt):
     """A plain-Python trainer: inner steps in its own thread, the overlapped rounds on
     the client's helper thread; the result is the hand computation's."""
-    from test_blocking import run_rank_threads
+    from tests.train.test_blocking import run_rank_threads
 
     from flodl_trio.train.blocking import BlockingReduceClient
 

@@ -300,7 +300,7 @@ async def test_a_rank_that_disagrees_on_the_fragment_is_refused_alone(salt):
 
 
 async def test_the_blocking_facade_syncs_fragments(salt):
-    from test_blocking import run_rank_threads
+    from tests.train.test_blocking import run_rank_threads
 
     from flodl_trio.train.blocking import BlockingReduceClient
 

@@ -13,9 +13,6 @@ import inspect
 import attrs
 import numpy as np
 import pytest
-import test_data_plane
-import test_rejoin
-import test_seed_e2e
 import torch
 import trio
 
@@ -29,6 +26,8 @@ from flodl_trio.wire.constants import MUX_HEADER_LEN
 from flodl_trio.wire.lanes import LaneLayout
 from flodl_trio.wire.mux import encode_control_msg
 from flodl_trio.wire.round_frame import round_frame_len
+from tests.e2e import test_data_plane, test_rejoin
+from tests.e2e import test_seed as test_seed_e2e
 
 LANES = [2, 4, 7]
 
@@ -193,7 +192,7 @@ async def test_a_relay_whose_lanes_do_not_match_the_schema_it_sent_is_dropped_al
     before folding it: a relay whose schema lies about its pieces (or whose lane 1 is
     not the layout's) breaks the protocol and is dropped; rank 0's round completes
     without it (with its lane 0 where that was sound), and the controller serves on."""
-    from test_data_plane import _expect_ack, _fake_relay
+    from tests.e2e.test_data_plane import _expect_ack, _fake_relay
 
     from flodl_trio.wire.mux import MuxKind, encode_mux_record
     from flodl_trio.wire.round_frame import encode_round_frame

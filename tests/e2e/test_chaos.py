@@ -2,7 +2,7 @@
 a 60-window Local SGD run goes on. No hang, no wrong value, every rank ends with
 the same bytes.
 
-Seeded: ``FLODL_CHAOS_SEED=N pytest tests/test_chaos.py`` replays a run; a
+Seeded: ``FLODL_CHAOS_SEED=N pytest tests/e2e/test_chaos.py`` replays a run; a
 failure names its seed.
 """
 
