@@ -17,7 +17,7 @@ It is served on the controller's port behind the control channel magic.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -200,7 +200,7 @@ class Coordinator:
                 nursery.cancel_scope.cancel()
         await self._drop(link, "control connection closed")
 
-    def _writer_failed(self, link: RelayLink):  # type: ignore[no-untyped-def]
+    def _writer_failed(self, link: RelayLink) -> Callable[[str], Awaitable[None]]:
         async def failed(why: str) -> None:
             await self._drop(link, why)
 

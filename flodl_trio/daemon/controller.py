@@ -95,7 +95,7 @@ class ControllerDaemonSettings:
     world_size: int
     salt: SessionSalt
     heartbeat_timeout: float | None
-    outer: OuterOptimizer | None
+    outer: BuiltInOuter | None
     checkpoint_dir: str | None
     checkpoint_every: int
     checkpoint_keep: int
@@ -107,12 +107,16 @@ class ControllerDaemonSettings:
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
-def make_outer(name: str, lr: float | None, momentum: float | None) -> OuterOptimizer | None:
+# What --outer names: each is both an OuterOptimizer and checkpointable (StatefulOuter).
+BuiltInOuter = PlainAverage | SlowMo | DiLoCoNesterov
+
+
+def make_outer(name: str, lr: float | None, momentum: float | None) -> BuiltInOuter | None:
     if name in ("none", "average"):
         return None if name == "none" else PlainAverage()
     cls = SlowMo if name == "slowmo" else DiLoCoNesterov
     options = {k: v for k, v in (("lr", lr), ("momentum", momentum)) if v is not None}
-    return cls(**options)  # type: ignore[return-value]
+    return cls(**options)
 
 
 def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
@@ -150,7 +154,7 @@ async def serve_controller_daemon(
         if settings.checkpoint_dir:
             checkpoint = await stack.enter_async_context(
                 ConsensusCheckpointer(settings.checkpoint_dir, every=settings.checkpoint_every,
-                                      keep=settings.checkpoint_keep, outer=settings.outer)  # type: ignore[arg-type]
+                                      keep=settings.checkpoint_keep, outer=settings.outer)
             )
         handle = await stack.enter_async_context(
             open_controller(

@@ -156,7 +156,7 @@ def spawn(cmd: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Pope
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    from tqdm import tqdm
 
     workdir = Path(tempfile.mkdtemp(prefix="flodl-demo-"))
     salt_hex = os.urandom(16).hex()
@@ -250,7 +250,7 @@ def follow_training(
     while sel.get_map():
         for key, _ in sel.select(timeout=1.0):
             r = key.data
-            chunk = key.fileobj.read()  # type: ignore[union-attr]
+            chunk = key.fileobj.read()  # type: ignore[union-attr]  # we registered the pipe itself, not its fd
             if not chunk:
                 sel.unregister(key.fileobj)
                 continue

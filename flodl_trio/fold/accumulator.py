@@ -167,11 +167,9 @@ class FoldAccumulator:
             check_payload(t, i, source)
         if self.count == 0:
             return
-        first = self._first_source
-        if frame.kind != self.kind:
-            raise SchemaError(
-                f"round fold: {source} sent a {frame.kind.name} frame, {first} sent {self.kind.name}"  # type: ignore[union-attr]
-            )
+        first, kind = self._first_source, self.kind
+        if kind is not None and frame.kind != kind:  # a folded frame set it
+            raise SchemaError(f"round fold: {source} sent a {frame.kind.name} frame, {first} sent {kind.name}")
         if len(frame.tensors) != len(self._slots):
             raise SchemaError(
                 f"round fold: {source} sent {len(frame.tensors)} tensors, {first} sent {len(self._slots)}"

@@ -468,7 +468,7 @@ async def _relay_fault(freeze: bool) -> Outcome:
             rounds = await expect_consensus(c, [0, 1], 3, who)
             # frozen: only the missing beacons can tell; killed: the sockets close at once
             expect = {"types": ("CoordinatorLost",), "fragments": ("no beacon",)} if freeze else {}
-            errors = [await expect_error(c, r, before_round=1, contributors=who, **expect) for r in (2, 3)]  # type: ignore[arg-type]
+            errors = [await expect_error(c, r, before_round=1, contributors=who, **expect) for r in (2, 3)]
             seconds = max([rounds[r][1]["time"] for r in rounds] + [e["time"] for e in errors]) - t0
     if freeze:
         return Outcome("its ranks declared dead after the heartbeat timeout, host 0 went on; ranks 2,3 raised CoordinatorLost (no beacon)", seconds)

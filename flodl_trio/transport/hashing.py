@@ -5,6 +5,7 @@ socket instead of adding a pass after it.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,7 +32,7 @@ class RunningMac:
 
     __slots__ = ("end", "mac")
 
-    def __init__(self, mac: Any, end: int) -> None:
+    def __init__(self, mac: hmac.HMAC, end: int) -> None:
         self.mac = mac
         self.end = end
 

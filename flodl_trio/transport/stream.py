@@ -174,7 +174,7 @@ class MessageStream:
         head = memoryview(self._small)[:4]
         if not await self.receive_first(head, "a length prefix"):
             return None
-        (length,) = _U32.unpack(head)
+        length: int = _U32.unpack(head)[0]
         if length > ceiling:
             raise FramingError(
                 f"{self.peer}: length prefix {length} exceeds the frame ceiling {ceiling}; "

@@ -307,9 +307,12 @@ def decode_round_frame(
             f"its length prefix declared ({len(view)}): the stream is desynced"
         )
     if not authenticated:
-        if mac_of_body is None and salt is None:
+        if mac_of_body is not None:
+            expected = mac_of_body
+        elif salt is not None:
+            expected = salt.mac8(view[:signed_end])
+        else:
             raise TypeError("decode_round_frame needs the salt to verify the frame's MAC")
-        expected = mac_of_body if mac_of_body is not None else salt.mac8(view[:signed_end])  # type: ignore[union-attr]
         verify_mac(expected, tag, f"RoundFrame from {source}")
     tensors = [TensorPayload(d, s, p) for d, s, p in headers]
     return RoundFrame(tensors, RoundKind(kind), weight)

@@ -26,7 +26,7 @@ class SessionSalt:
 
     raw: bytes = attrs.field()
     # A keyed HMAC to copy(): keying costs two compressions, copy() costs none.
-    _keyed: Any = attrs.field(init=False, eq=False, hash=False)
+    _keyed: hmac.HMAC = attrs.field(init=False, eq=False, hash=False)
 
     @raw.validator
     def _check_len(self, _attr: object, value: bytes) -> None:
