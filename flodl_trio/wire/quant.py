@@ -1,0 +1,224 @@
+"""Blockwise quantization of f32 deltas: int8, and two 4-bit codes, vectorised.
+
+A quantized payload is the deltas of one tensor in blocks of ``block``
+elements (the last block may be shorter): first every block's f32 scale,
+then the codes. A block's scale is its largest magnitude divided by the
+code's largest level, so every block uses its code's full range and a block
+of zeros is all zeros; decoding is ``code_level * scale``.
+
+- **int8**: levels -127..127, one byte each (two's complement).
+- **int4**: levels -7..7, two per byte (low nibble first), stored as
+  ``level + 8``.
+- **fp4** (E2M1): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 with a sign bit, two
+  per byte (low nibble first): finer near zero, where most of a delta's
+  values are.
+
+Encoding rounds to the nearest level (ties to even for int8 and int4, to the
+lower magnitude for fp4) and can write what it dropped into a
+residual array in the same pass: the error feedback a caller adds to its next
+window's delta. Work goes block by block through cache-sized chunks with
+preallocated scratch, so a model-sized tensor costs a few in-cache passes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import SchemaError
+
+F32 = np.dtype("<f4")
+F32Array = npt.NDArray[np.float32]
+CHUNK = 1 << 16  # elements per pass: 256 KiB of f32 plus scratch fits L2
+
+
+class Code(enum.Enum):
+    INT8 = "int8"
+    INT4 = "int4"
+    FP4 = "fp4"
+
+    @property
+    def max_level(self) -> float:
+        return {Code.INT8: 127.0, Code.INT4: 7.0, Code.FP4: 6.0}[self]
+
+    @property
+    def bits(self) -> int:
+        return 8 if self is Code.INT8 else 4
+
+
+# The 4-bit codes' levels by nibble. int4: nibble = level + 8 (nibble 0 unused, 0.0).
+# fp4: bit 3 is the sign, bits 0-2 index the E2M1 magnitudes.
+_FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=F32)
+_NIBBLE_LEVELS = {
+    Code.INT4: np.array([0.0, *range(-7, 8)], dtype=F32),
+    Code.FP4: np.concatenate([_FP4_MAGNITUDES, -_FP4_MAGNITUDES]).astype(F32),
+}
+# The nearest fp4 magnitude of |x| is the number of midpoints between neighbouring
+# levels (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) strictly below |x|, ties going to the
+# lower level. Every midpoint is a multiple of 1/4, so that count depends only on
+# ceil(4 |x|): one table lookup instead of a search.
+_FP4_MIDPOINTS = ((_FP4_MAGNITUDES[1:] + _FP4_MAGNITUDES[:-1]) / 2).astype(F32)
+_FP4_INDEX_OF_CEIL = np.array(
+    [np.count_nonzero(4 * _FP4_MIDPOINTS <= c - 1) for c in range(25)], dtype=np.uint8
+)
+
+
+def _byte_table(code: Code) -> npt.NDArray[np.float32]:
+    """Both levels of every byte: row b is (level of b's low nibble, of its high nibble)."""
+    levels = _NIBBLE_LEVELS[code]
+    byte = np.arange(256)
+    return np.stack([levels[byte & 0xF], levels[byte >> 4]], axis=1).astype(F32)
+
+
+_BYTE_TABLES = {code: _byte_table(code) for code in (Code.INT4, Code.FP4)}
+_ZERO_NIBBLE = {Code.INT4: 8, Code.FP4: 0}
+
+
+def block_count(numel: int, block: int) -> int:
+    return -(-numel // block)
+
+
+def code_bytes(code: Code, numel: int) -> int:
+    return numel if code is Code.INT8 else (numel + 1) // 2
+
+
+def payload_bytes(code: Code, numel: int, block: int) -> int:
+    """Bytes of a quantized payload of ``numel`` elements: the scales, then the codes."""
+    return 4 * block_count(numel, block) + code_bytes(code, numel)
+
+
+def _check_block(block: int) -> None:
+    if block <= 0 or block % 2 or CHUNK % block:
+        raise SchemaError(f"quantization block {block} must be even and divide {CHUNK}")
+
+
+def _split(payload: memoryview | bytearray, code: Code, numel: int, block: int) -> tuple[F32Array, npt.NDArray[np.uint8]]:
+    """The scales and the codes of a payload, as views."""
+    want = payload_bytes(code, numel, block)
+    if len(payload) != want:
+        raise SchemaError(
+            f"a {code.value} payload of {numel} elements in blocks of {block} has {want} bytes, got {len(payload)}"
+        )
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    n_scales = 4 * block_count(numel, block)
+    return raw[:n_scales].view(F32), raw[n_scales:]
+
+
+def encode(
+    values: F32Array, payload: memoryview | bytearray, code: Code, block: int, *, residual: F32Array | None = None
+) -> None:
+    """Quantize ``values`` (1-d f32) into ``payload`` (exactly :func:`payload_bytes` long);
+    with ``residual``, also write ``values - decoded`` there (it may be ``values`` itself)."""
+    _check_block(block)
+    numel = len(values)
+    scales, codes = _split(payload, code, numel, block)
+    scratch = np.empty(CHUNK, dtype=F32)
+    for start in range(0, numel, CHUNK):
+        stop = min(start + CHUNK, numel)
+        chunk = values[start:stop]
+        first_block = start // block
+        chunk_scales = scales[first_block:first_block + block_count(stop - start, block)]
+        _block_scales(chunk, block, code.max_level, chunk_scales)
+        if not np.isfinite(chunk_scales).all():  # a block's max is NaN or inf iff it holds one
+            raise SchemaError(f"cannot quantize a delta holding a NaN or an infinity (near element {start}; {code.value})")
+        levels = scratch[: stop - start]
+        _divide_by_block(chunk, chunk_scales, block, levels)
+        if code is Code.INT8:
+            np.rint(levels, out=levels)
+            np.clip(levels, -127, 127, out=levels)
+            codes[start:stop] = levels.astype(np.int8).view(np.uint8)
+        else:
+            nibbles = _nearest_nibbles(levels, code)
+            _pack(nibbles, codes[start // 2:(stop + 1) // 2], pad=_ZERO_NIBBLE[code])
+            if residual is not None:
+                np.take(_NIBBLE_LEVELS[code], nibbles, out=levels)
+        if residual is not None:
+            _times_block_scale(levels, chunk_scales, block, out=levels)
+            np.subtract(chunk, levels, out=residual[start:stop])
+
+
+def decode(payload: memoryview | bytearray, code: Code, block: int, numel: int, out: F32Array, *, add: bool = False) -> None:
+    """Decode a payload into ``out`` (1-d f32 of ``numel``); with ``add``, add it to ``out``
+    instead (a fold sums deltas without a temporary)."""
+    _check_block(block)
+    scales, codes = _split(payload, code, numel, block)
+    scratch = np.empty(CHUNK, dtype=F32)
+    for start in range(0, numel, CHUNK):
+        stop = min(start + CHUNK, numel)
+        first_block = start // block
+        chunk_scales = scales[first_block:first_block + block_count(stop - start, block)]
+        levels = scratch[: stop - start]
+        if code is Code.INT8:
+            levels[:] = codes[start:stop].view(np.int8)
+        else:
+            _levels_of_nibbles(codes[start // 2:(stop + 1) // 2], code, levels)
+        _times_block_scale(levels, chunk_scales, block, out=levels)
+        if add:
+            out[start:stop] += levels
+        else:
+            out[start:stop] = levels
+
+
+def _block_scales(chunk: F32Array, block: int, max_level: float, out: F32Array) -> None:
+    """Each block's largest magnitude / ``max_level`` (0 for a block of zeros)."""
+    full = len(chunk) // block * block
+    if full:
+        np.abs(chunk[:full]).reshape(-1, block).max(axis=1, out=out[: full // block])
+    if full < len(chunk):
+        out[-1] = np.abs(chunk[full:]).max()
+    out /= np.float32(max_level)
+
+
+def _divide_by_block(chunk: F32Array, scales: F32Array, block: int, out: F32Array) -> None:
+    """``chunk / scale`` of its block, element by element (0 where the scale is 0)."""
+    inverse = np.divide(np.float32(1.0), scales, out=np.zeros_like(scales), where=scales > 0)
+    full = len(chunk) // block * block
+    if full:
+        np.multiply(chunk[:full].reshape(-1, block), inverse[: full // block, None], out=out[:full].reshape(-1, block))
+    if full < len(chunk):
+        np.multiply(chunk[full:], inverse[-1], out=out[full:])
+
+
+def _times_block_scale(levels: F32Array, scales: F32Array, block: int, *, out: F32Array) -> None:
+    """``level * scale`` of its block, element by element."""
+    full = len(levels) // block * block
+    if full:
+        np.multiply(levels[:full].reshape(-1, block), scales[: full // block, None], out=out[:full].reshape(-1, block))
+    if full < len(levels):
+        np.multiply(levels[full:], scales[-1], out=out[full:])
+
+
+def _nearest_nibbles(scaled: F32Array, code: Code) -> npt.NDArray[np.uint8]:
+    """The nibble of each scaled value's nearest 4-bit level."""
+    if code is Code.INT4:
+        return (np.clip(np.rint(scaled), -7, 7) + 8).astype(np.uint8)
+    quarters = np.abs(scaled) * np.float32(4)
+    np.ceil(quarters, out=quarters)
+    np.clip(quarters, 0, 24, out=quarters)
+    nibbles = np.take(_FP4_INDEX_OF_CEIL, quarters.astype(np.uint8))
+    negative = np.signbit(scaled) & (nibbles > 0)  # -0 is 0
+    nibbles |= negative.view(np.uint8) << 3
+    return nibbles
+
+
+def _pack(nibbles: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8], *, pad: int) -> None:
+    """Nibbles -> bytes, two per byte, low nibble first (an odd count padded with ``pad``)."""
+    if len(nibbles) % 2:
+        nibbles = np.append(nibbles, np.uint8(pad))
+    pairs = nibbles.reshape(-1, 2)
+    np.left_shift(pairs[:, 1], 4, out=out)
+    out |= pairs[:, 0]
+
+
+def _levels_of_nibbles(packed: npt.NDArray[np.uint8], code: Code, out: F32Array) -> None:
+    """Packed nibbles -> their levels (a 256-row table lookup, two values per byte)."""
+    table = _BYTE_TABLES[code]
+    even = len(out) // 2 * 2
+    np.take(table, packed[: even // 2], axis=0, out=out[:even].reshape(-1, 2))
+    if even < len(out):
+        out[-1] = table[packed[-1], 0]
+
+
+__all__ = ["CHUNK", "Code", "block_count", "code_bytes", "decode", "encode", "payload_bytes"]
