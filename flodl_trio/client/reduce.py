@@ -287,7 +287,8 @@ class ReduceClient:
         state = self.last_state = await self.fetch_state()
         if not state.frames:
             return 0
-        params_frames, buffers_frame = state.split([t.numel() for t in params], len(buffers))  # checked before any copy
+        # Every shape is checked before anything is copied: an error leaves the tensors as they were.
+        params_frames, buffers_frame = state.split([tuple(t.shape) for t in params], [tuple(b.shape) for b in buffers])
         # One frame of whole tensors, or one per fragment, each a run of every tensor's elements.
         destinations = [list(params)] if len(params_frames) == 1 else fragment_pieces(params, len(params_frames))
         for frame, pieces in zip(params_frames, destinations):

@@ -56,39 +56,59 @@ class ClusterState:
     nbytes: int = 0  # the frames' bytes on the wire
     transfer_seconds: float = 0.0  # from the reply's header to its last byte (not the wait before)
 
-    def split(self, params: Sequence[int], buffers: int) -> tuple[list[RoundFrame], RoundFrame | None]:
-        """The frames as (params frames, buffers frame) for a model whose parameters have
-        these element counts and that has ``buffers`` float buffers. The params come as
-        one frame of whole tensors, or - from a cluster that syncs in P >= 2 fragments -
-        as P frames of pieces, frame p holding run p of every parameter's elements
-        (docs/wire.md, "fragment tag"); then at most one buffers frame. SchemaError
-        naming the counts when the frames fit neither."""
+    def split(
+        self, params: Sequence[Shape], buffers: Sequence[Shape]
+    ) -> tuple[list[RoundFrame], RoundFrame | None]:
+        """The frames as (params frames, buffers frame) for a model whose parameters and
+        float buffers have these shapes. The params come as one frame of whole tensors,
+        or - from a cluster that syncs in P >= 2 fragments - as P frames of pieces,
+        frame p holding run p of every parameter's elements (docs/wire.md, "fragment
+        tag"); then at most one buffers frame. Every shape is checked here, before
+        anything is copied; a SchemaError names the first tensor that does not fit and
+        both shapes (or the counts, when not even those agree)."""
         frames = self.frames
+        numels = [math.prod(shape) for shape in params]
         for count in (1, len(frames), len(frames) - 1):  # the whole model; fragments, with or without buffers
             head, rest = frames[:count], frames[count:]
-            if count < 1 or len(rest) > 1 or (rest and buffers and len(rest[0].tensors) != buffers):
+            if count < 1 or len(rest) > 1 or (rest and buffers and len(rest[0].tensors) != len(buffers)):
                 continue
-            if all(_holds_run(frame, params, p, count) for p, frame in enumerate(head)):
+            wanted = [_run_shapes(params, numels, p, count) for p in range(count)]
+            if all(_shapes(frame) == shapes for frame, shapes in zip(head, wanted)):
+                if rest and buffers and _shapes(rest[0]) != list(buffers):
+                    raise SchemaError(self._first_difference(rest[0], list(buffers), "float buffer"))
                 # A model without float buffers ignores the cluster's (as a window would not send them).
                 return list(head), (rest[0] if rest and buffers else None)
+        whole_model = 1 <= len(frames) <= 2 and len(frames[0].tensors) == len(params)
+        if whole_model:  # one params frame whose count agrees: say which tensor differs
+            raise SchemaError(self._first_difference(frames[0], list(params), "parameter"))
         counts = [len(f.tensors) for f in frames]
         raise SchemaError(
             f"the cluster's state of window {self.window} has frames of {counts} tensors; "
-            f"this model has {len(params)} params and {buffers} float buffers"
+            f"this model has {len(params)} params and {len(buffers)} float buffers"
+        )
+
+    def _first_difference(self, frame: RoundFrame, shapes: list[Shape], what: str) -> str:
+        got = _shapes(frame)
+        index = next(i for i, (a, b) in enumerate(zip(got, shapes)) if a != b)
+        return (
+            f"the cluster's state of window {self.window} has {what} {index} of shape {list(got[index])}, "
+            f"this model's {what} {index} has shape {list(shapes[index])}; nothing was copied"
         )
 
 
-def _holds_run(frame: RoundFrame, numels: Sequence[int], index: int, count: int) -> bool:
-    """Whether ``frame`` holds run ``index`` of ``count`` of every parameter (the whole
-    parameters when ``count`` is 1: their shapes are checked as they are written)."""
-    if len(frame.tensors) != len(numels):
-        return False
+Shape = tuple[int, ...]
+
+
+def _shapes(frame: RoundFrame) -> list[Shape]:
+    return [tuple(t.shape) for t in frame.tensors]
+
+
+def _run_shapes(shapes: Sequence[Shape], numels: Sequence[int], index: int, count: int) -> list[Shape]:
+    """The shapes frame ``index`` of ``count`` carries: the parameters themselves when
+    ``count`` is 1, else run ``index`` of every parameter's elements, flat."""
     if count == 1:
-        return all(math.prod(t.shape) == n for t, n in zip(frame.tensors, numels))
-    return all(
-        len(t.shape) == 1 and t.shape[0] == stop - start
-        for t, (start, stop) in zip(frame.tensors, (piece_range(n, count, index) for n in numels))
-    )
+        return list(shapes)
+    return [(stop - start,) for start, stop in (piece_range(n, count, index) for n in numels)]
 
 
 async def fetch_cluster_state(

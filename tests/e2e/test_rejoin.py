@@ -20,7 +20,7 @@ import trio
 
 from flodl_trio import JoinRefused, ReduceClient, average_window, connect_reduce_client
 from flodl_trio.client import connect_control_client, fetch_cluster_state
-from flodl_trio.errors import ConfigError, FlodlError
+from flodl_trio.errors import ConfigError, FlodlError, SchemaError
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire.salt import SessionSalt
@@ -215,6 +215,57 @@ async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_ex
     for window in range(WINDOWS):
         want = {0, 1, 2, 3} if window < 3 or window >= start else {0, 1, 2}
         assert contributors[window] == want, f"window {window}"
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(
+    ("params_shapes", "buffer_shapes", "message"),
+    [
+        ([(33, 64), (17,)], BUFFER_SHAPES, r"parameter 0 of shape \[64, 33\], this model's parameter 0 has shape \[33, 64\]"),
+        ([(64, 33), (18,)], BUFFER_SHAPES, r"parameter 1 of shape \[17\], this model's parameter 1 has shape \[18\]"),
+        (PARAM_SHAPES, [(6,)], r"float buffer 0 of shape \[5\], this model's float buffer 0 has shape \[6\]"),
+    ],
+    ids=["transposed", "other-numel", "other-buffer"],
+)
+async def test_a_join_into_a_model_with_one_other_shape_names_it_and_copies_nothing(params_shapes, buffer_shapes, message):
+    """The counts agree, one shape does not: the error names the tensor and both shapes,
+    the rank's tensors are untouched (every shape is checked before a copy), and the
+    others train on."""
+    record = Record()
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60) as cluster:
+
+            async def returns_with_another_model() -> None:
+                rank = 3
+                async with rank_client(cluster, rank, False) as client:
+                    params, buffers = fresh_model(rank)
+                    assert await client.join(params, buffers) == 0
+                    await run_windows_until(client, rank, params, buffers, record, last=1)
+                    await client.aclose()  # a crash
+                await record.wait_for(0, 3)
+                params = [torch.full(shape, 7.0) for shape in params_shapes]
+                buffers = [torch.full(shape, 7.0) for shape in buffer_shapes]
+                async with rank_client(cluster, rank, False) as client:
+                    with pytest.raises(SchemaError, match=message):
+                        await client.join(params, buffers)
+                assert all((t == 7.0).all() for t in [*params, *buffers])  # nothing was copied
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_with_survivors, cluster, record, (0, 1, 2), returns_with_another_model)
+    contributors = check_every_window(record, {0, 1, 2})
+    assert all(contributors[w] == {0, 1, 2, 3} for w in range(2))
+
+
+async def run_windows_until(client, rank: int, params, buffers, record: Record, *, last: int) -> None:
+    """Windows 0..last of rank ``rank``, recorded like every other rank's."""
+    for window in range(last + 1):
+        trained(params, rank, window)
+        record.inputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+        result = await average_window(client, params, buffers, steps_of(rank, window), rank=rank, world_size=WORLD,
+                                      in_place=True)
+        record.counts[rank, window] = list(result.counts)
+        record.outputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
+        record.window_done(rank, window)
 
 
 @pytest.mark.trio

@@ -478,13 +478,18 @@ def test_a_cluster_state_is_split_as_whole_tensors_or_as_runs_per_fragment():
                           RoundKind.MODEL, 1.0)
 
     numels = [3, 5]  # two params; one float buffer of 2
-    whole_model, buffers = frame_of([(3,), (5,)]), frame_of([(2,)])
+    params, one_buffer = [(3,), (5,)], [(2,)]
+    whole_model, buffers = frame_of(params), frame_of(one_buffer)
     runs = [frame_of([(b - a,) for a, b in (piece_range(n, 2, p) for n in numels)]) for p in range(2)]
-    assert ClusterState(4, (whole_model, buffers)).split(numels, 1) == ([whole_model], buffers)
-    assert ClusterState(4, (*runs, buffers)).split(numels, 1) == (runs, buffers)
-    assert ClusterState(4, tuple(runs)).split(numels, 0) == (runs, None)
-    assert ClusterState(4, (whole_model, buffers)).split(numels, 0) == ([whole_model], None)  # no buffers here
+    assert ClusterState(4, (whole_model, buffers)).split(params, one_buffer) == ([whole_model], buffers)
+    assert ClusterState(4, (*runs, buffers)).split(params, one_buffer) == (runs, buffers)
+    assert ClusterState(4, tuple(runs)).split(params, []) == (runs, None)
+    assert ClusterState(4, (whole_model, buffers)).split(params, []) == ([whole_model], None)  # no buffers here
     with pytest.raises(SchemaError, match=r"frames of \[2, 1\] tensors; this model has 3 params and 1 float buffers"):
-        ClusterState(4, (whole_model, buffers)).split([3, 5, 1], 1)
+        ClusterState(4, (whole_model, buffers)).split([(3,), (5,), (1,)], one_buffer)
+    with pytest.raises(SchemaError, match=r"parameter 1 of shape \[5\], this model's parameter 1 has shape \[1, 5\]"):
+        ClusterState(4, (whole_model, buffers)).split([(3,), (1, 5)], one_buffer)  # same numel, other shape
+    with pytest.raises(SchemaError, match=r"float buffer 0 of shape \[2\], this model's float buffer 0 has shape \[3\]"):
+        ClusterState(4, (whole_model, buffers)).split(params, [(3,)])
     with pytest.raises(SchemaError, match="frames of"):
-        ClusterState(4, (runs[1], runs[0], buffers)).split(numels, 1)  # runs out of order
+        ClusterState(4, (runs[1], runs[0], buffers)).split(params, one_buffer)  # runs out of order
