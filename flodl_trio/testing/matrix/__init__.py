@@ -44,16 +44,7 @@ from . import listeners, refusals, blast_radius, membership  # noqa: F401
 from .clusters import diagnose
 from .offsets import frame_len, rank_frame_start, uplink_first_record
 from .oracle import check_round, expected, trio_to_mono
-from .registry import (
-    MATRIX,
-    Case,
-    CaseRecord,
-    MatrixFailure,
-    Outcome,
-    case,
-    case_by_name,
-    run_case,
-)
+from .registry import MATRIX, Case, CaseRecord, MatrixFailure, Outcome, case, case_by_name, run_case
 
 __all__ = [
     "MATRIX",

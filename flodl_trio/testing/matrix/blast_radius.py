@@ -7,23 +7,8 @@ import re
 
 from ...wire.round_frame import encode_round_frame
 from .clusters import SALT, daemon_cluster, diagnose, formed
-from .hostile import (
-    UNKNOWN_DTYPE,
-    contribution_frame,
-    length_prefixed,
-    raw_data_rank,
-    wait_closed_by_peer,
-    with_unknown_dtype,
-)
-from .oracle import (
-    after,
-    check_round,
-    everyone,
-    expect_consensus,
-    expect_error,
-    last_outcome,
-    mono,
-)
+from .hostile import UNKNOWN_DTYPE, contribution_frame, length_prefixed, raw_data_rank, wait_closed_by_peer, with_unknown_dtype
+from .oracle import after, check_round, everyone, expect_consensus, expect_error, last_outcome, mono
 from .registry import MatrixFailure, Outcome, case, fmt_ranks
 
 

@@ -13,23 +13,9 @@ from ...wire.handshake import CONTROL_HANDSHAKE_LEN
 from ...wire.liveness import HEARTBEAT_TAG, heartbeat_frame
 from ...wire.mux import Hello, MuxKind, encode_mux_record
 from ..proxy import Stall
-from .clusters import (
-    HEARTBEAT_TIMEOUT,
-    SALT,
-    SIGNATURE,
-    daemon_cluster,
-    diagnose,
-    pause,
-)
+from .clusters import HEARTBEAT_TIMEOUT, SALT, SIGNATURE, daemon_cluster, diagnose, pause
 from .hostile import contribution_frame, length_prefixed, raw_control_rank, raw_relay
-from .oracle import (
-    everyone,
-    expect_consensus,
-    expect_error,
-    last_outcome,
-    mono,
-    trio_to_mono,
-)
+from .oracle import everyone, expect_consensus, expect_error, last_outcome, mono, trio_to_mono
 from .registry import MatrixFailure, Outcome, case, short
 
 

@@ -15,20 +15,9 @@ import numpy as np
 import trio
 
 from ...wire.constants import DTYPE_F32, MAC_LEN
-from ...wire.handshake import (
-    CONTROL_ACK_LEN,
-    DATA_ACK_LEN,
-    encode_control_handshake,
-    encode_data_handshake,
-)
+from ...wire.handshake import CONTROL_ACK_LEN, DATA_ACK_LEN, encode_control_handshake, encode_data_handshake
 from ...wire.mux import Hello, MuxKind, encode_control_record, mux_signed_header
-from ...wire.round_frame import (
-    FRAME_HEADER_LEN,
-    RoundFrame,
-    RoundKind,
-    TensorPayload,
-    encode_round_frame,
-)
+from ...wire.round_frame import FRAME_HEADER_LEN, RoundFrame, RoundKind, TensorPayload, encode_round_frame
 from ...wire.salt import SessionSalt
 from ..processes import ChildProcess
 from .clusters import SALT, SIGNATURE

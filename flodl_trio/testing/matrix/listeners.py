@@ -11,25 +11,8 @@ from ...wire.constants import CHANNEL_MAGIC_CONTROL, CHANNEL_MAGIC_DATA
 from ...wire.handshake import encode_control_handshake, encode_data_handshake
 from ...wire.mux import Hello, MuxKind
 from ..processes import ProcessCluster
-from .clusters import (
-    SALT,
-    SCALE,
-    SIGNATURE,
-    MiB,
-    cap_address_space,
-    check_memory_growth,
-    daemon_cluster,
-    diagnose,
-    formed,
-)
-from .hostile import (
-    HUGE_LENGTH,
-    channel_magic,
-    forged_mux_header,
-    raw_relay,
-    slowloris,
-    wait_closed_by_peer,
-)
+from .clusters import SALT, SCALE, SIGNATURE, MiB, cap_address_space, check_memory_growth, daemon_cluster, diagnose, formed
+from .hostile import HUGE_LENGTH, channel_magic, forged_mux_header, raw_relay, slowloris, wait_closed_by_peer
 from .oracle import everyone, expect_consensus, last_outcome, mono
 from .registry import MatrixFailure, Outcome, case
 

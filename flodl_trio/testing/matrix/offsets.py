@@ -26,21 +26,8 @@ import numpy as np
 
 from ...wire.constants import DTYPE_F32, MUX_HEADER_LEN, SALT_LEN
 from ...wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
-from ...wire.mux import (
-    MUX_SIGNED_HEADER_LEN,
-    Hello,
-    HelloAck,
-    MuxKind,
-    RelayControlMsg,
-    encode_control_record,
-    mux_signed_header,
-)
-from ...wire.round_frame import (
-    RoundFrame,
-    TensorPayload,
-    frame_body_chunks,
-    schema_frame_len,
-)
+from ...wire.mux import MUX_SIGNED_HEADER_LEN, Hello, HelloAck, MuxKind, RelayControlMsg, encode_control_record, mux_signed_header
+from ...wire.round_frame import RoundFrame, TensorPayload, frame_body_chunks, schema_frame_len
 from ...wire.salt import SessionSalt
 
 Direction = Literal["up", "down"]

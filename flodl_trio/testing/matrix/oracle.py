@@ -13,12 +13,14 @@ round never passes for a later one. Each rank must reach one of two outcomes:
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
-from ..processes import Event, ProcessCluster
+from ..processes import ChildProcess, Event, ProcessCluster
+from ..proxy import DuplicateRecord, FaultProxy
 from ..windows import WindowMismatch, check_final_and_joins, check_windows
 from .registry import MatrixFailure
 
@@ -141,6 +143,24 @@ def killed(cluster: ProcessCluster, rank: int, *, before_round: int, contributor
     check_rounds(cluster, rank, contributors, upto=before_round)
 
 
+async def expect_replay_costs_its_sender(
+    c: ProcessCluster, proxy: FaultProxy, drop_log: ChildProcess, drop_line: re.Pattern[str], *,
+    sender: int, survivors: Sequence[int],
+) -> tuple[Event, float]:
+    """A record delivered twice by ``proxy`` while rank 0 holds round 0 open (``--pause-before 0``):
+    once ``drop_log`` names the drop, rank 0 is let go. Round 0 keeps the sender's first frame
+    (folded before its copy arrived: realized work), round 1 is the survivors' alone, and rank
+    ``sender`` raises. Returns its error and the seconds from the replay to the last outcome."""
+    events = await proxy.wait_fired(DuplicateRecord)
+    t0 = trio_to_mono(events[0].time)
+    await drop_log.wait_log(drop_line)
+    await c.resume(0)
+    first, later = {*survivors, sender}, set(survivors)
+    rounds = await expect_consensus(c, survivors, 2, after(1, first, later))
+    error = await expect_error(c, sender, before_round=0, contributors=lambda _k: first)
+    return error, last_outcome(rounds, 1, error["time"]) - t0
+
+
 # ---------------------------------------------------------------------------
 # Local SGD windows (rank_worker --windows)
 # ---------------------------------------------------------------------------
@@ -175,6 +195,7 @@ __all__ = [
     "everyone",
     "expect_consensus",
     "expect_error",
+    "expect_replay_costs_its_sender",
     "expected",
     "killed",
     "last_outcome",

@@ -5,25 +5,10 @@ from __future__ import annotations
 import re
 
 from ..proxy import CutAt, Delay, DuplicateRecord, Fault, FlipBit
-from .clusters import (
-    MiB,
-    cap_address_space,
-    check_memory_growth,
-    daemon_cluster,
-    diagnose,
-    formed,
-    pause,
-)
+from .clusters import MiB, cap_address_space, check_memory_growth, daemon_cluster, diagnose, formed, pause
 from .hostile import huge_length_prefix, raw_data_rank, wait_closed_by_peer
 from .offsets import FRAME_PAYLOAD, FRAME_WEIGHT_LOW_BYTE, frame_len, rank_frame_start
-from .oracle import (
-    everyone,
-    expect_consensus,
-    expect_error,
-    last_outcome,
-    mono,
-    trio_to_mono,
-)
+from .oracle import everyone, expect_consensus, expect_error, expect_replay_costs_its_sender, last_outcome, mono, trio_to_mono
 from .registry import MatrixFailure, Outcome, case, short
 
 
@@ -73,15 +58,10 @@ async def rank_leg_replay() -> Outcome:
         proxy_faults={1: [DuplicateRecord(index=0)]},
     ) as c:
         with diagnose(c):
-            events = await c.proxies[1].wait_fired(DuplicateRecord)
-            t0 = trio_to_mono(events[0].time)
-            relay = c.relay_processes(0)[0]
-            await relay.wait_log(re.compile(r"rank 1 dropped: .*deposited twice in one round"))
-            await c.resume(0)
-            # Rank 1's first frame was folded before its copy arrived: realized work, round 0 keeps it.
-            rounds = await expect_consensus(c, [0, 2, 3], 2, lambda k: {0, 1, 2, 3} if k == 0 else {0, 2, 3})
-            error = await expect_error(c, 1, before_round=0, contributors=everyone(4))
-            seconds = last_outcome(rounds, 1, error["time"]) - t0
+            error, seconds = await expect_replay_costs_its_sender(
+                c, c.proxies[1], c.relay_processes(0)[0], re.compile(r"rank 1 dropped: .*deposited twice in one round"),
+                sender=1, survivors=[0, 2, 3],
+            )
     return Outcome(
         f"relay host0 dropped rank 1 (DesyncError: deposited twice), which raised {error['type']}; "
         "ranks 0,2,3 got round 0 with rank 1's first frame and round 1 without it", seconds,

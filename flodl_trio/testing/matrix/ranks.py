@@ -9,25 +9,9 @@ import trio
 
 from ..processes import ProcessCluster
 from ..proxy import BandwidthCap
-from .clusters import (
-    BIG_NUMEL,
-    HEARTBEAT_TIMEOUT,
-    MiB,
-    daemon_cluster,
-    diagnose,
-    pause,
-    wait_until,
-)
+from .clusters import BIG_NUMEL, HEARTBEAT_TIMEOUT, MiB, daemon_cluster, diagnose, pause, wait_until
 from .offsets import frame_len, rank_frame_start, rank_leg_bytes
-from .oracle import (
-    after,
-    everyone,
-    expect_consensus,
-    expect_error,
-    killed,
-    last_outcome,
-    mono,
-)
+from .oracle import after, everyone, expect_consensus, expect_error, killed, last_outcome, mono
 from .registry import MatrixFailure, Outcome, case, short
 
 SURVIVORS_FROM_ROUND_2 = after(2, range(4), [0, 1, 2])

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from ..proxy import CutAt, DuplicateRecord, Fault, FlipBit, Stall
 from .clusters import BIG_NUMEL, SCALE, daemon_cluster, diagnose, formed, pause
 from .offsets import FRAME_PAYLOAD, MUX_HEADER, MUX_MAC, uplink_first_record
-from .oracle import everyone, expect_consensus, expect_error, last_outcome, trio_to_mono
+from .oracle import everyone, expect_consensus, expect_error, expect_replay_costs_its_sender, last_outcome, trio_to_mono
 from .registry import MatrixFailure, Outcome, case, short
 
 # Host 1 carries rank 2: where its first HostFrame record starts on its uplink.
@@ -83,18 +83,14 @@ async def uplink_replay() -> Outcome:
         upstream_faults={1: [DuplicateRecord(index=1, framing="mux")]},
     ) as c:
         with diagnose(c):
-            events = await c.upstream_proxies[1].wait_fired(DuplicateRecord)
-            t0 = trio_to_mono(events[0].time)
-            # The proxy has sent the copy; host 0 is let go only once the controller has
-            # read it. Released earlier, host 0 could complete the round first, and the
-            # copy would then be (undetectably) the next round's frame.
+            # Host 0 is let go only once the controller has read the copy. Released earlier,
+            # host 0 could complete the round first, and the copy would then be
+            # (undetectably) the next round's frame.
             assert c.controller is not None
-            await c.controller.wait_log(re.compile(r"relay host1 .*dropped for breaking the protocol .*HostFrame before the consensus"))
-            await c.resume(0)
-            # Host 1's first frame was folded before its copy arrived: realized work, round 0 keeps it.
-            rounds = await expect_consensus(c, [0, 1], 2, lambda k: {0, 1, 2} if k == 0 else {0, 1})
-            error = await expect_error(c, 2, before_round=0, contributors=everyone(3))
-            seconds = last_outcome(rounds, 1, error["time"]) - t0
+            dropped = re.compile(r"relay host1 .*dropped for breaking the protocol .*HostFrame before the consensus")
+            error, seconds = await expect_replay_costs_its_sender(
+                c, c.upstream_proxies[1], c.controller, dropped, sender=2, survivors=[0, 1],
+            )
     return Outcome(
         f"controller dropped relay host1 (DesyncError: a HostFrame before its consensus); rank 2 raised {error['type']}; "
         "ranks 0,1 got round 0 with host 1's first frame and round 1 without it", seconds,
