@@ -21,15 +21,16 @@ import trio
 
 from flodl_trio import SessionSalt
 from flodl_trio.testing import FlipBit, open_process_cluster
+from flodl_trio.testing.matrix.offsets import FRAME_PAYLOAD, rank_frame_start
 
 WORLD = 4
 HOSTS = [[0, 1], [2, 3]]
 ROUNDS = 4
 NUMEL = 4
 # Rank 1's data connection: a 16-byte handshake, then per round a u32 length prefix
-# and a RoundFrame (17-byte header, 14 bytes of tensor header, the f32 payload, 8-byte MAC).
-FRAME = 17 + 14 + 4 * NUMEL + 8
-ROUND1_PAYLOAD = 16 + (4 + FRAME) + 4 + 31
+# and a RoundFrame (17-byte header, 14 bytes of tensor header, the f32 payload, 8-byte MAC);
+# the offsets module computes where things are from the wire package's own encoders.
+ROUND1_PAYLOAD = rank_frame_start(1, NUMEL) + FRAME_PAYLOAD
 
 
 def expected_mean(ranks: list[int], k: int) -> float:

@@ -20,6 +20,13 @@ controller connection); they run in the test process and are exposed as
 ``cluster.proxies[rank]``, ``cluster.control_proxies[rank]`` and
 ``cluster.upstream_proxies[host_index]``.
 
+With ``log_dir=`` every process's stderr also goes to a file there, one per
+process life (``controller.log``, ``relay-host0.log``, ``rank-3.log``,
+``rank-3-2.log`` after a restart). ``external_ranks`` start no worker; a test
+that plays them with processes of its own starts those with
+:meth:`ProcessCluster.launch_rank` (the demo's ranks run that way) and reads
+their JSON lines with :meth:`RankProcess.follow`.
+
 Leaving the block reaps every process it started: frozen ones are thawed
 first, anything still running gets SIGKILL, and every exit is waited for.
 """
@@ -33,8 +40,9 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
+from pathlib import Path
+from typing import IO, Any
 
 import attrs
 import trio
@@ -85,6 +93,7 @@ class ChildProcess:
     output: bytearray = attrs.field(factory=bytearray)
     _changed: ChangeSignal = attrs.field(factory=ChangeSignal)
     _stderr_done: bool = False
+    log_path: Path | None = None  # where stderr is also written, if anywhere
 
     @property
     def pid(self) -> int:
@@ -137,12 +146,19 @@ class ChildProcess:
                 )
             await self._changed.wait()
 
+    def _open_log(self) -> AbstractContextManager[IO[bytes] | None]:
+        return open(self.log_path, "ab") if self.log_path is not None else nullcontext()
+
     async def _pump_stderr(self) -> None:
         assert self.process.stderr is not None
-        async with self.process.stderr:
-            while chunk := await self.process.stderr.receive_some(65536):
-                self.output += chunk
-                self._notify()
+        with self._open_log() as log:
+            async with self.process.stderr:
+                while chunk := await self.process.stderr.receive_some(65536):
+                    self.output += chunk
+                    if log is not None:
+                        log.write(chunk)
+                        log.flush()  # the file is for reading while the process runs
+                    self._notify()
         self._stderr_done = True
         self._notify()
 
@@ -184,6 +200,18 @@ class RankProcess(ChildProcess):
                     f"rank {self.rank} exited ({self.process.returncode}) without such an event; "
                     f"events={self.events} stderr={self.text[-2000:]}"
                 )
+            await self._changed.wait()
+
+    async def follow(self) -> AsyncIterator[Event]:
+        """Every event in order - those already reported, then each as it comes - until
+        the process closes its stdout (it exited)."""
+        seen = 0
+        while True:
+            while seen < len(self.events):
+                seen += 1
+                yield self.events[seen - 1]
+            if self._stdout_done:
+                return
             await self._changed.wait()
 
     @property
@@ -236,8 +264,10 @@ class ProcessCluster:
     # Earlier lives of restarted ranks, oldest first; how each rank was started (to start it again).
     past_lives: dict[int, list[RankProcess]] = attrs.field(factory=dict)
     past_relays: dict[int, list[DaemonProcess]] = attrs.field(factory=dict)
+    log_dir: Path | None = None  # each process's stderr also goes to a file there
     _relay_launches: dict[int, list[tuple[str, list[str], dict[str, str]]]] = attrs.field(factory=dict)
     _launches: dict[int, tuple[list[str], dict[str, str]]] = attrs.field(factory=dict)
+    _base_env: dict[str, str] = attrs.field(factory=dict)
     _nursery: trio.Nursery | None = None
     _started: list[ChildProcess] = attrs.field(factory=list)
 
@@ -267,6 +297,21 @@ class ProcessCluster:
             raise KeyError(f"rank {rank}'s host runs no control relay (open the cluster with control=True)")
         return (LOOPBACK, port)
 
+    def log_path(self, name: str) -> Path | None:
+        """A new log file in :attr:`log_dir` for the process ``name`` ("rank 3" ->
+        ``rank-3.log``, then ``rank-3-2.log`` for its next life); None without a log_dir."""
+        if self.log_dir is None:
+            return None
+        stem = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+        life = 1
+        while True:
+            path = self.log_dir / (f"{stem}.log" if life == 1 else f"{stem}-{life}.log")
+            try:
+                path.touch(exist_ok=False)  # claimed now, so two lives never share a file
+                return path
+            except FileExistsError:
+                life += 1
+
     # -- rank processes ------------------------------------------------------
 
     def kill(self, rank: int) -> None:
@@ -287,6 +332,15 @@ class ProcessCluster:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the rank has already exited (a fault ended it): nothing left to release
 
+    async def launch_rank(self, rank: int, cmd: Sequence[str], env: Mapping[str, str] | None = None) -> RankProcess:
+        """Start a process of your own for rank ``rank`` (one of ``external_ranks``): it
+        reports JSON lines on stdout as rank_worker does, its environment defaults to the
+        cluster's (the salt included), and :meth:`restart` starts it again the same way."""
+        if rank in self.ranks:
+            raise RuntimeError(f"rank {rank} already has a process (pid {self.ranks[rank].pid})")
+        self._launches[rank] = (list(cmd), dict(self._base_env if env is None else env))
+        return await self._start_life(rank)
+
     async def restart(self, rank: int) -> RankProcess:
         """Start rank ``rank`` again with the command line and environment it first
         had (as a launcher restarts a failed worker). Its last process must have
@@ -294,10 +348,13 @@ class ProcessCluster:
         old = self.ranks[rank]
         if old.process.returncode is None:
             raise RuntimeError(f"rank {rank} (pid {old.pid}) is still running: kill it before restarting it")
+        self.past_lives.setdefault(rank, []).append(old)
+        return await self._start_life(rank)
+
+    async def _start_life(self, rank: int) -> RankProcess:
         assert self._nursery is not None
         cmd, env = self._launches[rank]
-        self.past_lives.setdefault(rank, []).append(old)
-        proc = await _launch_rank(self._nursery, rank, cmd, env, self._started)
+        proc = await _launch_rank(self._nursery, rank, cmd, env, self._started, self.log_path(f"rank {rank}"))
         self.ranks[rank] = proc
         return proc
 
@@ -360,7 +417,8 @@ class ProcessCluster:
         new = []
         for name, argv, env in self._relay_launches[host_index]:
             argv = [str(fixed[argv[i - 1]]) if i and argv[i - 1] in fixed else arg for i, arg in enumerate(argv)]
-            new.append(await _start_daemon(self._nursery, name, "flodl_trio.relay", argv, env, self._started))
+            new.append(await _start_daemon(self._nursery, name, "flodl_trio.relay", argv, env, self._started,
+                                           self.log_path(name)))
         self.relays[host_index] = new
         for relay in new:
             await relay.wait_log(re.compile(rf"relay host{host_index} started"))
@@ -449,9 +507,10 @@ async def _spawn(cmd: list[str], env: Mapping[str, str]) -> trio.Process:
 
 
 async def _launch_rank(
-    nursery: trio.Nursery, rank: int, cmd: list[str], env: Mapping[str, str], started: list[ChildProcess]
+    nursery: trio.Nursery, rank: int, cmd: list[str], env: Mapping[str, str], started: list[ChildProcess],
+    log_path: Path | None = None,
 ) -> RankProcess:
-    proc = RankProcess(f"rank {rank}", await _spawn(cmd, env), rank=rank)
+    proc = RankProcess(f"rank {rank}", await _spawn(cmd, env), rank=rank, log_path=log_path)
     started.append(proc)
     nursery.start_soon(proc._pump_events)
     nursery.start_soon(proc._pump_stderr)
@@ -459,13 +518,14 @@ async def _launch_rank(
 
 
 async def _start_daemon(
-    nursery: trio.Nursery, name: str, module: str, args: Sequence[str], env: Mapping[str, str], started: list[ChildProcess]
+    nursery: trio.Nursery, name: str, module: str, args: Sequence[str], env: Mapping[str, str], started: list[ChildProcess],
+    log_path: Path | None = None,
 ) -> DaemonProcess:
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, env=dict(env),
     )
-    daemon = DaemonProcess(name, process)
+    daemon = DaemonProcess(name, process, log_path=log_path)
     started.append(daemon)
     nursery.start_soon(daemon._pump_stderr)
     return daemon
@@ -499,7 +559,8 @@ async def _start_daemons(
     if heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(heartbeat_timeout)]
     cluster.controller = await _start_daemon(
-        nursery, "controller", "flodl_trio.controller", [*args, *controller_args], {**base_env, **controller_env}, started
+        nursery, "controller", "flodl_trio.controller", [*args, *controller_args], {**base_env, **controller_env}, started,
+        cluster.log_path("controller"),
     )
     match = await cluster.controller.wait_log(re.compile(r"controller started: listening on \S+:(\d+)"))
     cluster.controller_port = int(match.group(1))
@@ -534,7 +595,8 @@ async def _start_daemons(
             env = {**base_env, **relay_env.get(index, {})}
             argv = [*args, *relay_args.get(index, ())]
             cluster._relay_launches.setdefault(index, []).append((name, argv, env))
-            host_relays.append(await _start_daemon(nursery, name, "flodl_trio.relay", argv, env, started))
+            host_relays.append(await _start_daemon(nursery, name, "flodl_trio.relay", argv, env, started,
+                                                   cluster.log_path(name)))
         cluster.relays.append(host_relays)
     cluster.data_ports = [0] * len(cluster.hosts)
     cluster.control_ports = [None] * len(cluster.hosts)
@@ -570,6 +632,7 @@ async def open_process_cluster(
     relay_env: Mapping[int, Mapping[str, str]] | None = None,
     controller_args: Sequence[str] = (),
     relay_args: Mapping[int, Sequence[str]] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
     **cluster_options: Any,
 ) -> AsyncIterator[ProcessCluster]:
     """Start the cluster and one worker process per rank; reap every process on exit.
@@ -582,6 +645,7 @@ async def open_process_cluster(
     - ``proxy_faults`` / ``control_proxy_faults`` / ``upstream_faults``: fault
       proxies on a rank's data or control leg, or a host's data uplink.
     - ``worker_args`` / ``worker_env``: extra flags and environment per rank.
+    - ``log_dir``: an existing folder; every process's stderr also goes to a file there.
     - ``cluster_options``: passed to :func:`open_local_cluster` (in-process only).
     """
     session = SessionSalt.coerce(salt)
@@ -593,7 +657,8 @@ async def open_process_cluster(
         raise TypeError(f"daemons=True takes controller_args/relay_args, not {sorted(cluster_options)}")
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(service_nursery())
-        cluster = ProcessCluster(world_size, host_lists, session, {})
+        cluster = ProcessCluster(world_size, host_lists, session, {}, log_dir=None if log_dir is None else Path(log_dir))
+        cluster._base_env, cluster._nursery, cluster._started = base_env, nursery, started
         try:
             if daemons:
                 await _start_daemons(
@@ -632,10 +697,7 @@ async def open_process_cluster(
                     data=cluster.proxies[rank].address if rank in cluster.proxies else None,
                     control=cluster.control_proxies[rank].address if rank in cluster.control_proxies else None,
                 )
-                env = {**base_env, **(worker_env or {}).get(rank, {})}
-                cluster._launches[rank] = (cmd, env)
-                cluster.ranks[rank] = await _launch_rank(nursery, rank, cmd, env, started)
-            cluster._nursery, cluster._started = nursery, started
+                await cluster.launch_rank(rank, cmd, {**base_env, **(worker_env or {}).get(rank, {})})
             yield cluster
         finally:
             with trio.CancelScope(shield=True):

@@ -18,6 +18,7 @@ from flodl_trio import RoundKind
 from flodl_trio.client import ReduceClient
 from flodl_trio.errors import MacError, SchemaError
 from flodl_trio.testing import FlipBit, open_fault_proxy, open_local_cluster
+from flodl_trio.testing.matrix.offsets import FRAME_PAYLOAD, consensus_frame_start
 
 NUMEL = 100_000  # large enough for every streaming path (cut-through, finishing ahead)
 
@@ -81,7 +82,7 @@ async def test_in_place_refuses_a_non_f32_destination_before_the_round(salt):
 async def test_a_corrupted_consensus_never_touches_the_destination(salt, bf16):
     """A bit flipped in rank 0's copy of the consensus (between relay and rank) fails
     its MAC: the round raises and rank 0's tensor keeps every one of its values."""
-    flip = FlipBit(at_byte=8 + 4 + 25 + 1000, direction="down")  # ack, length prefix, into the payload
+    flip = FlipBit(at_byte=consensus_frame_start(0, NUMEL) + FRAME_PAYLOAD + 994, direction="down")  # payload byte 994
     async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
         async with open_fault_proxy(cluster.relay_address(0), [flip]) as proxy:
 

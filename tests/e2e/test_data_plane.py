@@ -36,7 +36,8 @@ from flodl_trio.wire import (
     encode_data_handshake,
     encode_round_frame,
 )
-from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
+from flodl_trio.wire.round_frame import schema_frame_len
+from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, DTYPE_BF16, MUX_HEADER_LEN
 from flodl_trio.wire.mux import (
     Hello,
     HelloAck,
@@ -140,7 +141,7 @@ async def test_bf16_wire_across_hosts(salt):
             for rank in inputs:
                 nursery.start_soon(rank_main, rank)
         # The uplink frames really were bf16: half the f32 payload bytes.
-        assert cluster.relays[1].stats.bytes_up == 25 + 25 + 10 + 4 + 4
+        assert cluster.relays[1].stats.bytes_up == MUX_HEADER_LEN + schema_frame_len([(DTYPE_BF16, (2,))])
     for rank, (tensors, mass) in out.items():
         assert tensors[0].tolist() == [2.0, 7.0] and tensors[0].dtype == torch.float32
         assert mass == 4.0

@@ -34,12 +34,15 @@ from flodl_trio.testing import (
     open_fault_proxy,
     open_local_cluster,
 )
+from flodl_trio.testing.matrix.offsets import HELLO_ACK_RECORD_LEN, LENGTH_PREFIX, MUX_MAC, uplink_first_record
 from flodl_trio.wire.constants import MAC_LEN, MUX_HEADER_LEN
+from flodl_trio.wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
+from flodl_trio.wire.round_frame import schema_frame_len
 
 # Two tensors, well above the relay's small-record threshold (64 KiB).
 SHAPES = [(300, 101), (40_000,)]
-FRAME_LEN = 17 + sum(10 + 4 * len(s) + 4 * int(np.prod(s)) for s in SHAPES) + MAC_LEN
-HELLO_ACK_RECORD = MUX_HEADER_LEN + 1
+FRAME_LEN = schema_frame_len([(DTYPE_F32, s) for s in SHAPES])
+HELLO_ACK_RECORD = HELLO_ACK_RECORD_LEN
 # Offset of the first Broadcast's payload in the controller -> relay byte stream.
 BROADCAST_PAYLOAD_AT = HELLO_ACK_RECORD + MUX_HEADER_LEN
 
@@ -139,12 +142,12 @@ async def test_ranks_receive_the_consensus_while_it_is_still_arriving(salt):
 
         # 0.5 s: well inside the 1 s stall.
         seen_during_stall = await bytes_to_ranks_during(cluster, stall, 0.5, rank_main)
-    ack = 8  # the data handshake ack precedes the consensus on the rank leg
+    ack = DATA_ACK_LEN  # the data handshake ack precedes the consensus on the rank leg
     for rank in range(world):
         # Everything that had arrived (less whatever sat in socket buffers) was forwarded...
-        assert seen_during_stall[rank] >= ack + 4 + half - (256 << 10), seen_during_stall
+        assert seen_during_stall[rank] >= ack + LENGTH_PREFIX + half - (256 << 10), seen_during_stall
         # ...but never the frame's end.
-        assert seen_during_stall[rank] < ack + 4 + FRAME_LEN - MAC_LEN
+        assert seen_during_stall[rank] < ack + LENGTH_PREFIX + FRAME_LEN - MAC_LEN
         for t, want in enumerate(expected(hosts, 0)):
             np.testing.assert_array_equal(got[rank][t], want)
 
@@ -157,7 +160,7 @@ async def test_a_broadcast_failing_its_record_mac_never_completes_at_a_rank(salt
     those 4 bytes; this one must hold back the last 8. Every rank then fails, and
     the relay stops with a MacError."""
     world, hosts = 2, [[0, 1]]
-    flip = FlipBit(at_byte=HELLO_ACK_RECORD + 17, bit=3, direction="down")
+    flip = FlipBit(at_byte=HELLO_ACK_RECORD + MUX_MAC, bit=3, direction="down")
     stall = Stall(at_byte=BROADCAST_PAYLOAD_AT + FRAME_LEN - 4, seconds=0.6, direction="down")
     errors: dict[int, BaseException] = {}
     upstream_faults = {0: [flip, stall]}
@@ -172,9 +175,9 @@ async def test_a_broadcast_failing_its_record_mac_never_completes_at_a_rank(salt
         with pytest.raises(MacError, match="MuxRecord"):
             await cluster.relays[0].wait_finished()
     assert sorted(errors) == [0, 1]
-    ack = 8
+    ack = DATA_ACK_LEN
     for rank in range(world):
-        assert during_stall[rank] == ack + 4 + FRAME_LEN - MAC_LEN, during_stall
+        assert during_stall[rank] == ack + LENGTH_PREFIX + FRAME_LEN - MAC_LEN, during_stall
 
 
 def doubled(consensus: RoundFrame) -> RoundFrame:
@@ -216,8 +219,7 @@ async def test_a_last_frame_failing_its_mac_while_finished_ahead_costs_only_its_
     (its rank 2 is dead and raises), and host 0's ranks get the exact consensus
     of their own frames - never one computed from the corrupted bytes."""
     world, hosts = 3, [[0, 1], [2]]
-    hello = 25 + 1 + 1 + len(b"host1") + 1 + 1 + 1
-    flip = FlipBit(at_byte=4 + hello + MUX_HEADER_LEN + FRAME_LEN // 2, bit=2, direction="up")
+    flip = FlipBit(at_byte=uplink_first_record("host1", [2]) + MUX_HEADER_LEN + FRAME_LEN // 2, bit=2, direction="up")
     faults = {1: [BandwidthCap(4_000_000, direction="up"), flip]}
     outcomes: dict[int, BaseException | list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
@@ -265,7 +267,7 @@ async def test_a_last_rank_frame_that_fails_midway_is_dropped_and_the_host_carri
     HostFrame beside it. That work is thrown away, rank 1 is dropped, and this
     round and the next complete exactly from ranks 0 and 2."""
     world, hosts = 3, [[0, 1], [2]]
-    at = 16 + 4 + FRAME_LEN // 2
+    at = DATA_HANDSHAKE_LEN + LENGTH_PREFIX + FRAME_LEN // 2
     broken = FlipBit(at_byte=at, bit=6, direction="up") if fault == "flip" else CutAt(at_byte=at, direction="up")
     got: dict[tuple[int, int], list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
@@ -285,8 +287,7 @@ async def test_a_relay_cut_mid_frame_while_finished_ahead_leaves_the_other_host_
     controller computes the consensus beside it: host 1's ranks are dead, the work is
     dropped, and host 0 gets both rounds exactly from its own two ranks."""
     world, hosts = 3, [[0, 1], [2]]
-    hello = 25 + 1 + 1 + len(b"host1") + 1 + 1 + 1
-    cut = CutAt(at_byte=4 + hello + MUX_HEADER_LEN + FRAME_LEN // 2, direction="up")
+    cut = CutAt(at_byte=uplink_first_record("host1", [2]) + MUX_HEADER_LEN + FRAME_LEN // 2, direction="up")
     faults = {1: [BandwidthCap(4_000_000, direction="up"), cut]}
     got: dict[tuple[int, int], list[np.ndarray]] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:

@@ -46,6 +46,17 @@ from flodl_trio.testing import (
     open_fault_proxy,
     open_local_cluster,
 )
+from flodl_trio.testing.matrix.offsets import (
+    FRAME_PAYLOAD,
+    MUX_HEADER,
+    MUX_LENGTH_FIELD,
+    consensus_frame_start,
+    frame_len,
+    rank_frame_start,
+    rank_leg_bytes,
+    uplink_first_record,
+    uplink_host_frame_start,
+)
 from flodl_trio.testing.proxy import CHUNK, _Layout, _RecordEditor
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
 from flodl_trio.wire.mux import (
@@ -586,11 +597,11 @@ def split_mux(data: bytes, salt: SessionSalt) -> list[bytes]:
     out = []
     pos = 0
     while pos < len(data):
-        (length,) = U32.unpack_from(data, pos + 13)
-        record = data[pos:pos + 25 + length]
+        (length,) = U32.unpack_from(data, pos + MUX_LENGTH_FIELD)
+        record = data[pos:pos + MUX_HEADER + length]
         decode_mux_record(record, salt)
         out.append(record)
-        pos += 25 + length
+        pos += MUX_HEADER + length
     return out
 
 
@@ -699,9 +710,8 @@ def as_array(reply: RoundFrame) -> np.ndarray:
     return np.frombuffer(reply.tensors[0].data, dtype="<f4").copy()
 
 
-# Bytes of one rank frame / HostFrame carrying one f32[N] tensor: header 17,
-# tensor head 2 + 4 + 8, payload 4N, MAC 8.
-FRAME_LEN = 17 + 14 + 4 * N + 8
+# Bytes of one rank frame / HostFrame payload carrying one f32[N] tensor.
+FRAME_LEN = frame_len(N)
 
 
 async def test_cluster_all_reduce_through_a_clean_proxy(salt):
@@ -721,8 +731,8 @@ async def test_cluster_all_reduce_through_a_clean_proxy(salt):
             for i in range(2):
                 record = await proxy.wait_closed(i)
                 assert record.outcome == "closed"
-                assert record.up.bytes_out == 16 + rounds * (4 + FRAME_LEN)
-                assert record.down.bytes_out == 8 + rounds * (4 + FRAME_LEN)
+                assert record.up.bytes_out == rank_leg_bytes(rounds, N, direction="up")
+                assert record.down.bytes_out == rank_leg_bytes(rounds, N, direction="down")
         await cluster.controller.wait_finished()
     for k in range(rounds):
         want = consensus([[rank_values(r, k) for r in h] for h in hosts])
@@ -735,8 +745,8 @@ async def test_flipped_bit_in_rank_frame_drops_only_that_rank(salt, caplog):
     survivors (rank 1 on the same host, host 1) average without it."""
     caplog.set_level(logging.WARNING, logger="flodl_trio.relay")
     world, hosts = 4, [[0, 1], [2, 3]]
-    # handshake 16 + length prefix 4 + frame header 17 + tensor head 14 = payload start
-    flip = FlipBit(16 + 4 + 17 + 14 + 4 * 3 + 1, bit=5)
+    # the second byte of element 3 of rank 0's first payload
+    flip = FlipBit(rank_frame_start(0, N) + FRAME_PAYLOAD + 4 * 3 + 1, bit=5)
     results: dict[tuple[int, int], np.ndarray] = {}
     errors: dict[int, BaseException] = {}
     async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
@@ -766,8 +776,7 @@ async def test_flipped_bit_in_rank_frame_drops_only_that_rank(salt, caplog):
 async def test_flipped_bit_in_consensus_is_caught_by_the_rank(salt):
     """Relay -> rank 0: one bit of the consensus payload flipped. Rank 0 refuses it
     (MAC); rank 1 got the true consensus, then carries on alone once rank 0 left."""
-    # ack 8 + length prefix 4 + frame header 17 + tensor head 14 = payload start
-    flip = FlipBit(8 + 4 + 17 + 14 + 5, bit=1, direction="down")
+    flip = FlipBit(consensus_frame_start(0, N) + FRAME_PAYLOAD + 5, bit=1, direction="down")
     results: dict[tuple[int, int], np.ndarray] = {}
     async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt) as cluster:
         async with open_fault_proxy(cluster.relay_address(0), [flip]) as proxy:
@@ -814,7 +823,7 @@ async def test_duplicated_rank_frame_is_a_desync_that_costs_only_that_rank(salt,
                     await dropped.wait()
                     result = as_array(await honest.all_reduce(frame_of(rank_values(1, 0))))
             (event,) = proxy.fired(dup)
-            assert event.offset == 16
+            assert event.offset == rank_leg_bytes(0, N)  # the first record after the handshake
     np.testing.assert_array_equal(result, consensus([[rank_values(0, 0), rank_values(1, 0)]]))
     assert any("rank 0 dropped" in r.getMessage() and "deposited twice" in r.getMessage() for r in caplog.records)
 
@@ -823,9 +832,8 @@ async def test_cut_mid_host_frame_kills_that_host_only(salt):
     """Relay host0 -> controller is cut half-way through its second HostFrame:
     the controller marks ranks 0 and 1 dead; host1 carries on alone."""
     world, rounds = 4, 3
-    # channel magic 4 + Hello record (25 + 11: variant, len, "host0", 2 ranks, 0 sigs)
-    hello_len = 25 + 1 + 1 + len(b"host0") + 1 + 2 + 1
-    cut_at = 4 + hello_len + (25 + FRAME_LEN) + 25 + FRAME_LEN // 2
+    # half-way through the payload of host0's second HostFrame record
+    cut_at = uplink_host_frame_start("host0", [0, 1], 1, N) + MUX_HEADER + FRAME_LEN // 2
     results: dict[tuple[int, int], np.ndarray] = {}
     errors: dict[int, BaseException] = {}
     async with open_controller(LOOP, 0, world_size=world, salt=salt) as ctl:
@@ -895,7 +903,7 @@ async def test_duplicated_host_frame_costs_only_that_relay(salt, caplog):
                     nursery.start_soon(rank_main, 0)
                     nursery.start_soon(rank_main, 1)
             (event,) = proxy.fired(dup)
-            assert event.offset == 4 + 25 + 11
+            assert event.offset == uplink_first_record("host0", [0, 1])
         assert ctl.dead_ranks.snapshot() == {0, 1}
         assert ctl.stats.relays_dropped == 1
     dropped = [r.getMessage() for r in caplog.records if "dropped for breaking the protocol" in r.getMessage()]
@@ -906,8 +914,7 @@ async def test_slow_and_stalling_controller_leg_changes_nothing_but_time(salt):
     """Latency, a thin pipe and a 0.3 s stall inside a HostFrame on relay host0 ->
     controller: every round still completes with the exact consensus."""
     world, hosts, rounds = 4, [[0, 1], [2, 3]], 3
-    hello_len = 25 + 1 + 1 + len(b"host0") + 1 + 2 + 1
-    stall = Stall(4 + hello_len + 25 + 10, seconds=0.3)
+    stall = Stall(uplink_first_record("host0", [0, 1]) + MUX_HEADER + 10, seconds=0.3)  # inside the first HostFrame
     faults = [Delay(0.02, direction="both"), BandwidthCap(50_000, direction="both"), stall]
     results: dict[tuple[int, int], np.ndarray] = {}
     async with open_controller(LOOP, 0, world_size=world, salt=salt) as ctl:
@@ -939,7 +946,8 @@ async def test_slow_and_stalling_controller_leg_changes_nothing_but_time(salt):
 
 @pytest.mark.parametrize(
     ("at_byte", "pause"),
-    [(8 + 4 + FRAME_LEN // 2, 0.0), (8, 0.0), (8, 0.2)],
+    [(consensus_frame_start(0, N) + FRAME_LEN // 2, 0.0), (rank_leg_bytes(0, direction="down"), 0.0),
+     (rank_leg_bytes(0, direction="down"), 0.2)],
     ids=["mid-consensus", "right-after-ack", "before-send"],
 )
 async def test_reset_on_rank_leg_is_a_flodl_error_and_survivors_continue(salt, at_byte, pause):

@@ -18,6 +18,7 @@ from flodl_trio import (
     connect_reduce_client,
 )
 from flodl_trio.testing import memory_of, open_process_cluster
+from flodl_trio.testing.processes import worker_command
 from flodl_trio.testing.rank_worker import contribution, parse_pause
 
 
@@ -112,6 +113,33 @@ async def test_external_rank_is_played_by_the_test(salt):
             reply = await client.all_reduce(RoundFrame([TensorPayload(DTYPE_F32, (4,), local)], RoundKind.MODEL, 1.0))
         assert np.frombuffer(reply.tensors[0].data, "<f4").tolist() == [mean_of([0, 1], 0)] * 4
         assert (await cluster.wait_outcome(0))["event"] == "done"
+
+
+@pytest.mark.deadline(40)
+async def test_a_launched_external_rank_is_followed_logged_and_restarted(salt, tmp_path):
+    """An external rank started with launch_rank (the demo's way): its events are followed
+    in order to its exit, every process logs to log_dir, and a restart gets a file of its own
+    (the restarted rank has no one left to average with: leaving the block reaps it)."""
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=2, daemons=True, backend="numpy", control=False,
+        external_ranks={1}, log_dir=tmp_path,
+    ) as cluster:
+        assert sorted(cluster.ranks) == [0]
+        cmd = worker_command(cluster, 1, rounds=2, pause=0.0, heartbeat_timeout=None, extra=["--backend", "numpy"])
+        first = await cluster.launch_rank(1, cmd)
+        with pytest.raises(RuntimeError, match="already has a process"):
+            await cluster.launch_rank(1, cmd)
+        followed = [event["event"] async for event in first.follow()]
+        assert followed == [e["event"] for e in first.events] and followed[-1] == "done", followed
+        assert [e["value"] for e in first.rounds] == [mean_of([0, 1], k) for k in range(2)]
+        assert await cluster.wait_exit(1) == 0
+        second = await cluster.restart(1)
+        assert second.log_path == tmp_path / "rank-1-2.log" and first.log_path == tmp_path / "rank-1.log"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "controller.log", "rank-0.log", "rank-1-2.log", "rank-1.log", "relay-host0.log", "relay-host1.log",
+    ]
+    assert "controller started" in (tmp_path / "controller.log").read_text()
+    assert (tmp_path / "relay-host1.log").read_text() == cluster.relays[1][0].text
 
 
 @pytest.mark.deadline(30)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl_trio.errors import FlodlError, FramingError, MacError, PeerClosedMidFrame
+from flodl_trio.testing.matrix.offsets import MUX_HEADER, MUX_LENGTH_FIELD
 from flodl_trio.transport import MessageStream, ReceiveBuffer
 from flodl_trio.wire import (
     DEFAULT_FRAME_CEILING,
@@ -442,9 +443,9 @@ def test_valid_mux_stream_reads_back_intact(chunks):
     raw = b"".join(chunks)
     pos = 0
     while pos < len(raw):
-        (length,) = struct.unpack_from("<I", raw, pos + 13)
-        want.append(decode_mux_record(raw[pos : pos + 25 + length], SALT))
-        pos += 25 + length
+        (length,) = struct.unpack_from("<I", raw, pos + MUX_LENGTH_FIELD)
+        want.append(decode_mux_record(raw[pos : pos + MUX_HEADER + length], SALT))
+        pos += MUX_HEADER + length
     got = []
 
     async def read(ms: MessageStream):

@@ -1,0 +1,164 @@
+"""Cases: membership - a rank that never comes, ranks and hosts that come back, a cluster
+that forms without one, a state request with another salt.
+
+The restart cases train with ``rank_worker --windows`` (join, then Local SGD
+windows) and check every window against the exact mean of the ranks that were
+in it. Survivors hold before window :data:`HOLD` until the restarted ranks have
+asked back in, so how long a process takes to start decides nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import trio
+
+from ...wire.salt import SessionSalt
+from ...wire.state import encode_state_request, new_nonce
+from ..processes import ProcessCluster, open_process_cluster
+from .clusters import HEARTBEAT_TIMEOUT, SALT, daemon_cluster, diagnose, pause
+from .oracle import all_done, everyone, expect_consensus, mono, windows_exact
+from .registry import MatrixFailure, Outcome, case
+
+WINDOWS = 12
+WINDOW_NUMEL = 256
+HOLD = 8  # survivors of a restart hold before this window until the restarted ranks asked back in
+
+
+@case("never-connected-declared-dead", fault="a rank never starts; the operator declares it dead", leg="formation (operator)")
+async def never_connected_declared_dead() -> Outcome:
+    """Rank 1 never connects (data or control). Its host's data relay is connected from
+    the start, so once it is declared dead, rank 0's rounds complete, and the host's
+    control relay joins the coordinator without it (rank 0 keeps its beacons)."""
+    async with open_process_cluster(
+        world_size=3, hosts=[[0, 1], [2]], salt=SALT, rounds=3, pause=HEARTBEAT_TIMEOUT / 2, backend="numpy",
+        heartbeat_timeout=HEARTBEAT_TIMEOUT, external_ranks={1},
+    ) as c:
+        with diagnose(c):
+            assert c.local is not None
+            await c.wait_event(0, "sending", round=0)
+            await trio.sleep(HEARTBEAT_TIMEOUT / 2)
+            if c.ranks[0].rounds:
+                raise MatrixFailure("round 0 completed without rank 1 before it was declared dead")
+            t0 = mono()
+            c.local.controller.dead_ranks.declare_dead(1)
+            rounds = await expect_consensus(c, [0, 2], 3, lambda _k: {0, 2})
+            seconds = rounds[0][0]["time"] - t0
+    return Outcome("ranks 0,2 went on (3 rounds over 0,2; rank 0's control relay joined without rank 1)", seconds)
+
+
+def windowed_cluster(
+    windows: int = WINDOWS, *, extra: dict[int, list[str]] | None = None, **options: Any
+) -> AbstractAsyncContextManager[ProcessCluster]:
+    """A daemon cluster of Local SGD trainers (``rank_worker --windows``: join, then
+    average_window) whose controller lets dead ranks back for 60 s."""
+    args = {r: ["--windows", str(windows), *(extra or {}).get(r, [])] for r in range(4)}
+    controller_args = ["--rejoin-timeout", "60", *options.pop("controller_args", [])]
+    return daemon_cluster(
+        world_size=4, hosts=[[0, 1], [2, 3]], backend="torch", numel=WINDOW_NUMEL, pause=0.3, heartbeat_timeout=10.0,
+        controller_args=controller_args, worker_args=args, **options,
+    )
+
+
+def held(survivors: tuple[int, ...]) -> dict[int, list[str]]:
+    """Worker arguments that hold ``survivors`` before window :data:`HOLD` (see :func:`release_once_back`)."""
+    return {r: ["--pause-before", f"{HOLD}:inf"] for r in survivors}
+
+
+async def release_once_back(c: ProcessCluster, ranks: list[int], survivors: tuple[int, ...]) -> None:
+    """The survivors go on once the restarted ``ranks`` have asked to come back in full:
+    how long a process takes to start then decides nothing (they enter by window HOLD + 1)."""
+    await c.wait_returns_asked(ranks)
+    for rank in survivors:
+        await c.resume(rank)
+
+
+@case("rank-kill-restart", fault="rank SIGKILLed mid-training, restarted with the same command", leg="rank process", deadline=60)
+async def rank_kill_restart() -> Outcome:
+    async with windowed_cluster(extra=held((0, 1, 2))) as c:
+        with diagnose(c):
+            await c.wait_event(3, "window", window=2)
+            t0 = mono()
+            c.kill(3)
+            await c.wait_exit(3)
+            await c.restart(3)
+            await release_once_back(c, [3], (0, 1, 2))
+            start = (await c.wait_event(3, "joined"))["start"]
+            first = await c.wait_event(3, "window", window=start)
+            await all_done(c)
+    windows_exact(c, WINDOWS, WINDOW_NUMEL, {3: {3}})
+    return Outcome(
+        f"rank 3 came back at window {start} from the consensus of window {start - 1}; every window exact; "
+        "all 4 end bit-identical", first["time"] - t0,
+    )
+
+
+@case("host-restart", fault="host 1's relay and ranks SIGKILLed, then restarted", leg="relay + rank processes", deadline=60)
+async def host_restart() -> Outcome:
+    async with windowed_cluster(extra=held((0, 1))) as c:
+        with diagnose(c):
+            await c.wait_event(2, "window", window=2)
+            t0 = mono()
+            for rank in (2, 3):
+                c.kill(rank)
+            c.kill_relay(1)
+            for rank in (2, 3):
+                await c.wait_exit(rank)
+            await c.restart_relay(1)
+            for rank in (2, 3):
+                await c.restart(rank)
+            await release_once_back(c, [2, 3], (0, 1))
+            start = max([(await c.wait_event(rank, "joined"))["start"] for rank in (2, 3)])
+            first = await c.wait_event(2, "window", window=start)
+            await all_done(c)
+    windows_exact(c, WINDOWS, WINDOW_NUMEL, {3: {2, 3}})
+    return Outcome(
+        f"host 0 trained on alone; host 1 came back at window {start}; every window exact; all 4 end bit-identical",
+        first["time"] - t0,
+    )
+
+
+@case("formation-missing-rank", fault="rank 3 starts 3 s late (--min-ranks 3 --formation-timeout 1)", leg="formation", deadline=60)
+async def formation_missing_rank() -> Outcome:
+    windows = 24
+    async with windowed_cluster(
+        windows, controller_args=["--min-ranks", "3", "--formation-timeout", "1"],
+        extra={3: ["--start-delay", "3"], **held((0, 1, 2))},
+    ) as c:
+        with diagnose(c):
+            assert c.controller is not None
+            await c.controller.wait_log("starting without ranks [3]")
+            t0 = mono()
+            await release_once_back(c, [3], (0, 1, 2))
+            start = (await c.wait_event(3, "joined"))["start"]
+            first = await c.wait_event(3, "window", window=start)
+            await all_done(c)
+    contributors = windows_exact(c, windows, WINDOW_NUMEL, {})
+    if start == 0 or any(contributors[w] != {0, 1, 2} for w in range(start)):
+        raise MatrixFailure(f"the cluster did not start without rank 3 (it entered window {start}): {contributors}")
+    return Outcome(f"ranks 0-2 started after 1 s; rank 3 joined at window {start} from the consensus", first["time"] - t0)
+
+
+@case("rejoin-wrong-salt", fault="a state request signed with another salt", leg="rank -> relay -> controller (state)")
+async def rejoin_wrong_salt() -> Outcome:
+    async with daemon_cluster(world_size=4, hosts=[[0, 1], [2, 3]], rounds=4, worker_args={0: pause(2, 2.0)}) as c:
+        with diagnose(c):
+            assert c.controller is not None
+            await c.wait_event(0, "paused", round=2)
+            t0 = mono()
+            stream = await trio.open_tcp_stream(*c.relay_address(3))
+            await stream.send_all(encode_state_request(3, 4, new_nonce(), SessionSalt(b"\x17" * 16)))
+            with trio.fail_after(10):
+                reply = await stream.receive_some(1024)
+            await stream.aclose()
+            if reply:
+                raise MatrixFailure(f"a request with another salt got {len(reply)} bytes back")
+            line = (await c.controller.wait_log(re.compile(r"state request from .*"))).group(0)
+            seconds = mono() - t0
+            await c.resume(0)
+            await expect_consensus(c, [0, 1, 2, 3], 4, everyone(4))
+    if "MAC mismatch" not in line:
+        raise MatrixFailure(f"the refusal does not say why: {line}")
+    return Outcome("no byte back; the controller logged the refused request (MAC mismatch); every round exact", seconds)
