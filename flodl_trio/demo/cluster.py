@@ -121,7 +121,7 @@ async def stop_daemons(cluster: ProcessCluster) -> None:
 
 async def run_cluster(args: argparse.Namespace, workdir: Path) -> DemoRun:
     """Start the daemons and the ranks, follow the training to its end, stop the daemons."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    from tqdm import tqdm
 
     started = time.monotonic()
     async with open_process_cluster(

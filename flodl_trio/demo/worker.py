@@ -94,7 +94,8 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     """The training flags a rank process is started with: the orchestrator's own."""
     flags = ["--windows", str(args.windows), "--inner-steps", str(args.inner_steps),
              "--heartbeat-timeout", str(args.heartbeat_timeout), "--overlap", str(args.overlap),
-             "--fragments", str(args.fragments), "--seed", str(args.seed), "--outer", args.outer]
+             "--fragments", str(args.fragments), "--seed", str(args.seed), "--outer", args.outer,
+             "--inner-lr", str(args.inner_lr)]
     if args.merge_after is not None:
         flags += ["--merge-after", str(args.merge_after)]
     if args.merge_by is not None:
