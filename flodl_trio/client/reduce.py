@@ -122,6 +122,9 @@ class ReduceClient:
         self._broken: str | None = None
         self.joined = False  # whether join()/fetch_state() was called: then leaving says finished or not
         self.last_state: ClusterState | None = None  # what join() loaded (its window, size, transfer time)
+        # Fragments (0 for a whole model) whose next window carries no work: this rank
+        # entered behind its host (see ClusterState.behind); average_window takes them out.
+        self.catching_up: set[int] = set()
         self.rounds = 0
 
     @property
@@ -296,7 +299,8 @@ class ReduceClient:
                 round_frame_to_tensors(frame, out=pieces)
         if buffers_frame is not None and buffers_frame.weight > 0:
             round_frame_to_tensors(buffers_frame, out=list(buffers))
-        return state.window + 1
+        self.catching_up = set(range(len(params_frames))) if state.behind else set()
+        return state.entry
 
     # -- tensor level --------------------------------------------------------
 

@@ -2,10 +2,13 @@
 
 The controller keeps the consensus of the last completed window exactly as
 the ranks received it. A rank asks for it through its host's relay (which
-pipes the connection to the controller) with a request signed with the
-session salt; the reply is bound to the request's fresh nonce and each frame
-carries its own MAC, so a rank with another salt gets nothing and a tampered
-or replayed reply is refused. See docs/wire.md ("State for joiners").
+pipes the connection to the controller): a signed request, the controller's
+challenge, the rank's answer, then the state; the rank says it has every
+frame, and the controller lets it into its host's barrier at the next window
+boundary and says which window that is. Every step is bound to both sides'
+fresh nonces and each frame carries its own MAC, so a rank with another salt
+gets nothing, and a tampered or replayed exchange is refused in either
+direction. See docs/wire.md ("The join exchange").
 """
 
 from __future__ import annotations
@@ -34,11 +37,19 @@ from ..wire.fragment import piece_range
 from ..wire.round_frame import RoundFrame, check_payloads, decode_round_frame
 from ..wire.salt import SessionSalt
 from ..wire.state import (
+    STATE_CHALLENGE_LEN,
+    STATE_ENTRY_LEN,
     STATE_REPLY_HEADER_LEN,
+    EntryStatus,
+    JoinNonces,
     StateReply,
     StateStatus,
+    decode_state_challenge,
+    decode_state_entry,
     decode_state_reply,
     decode_state_reply_header,
+    encode_state_answer,
+    encode_state_receipt,
     encode_state_request,
     new_nonce,
     state_reply_tail_len,
@@ -49,12 +60,28 @@ from ..wire.state import (
 class ClusterState:
     """The last completed window's consensus: ``window`` is its index (-1 with no frames:
     no window has completed yet); ``frames`` are what every rank adopted, in order: the
-    params (one frame, or one per fragment), then the float buffers if the model has any."""
+    params (one frame, or one per fragment), then the float buffers if the model has any.
+    ``entry`` is the first window the rank runs in its host's barrier: ``window + 1``
+    when it entered at once, later when windows finished while its state travelled
+    (it is then :attr:`behind`)."""
 
     window: int
     frames: tuple[RoundFrame, ...] = ()
     nbytes: int = 0  # the frames' bytes on the wire
     transfer_seconds: float = 0.0  # from the reply's header to its last byte (not the wait before)
+    entry: int = attrs.field()
+
+    @entry.default
+    def _entered_next(self) -> int:
+        return self.window + 1
+
+    @property
+    def behind(self) -> bool:
+        """Windows finished between the state's and the rank's entry: its params are older
+        than its host's, so its first window of each fragment must carry no work (it
+        takes that window's consensus and contributes from the next; average_window
+        does this by itself)."""
+        return self.entry > self.window + 1
 
     def split(
         self, params: Sequence[Shape], buffers: Sequence[Shape]
@@ -125,18 +152,23 @@ async def fetch_cluster_state(
 ) -> ClusterState:
     """Ask the controller, through the data relay at ``host:port``, for the state to start from.
 
-    A fresh cluster answers at once (window -1, nothing to load). For a rank
-    coming back the answer waits for the next window boundary - the wait of
-    a round, bounded by ``reply_timeout`` if given - where the controller
-    also lets it into its host's barrier. Raises :class:`JoinRefused` with
-    the controller's reason if it may not join.
+    A fresh cluster answers at once (window -1, nothing to load). A rank
+    coming back gets the newest finished window's consensus as soon as its
+    relay has asked it back in, while the others train on; it then waits
+    for the next window boundary, where the controller lets it into its
+    host's barrier (:attr:`ClusterState.entry`). Both waits are a round's
+    wait, each bounded by ``reply_timeout`` if given. Raises
+    :class:`JoinRefused` with the controller's reason if it may not join.
     """
+    where = f"data relay {host}:{port}"
     stream = await connect_with_retry(host, port, f"rank {rank} -> data relay (state)", bounds, connect)
-    conn = MessageStream(stream, f"data relay {host}:{port} (state)", bounds)
+    conn = MessageStream(stream, f"{where} (state)", bounds)
     try:
         nonce = new_nonce()
         await conn.send_chunks([encode_state_request(rank, world_size, nonce, salt)])
-        reply = await _receive_reply(conn, rank, nonce, salt, reply_timeout, f"data relay {host}:{port}")
+        nonces = await _receive_challenge(conn, rank, nonce, salt, where)
+        await conn.send_chunks([encode_state_answer(rank, nonces, salt)])
+        reply = await _receive_reply(conn, rank, nonces, salt, reply_timeout, where)
         if reply.status is StateStatus.REFUSED:
             raise JoinRefused(f"rank {rank} may not join: {reply.reason}")
         started, received = trio.current_time(), conn.bytes_received
@@ -144,28 +176,69 @@ async def fetch_cluster_state(
             await _receive_frame(conn, rank, index, length, salt, ceiling) for index, length in enumerate(reply.lengths)
         ]
         seconds = trio.current_time() - started
+        nbytes = conn.bytes_received - received
+        if not frames:
+            return ClusterState(reply.window, (), nbytes, seconds)
+        await conn.send_chunks([encode_state_receipt(nonces, salt)])
+        entry = await _receive_entry(conn, rank, nonces, salt, reply_timeout, where)
     finally:
         await conn.aclose()
-    return ClusterState(reply.window, tuple(frames), conn.bytes_received - received, seconds)
+    return ClusterState(reply.window, tuple(frames), nbytes, seconds, entry)
 
 
-async def _receive_reply(
-    conn: MessageStream, rank: int, nonce: bytes, salt: SessionSalt, timeout: float | None, where: str
-) -> StateReply:
+async def _receive_challenge(conn: MessageStream, rank: int, nonce: bytes, salt: SessionSalt, where: str) -> JoinNonces:
+    """The controller's fresh nonce (it answers a request it verified at once)."""
     try:
-        with trio.fail_after(math.inf if timeout is None else timeout):
-            header = await conn.receive_exactly(STATE_REPLY_HEADER_LEN, "the state reply")
+        with trio.fail_after(conn.bounds.handshake):
+            raw = await conn.receive_exactly(STATE_CHALLENGE_LEN, "the state challenge")
     except PeerClosedMidFrame as exc:
         raise FlodlError(
             f"rank {rank}: no state from the controller through {where}: the request was refused unread "
             "(a different session salt? see the controller's log) or the controller is gone"
         ) from exc
     except trio.TooSlowError as exc:
-        raise PeerTimeout(f"rank {rank}: no state reply through {where} within reply_timeout {timeout:g} s") from exc
+        raise PeerTimeout(
+            f"rank {rank}: no state challenge through {where} within {conn.bounds.handshake:g} s"
+        ) from exc
+    return decode_state_challenge(raw, nonce, salt)
+
+
+async def _receive_reply(
+    conn: MessageStream, rank: int, nonces: JoinNonces, salt: SessionSalt, timeout: float | None, where: str
+) -> StateReply:
+    header = await _wait_for(conn, STATE_REPLY_HEADER_LEN, "the state reply", rank, timeout, where)
     _status, frames, _window, reason_len = decode_state_reply_header(header)
     with trio.fail_after(conn.bounds.handshake):
         tail = await conn.receive_exactly(state_reply_tail_len(frames, reason_len), "the state reply's tail")
-    return decode_state_reply(header, tail, nonce, salt)
+    return decode_state_reply(header, tail, nonces, salt)
+
+
+async def _receive_entry(
+    conn: MessageStream, rank: int, nonces: JoinNonces, salt: SessionSalt, timeout: float | None, where: str
+) -> int:
+    """The window this rank enters its host's barrier at (the next boundary's)."""
+    raw = await _wait_for(conn, STATE_ENTRY_LEN, "the state entry", rank, timeout, where)
+    entry = decode_state_entry(raw, nonces, salt)
+    if entry.status is EntryStatus.CALLED_OFF:
+        raise JoinRefused(
+            f"rank {rank}: the controller called its join off after sending its state "
+            "(its data connection or relay left first; see the controller's log)"
+        )
+    return entry.window
+
+
+async def _wait_for(conn: MessageStream, n: int, what: str, rank: int, timeout: float | None, where: str) -> bytes:
+    """A message that comes at a window boundary: a round's wait, bounded only by ``timeout``."""
+    try:
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            return await conn.receive_exactly(n, what)
+    except PeerClosedMidFrame as exc:
+        raise FlodlError(
+            f"rank {rank}: the controller closed the state connection through {where} before {what} "
+            "(it called the join off, or it is gone; see its log)"
+        ) from exc
+    except trio.TooSlowError as exc:
+        raise PeerTimeout(f"rank {rank}: no {what[4:]} through {where} within reply_timeout {timeout:g} s") from exc
 
 
 async def _receive_frame(

@@ -77,12 +77,22 @@ from ..wire.mux import (
 from ..wire.round_frame import EncodedFrame, decode_round_frame
 from ..wire.salt import Buffer, SessionSalt
 from ..wire.state import (
+    STATE_ANSWER_LEN,
+    STATE_RECEIPT_LEN,
     STATE_REQUEST_LEN,
+    EntryStatus,
+    JoinNonces,
+    StateEntry,
     StateReply,
     StateRequest,
     StateStatus,
+    check_state_answer,
+    check_state_receipt,
     decode_state_request,
+    encode_state_challenge,
+    encode_state_entry,
     encode_state_reply,
+    new_nonce,
 )
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
@@ -127,25 +137,30 @@ class ControllerConfig:
 
 @attrs.define(eq=False)
 class _Joiner:
-    """A rank's state request, waiting for the boundary that lets it in (or a refusal)."""
+    """A dead rank's verified state request, from its answer to its entry: its state
+    goes out once both halves of the return are in (``state_due``), and it enters
+    at a boundary once it has it (``decided``), unless the return is called off."""
 
+    nonces: JoinNonces
+    state_due: trio.Event = attrs.field(factory=trio.Event)
     decided: trio.Event = attrs.field(factory=trio.Event)
     state: WindowState | None = None
+    entry: int | None = None  # the first window it runs in its host's barrier
     refusal: str | None = None
 
-    @classmethod
-    def fresh(cls) -> _Joiner:
-        joiner = cls()
-        joiner.decided.set()
-        return joiner
-
-    def admit(self, state: WindowState | None) -> None:
+    def send_state(self, state: WindowState | None) -> None:
         self.state = state
+        self.state_due.set()
+
+    def enter(self, window: int) -> None:
+        self.entry = window
         self.decided.set()
 
     def refuse(self, reason: str) -> None:
-        self.refusal = reason
-        self.decided.set()
+        if self.entry is None:
+            self.refusal = reason
+            self.state_due.set()
+            self.decided.set()
 
 
 async def _signed(frame: memoryview, salt: SessionSalt) -> EncodedFrame:
@@ -165,6 +180,16 @@ async def _cancel_on_eof(conn: MessageStream, scope: trio.CancelScope) -> None:
     except CONNECTION_LOST:
         pass
     scope.cancel()
+
+
+async def _wait_unless_peer_leaves(conn: MessageStream, event: trio.Event) -> bool:
+    """Wait for ``event``; False if the peer closed (or spoke out of turn) first."""
+    with trio.CancelScope() as waiting:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_eof, conn, waiting)
+            await event.wait()
+            nursery.cancel_scope.cancel()
+    return not waiting.cancelled_caught
 
 
 class ControllerHandle:
@@ -295,7 +320,9 @@ class _Controller:
         self.membership = membership
         self.membership_changed = ChangeSignal()
         self.window_store = WindowStore()
-        self._joiners: dict[int, _Joiner] = {}  # rank -> its state request, waiting
+        self._joiners: dict[int, _Joiner] = {}  # rank -> its verified state request
+        self._asks: dict[int, int] = {}  # rank -> how many times its relay asked it back (names each ask)
+        self._nursery: trio.Nursery | None = None
         handle.coordinator.may_return = lambda rank: membership.may_return(rank, trio.current_time())
         self.handle = handle
         self.listeners = listeners
@@ -332,6 +359,7 @@ class _Controller:
 
     async def run(self) -> None:
         async with self._consensus_send, trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self.dead.watch, self._forward_new_deaths)
             nursery.start_soon(self._finish_when_nobody_can_return)
             nursery.start_soon(self._form_without_everyone)
@@ -615,14 +643,27 @@ class _Controller:
             log.info("controller: rank %d %s (%s)", msg.rank, how, link.name)
 
     def _on_rank_join(self, link: RelayLink, rank: int) -> None:
-        """A rank that had left reconnected to its relay: say no now, or let it in at
-        the next window boundary (once its state request is in too)."""
+        """A rank that had left reconnected to its relay: say no now, or send it its
+        state once its verified state request is in too (it must come within the
+        handshake bound: a connection that only replays a rank's handshake holds
+        the rank's seat no longer than that)."""
         refusal = self.membership.refusal(rank, trio.current_time(), dead=self.dead.is_dead(rank))
         if refusal is not None:
             return self._refuse_return(rank, link, refusal)
         self.membership.ask(rank, link.id)
-        log.info("controller: rank %d asks to rejoin (%s); it enters at the next window boundary", rank, link.name)
-        self._let_joiners_in_if_nobody_is_live()
+        ask = self._asks[rank] = self._asks.get(rank, 0) + 1
+        log.info("controller: rank %d asks to rejoin (%s); its state goes out once it asks for it", rank, link.name)
+        if self._nursery is not None and rank not in self.membership.waiting:
+            self._nursery.start_soon(self._expect_state_request, rank, ask, link)
+        self._send_states_due()
+
+    async def _expect_state_request(self, rank: int, ask: int, link: RelayLink) -> None:
+        """Call a return off whose rank sends no verified state request in time."""
+        bound = self.config.bounds.handshake
+        await trio.sleep(bound)
+        if self._asks.get(rank) == ask and rank in self.membership.asked and rank not in self.membership.waiting:
+            self._refuse_return(rank, link, f"it reconnected to {link.name} but sent no verified state request "
+                                            f"within {bound:g} s (join() comes right after connecting)")
 
     def _refuse_return(self, rank: int, link: RelayLink | None, reason: str) -> None:
         """Say no to a return: its relay drops the connection; a waiting state request
@@ -641,26 +682,45 @@ class _Controller:
         if joiner is not None:
             joiner.refuse(reason)
 
+    def _send_states_due(self) -> None:
+        """Each return whose both halves are in gets the newest finished window now,
+        while it is in no barrier (the others train on); one whose cluster has no
+        finished window yet waits for the first."""
+        state = self.window_store.latest
+        for rank, _seat in self.membership.ready():
+            joiner = self._joiners.get(rank)
+            if joiner is not None and not joiner.state_due.is_set() and state is not None:
+                joiner.send_state(state)
+        self._let_joiners_in_if_nobody_is_live()
+
     def _let_joiners_in_if_nobody_is_live(self) -> None:
         """With every rank dead no window will end, so now is a boundary: the cluster
         starts again from the last finished window (a window cut short by the deaths
-        is abandoned), with whoever has come back."""
-        if self.dead.dead_count() < self.config.world_size or not self.membership.ready():
+        is abandoned), with whoever has come back and has its state (with no
+        finished window, whoever has come back: there is nothing to send)."""
+        if self.dead.dead_count() < self.config.world_size:
             return
         state = self.window_store.latest
+        if state is None:
+            for rank, _seat in self.membership.ready():
+                joiner = self._joiners.get(rank)
+                if joiner is not None and not joiner.state_due.is_set():
+                    joiner.send_state(None)
+                    self.membership.prime(rank)
+        if not self.membership.entering():
+            return
         next_window = 0 if state is None else state.window + 1
         self.windows.restart_windows_at(next_window)
         self.window_store.abandon_window()
         log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
-        self._let_joiners_in(state)
+        self._let_joiners_in(next_window)
 
-    def _let_joiners_in(self, state: WindowState | None) -> None:
-        """A window boundary: every return whose both halves are in becomes live, and
-        its relay hears so before the window's last consensus (it enters the next
-        round, the window start); its state request gets the window just ended
-        (None: no window has finished, a fresh start)."""
+    def _let_joiners_in(self, window: int) -> None:
+        """A window boundary: every return that has its state becomes live, and its
+        relay hears so before the window's last consensus (it enters the next round,
+        the start of ``window``); the rank is told it enters ``window``."""
         now = trio.current_time()
-        for rank, seat in self.membership.ready():
+        for rank, seat in self.membership.entering():
             link = self.links.get(seat)
             refusal = self.membership.refusal(rank, now, dead=self.dead.is_dead(rank))
             if link is None or link.closed or refusal is not None:
@@ -672,10 +732,12 @@ class _Controller:
             self._exited.discard(rank)
             self.dead.revive(rank)
             self.stats.rejoins, self.stats.late_joins = self.membership.rejoins, self.membership.late_joins
-            self._joiners[rank].admit(state)
-            window = -1 if state is None else state.window
-            log.info("controller: rank %d rejoins (%s) with the consensus of window %d; it enters window %d",
-                     rank, link.name, window, window + 1)
+            joiner = self._joiners[rank]
+            joiner.enter(window)
+            loaded = -1 if joiner.state is None else joiner.state.window
+            behind = " (behind: its first window carries no work)" if loaded + 1 < window else ""
+            log.info("controller: rank %d rejoins (%s) with the consensus of window %d; it enters window %d%s",
+                     rank, link.name, loaded, window, behind)
         self.membership_changed.notify()
 
     # -- the consensus out, and deaths -----------------------------------------
@@ -701,7 +763,7 @@ class _Controller:
                 and self.windows.keep_window_state
                 and self.window_store.keep(part, kept or record_payload(record))
             ):
-                self._let_joiners_in(self.window_store.latest)
+                self._at_boundary()
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
             for seat_id in targets:
                 self.links[seat_id].queue(
@@ -711,6 +773,15 @@ class _Controller:
                 )
             # Only the link outboxes may keep this round's consensus alive (until written).
             del consensus, record, written
+
+    def _at_boundary(self) -> None:
+        """A window just finished (its state is kept): returns that have their state
+        enter the next window; those waiting for a first finished window get this one."""
+        latest = self.window_store.latest
+        if latest is None:
+            return
+        self._let_joiners_in(latest.window + 1)
+        self._send_states_due()
 
     def _forward_new_deaths(self) -> None:
         """Each new death: one DeclareDead to the relay carrying it; the round may complete."""
@@ -800,63 +871,95 @@ class _Controller:
             return None
 
     async def _answer_state_request(self, conn: MessageStream, request: StateRequest) -> None:
+        """Challenge a verified request; once answered, the rank is present: a fresh
+        start or a refusal is said at once, and a dead rank's return goes on."""
         rank = request.rank
         conn.peer = f"rank {rank} (state request)"
+        nonces = await self._challenge(conn, request)
+        if nonces is None:
+            return
         self.membership.joined(rank)
         self.membership_changed.notify()  # one more rank present (formation counts them)
         if self.membership.rejoin_timeout > 0:
             self.windows.keep_window_state = True  # an elastic rank: keep each window's state from now on
-        answer = await self._state_for(rank, conn)
-        if answer is None:
-            return  # the rank left while it waited
-        frames: list[EncodedFrame]
-        if isinstance(answer, str):
-            reply, frames = StateReply.refused(answer), []
-        elif answer.state is None:
-            reply, frames = StateReply(StateStatus.OK), []
-        else:
-            state = answer.state
-            frames = state.frames
-            reply = StateReply(StateStatus.OK, state.window, len(frames), lengths=tuple(f.nbytes for f in frames))
-        chunks: list[Buffer] = [encode_state_reply(reply, request.nonce, self.config.salt)]
-        for frame in frames:
-            chunks += [frame.nbytes.to_bytes(4, "little"), *frame.chunks]
-        await conn.send_chunks(chunks)
-        if frames:
-            self.stats.states_served += 1
-            log.info("controller: sent rank %d the consensus of window %d", rank, reply.window)
-
-    async def _state_for(self, rank: int, conn: MessageStream) -> _Joiner | str | None:
-        """What a state request gets: a fresh start (no window finished yet), a reason
-        to refuse, or - for a dead rank coming back - the state at the next boundary
-        (None if its connection closes first)."""
         dead = self.dead.is_dead(rank)
         if not dead and self.windows.windows == 0:
-            return _Joiner.fresh()
+            return await conn.send_chunks([encode_state_reply(StateReply(StateStatus.OK), nonces, self.config.salt)])
         refusal = self.membership.refusal(rank, trio.current_time(), dead=dead)
         if refusal is None and rank in self._joiners:
             refusal = f"rank {rank} already has a state request waiting"
         if refusal is not None:
             self.stats.rejoins_refused += 1
             log.warning("controller: rank %d may not rejoin: %s", rank, refusal)
-            return refusal
-        joiner = self._joiners[rank] = _Joiner()
-        self.membership.wait_for_state(rank)
-        self._let_joiners_in_if_nobody_is_live()
+            return await conn.send_chunks([encode_state_reply(StateReply.refused(refusal), nonces, self.config.salt)])
+        await self._serve_return(conn, rank, _Joiner(nonces))
+
+    async def _challenge(self, conn: MessageStream, request: StateRequest) -> JoinNonces | None:
+        """The controller's fresh nonce out, the rank's answer in: a replayed request
+        (a peer without the salt) cannot answer, and gets nothing more."""
+        nonces = JoinNonces(request.nonce, new_nonce())
         try:
-            with trio.CancelScope() as waiting:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_cancel_on_eof, conn, waiting)
-                    await joiner.decided.wait()
-                    nursery.cancel_scope.cancel()
+            await conn.send_chunks([encode_state_challenge(nonces, self.config.salt)])
+            with trio.fail_after(self.config.bounds.handshake):
+                answer = await conn.receive_exactly(STATE_ANSWER_LEN, "the state answer")
+            check_state_answer(answer, request.rank, nonces, self.config.salt)
+        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
+            if isinstance(exc, MacError):
+                self.stats.mac_failures += 1
+            reason = "no answer to its challenge within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._refuse(f"state request from {conn.peer} refused: {reason}")
+            return None
+        return nonces
+
+    async def _serve_return(self, conn: MessageStream, rank: int, joiner: _Joiner) -> None:
+        """A dead rank coming back: its state once both halves are in, its receipt,
+        then its entry at the next boundary. Until the receipt it is in no barrier,
+        so a joiner that reads slowly or not at all costs only itself."""
+        self._joiners[rank] = joiner
+        self.membership.wait_for_state(rank)
+        self._send_states_due()
+        salt = self.config.salt
+        try:
+            if not await _wait_unless_peer_leaves(conn, joiner.state_due):
+                return log.info("controller: rank %d left while it waited to rejoin", rank)
+            if joiner.refusal is not None:
+                return await conn.send_chunks([encode_state_reply(StateReply.refused(joiner.refusal), joiner.nonces, salt)])
+            if joiner.state is not None:
+                await self._send_state(conn, rank, joiner)
+            self.membership.prime(rank)
+            self._let_joiners_in_if_nobody_is_live()
+            self.membership_changed.notify()
+            if joiner.state is None:  # nothing was sent, so the rank is in already (a fresh start)
+                return
+            if not await _wait_unless_peer_leaves(conn, joiner.decided):
+                return log.info("controller: rank %d left while it waited for its window", rank)
+            entry = StateEntry.called_off() if joiner.entry is None else StateEntry(EntryStatus.ENTERED, joiner.entry)
+            await conn.send_chunks([encode_state_entry(entry, joiner.nonces, salt)])
+        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
+            reason = "its receipt did not come in time" if isinstance(exc, trio.TooSlowError) else str(exc)
+            self._refuse_return(rank, self.links.get(self.membership.asked.get(rank, -1)), f"its state transfer failed: {reason}")
         finally:
             del self._joiners[rank]
-            if not joiner.decided.is_set():
+            if joiner.entry is None:
                 self.membership.withdraw(rank)
-        if waiting.cancelled_caught:
-            log.info("controller: rank %d left while it waited to rejoin", rank)
-            return None
-        return joiner.refusal if joiner.refusal is not None else joiner
+                self.membership_changed.notify()
+
+    async def _send_state(self, conn: MessageStream, rank: int, joiner: _Joiner) -> None:
+        """The reply and its frames (from the memory they were kept in: no copy), then
+        the rank's receipt; the write and the receipt are bounded by the write-stall bound."""
+        state = joiner.state
+        assert state is not None
+        frames = state.frames
+        reply = StateReply(StateStatus.OK, state.window, len(frames), lengths=tuple(f.nbytes for f in frames))
+        chunks: list[Buffer] = [encode_state_reply(reply, joiner.nonces, self.config.salt)]
+        for frame in frames:
+            chunks += [frame.nbytes.to_bytes(4, "little"), *frame.chunks]
+        await conn.send_chunks(chunks)
+        with trio.fail_after(self.config.bounds.write_stall):
+            receipt = await conn.receive_exactly(STATE_RECEIPT_LEN, "the state receipt")
+        check_state_receipt(receipt, rank, joiner.nonces, self.config.salt)
+        self.stats.states_served += 1
+        log.info("controller: rank %d has the consensus of window %d; it enters at the next boundary", rank, state.window)
 
     # -- status page ---------------------------------------------------------
 
@@ -876,8 +979,10 @@ class _Controller:
             {
                 "world_size": self.config.world_size,
                 "dead_ranks": sorted(self.dead.snapshot()),
-                # Returns with both halves in (relay's ask, state request): let in at the next boundary.
+                # Returns with both halves in (relay's ask, state request): their state is on its way.
                 "joining": [rank for rank, _seat in self.membership.ready()],
+                # Of those, the ones that have their state: they enter at the next boundary.
+                "primed": [rank for rank, _seat in self.membership.entering()],
                 "relays": [
                     {"host": self.links[sid].host, "ranks": list(seat.ranks)}
                     for sid, seat in self.round.seats.items() if seat.connected

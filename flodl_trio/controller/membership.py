@@ -4,9 +4,10 @@ A rank's life as the controller sees it::
 
     absent --connects--> live --exits, crashes, is dropped or declared dead--> dead
     absent --formation_timeout passes with min_ranks present--> dead (may come)
-    dead --its relay asks, and it asks for its state--> joining
-    joining --a window boundary--> live        (it enters the next window)
-    joining --its connection closes--> dead
+    dead --its relay asks, and it asks for its state--> joining  (its state is sent)
+    joining --it says it has its state--> primed
+    primed --a window boundary--> live        (it enters the next window)
+    joining, primed --a connection closes, or its state write stalls--> dead
     dead --rejoin_timeout passes--> gone for good
     live --says it finished, and leaves--> gone for good
 
@@ -48,7 +49,8 @@ class Membership:
         self.absent: set[int] = set()  # ranks the cluster formed without: they join later
         self.died_at: dict[int, float] = {}
         self.asked: dict[int, int] = {}  # rank -> the seat whose relay asked to let it back in
-        self.waiting: set[int] = set()  # ranks whose state request waits for a window boundary
+        self.waiting: set[int] = set()  # ranks whose verified state request is in
+        self.primed: set[int] = set()  # returns whose state was delivered: they enter at the next boundary
         self.elastic: set[int] = set()  # ranks that called join(): they may come back after a death
         self.finished: set[int] = set()  # elastic ranks that said they finished: they will not
         self.plain: set[int] = set()  # ranks that left without ever calling join(): they will not
@@ -57,10 +59,13 @@ class Membership:
         self.late_joins = 0
 
     def phase(self, rank: int, *, dead: bool) -> str:
-        """``"live"``, ``"joining"`` (both halves of its return are in) or ``"dead"``."""
+        """``"live"``, ``"joining"`` (both halves of its return are in: its state is on its
+        way), ``"primed"`` (it has its state: it enters at the next boundary) or ``"dead"``."""
         if not dead:
             return "live"
-        return "joining" if rank in self.asked and rank in self.waiting else "dead"
+        if rank not in self.asked or rank not in self.waiting:
+            return "dead"
+        return "primed" if rank in self.primed else "joining"
 
     def died(self, rank: int, now: float) -> None:
         """``rank`` is dead as of ``now`` (its rejoin window opens)."""
@@ -84,13 +89,19 @@ class Membership:
         self.asked[rank] = seat
 
     def wait_for_state(self, rank: int) -> None:
-        """``rank`` asked for its state; it gets it at the next boundary."""
+        """``rank`` asked for its state (its answer verified); it gets it once its relay asked too."""
         self.waiting.add(rank)
+
+    def prime(self, rank: int) -> None:
+        """``rank`` has its state (its receipt came): it may enter at a boundary."""
+        if rank in self.asked and rank in self.waiting:
+            self.primed.add(rank)
 
     def withdraw(self, rank: int) -> None:
         """A half of ``rank``'s return went away (a connection closed): it is dead again."""
         self.asked.pop(rank, None)
         self.waiting.discard(rank)
+        self.primed.discard(rank)
 
     def seat_gone(self, seat: int) -> list[int]:
         """A relay left: the returns it asked for are off; returns those ranks."""
@@ -102,6 +113,10 @@ class Membership:
     def ready(self) -> list[tuple[int, int]]:
         """``(rank, seat)`` of each return whose both halves are in, in rank order."""
         return [(rank, self.asked[rank]) for rank in sorted(self.asked) if rank in self.waiting]
+
+    def entering(self) -> list[tuple[int, int]]:
+        """``(rank, seat)`` of each return that has its state: the next boundary lets it in."""
+        return [(rank, seat) for rank, seat in self.ready() if rank in self.primed]
 
     def rejoined(self, rank: int) -> None:
         """``rank`` is live (again) - let in at a boundary: a rejoin, or the first join

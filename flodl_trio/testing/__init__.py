@@ -12,7 +12,7 @@
 See docs/fault-injection.md.
 """
 
-from .local import LocalCluster, hold_open, open_local_cluster
+from .local import LocalCluster, fetch_status, hold_open, open_local_cluster, wait_until_primed
 from .memory import MemoryListener, MemoryNetwork
 from .processes import (
     ChildProcess,
@@ -62,9 +62,11 @@ __all__ = [
     "ProcessCluster",
     "RankProcess",
     "Stall",
+    "fetch_status",
     "hold_open",
     "memory_of",
     "open_fault_proxy",
     "open_local_cluster",
     "open_process_cluster",
+    "wait_until_primed",
 ]

@@ -13,6 +13,7 @@ controller leg for you (``cluster.upstream_proxies[host_index]``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -38,6 +39,28 @@ from ..transport.tasks import service_nursery
 from ..wire.salt import SessionSalt
 from .memory import MEMORY_HOST, MemoryNetwork
 from .proxy import LOOPBACK, Fault, FaultProxy
+
+
+async def fetch_status(address: tuple[str, int]) -> dict[str, Any]:
+    """The controller's JSON status page at ``address`` (dead ranks, returns, relays, counters)."""
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(b"GET / HTTP/1.0\r\nHost: flodl\r\n\r\n")
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    _head, _, body = data.partition(b"\r\n\r\n")
+    status: dict[str, Any] = json.loads(body)
+    return status
+
+
+async def wait_until_primed(address: tuple[str, int], ranks: Iterable[int], poll: float = 0.02) -> None:
+    """Until the controller at ``address`` lists every rank of ``ranks`` as ``primed``: it
+    has its state, and enters at the next window boundary. Survivors held until then
+    know the window the ranks enter, however long their joins took."""
+    want = set(ranks)
+    while not want <= set((await fetch_status(address))["primed"]):
+        await trio.sleep(poll)
 
 
 @attrs.define

@@ -49,7 +49,7 @@ import trio
 
 from ..transport.tasks import ChangeSignal, service_nursery
 from ..wire.salt import SessionSalt
-from .local import LOOPBACK, LocalCluster, open_local_cluster
+from .local import LOOPBACK, LocalCluster, fetch_status, open_local_cluster
 from .proxy import Fault, FaultProxy
 
 SALT_ENV = "FLODL_SALT_HEX"  # the same variable rank_worker reads (not imported: see rank_worker)
@@ -374,17 +374,17 @@ class ProcessCluster:
     async def wait_exit(self, rank: int) -> int:
         return await self.ranks[rank].process.wait()
 
-    async def wait_returns_asked(self, ranks: Iterable[int], poll: float = 0.05) -> None:
-        """Until every rank of ``ranks`` has asked to come back in full (its relay's ask
-        and its state request are both at the controller: the status page lists it as
-        ``joining``) or has already rejoined. A test that holds the survivors
+    async def wait_returns_primed(self, ranks: Iterable[int], poll: float = 0.05) -> None:
+        """Until every rank of ``ranks`` has its state for coming back (its relay asked,
+        its state went out and it said it has it: the status page lists it as
+        ``primed``) or has already rejoined. A test that holds the survivors
         (``--pause-before W:inf``) until then knows the window the ranks enter by,
         however long their processes took to start."""
         pending = set(ranks)
         while True:
             pending -= {rank for rank in pending if any(e["event"] == "joined" for e in self.ranks[rank].events)}
             if pending:
-                pending -= set((await self.status())["joining"])
+                pending -= set((await self.status())["primed"])
             if not pending:
                 return
             await trio.sleep(poll)
@@ -466,15 +466,8 @@ class ProcessCluster:
         return "\n".join(parts)
 
     async def status(self) -> dict[str, Any]:
-        """The controller's JSON status page (dead ranks, relays, counters)."""
-        stream = await trio.open_tcp_stream(*self.controller_address)
-        async with stream:
-            await stream.send_all(b"GET / HTTP/1.0\r\nHost: flodl\r\n\r\n")
-            data = b""
-            while chunk := await stream.receive_some(65536):
-                data += chunk
-        _head, _, body = data.partition(b"\r\n\r\n")
-        return json.loads(body)
+        """The controller's JSON status page (dead ranks, returns, relays, counters)."""
+        return await fetch_status(self.controller_address)
 
 
 def worker_command(

@@ -19,8 +19,9 @@ same clock in every process of the machine):
 - ``done``: every round completed (exit status 0).
 
 ``--windows N`` runs Local SGD instead, as a trainer would: ``joined``
-(``start``: the window :meth:`ReduceClient.join` returned, with the loaded
-params' ``head`` and ``digest``), then per window a ``window`` event with the
+(``start``: the window :meth:`ReduceClient.join` returned; ``state_window``: the
+window whose consensus it loaded, with the loaded params' ``head`` and
+``digest``), then per window a ``window`` event with the
 gathered ``counts``, the consensus params' first values (``head``), the
 buffers, and a ``digest`` of every byte. Window ``w`` adds
 :func:`window_delta` to the params and reports :func:`window_steps` steps.
@@ -201,8 +202,8 @@ async def _windows(args: argparse.Namespace, client: Any, go: _Go) -> None:
     start = await client.join(params, buffers)
     state = client.last_state
     emit(
-        "joined", rank=args.rank, start=start, head=params[0][:8].tolist(), digest=_digest(params + buffers),
-        state_bytes=state.nbytes, transfer_seconds=state.transfer_seconds,
+        "joined", rank=args.rank, start=start, state_window=state.window, head=params[0][:8].tolist(),
+        digest=_digest(params + buffers), state_bytes=state.nbytes, transfer_seconds=state.transfer_seconds,
     )
     pauses = dict(args.pause_before or [])
     for window in range(start, args.windows):

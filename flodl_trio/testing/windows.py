@@ -27,6 +27,24 @@ class WindowMismatch(AssertionError):
     """A window's consensus is not the mean over any set of ranks that may have been in it."""
 
 
+def catching_up(cluster: ProcessCluster, rank: int) -> set[int]:
+    """The windows ``rank`` ran with no work, one per life that entered behind: the
+    first window after a join whose state was older than the window before it."""
+    out = set()
+    for proc in [*cluster.past_lives.get(rank, []), cluster.ranks[rank]]:
+        for event in proc.events:
+            if event["event"] == "joined" and event["start"] > 0 and event.get("state_window", event["start"] - 1) < event["start"] - 1:
+                out.add(event["start"])
+    return out
+
+
+def first_counted(cluster: ProcessCluster, rank: int) -> int:
+    """The first window the current life of ``rank`` contributes to: the window it
+    entered, or the one after when it entered behind."""
+    start = joined_event(cluster, rank)["start"]
+    return start + 1 if start in catching_up(cluster, rank) else start
+
+
 def windows_of(cluster: ProcessCluster, rank: int) -> dict[int, Event]:
     """Every ``window`` event of every life of ``rank``, by window."""
     out: dict[int, Event] = {}
@@ -55,6 +73,7 @@ def check_windows(
     """
     world = cluster.world_size
     events = {rank: windows_of(cluster, rank) for rank in range(world)}
+    behind = {rank: catching_up(cluster, rank) for rank in range(world)}
     consensus = np.zeros(numel)  # the params every contributor holds before window 0
     contributors_by_window: dict[int, set[int]] = {}
     for window in range(windows):
@@ -67,7 +86,10 @@ def check_windows(
             if event["counts"] != counts or event["digest"] != first["digest"]:
                 raise WindowMismatch(f"window {window}: rank {rank} gathered other counts or holds other bytes")
         counted = {rank for rank in range(world) if counts[rank] > 0}
-        if not counted >= set(seen) or counts != [float(window_steps(r)) if r in counted else 0.0 for r in range(world)]:
+        idle = {rank for rank in seen if window in behind[rank]}  # entered behind: no work this window
+        if not counted >= set(seen) - idle or counted & idle or counts != [
+            float(window_steps(r)) if r in counted else 0.0 for r in range(world)
+        ]:
             raise WindowMismatch(f"window {window}: counts {counts} do not fit the ranks that finished it {set(seen)}")
         doubtful = sorted((maybe_in or {}).get(window, set()) & counted)
         candidates = [counted - set(gone) for n in range(len(doubtful) + 1) for gone in combinations(doubtful, n)]
@@ -89,19 +111,36 @@ def check_windows(
 
 def check_final_and_joins(cluster: ProcessCluster, windows: int, contributors: Mapping[int, set[int]]) -> None:
     """Every rank ends with the same bytes; a rank that came back loaded exactly the
-    consensus of the window before the one it entered, and counts from that one."""
+    consensus of a finished window, and counts from the window it entered - or, when
+    windows finished while its state travelled (it entered behind), from the one after:
+    its first window carries no work, and ends with everyone's consensus."""
     finals = {windows_of(cluster, rank)[windows - 1]["digest"] for rank in range(cluster.world_size)}
     if len(finals) != 1:
         raise WindowMismatch("the ranks do not end with bit-identical params and buffers")
     for rank in cluster.past_lives:
-        start = joined_event(cluster, rank)["start"]
+        joined = joined_event(cluster, rank)
+        start, loaded = joined["start"], joined.get("state_window", joined["start"] - 1)
         if start == 0:
             continue  # back before any window finished: nothing to load, it starts like everyone
-        before = [e[start - 1]["digest"] for r in range(cluster.world_size) if start - 1 in (e := windows_of(cluster, r))]
-        if joined_event(cluster, rank)["digest"] not in before[:1]:
-            raise WindowMismatch(f"rank {rank} did not load the consensus of window {start - 1}")
-        if not all(rank in contributors[w] for w in range(start, windows)):
+        if loaded >= start:
+            raise WindowMismatch(f"rank {rank} loaded window {loaded} and entered window {start}")
+        others = [e[loaded]["digest"] for r in range(cluster.world_size) if loaded in (e := windows_of(cluster, r))]
+        if joined["digest"] not in others[:1]:
+            raise WindowMismatch(f"rank {rank} did not load the consensus of window {loaded}")
+        counts_from = start if loaded == start - 1 else start + 1
+        if start < windows and counts_from > start and rank in contributors[start]:
+            raise WindowMismatch(f"rank {rank} entered window {start} behind but its older params were counted")
+        if not all(rank in contributors[w] for w in range(counts_from, windows)):
             raise WindowMismatch(f"rank {rank} entered window {start} but is missing from a later window")
 
 
-__all__ = ["HEAD", "WindowMismatch", "check_final_and_joins", "check_windows", "joined_event", "windows_of"]
+__all__ = [
+    "HEAD",
+    "WindowMismatch",
+    "catching_up",
+    "check_final_and_joins",
+    "check_windows",
+    "first_counted",
+    "joined_event",
+    "windows_of",
+]

@@ -212,6 +212,11 @@ class BlockingReduceClient:
     def fetch_state(self) -> ClusterState:
         return self._run(lambda c: c.fetch_state())
 
+    @property
+    def last_state(self) -> ClusterState | None:
+        """What :meth:`join` loaded (see :attr:`ReduceClient.last_state`)."""
+        return None if self._client is None else self._client.last_state
+
     def window_trainer(
         self,
         params: Sequence[torch.Tensor],

@@ -40,6 +40,7 @@ def mover_mass(steps: float) -> float:
 class _ReduceClientLike(Protocol):
     pinned_decode: bool
     bf16_wire: bool
+    catching_up: set[int]
 
     def arm_pinned_decode(self, slot: int) -> None: ...
 
@@ -65,6 +66,14 @@ async def sumcount_reduce(
     if mass <= 0:
         return list(tensors)
     return consensus
+
+
+def _work_to_count(client: _ReduceClientLike, steps: int, fragment: int) -> int:
+    """``steps``, or 0 for the first window of a fragment this rank is catching up on."""
+    if fragment not in client.catching_up:
+        return steps
+    client.catching_up.discard(fragment)
+    return 0
 
 
 @attrs.frozen
@@ -96,7 +105,11 @@ async def average_window(
     model-sized. ``fragment``: the window syncs that fragment of the model
     (``params`` and ``buffers`` are its tensors); the step-count gather
     carries the tag, so the controller keeps its state per fragment.
+    A rank that joined behind its host (``client.catching_up``) sends its
+    first window of each fragment with no work: it adopts the consensus of
+    the others and contributes from the next.
     """
+    steps = _work_to_count(client, steps, 0 if fragment is None else fragment.index)
     counts = [0.0] * world_size
     counts[rank] = float(steps)
     gathered = await client.all_reduce_per_rank_f64(counts, fragment=fragment)

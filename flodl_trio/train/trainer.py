@@ -310,7 +310,7 @@ def _check_start_window(client: object, schedule: WindowSchedule, start_window: 
     window 0's schedule it would open the wrong fragment's window (its relay would
     refuse it, and it would have trained the wrong fragments)."""
     state = getattr(client, "last_state", None)
-    joined_at = None if state is None or not state.frames else state.window + 1
+    joined_at = None if state is None or not state.frames else state.entry
     if schedule.fragments > 1 and joined_at is not None and start_window != joined_at:
         raise ConfigError(
             f"this rank joined the cluster at window {joined_at} (what join() returned); pass "

@@ -21,7 +21,11 @@ CHANNEL_MAGIC_JOIN: Final = 0xF10D17E3
 # The rank sends it to its relay, which pipes the connection to the controller as is.
 CHANNEL_MAGIC_STATE: Final = 0xF10D17E8
 STATE_REPLY_MAGIC: Final = 0xF10D17E9
-STATE_VERSION: Final = 1
+STATE_CHALLENGE_MAGIC: Final = 0xF10D17EA
+STATE_ANSWER_MAGIC: Final = 0xF10D17EB
+STATE_RECEIPT_MAGIC: Final = 0xF10D17EC
+STATE_ENTRY_MAGIC: Final = 0xF10D17ED
+STATE_VERSION: Final = 2
 # flodl_trio extension: a rank that called join() ends with a length prefix of 0
 # on its data connection to say it finished (no RoundFrame is 0 bytes long).
 FINISHED_LENGTH: Final = 0

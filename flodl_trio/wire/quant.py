@@ -172,13 +172,15 @@ def _block_scales(chunk: F32Array, block: int, max_level: float, out: F32Array) 
 
 
 def _divide_by_block(chunk: F32Array, scales: F32Array, block: int, out: F32Array) -> None:
-    """``chunk / scale`` of its block, element by element (0 where the scale is 0)."""
-    inverse = np.divide(np.float32(1.0), scales, out=np.zeros_like(scales), where=scales > 0)
+    """``chunk / scale`` of its block, element by element (0 where the scale is 0: such
+    a block is all zeros). A true division, not a product with ``1 / scale``: the
+    inverse of a subnormal scale overflows to inf."""
+    divisors = np.where(scales > 0, scales, np.float32(1.0))
     full = len(chunk) // block * block
     if full:
-        np.multiply(chunk[:full].reshape(-1, block), inverse[: full // block, None], out=out[:full].reshape(-1, block))
+        np.divide(chunk[:full].reshape(-1, block), divisors[: full // block, None], out=out[:full].reshape(-1, block))
     if full < len(chunk):
-        np.multiply(chunk[full:], inverse[-1], out=out[full:])
+        np.divide(chunk[full:], divisors[-1], out=out[full:])
 
 
 def _times_block_scale(levels: F32Array, scales: F32Array, block: int, *, out: F32Array) -> None:

@@ -33,12 +33,15 @@ from flodl_trio.wire.mux import (
 )
 from flodl_trio.wire.state import (
     MAX_REASON_LEN,
+    STATE_ANSWER_LEN,
     STATE_REPLY_HEADER_LEN,
     STATE_REQUEST_LEN,
+    JoinNonces,
     StateReply,
     StateStatus,
     decode_state_reply,
     decode_state_request,
+    encode_state_challenge,
     encode_state_reply,
     encode_state_request,
     new_nonce,
@@ -71,7 +74,9 @@ def test_membership_life_cycle_live_dead_joining_live():
     assert m.ready() == []
     m.wait_for_state(3)
     assert m.phase(3, dead=True) == "joining"
-    assert m.ready() == [(3, 7)]
+    assert m.ready() == [(3, 7)] and m.entering() == []  # its state is on its way
+    m.prime(3)
+    assert m.phase(3, dead=True) == "primed" and m.entering() == [(3, 7)]
     m.rejoined(3)
     assert m.ready() == [] and m.rejoins == 1 and 3 not in m.died_at
 
@@ -81,8 +86,11 @@ def test_membership_halves_may_come_in_either_order_and_either_withdraws_the_ret
     m.wait_for_state(1)
     m.ask(1, seat=2)
     assert m.ready() == [(1, 2)]
+    m.prime(1)
     m.withdraw(1)
-    assert m.ready() == [] and m.phase(1, dead=True) == "dead"
+    assert m.ready() == [] and m.entering() == [] and m.phase(1, dead=True) == "dead"
+    m.prime(1)  # a receipt for a return that was called off primes nothing
+    assert m.primed == set()
 
 
 def test_membership_refusals_say_why():
@@ -303,31 +311,31 @@ def test_state_request_round_trip_and_refusals():
         decode_state_request(raw[:-1], 4, SALT)
 
 
-def test_state_reply_is_bound_to_the_requests_nonce():
-    nonce = new_nonce()
+def test_state_reply_is_bound_to_the_joins_nonces():
+    nonces = JoinNonces(new_nonce(), new_nonce())
     reply = StateReply(StateStatus.OK, 7, 2, lengths=(1 << 20, 4096))
-    raw = encode_state_reply(reply, nonce, SALT)
+    raw = encode_state_reply(reply, nonces, SALT)
     header, tail = raw[:STATE_REPLY_HEADER_LEN], raw[STATE_REPLY_HEADER_LEN:]
-    assert decode_state_reply(header, tail, nonce, SALT) == reply
+    assert decode_state_reply(header, tail, nonces, SALT) == reply
     forged = tail[:-12] + (2 << 20).to_bytes(4, "little") + tail[-8:]  # a bigger announced frame
     with pytest.raises(MacError):
-        decode_state_reply(header, forged, nonce, SALT)
+        decode_state_reply(header, forged, nonces, SALT)
     with pytest.raises(MacError):
-        decode_state_reply(header, tail, new_nonce(), SALT)  # an old reply, replayed
+        decode_state_reply(header, tail, JoinNonces(new_nonce(), nonces.controller), SALT)  # an old reply, replayed
     with pytest.raises(MacError):
-        decode_state_reply(header, tail, nonce, OTHER)
+        decode_state_reply(header, tail, nonces, OTHER)
 
 
 def test_state_reply_carries_a_refusal_reason_under_its_mac():
-    nonce = new_nonce()
-    raw = encode_state_reply(StateReply.refused("rank 2 is live"), nonce, SALT)
+    nonces = JoinNonces(new_nonce(), new_nonce())
+    raw = encode_state_reply(StateReply.refused("rank 2 is live"), nonces, SALT)
     header, tail = raw[:STATE_REPLY_HEADER_LEN], raw[STATE_REPLY_HEADER_LEN:]
-    reply = decode_state_reply(header, tail, nonce, SALT)
+    reply = decode_state_reply(header, tail, nonces, SALT)
     assert reply.status is StateStatus.REFUSED and reply.reason == "rank 2 is live"
     forged = tail[:5] + b"X" + tail[6:]
     with pytest.raises(MacError):
-        decode_state_reply(header, forged, nonce, SALT)
-    long = encode_state_reply(StateReply.refused("x" * 5000), nonce, SALT)
+        decode_state_reply(header, forged, nonces, SALT)
+    long = encode_state_reply(StateReply.refused("x" * 5000), nonces, SALT)
     assert len(long) == STATE_REPLY_HEADER_LEN + MAX_REASON_LEN + 8
 
 
@@ -337,37 +345,10 @@ def test_state_reply_carries_a_refusal_reason_under_its_mac():
      (-2, 0, "window -2")],
 )
 def test_state_reply_header_shapes_that_cannot_be(window, frames, message):
-    nonce = new_nonce()
-    raw = encode_state_reply(StateReply(StateStatus.OK, window, frames, lengths=(100,) * frames), nonce, SALT)
+    nonces = JoinNonces(new_nonce(), new_nonce())
+    raw = encode_state_reply(StateReply(StateStatus.OK, window, frames, lengths=(100,) * frames), nonces, SALT)
     with pytest.raises(HandshakeError, match=message):
-        decode_state_reply(raw[:STATE_REPLY_HEADER_LEN], raw[STATE_REPLY_HEADER_LEN:], nonce, SALT)
-
-
-def test_host_fold_with_no_live_rank_lets_a_returning_rank_in_at_once():
-    fold = HostFold("h0", [0, 1])
-    fold.mark_dead(0)
-    fold.mark_dead(1)
-    assert fold.idle  # no live rank, nothing in flight: no consensus will mark a window start
-    fold.rejoin(0)
-    fold.rejoin(1)
-    assert fold.waiting_to_enter(0)
-    assert fold.approve(0) and fold.approve(1)  # let in at the same boundary
-    assert fold.deposit(0, frame([2.0], RoundKind.CONTROL)) is None  # the first frame is the window start...
-    assert fold.live == {0, 1}  # ...for both
-    folded = fold.deposit(1, frame([3.0], RoundKind.CONTROL))
-    assert folded is not None and values(folded.frame) == [5.0]
-    assert not fold.waiting_to_enter(0)
-
-
-def test_host_ranks_a_relay_waits_only_for_ranks_that_may_come_back():
-    from flodl_trio.relay import HostRanks
-
-    host = HostRanks([0, 1, 2])
-    host.elastic |= {0, 1}  # rank 2 never called join(): its exit is final
-    host.finished.add(1)  # rank 1 said it finished
-    assert host.may_return([0, 1, 2]) == [0]
-    host.finished.add(0)
-    assert host.may_return([0, 1, 2]) == []
+        decode_state_reply(raw[:STATE_REPLY_HEADER_LEN], raw[STATE_REPLY_HEADER_LEN:], nonces, SALT)
 
 
 async def test_a_state_frame_whose_length_differs_from_the_announced_one_is_refused_before_buffering():
@@ -387,8 +368,12 @@ async def test_a_state_frame_whose_length_differs_from_the_announced_one_is_refu
         request = b""
         while len(request) < STATE_REQUEST_LEN:
             request += await server_end.receive_some(STATE_REQUEST_LEN - len(request))
-        nonce = decode_state_request(request, 4, SALT).nonce
-        await server_end.send_all(encode_state_reply(StateReply(StateStatus.OK, 3, 1, lengths=(64,)), nonce, SALT))
+        nonces = JoinNonces(decode_state_request(request, 4, SALT).nonce, new_nonce())
+        await server_end.send_all(encode_state_challenge(nonces, SALT))
+        answer = b""
+        while len(answer) < STATE_ANSWER_LEN:
+            answer += await server_end.receive_some(STATE_ANSWER_LEN - len(answer))
+        await server_end.send_all(encode_state_reply(StateReply(StateStatus.OK, 3, 1, lengths=(64,)), nonces, SALT))
         await server_end.send_all((1 << 30).to_bytes(4, "little"))
 
     async with trio.open_nursery() as nursery:

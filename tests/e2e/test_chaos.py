@@ -71,7 +71,7 @@ async def test_chaos_random_kills_and_restarts_never_hang_and_never_give_a_wrong
                     await chaos(cluster, rng, log)
                     # Everyone is back, or has asked to be, before the run may go past HOLD:
                     # how long the last restart takes to start decides nothing.
-                    await cluster.wait_returns_asked(range(WORLD))
+                    await cluster.wait_returns_primed(range(WORLD))
                     for rank in range(WORLD):
                         await cluster.resume(rank)
                     for rank in range(WORLD):

@@ -1,5 +1,6 @@
-"""A rank that left comes back: it gets the consensus of the window that just
-ended, enters the next window, and every round stays exact.
+"""A rank that left comes back: it gets the consensus of the newest finished
+window while the others train on, enters at the next boundary (its first window
+carrying no work when windows finished meanwhile), and every round stays exact.
 
 Real sockets, a real controller and relays in one trio run; ranks are
 ``average_window`` trainers. What a round contained is read back from the
@@ -21,11 +22,14 @@ import trio
 from flodl_trio import JoinRefused, ReduceClient, average_window, connect_reduce_client
 from flodl_trio.client import connect_control_client, fetch_cluster_state
 from flodl_trio.errors import ConfigError, FlodlError, SchemaError
-from flodl_trio.testing import open_local_cluster
+from flodl_trio.testing import open_local_cluster, wait_until_primed
 from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire.salt import SessionSalt
 from flodl_trio.wire.state import (
+    STATE_CHALLENGE_LEN,
     STATE_REPLY_HEADER_LEN,
+    decode_state_challenge,
+    encode_state_answer,
     encode_state_request,
     new_nonce,
 )
@@ -79,8 +83,10 @@ class Record:
             await self.progress.wait()
 
 
-async def run_windows(client, rank: int, first: int, params, buffers, record: Record, *, pace: float = 0.02) -> None:
-    for window in range(first, WINDOWS):
+async def run_windows(
+    client, rank: int, first: int, params, buffers, record: Record, *, pace: float = 0.02, last: int = WINDOWS
+) -> None:
+    for window in range(first, last):
         await trio.sleep(pace)  # "training" takes a little while
         trained(params, rank, window)
         record.inputs[rank, window] = ([p.numpy().copy() for p in params], [b.numpy().copy() for b in buffers])
@@ -108,8 +114,17 @@ async def run_with_survivors(cluster, record: Record, survivors, *others, pace: 
             nursery.start_soon(other)
 
 
+def first_counted(client: ReduceClient, start: int) -> int:
+    """The first window a rank that joined at ``start`` contributes to: ``start``, or the
+    next one when it entered behind (its first window carries no work)."""
+    state = client.last_state
+    return start + 1 if state is not None and state.behind else start
+
+
 def check_every_window(record: Record, ranks_at_end: set[int]) -> dict[int, set[int]]:
-    """Each window's consensus against a numpy reference over its contributors; returns them."""
+    """Each window's consensus against a numpy reference over its contributors (a rank
+    catching up finishes a window with no work: it must end with the same bytes);
+    returns them."""
     contributors_by_window = {}
     for window in range(WINDOWS):
         seen = {rank: counts for (rank, w), counts in record.counts.items() if w == window}
@@ -118,7 +133,7 @@ def check_every_window(record: Record, ranks_at_end: set[int]) -> dict[int, set[
         for rank, counts in seen.items():
             assert counts == gathered, f"window {window}: rank {rank} gathered {counts}, another {gathered}"
         contributors = {rank for rank in range(WORLD) if gathered[rank] > 0}
-        assert contributors == set(seen), f"window {window}: counts say {contributors}, finished by {set(seen)}"
+        assert contributors <= set(seen), f"window {window}: counts say {contributors}, finished by {set(seen)}"
         contributors_by_window[window] = contributors
         mass = {rank: float(steps_of(rank, window)) for rank in contributors}
         for part in (0, 1):  # params (gamma mass), buffers (mover mass 1)
@@ -133,7 +148,7 @@ def check_every_window(record: Record, ranks_at_end: set[int]) -> dict[int, set[
                     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5,
                                                err_msg=f"window {window} part {part} tensor {index} rank {rank}")
         first = min(contributors)
-        for rank in contributors:  # every rank of a round holds the same bytes
+        for rank in seen:  # every rank of a round holds the same bytes, catching up or not
             for a, b in zip(record.outputs[rank, window][0], record.outputs[first, window][0]):
                 assert a.tobytes() == b.tobytes()
     last = WINDOWS - 1
@@ -194,9 +209,10 @@ async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_ex
                 params, buffers = fresh_model(rank + 100)  # a restarted process: nothing of the old state
                 async with rank_client(cluster, rank, control) as client:
                     start = await client.join(params, buffers)
-                    joined_at["start"] = start
-                    await record.wait_for(0, start - 1)
-                    want_params, want_buffers = record.outputs[0, start - 1]
+                    loaded = client.last_state.window
+                    joined_at.update(start=start, counted=first_counted(client, start), loaded=loaded)
+                    await record.wait_for(0, loaded)
+                    want_params, want_buffers = record.outputs[0, loaded]
                     assert [p.numpy().tobytes() for p in params] == [p.tobytes() for p in want_params]
                     assert [b.numpy().tobytes() for b in buffers] == [b.tobytes() for b in want_buffers]
                     await run_windows(client, rank, start, params, buffers, record)
@@ -209,11 +225,11 @@ async def test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_ex
             stats = cluster.controller.stats
             assert stats.rejoins == 1
             assert stats.states_served == 1
-    start = joined_at["start"]
-    assert 7 <= start <= 8, f"rank 3 came back at window 6 or 7 and should enter the next; entered {start}"
+    start, counted, loaded = joined_at["start"], joined_at["counted"], joined_at["loaded"]
+    assert 6 <= loaded < start <= 9, f"rank 3 came back after window 6: loaded window {loaded}, entered {start}"
     contributors = check_every_window(record, {0, 1, 2, 3})
     for window in range(WINDOWS):
-        want = {0, 1, 2, 3} if window < 3 or window >= start else {0, 1, 2}
+        want = {0, 1, 2, 3} if window < 3 or window >= counted else {0, 1, 2}
         assert contributors[window] == want, f"window {window}"
 
 
@@ -337,14 +353,22 @@ async def run_until_gone(client, rank: int, windows: int, params, buffers, recor
 async def test_two_ranks_coming_back_together_enter_the_same_window():
     record = Record()
     starts: dict[int, int] = {}
+    counted: dict[int, int] = {}
     with trio.fail_after(DEADLINE_S):
         async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60) as cluster:
             both_back = trio.Event()
+            both_primed = trio.Event()
 
             async def survivor(rank: int) -> None:
                 params, buffers = fresh_model(rank)
                 async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
-                    await run_windows(client, rank, 0, params, buffers, record, pace=0.1)
+                    await run_windows(client, rank, 0, params, buffers, record, pace=0.1, last=5)
+                    await both_primed.wait()  # no boundary passes until both have their state
+                    await run_windows(client, rank, 5, params, buffers, record, pace=0.1)
+
+            async def watch_returns() -> None:
+                await wait_until_primed(cluster.controller_address, (1, 3))
+                both_primed.set()
 
             async def leaves_and_returns(rank: int) -> None:
                 params, buffers = fresh_model(rank)
@@ -358,6 +382,7 @@ async def test_two_ranks_coming_back_together_enter_the_same_window():
                         both_back.set()
                     await both_back.wait()
                     starts[rank] = await client.join(params, buffers)
+                    counted[rank] = first_counted(client, starts[rank])
                     await run_windows(client, rank, starts[rank], params, buffers, record, pace=0.1)
 
             async with trio.open_nursery() as nursery:
@@ -365,10 +390,14 @@ async def test_two_ranks_coming_back_together_enter_the_same_window():
                     nursery.start_soon(survivor, rank)
                 for rank in (1, 3):
                     nursery.start_soon(leaves_and_returns, rank)
+                nursery.start_soon(watch_returns)
             assert cluster.controller.stats.rejoins == 2
-    assert starts[1] == starts[3], starts
+    # Both loaded window 4 while the others waited before window 5, and entered at its
+    # boundary: window 6 carries no work of theirs (they were behind), window 7 does.
+    assert starts[1] == starts[3] == 6, starts
+    assert counted[1] == counted[3] == 7, counted
     contributors = check_every_window(record, {0, 1, 2, 3})
-    assert contributors[starts[1] - 1] == {0, 2} and contributors[starts[1]] == {0, 1, 2, 3}
+    assert contributors[6] == {0, 2} and contributors[7] == {0, 1, 2, 3}
 
 
 @pytest.mark.trio
@@ -398,6 +427,10 @@ async def test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster
                     stream = await trio.open_tcp_stream(host, port)
                     nonce = new_nonce()
                     await stream.send_all(encode_state_request(3, WORLD, nonce, SALT))
+                    challenge = b""
+                    while len(challenge) < STATE_CHALLENGE_LEN:
+                        challenge += await stream.receive_some(STATE_CHALLENGE_LEN - len(challenge))
+                    await stream.send_all(encode_state_answer(3, decode_state_challenge(challenge, nonce, SALT), SALT))
                     got = 0
                     while got < STATE_REPLY_HEADER_LEN + 8 + 100_000:
                         got += len(await stream.receive_some(65536))
@@ -423,7 +456,7 @@ async def test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster
                     nursery.start_soon(survivor, rank)
                 nursery.start_soon(comes_back)
             stats = cluster.controller.stats
-            assert stats.rejoins == 2  # the mid-transfer one got in (and died in), then the last
+            assert stats.rejoins == 1  # neither the one that died waiting nor the one mid-transfer got in
     contributors = check_every_window(record, {0, 1, 2, 3})
     assert all(contributors[w] == {0, 1, 2} for w in range(2, 8))
 

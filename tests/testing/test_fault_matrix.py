@@ -38,6 +38,8 @@ REQUIRED = {
     "rank-loop-blocked", "uplink-replay",
     # elastic membership: ranks and hosts that come back, a cluster that forms without one
     "rank-kill-restart", "host-restart", "formation-missing-rank", "rejoin-wrong-salt",
+    # the join path under attack: a joiner that never reads its state, a join replayed without the salt
+    "join-state-never-read", "join-replayed",
     # the Unix-socket local leg: frames unsigned, the salt proven at the handshake
     "wrong-salt-local-leg",
     # a wrong schema folded first costs its sender, not the ranks folded after it

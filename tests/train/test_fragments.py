@@ -390,8 +390,10 @@ async def test_a_rank_coming_back_gets_every_fragments_consensus_and_takes_up_th
             async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
                 start = await client.join(params, buffers)
                 joined["start"] = start
-                # What it loaded: each fragment's consensus of the newest window before `start`.
-                newest = {f: arrays for f, arrays in recorder.syncs[:start]}
+                # What it loaded: each fragment's consensus as of the newest finished window.
+                loaded = client.last_state.window
+                assert loaded < start
+                newest = {f: arrays for f, arrays in recorder.syncs[:loaded + 1]}
                 joined["ok"] = all(np.array_equal(p.numpy(), w) for p, w in zip(params, whole(newest)))
                 joined["buffers_ok"] = np.array_equal(buffers[0].numpy(), buffers_seen[-1])
                 schedule = WindowSchedule(sync_every, overlap=1, fragments=2)

@@ -114,3 +114,18 @@ def test_any_finite_delta_round_trips_within_its_blocks_bound(values, code, bloc
     bound = widest / 2 * block_scales(array, block, code) * (1 + 1e-5) + 1e-30
     assert (np.abs(array.astype(np.float64) - out) <= bound).all()
     np.testing.assert_array_equal(residual, array - out)
+
+
+@pytest.mark.parametrize("code", CODES, ids=lambda c: c.value)
+def test_a_block_of_subnormal_deltas_keeps_its_bound(code):
+    """A block whose largest magnitude is subnormal has a scale whose inverse overflows
+    f32: the codes come from a true division, never inf * 0 = nan."""
+    tiny = np.float32(1e-39)  # subnormal: 1 / (tiny / 7) is inf in f32
+    array = np.array([tiny, -tiny / 2, 0.0, tiny / 3] * 64 + [1.0] * 256, dtype="<f4")
+    with np.errstate(over="raise", invalid="raise"):
+        _payload, out, residual = roundtrip(array, code, 256)
+    widest = 2.0 if code is Code.FP4 else 1.0
+    bound = widest / 2 * block_scales(array, 256, code) * (1 + 1e-5) + 1e-45
+    assert np.isfinite(out).all()
+    assert (np.abs(array.astype(np.float64) - out) <= bound).all()
+    np.testing.assert_array_equal(residual, array - out)

@@ -19,6 +19,7 @@ from ...wire.handshake import CONTROL_ACK_LEN, DATA_ACK_LEN, encode_control_hand
 from ...wire.mux import Hello, MuxKind, encode_control_record, mux_signed_header
 from ...wire.round_frame import FRAME_HEADER_LEN, RoundFrame, RoundKind, TensorPayload, encode_round_frame
 from ...wire.salt import SessionSalt
+from ...wire.state import STATE_CHALLENGE_LEN, decode_state_challenge, encode_state_answer, encode_state_request, new_nonce
 from ..processes import ChildProcess
 from .clusters import SALT, SIGNATURE
 from .offsets import HELLO_ACK_RECORD_LEN, U32
@@ -105,6 +106,20 @@ async def raw_data_rank(address: Address, rank: int, world: int) -> trio.SocketS
     return stream
 
 
+async def answered_state_request(address: Address, rank: int, world: int, salt: SessionSalt = SALT) -> tuple[trio.SocketStream, bytes]:
+    """A join exchange taken as far as the answer to the controller's challenge, and
+    the bytes it sent (request then answer: what a wiretap would have recorded).
+    Nothing of the reply is read."""
+    stream = await trio.open_tcp_stream(*address)
+    nonce = new_nonce()
+    request = encode_state_request(rank, world, nonce, salt)
+    await stream.send_all(request)
+    challenge = await receive_exactly(stream, STATE_CHALLENGE_LEN)
+    answer = encode_state_answer(rank, decode_state_challenge(challenge, nonce, salt), salt)
+    await stream.send_all(answer)
+    return stream, request + answer
+
+
 async def raw_control_rank(address: Address, rank: int, world: int) -> trio.SocketStream:
     """A rank's control connection past its handshake (signed with the matrix salt)."""
     stream = await trio.open_tcp_stream(*address)
@@ -143,6 +158,7 @@ __all__ = [
     "HUGE_LENGTH",
     "UNKNOWN_DTYPE",
     "Address",
+    "answered_state_request",
     "channel_magic",
     "contribution_frame",
     "forged_mux_header",

@@ -16,9 +16,10 @@ from typing import Any
 import trio
 
 from ...wire.salt import SessionSalt
-from ...wire.state import encode_state_request, new_nonce
+from ...wire.state import STATE_CHALLENGE_LEN, encode_state_request, new_nonce
 from ..processes import ProcessCluster, open_process_cluster
 from .clusters import HEARTBEAT_TIMEOUT, SALT, daemon_cluster, diagnose, pause
+from .hostile import answered_state_request, raw_data_rank, receive_exactly, wait_closed_by_peer
 from .oracle import all_done, everyone, expect_consensus, mono, windows_exact
 from .registry import MatrixFailure, Outcome, case
 
@@ -68,9 +69,9 @@ def held(survivors: tuple[int, ...]) -> dict[int, list[str]]:
 
 
 async def release_once_back(c: ProcessCluster, ranks: list[int], survivors: tuple[int, ...]) -> None:
-    """The survivors go on once the restarted ``ranks`` have asked to come back in full:
-    how long a process takes to start then decides nothing (they enter by window HOLD + 1)."""
-    await c.wait_returns_asked(ranks)
+    """The survivors go on once the restarted ``ranks`` have their state (primed): how
+    long a process takes to start then decides nothing (they enter at window HOLD + 1)."""
+    await c.wait_returns_primed(ranks)
     for rank in survivors:
         await c.resume(rank)
 
@@ -85,13 +86,14 @@ async def rank_kill_restart() -> Outcome:
             await c.wait_exit(3)
             await c.restart(3)
             await release_once_back(c, [3], (0, 1, 2))
-            start = (await c.wait_event(3, "joined"))["start"]
+            joined = await c.wait_event(3, "joined")
+            start = joined["start"]
             first = await c.wait_event(3, "window", window=start)
             await all_done(c)
     windows_exact(c, WINDOWS, WINDOW_NUMEL, {3: {3}})
     return Outcome(
-        f"rank 3 came back at window {start} from the consensus of window {start - 1}; every window exact; "
-        "all 4 end bit-identical", first["time"] - t0,
+        f"rank 3 came back at window {start} from the consensus of window {joined['state_window']}; every window "
+        "exact; all 4 end bit-identical", first["time"] - t0,
     )
 
 
@@ -162,3 +164,92 @@ async def rejoin_wrong_salt() -> Outcome:
     if "MAC mismatch" not in line:
         raise MatrixFailure(f"the refusal does not say why: {line}")
     return Outcome("no byte back; the controller logged the refused request (MAC mismatch); every round exact", seconds)
+
+
+async def killed_after_window(c: ProcessCluster, rank: int, window: int) -> None:
+    await c.wait_event(rank, "window", window=window)
+    c.kill(rank)
+    await c.wait_exit(rank)
+
+
+async def back_for_real(c: ProcessCluster, rank: int, survivors: tuple[int, ...]) -> int:
+    """Restart ``rank`` with its own command, release the held survivors once it has its
+    state, let every rank finish; the window it entered."""
+    await c.restart(rank)
+    await release_once_back(c, [rank], survivors)
+    start = int((await c.wait_event(rank, "joined"))["start"])
+    await all_done(c)
+    return start
+
+
+@case("join-state-never-read", fault="a comeback of rank 3 answers its challenge, then never reads its state",
+      leg="rank -> relay -> controller (state)", deadline=60)
+async def join_state_never_read() -> Outcome:
+    """Rank 3 is SIGKILLed; a raw peer holding the salt plays its comeback (data
+    handshake, signed request, answered challenge) and reads nothing. A joiner is in
+    no barrier before its receipt, so ranks 0-2 train on at their pace until the
+    hold before window HOLD; only then does it give up, and rank 3, restarted, comes
+    back."""
+    async with windowed_cluster(extra=held((0, 1, 2))) as c:
+        with diagnose(c):
+            await killed_after_window(c, 3, 2)
+            data = await raw_data_rank(c.relay_address(3), 3, 4)
+            state, _sent = await answered_state_request(c.relay_address(3), 3, 4)
+            while 3 not in (await c.status())["joining"]:
+                await trio.sleep(0.02)
+            t0 = mono()
+            first = (await c.wait_event(0, "window", window=3))["time"]
+            last = (await c.wait_event(0, "window", window=HOLD - 1))["time"]
+            status = await c.status()
+            if 3 not in status["joining"] or 3 in status["primed"] or status["stats"]["rejoins"]:
+                raise MatrixFailure(f"the stalled joiner got further than its request: {status}")
+            await state.aclose()
+            await data.aclose()
+            start = await back_for_real(c, 3, (0, 1, 2))
+    contributors = windows_exact(c, WINDOWS, WINDOW_NUMEL, {3: {3}})
+    if any(contributors[w] != {0, 1, 2} for w in range(3, HOLD)):
+        raise MatrixFailure(f"windows 3..{HOLD - 1} were not the survivors' alone: {contributors}")
+    pace = (last - first) / (HOLD - 4)
+    return Outcome(
+        f"ranks 0-2 ran windows 4-{HOLD - 1} at {pace:.2f} s each while rank 3's state sat unread; "
+        f"rank 3, restarted, came back at window {start}; every window exact", last - t0,
+    )
+
+
+@case("join-replayed", fault="rank 3's recorded join (state request, answer, data handshake) replayed without the salt",
+      leg="rank -> relay -> controller (state)", deadline=60)
+async def join_replayed() -> Outcome:
+    """Rank 3 is SIGKILLed. Bytes of a join of rank 3, as a wiretap recorded them, are
+    replayed by a peer that does not know the salt: the state connection gets a fresh
+    challenge its recorded answer does not answer, and the replayed data handshake
+    is held, unfolded, and dropped once the handshake bound (1 s here) passes. Then
+    rank 3, restarted, comes back."""
+    scaled = {"FLODL_NET_TIMEOUT_SCALE": "0.1"}  # handshake bound 1 s
+    async with windowed_cluster(extra=held((0, 1, 2)), controller_env=scaled) as c:
+        with diagnose(c):
+            assert c.controller is not None
+            await killed_after_window(c, 3, 2)
+            recording, recorded = await answered_state_request(c.relay_address(3), 3, 4)
+            await recording.aclose()  # the recorded join withdrawn before it went anywhere
+            t0 = mono()
+            replay = await trio.open_tcp_stream(*c.relay_address(3))
+            await replay.send_all(recorded)
+            await receive_exactly(replay, STATE_CHALLENGE_LEN)
+            with trio.fail_after(10):
+                await wait_closed_by_peer(replay)
+            refused = (await c.controller.wait_log(re.compile(r"state answer from rank 3 \(a replayed join\?\).*"))).group(0)
+            data = await raw_data_rank(c.relay_address(3), 3, 4)
+            with trio.fail_after(10):
+                await wait_closed_by_peer(data)
+            seconds = mono() - t0
+            await c.controller.wait_log(re.compile(r"rank 3 may not rejoin: .*sent no verified state request"))
+            if (await c.status())["stats"]["rejoins"]:
+                raise MatrixFailure("a replayed join was counted as a rejoin")
+            start = await back_for_real(c, 3, (0, 1, 2))
+    windows_exact(c, WINDOWS, WINDOW_NUMEL, {3: {3}})
+    if "MAC mismatch" not in refused:
+        raise MatrixFailure(f"the refusal does not say why: {refused}")
+    return Outcome(
+        f"a challenge and nothing more; the replayed data connection dropped unfolded; rank 3 came back at window "
+        f"{start}; every window exact", seconds,
+    )
