@@ -1,7 +1,11 @@
 """The controller: one port, one connection per host relay, one consensus per round.
 
-- :mod:`.core`: :func:`open_controller` and the tasks that move bytes;
-- :mod:`.round`: :class:`ControllerRound`, the round and its membership, with no I/O;
+- :mod:`.core`: :func:`open_controller` and the tasks that move a round's bytes;
+- :mod:`.config`: :class:`ControllerConfig`, the arguments checked;
+- :mod:`.joins`: :class:`Returns`, ranks coming back (the join exchange);
+- :mod:`.membership`: a rank's life and the rejoin and formation policy, no I/O;
+- :mod:`.status`: the JSON status page;
+- :mod:`.round`: :class:`ControllerRound`, the round and its seats, with no I/O;
 - :mod:`.links`: a relay connection as the controller sees it (sole writer, outbox);
 - :mod:`.coordinator`: heartbeats, beacons and model signatures (the control channel);
 - :mod:`.dead_ranks`: :class:`DeadRanks`, the cluster's record of dead ranks;

@@ -4,7 +4,8 @@ Task structure::
 
     serve_listeners --> route(conn) --peek channel magic--> data: relay session
                                                          \\-> control: coordinator (if attached)
-                                                          \\-> "GET ": a JSON status page
+                                                          \\-> state: a rank coming back (joins.Returns)
+                                                           \\-> "GET ": a JSON status page (status.py)
 
     relay session (one per host):  link_reader  --HostFrame--> ControllerRound --Consensus-->
                                    link_writer  <--Broadcast / DeclareDead-- outbox channel
@@ -21,7 +22,6 @@ records it for ``wait_finished`` (naming the relay).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
@@ -59,7 +59,7 @@ from ..wire.constants import (
     MAC_LEN,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, MAX_LANES, LaneLayout, read_lane_tag
+from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, read_lane_tag
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
@@ -75,28 +75,12 @@ from ..wire.mux import (
     record_payload,
 )
 from ..wire.round_frame import EncodedFrame, decode_round_frame
-from ..wire.salt import Buffer, SessionSalt
-from ..wire.state import (
-    STATE_ANSWER_LEN,
-    STATE_RECEIPT_LEN,
-    STATE_REQUEST_LEN,
-    EntryStatus,
-    JoinNonces,
-    StateEntry,
-    StateReply,
-    StateRequest,
-    StateStatus,
-    check_state_answer,
-    check_state_receipt,
-    decode_state_request,
-    encode_state_challenge,
-    encode_state_entry,
-    encode_state_reply,
-    new_nonce,
-)
+from ..wire.salt import SessionSalt
+from .config import ControllerConfig, check_lanes, membership_policy
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .lane_windows import LaneWindows
+from .joins import Returns
 from .links import AfterAllWrites, RelayLink, receive_hello
 from .membership import Membership
 from .round import (
@@ -104,10 +88,10 @@ from .round import (
     Consensus,
     ControllerRound,
     OuterOptimizer,
-    WindowState,
     WindowStore,
 )
 from .stats import ControllerStats
+from .status import serve_status
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -124,45 +108,6 @@ def attributed_to(exc: FlodlError, who: str) -> FlodlError:
         return FlodlError(f"{who}: {exc}")
 
 
-@attrs.frozen
-class ControllerConfig:
-    world_size: int
-    salt: SessionSalt
-    ceiling: int = DEFAULT_FRAME_CEILING
-    bounds: NetBounds = attrs.field(factory=NetBounds)
-    deterministic: bool = False  # fold hosts in a fixed order (by their lowest rank)
-    lanes: int = 1  # each round reduced in up to this many lanes (docs/wire.md, "Lanes")
-    lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES  # a lane per this many payload bytes (0: always ``lanes``)
-
-
-@attrs.define(eq=False)
-class _Joiner:
-    """A dead rank's verified state request, from its answer to its entry: its state
-    goes out once both halves of the return are in (``state_due``), and it enters
-    at a boundary once it has it (``decided``), unless the return is called off."""
-
-    nonces: JoinNonces
-    state_due: trio.Event = attrs.field(factory=trio.Event)
-    decided: trio.Event = attrs.field(factory=trio.Event)
-    state: WindowState | None = None
-    entry: int | None = None  # the first window it runs in its host's barrier
-    refusal: str | None = None
-
-    def send_state(self, state: WindowState | None) -> None:
-        self.state = state
-        self.state_due.set()
-
-    def enter(self, window: int) -> None:
-        self.entry = window
-        self.decided.set()
-
-    def refuse(self, reason: str) -> None:
-        if self.entry is None:
-            self.refusal = reason
-            self.state_due.set()
-            self.decided.set()
-
-
 async def _signed(frame: memoryview, salt: SessionSalt) -> EncodedFrame:
     """A frame joined from lanes, its MAC (the last 8 bytes) written in off the event loop."""
 
@@ -171,25 +116,6 @@ async def _signed(frame: memoryview, salt: SessionSalt) -> EncodedFrame:
 
     await trio.to_thread.run_sync(sign)
     return EncodedFrame([frame], len(frame))
-
-
-async def _cancel_on_eof(conn: MessageStream, scope: trio.CancelScope) -> None:
-    """A waiting state request has nothing more to say: any byte, or the end, ends the wait."""
-    try:
-        await conn.stream.receive_some(1)
-    except CONNECTION_LOST:
-        pass
-    scope.cancel()
-
-
-async def _wait_unless_peer_leaves(conn: MessageStream, event: trio.Event) -> bool:
-    """Wait for ``event``; False if the peer closed (or spoke out of turn) first."""
-    with trio.CancelScope() as waiting:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_eof, conn, waiting)
-            await event.wait()
-            nursery.cancel_scope.cancel()
-    return not waiting.cancelled_caught
 
 
 class ControllerHandle:
@@ -206,37 +132,6 @@ class ControllerHandle:
     async def wait_finished(self) -> None:
         """Return once every rank is dead or exited; raise the error that stopped it."""
         await self.outcome.wait()
-
-
-def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
-    """Lanes need a count the relays share and, with an outer optimizer, one that can
-    step a lane at a time (``step_lane``: the built-in ones can)."""
-    if not 1 <= lanes <= MAX_LANES:
-        raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
-    if lanes > 1 and outer_optimizer is not None and not callable(getattr(outer_optimizer, "step_lane", None)):
-        raise ConfigError(
-            f"lanes={lanes} steps each lane of a params consensus as it finishes: the outer optimizer "
-            f"{type(outer_optimizer).__name__} needs a step_lane(consensus, layout, lane, fragment) method "
-            "(the built-in ones have it), or use lanes=1"
-        )
-
-
-def membership_policy(
-    world_size: int, rejoin_timeout: float, min_ranks: int | None, formation_timeout: float | None
-) -> Membership:
-    """The membership policy, its arguments checked."""
-    if not (math.isfinite(rejoin_timeout) and rejoin_timeout >= 0):
-        raise ConfigError(f"rejoin_timeout must be a finite number >= 0, got {rejoin_timeout!r}")
-    if formation_timeout is not None and not (math.isfinite(formation_timeout) and formation_timeout > 0):
-        raise ConfigError(f"formation_timeout must be a finite number of seconds > 0, got {formation_timeout!r}")
-    if min_ranks is not None and not 1 <= min_ranks <= world_size:
-        raise ConfigError(f"min_ranks must be between 1 and world_size {world_size}, got {min_ranks}")
-    if min_ranks is not None and min_ranks < world_size:
-        if formation_timeout is None:
-            raise ConfigError(f"min_ranks {min_ranks} < world_size {world_size} needs a formation_timeout")
-        if rejoin_timeout <= 0:
-            raise ConfigError("min_ranks below world_size needs rejoin_timeout > 0: the late ranks join by rejoining")
-    return Membership(world_size, rejoin_timeout, min_ranks=min_ranks, formation_timeout=formation_timeout)
 
 
 @asynccontextmanager
@@ -320,9 +215,6 @@ class _Controller:
         self.membership = membership
         self.membership_changed = ChangeSignal()
         self.window_store = WindowStore()
-        self._joiners: dict[int, _Joiner] = {}  # rank -> its verified state request
-        self._asks: dict[int, int] = {}  # rank -> how many times its relay asked it back (names each ask)
-        self._nursery: trio.Nursery | None = None
         handle.coordinator.may_return = lambda rank: membership.may_return(rank, trio.current_time())
         self.handle = handle
         self.listeners = listeners
@@ -355,11 +247,15 @@ class _Controller:
         # consensus has been queued to the relays (every relay that delivered
         # waits for it), so a second send_nowait here would be a bug and raise.
         # With lanes, each lane's round may have one consensus waiting.
+        self.returns = Returns(
+            config, membership, self.membership_changed, self.dead, self.stats, self.window_store, self.windows,
+            self.links, self._refuse, self._revive,
+        )
         self._consensus_send, self._consensus_receive = trio.open_memory_channel[tuple[int, Consensus]](config.lanes)
 
     async def run(self) -> None:
         async with self._consensus_send, trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self.returns.nursery = nursery
             nursery.start_soon(self.dead.watch, self._forward_new_deaths)
             nursery.start_soon(self._finish_when_nobody_can_return)
             nursery.start_soon(self._form_without_everyone)
@@ -393,9 +289,9 @@ class _Controller:
         elif value == CHANNEL_MAGIC_CONTROL:
             await self.handle.coordinator.serve_connection(conn)
         elif value == CHANNEL_MAGIC_STATE:
-            await self._serve_state(conn, magic)
+            await self.returns.serve(conn, magic)
         elif magic in (b"GET ", b"POST"):
-            await self._serve_status(conn)
+            await serve_status(conn, self._status(), self.config.bounds.handshake)
         else:
             self._refuse(f"{conn.peer}: unknown channel magic {magic.hex()}; closed")
             await conn.aclose()
@@ -470,7 +366,7 @@ class _Controller:
         for lane_round in self.rounds:
             lane_round.unseat(link.id)
         for rank in self.membership.seat_gone(link.id):
-            self._call_off_return(rank, f"{link.name} left before it was let back in")
+            self.returns.call_off(rank, f"{link.name} left before it was let back in")
         await link.close_and_declare_dead(self.dead, why, log)
 
     # -- per relay tasks -----------------------------------------------------
@@ -628,7 +524,7 @@ class _Controller:
         if msg.rank not in link.ranks:
             raise ProtocolError(f"{type(msg).__name__} for rank {msg.rank}, which this relay does not carry")
         if isinstance(msg, RankJoin):
-            return self._on_rank_join(link, msg.rank)
+            return self.returns.relay_asks(link, msg.rank)
         if isinstance(msg, RankFinished):
             self.membership.said_finished(msg.rank)
             self.handle.coordinator.finished.add(msg.rank)  # no death notice: it left by itself
@@ -637,108 +533,10 @@ class _Controller:
         self.membership_changed.notify()
         self._exited.add(msg.rank)
         if msg.rank in self.membership.asked:
-            self._call_off_return(msg.rank, f"its connection to {link.name} closed before it was let back in")
+            self.returns.call_off(msg.rank, f"its connection to {link.name} closed before it was let back in")
         if self.dead.declare_dead(msg.rank):
             how = "finished its training" if isinstance(msg, RankFinished) else "exited"
             log.info("controller: rank %d %s (%s)", msg.rank, how, link.name)
-
-    def _on_rank_join(self, link: RelayLink, rank: int) -> None:
-        """A rank that had left reconnected to its relay: say no now, or send it its
-        state once its verified state request is in too (it must come within the
-        handshake bound: a connection that only replays a rank's handshake holds
-        the rank's seat no longer than that)."""
-        refusal = self.membership.refusal(rank, trio.current_time(), dead=self.dead.is_dead(rank))
-        if refusal is not None:
-            return self._refuse_return(rank, link, refusal)
-        self.membership.ask(rank, link.id)
-        ask = self._asks[rank] = self._asks.get(rank, 0) + 1
-        log.info("controller: rank %d asks to rejoin (%s); its state goes out once it asks for it", rank, link.name)
-        if self._nursery is not None and rank not in self.membership.waiting:
-            self._nursery.start_soon(self._expect_state_request, rank, ask, link)
-        self._send_states_due()
-
-    async def _expect_state_request(self, rank: int, ask: int, link: RelayLink) -> None:
-        """Call a return off whose rank sends no verified state request in time."""
-        bound = self.config.bounds.handshake
-        await trio.sleep(bound)
-        if self._asks.get(rank) == ask and rank in self.membership.asked and rank not in self.membership.waiting:
-            self._refuse_return(rank, link, f"it reconnected to {link.name} but sent no verified state request "
-                                            f"within {bound:g} s (join() comes right after connecting)")
-
-    def _refuse_return(self, rank: int, link: RelayLink | None, reason: str) -> None:
-        """Say no to a return: its relay drops the connection; a waiting state request
-        is answered with the reason (and counted, like every refused state request)."""
-        log.warning("controller: rank %d may not rejoin: %s", rank, reason)
-        if link is not None:
-            link.queue_control(DeclareDead(rank), self.config.salt)
-        if rank in self._joiners:
-            self.stats.rejoins_refused += 1
-        self._call_off_return(rank, reason)
-
-    def _call_off_return(self, rank: int, reason: str) -> None:
-        """A return cannot go on: forget both halves; a waiting state request is refused."""
-        self.membership.withdraw(rank)
-        joiner = self._joiners.get(rank)
-        if joiner is not None:
-            joiner.refuse(reason)
-
-    def _send_states_due(self) -> None:
-        """Each return whose both halves are in gets the newest finished window now,
-        while it is in no barrier (the others train on); one whose cluster has no
-        finished window yet waits for the first."""
-        state = self.window_store.latest
-        for rank, _seat in self.membership.ready():
-            joiner = self._joiners.get(rank)
-            if joiner is not None and not joiner.state_due.is_set() and state is not None:
-                joiner.send_state(state)
-        self._let_joiners_in_if_nobody_is_live()
-
-    def _let_joiners_in_if_nobody_is_live(self) -> None:
-        """With every rank dead no window will end, so now is a boundary: the cluster
-        starts again from the last finished window (a window cut short by the deaths
-        is abandoned), with whoever has come back and has its state (with no
-        finished window, whoever has come back: there is nothing to send)."""
-        if self.dead.dead_count() < self.config.world_size:
-            return
-        state = self.window_store.latest
-        if state is None:
-            for rank, _seat in self.membership.ready():
-                joiner = self._joiners.get(rank)
-                if joiner is not None and not joiner.state_due.is_set():
-                    joiner.send_state(None)
-                    self.membership.prime(rank)
-        if not self.membership.entering():
-            return
-        next_window = 0 if state is None else state.window + 1
-        self.windows.restart_windows_at(next_window)
-        self.window_store.abandon_window()
-        log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
-        self._let_joiners_in(next_window)
-
-    def _let_joiners_in(self, window: int) -> None:
-        """A window boundary: every return that has its state becomes live, and its
-        relay hears so before the window's last consensus (it enters the next round,
-        the start of ``window``); the rank is told it enters ``window``."""
-        now = trio.current_time()
-        for rank, seat in self.membership.entering():
-            link = self.links.get(seat)
-            refusal = self.membership.refusal(rank, now, dead=self.dead.is_dead(rank))
-            if link is None or link.closed or refusal is not None:
-                self._refuse_return(rank, None, refusal or "its relay left before it could be let in")
-                continue
-            link.queue_control(RankJoin(rank), self.config.salt)
-            self.membership.rejoined(rank)
-            self._forwarded.discard(rank)
-            self._exited.discard(rank)
-            self.dead.revive(rank)
-            self.stats.rejoins, self.stats.late_joins = self.membership.rejoins, self.membership.late_joins
-            joiner = self._joiners[rank]
-            joiner.enter(window)
-            loaded = -1 if joiner.state is None else joiner.state.window
-            behind = " (behind: its first window carries no work)" if loaded + 1 < window else ""
-            log.info("controller: rank %d rejoins (%s) with the consensus of window %d; it enters window %d%s",
-                     rank, link.name, loaded, window, behind)
-        self.membership_changed.notify()
 
     # -- the consensus out, and deaths -----------------------------------------
 
@@ -763,7 +561,7 @@ class _Controller:
                 and self.windows.keep_window_state
                 and self.window_store.keep(part, kept or record_payload(record))
             ):
-                self._at_boundary()
+                self.returns.at_boundary()
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
             for seat_id in targets:
                 self.links[seat_id].queue(
@@ -774,14 +572,11 @@ class _Controller:
             # Only the link outboxes may keep this round's consensus alive (until written).
             del consensus, record, written
 
-    def _at_boundary(self) -> None:
-        """A window just finished (its state is kept): returns that have their state
-        enter the next window; those waiting for a first finished window get this one."""
-        latest = self.window_store.latest
-        if latest is None:
-            return
-        self._let_joiners_in(latest.window + 1)
-        self._send_states_due()
+    def _revive(self, rank: int) -> None:
+        """A return let in: the rank is live again, and a later death is news."""
+        self._forwarded.discard(rank)
+        self._exited.discard(rank)
+        self.dead.revive(rank)
 
     def _forward_new_deaths(self) -> None:
         """Each new death: one DeclareDead to the relay carrying it; the round may complete."""
@@ -842,160 +637,23 @@ class _Controller:
             with trio.move_on_at(math.inf if deadline is None else deadline):
                 await self.membership_changed.wait()
 
-    # -- state for joiners ---------------------------------------------------
-
-    async def _serve_state(self, conn: MessageStream, magic: bytes) -> None:
-        """A rank asks (through its relay) for the state to start from: at once for a
-        fresh start or a refusal, at the next window boundary for a return. Nothing
-        is sent to a request that does not verify; the frames go out from the
-        memory they were kept in, so joiners cost no copy."""
-        try:
-            request = await self._read_state_request(conn, magic)
-            if request is not None:
-                await self._answer_state_request(conn, request)
-        except CONNECTION_LOST as exc:
-            log.info("controller: a state request's connection closed: %s", exc)
-        finally:
-            await conn.aclose()
-
-    async def _read_state_request(self, conn: MessageStream, magic: bytes) -> StateRequest | None:
-        try:
-            with trio.fail_after(self.config.bounds.handshake):
-                rest = await conn.receive_exactly(STATE_REQUEST_LEN - 4, "the state request")
-            return decode_state_request(magic + rest, self.config.world_size, self.config.salt)
-        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
-            if isinstance(exc, MacError):
-                self.stats.mac_failures += 1
-            reason = "no complete request within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
-            self._refuse(f"state request from {conn.peer} refused: {reason}")
-            return None
-
-    async def _answer_state_request(self, conn: MessageStream, request: StateRequest) -> None:
-        """Challenge a verified request; once answered, the rank is present: a fresh
-        start or a refusal is said at once, and a dead rank's return goes on."""
-        rank = request.rank
-        conn.peer = f"rank {rank} (state request)"
-        nonces = await self._challenge(conn, request)
-        if nonces is None:
-            return
-        self.membership.joined(rank)
-        self.membership_changed.notify()  # one more rank present (formation counts them)
-        if self.membership.rejoin_timeout > 0:
-            self.windows.keep_window_state = True  # an elastic rank: keep each window's state from now on
-        dead = self.dead.is_dead(rank)
-        if not dead and self.windows.windows == 0:
-            return await conn.send_chunks([encode_state_reply(StateReply(StateStatus.OK), nonces, self.config.salt)])
-        refusal = self.membership.refusal(rank, trio.current_time(), dead=dead)
-        if refusal is None and rank in self._joiners:
-            refusal = f"rank {rank} already has a state request waiting"
-        if refusal is not None:
-            self.stats.rejoins_refused += 1
-            log.warning("controller: rank %d may not rejoin: %s", rank, refusal)
-            return await conn.send_chunks([encode_state_reply(StateReply.refused(refusal), nonces, self.config.salt)])
-        await self._serve_return(conn, rank, _Joiner(nonces))
-
-    async def _challenge(self, conn: MessageStream, request: StateRequest) -> JoinNonces | None:
-        """The controller's fresh nonce out, the rank's answer in: a replayed request
-        (a peer without the salt) cannot answer, and gets nothing more."""
-        nonces = JoinNonces(request.nonce, new_nonce())
-        try:
-            await conn.send_chunks([encode_state_challenge(nonces, self.config.salt)])
-            with trio.fail_after(self.config.bounds.handshake):
-                answer = await conn.receive_exactly(STATE_ANSWER_LEN, "the state answer")
-            check_state_answer(answer, request.rank, nonces, self.config.salt)
-        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
-            if isinstance(exc, MacError):
-                self.stats.mac_failures += 1
-            reason = "no answer to its challenge within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
-            self._refuse(f"state request from {conn.peer} refused: {reason}")
-            return None
-        return nonces
-
-    async def _serve_return(self, conn: MessageStream, rank: int, joiner: _Joiner) -> None:
-        """A dead rank coming back: its state once both halves are in, its receipt,
-        then its entry at the next boundary. Until the receipt it is in no barrier,
-        so a joiner that reads slowly or not at all costs only itself."""
-        self._joiners[rank] = joiner
-        self.membership.wait_for_state(rank)
-        self._send_states_due()
-        salt = self.config.salt
-        try:
-            if not await _wait_unless_peer_leaves(conn, joiner.state_due):
-                return log.info("controller: rank %d left while it waited to rejoin", rank)
-            if joiner.refusal is not None:
-                return await conn.send_chunks([encode_state_reply(StateReply.refused(joiner.refusal), joiner.nonces, salt)])
-            if joiner.state is not None:
-                await self._send_state(conn, rank, joiner)
-            self.membership.prime(rank)
-            self._let_joiners_in_if_nobody_is_live()
-            self.membership_changed.notify()
-            if joiner.state is None:  # nothing was sent, so the rank is in already (a fresh start)
-                return
-            if not await _wait_unless_peer_leaves(conn, joiner.decided):
-                return log.info("controller: rank %d left while it waited for its window", rank)
-            entry = StateEntry.called_off() if joiner.entry is None else StateEntry(EntryStatus.ENTERED, joiner.entry)
-            await conn.send_chunks([encode_state_entry(entry, joiner.nonces, salt)])
-        except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
-            reason = "its receipt did not come in time" if isinstance(exc, trio.TooSlowError) else str(exc)
-            self._refuse_return(rank, self.links.get(self.membership.asked.get(rank, -1)), f"its state transfer failed: {reason}")
-        finally:
-            del self._joiners[rank]
-            if joiner.entry is None:
-                self.membership.withdraw(rank)
-                self.membership_changed.notify()
-
-    async def _send_state(self, conn: MessageStream, rank: int, joiner: _Joiner) -> None:
-        """The reply and its frames (from the memory they were kept in: no copy), then
-        the rank's receipt; the write and the receipt are bounded by the write-stall bound."""
-        state = joiner.state
-        assert state is not None
-        frames = state.frames
-        reply = StateReply(StateStatus.OK, state.window, len(frames), lengths=tuple(f.nbytes for f in frames))
-        chunks: list[Buffer] = [encode_state_reply(reply, joiner.nonces, self.config.salt)]
-        for frame in frames:
-            chunks += [frame.nbytes.to_bytes(4, "little"), *frame.chunks]
-        await conn.send_chunks(chunks)
-        with trio.fail_after(self.config.bounds.write_stall):
-            receipt = await conn.receive_exactly(STATE_RECEIPT_LEN, "the state receipt")
-        check_state_receipt(receipt, rank, joiner.nonces, self.config.salt)
-        self.stats.states_served += 1
-        log.info("controller: rank %d has the consensus of window %d; it enters at the next boundary", rank, state.window)
-
     # -- status page ---------------------------------------------------------
 
-    async def _serve_status(self, conn: MessageStream) -> None:
-        """A plain JSON status for operators who curl the controller port."""
-        request = bytearray()
-        with trio.move_on_after(self.config.bounds.handshake):
-            while b"\r\n\r\n" not in request and len(request) < 8192:
-                try:
-                    chunk = await conn.stream.receive_some(4096)
-                except CONNECTION_LOST:
-                    break
-                if not chunk:
-                    break
-                request += chunk
-        body = json.dumps(
-            {
-                "world_size": self.config.world_size,
-                "dead_ranks": sorted(self.dead.snapshot()),
-                # Returns with both halves in (relay's ask, state request): their state is on its way.
-                "joining": [rank for rank, _seat in self.membership.ready()],
-                # Of those, the ones that have their state: they enter at the next boundary.
-                "primed": [rank for rank, _seat in self.membership.entering()],
-                "relays": [
-                    {"host": self.links[sid].host, "ranks": list(seat.ranks)}
-                    for sid, seat in self.round.seats.items() if seat.connected
-                ],
-                "stats": attrs.asdict(self.stats),
-            }
-        ).encode()
-        head = f"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        try:
-            await conn.send_chunks([head, body])
-        except CONNECTION_LOST:
-            pass
-        await conn.aclose()
+    def _status(self) -> dict[str, object]:
+        """What an operator sees on the status page (docs/operations.md)."""
+        return {
+            "world_size": self.config.world_size,
+            "dead_ranks": sorted(self.dead.snapshot()),
+            # Returns with both halves in (relay's ask, state request): their state is on its way.
+            "joining": [rank for rank, _seat in self.membership.ready()],
+            # Of those, the ones that have their state: they enter at the next boundary.
+            "primed": [rank for rank, _seat in self.membership.entering()],
+            "relays": [
+                {"host": self.links[sid].host, "ranks": list(seat.ranks)}
+                for sid, seat in self.round.seats.items() if seat.connected
+            ],
+            "stats": attrs.asdict(self.stats),
+        }
 
 
 __all__ = ["CheckpointSink", "ControllerHandle", "ControllerStats", "OuterOptimizer", "open_controller"]

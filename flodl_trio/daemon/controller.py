@@ -11,12 +11,8 @@ import attrs
 import trio
 
 from ..controller.checkpointer import ConsensusCheckpointer
-from ..controller.core import (
-    OuterOptimizer,
-    check_lanes,
-    membership_policy,
-    open_controller,
-)
+from ..controller.config import check_lanes, membership_policy
+from ..controller.core import OuterOptimizer, open_controller
 from ..errors import ConfigError
 from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
 from ..transport.settings import NetBounds, load_salt

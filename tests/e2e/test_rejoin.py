@@ -622,7 +622,7 @@ async def test_formation_waits_for_min_ranks_even_after_the_timeout():
     ],
 )
 def test_membership_settings_that_cannot_work_are_refused_up_front(options, message):
-    from flodl_trio.controller.core import membership_policy
+    from flodl_trio.controller.config import membership_policy
 
     settings = {"rejoin_timeout": 60.0, "min_ranks": None, "formation_timeout": None, **options}
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,67 @@
+"""The controller's settings, checked once where the controller is opened.
+
+:class:`ControllerConfig` is what every part of the controller reads;
+:func:`check_lanes` and :func:`membership_policy` turn user arguments into it
+(and into the :class:`~.membership.Membership` policy) or a ``ConfigError``
+that says which argument is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from ..errors import ConfigError
+from ..transport.settings import NetBounds
+from ..wire.constants import DEFAULT_FRAME_CEILING
+from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, MAX_LANES
+from ..wire.salt import SessionSalt
+from .membership import Membership
+
+
+@attrs.frozen
+class ControllerConfig:
+    """What the controller was opened with (bounds already scaled, salt coerced)."""
+
+    world_size: int
+    salt: SessionSalt
+    ceiling: int = DEFAULT_FRAME_CEILING
+    bounds: NetBounds = attrs.field(factory=NetBounds)
+    deterministic: bool = False  # fold hosts in a fixed order (by their lowest rank)
+    lanes: int = 1  # each round reduced in up to this many lanes (docs/wire.md, "Lanes")
+    lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES  # a lane per this many payload bytes (0: always ``lanes``)
+
+
+def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
+    """Lanes need a count the relays share and, with an outer optimizer, one that can
+    step a lane at a time (``step_lane``: the built-in ones can)."""
+    if not 1 <= lanes <= MAX_LANES:
+        raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
+    if lanes > 1 and outer_optimizer is not None and not callable(getattr(outer_optimizer, "step_lane", None)):
+        raise ConfigError(
+            f"lanes={lanes} steps each lane of a params consensus as it finishes: the outer optimizer "
+            f"{type(outer_optimizer).__name__} needs a step_lane(consensus, layout, lane, fragment) method "
+            "(the built-in ones have it), or use lanes=1"
+        )
+
+
+def membership_policy(
+    world_size: int, rejoin_timeout: float, min_ranks: int | None, formation_timeout: float | None
+) -> Membership:
+    """The membership policy, its arguments checked."""
+    if not (math.isfinite(rejoin_timeout) and rejoin_timeout >= 0):
+        raise ConfigError(f"rejoin_timeout must be a finite number >= 0, got {rejoin_timeout!r}")
+    if formation_timeout is not None and not (math.isfinite(formation_timeout) and formation_timeout > 0):
+        raise ConfigError(f"formation_timeout must be a finite number of seconds > 0, got {formation_timeout!r}")
+    if min_ranks is not None and not 1 <= min_ranks <= world_size:
+        raise ConfigError(f"min_ranks must be between 1 and world_size {world_size}, got {min_ranks}")
+    if min_ranks is not None and min_ranks < world_size:
+        if formation_timeout is None:
+            raise ConfigError(f"min_ranks {min_ranks} < world_size {world_size} needs a formation_timeout")
+        if rejoin_timeout <= 0:
+            raise ConfigError("min_ranks below world_size needs rejoin_timeout > 0: the late ranks join by rejoining")
+    return Membership(world_size, rejoin_timeout, min_ranks=min_ranks, formation_timeout=formation_timeout)
+
+
+__all__ = ["ControllerConfig", "check_lanes", "membership_policy"]
