@@ -19,16 +19,11 @@ import trio
 
 from flodl_trio import average_window, connect_reduce_client
 from flodl_trio.testing import fetch_status, open_local_cluster, wait_until_primed
+from flodl_trio.testing.matrix.hostile import answered_state_request
 from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire.handshake import DATA_ACK_LEN, encode_data_handshake
 from flodl_trio.wire.salt import SessionSalt
-from flodl_trio.wire.state import (
-    STATE_CHALLENGE_LEN,
-    decode_state_challenge,
-    encode_state_answer,
-    encode_state_request,
-    new_nonce,
-)
+from flodl_trio.wire.state import STATE_CHALLENGE_LEN
 
 SALT = SessionSalt(b"join-attack-salt")
 WORLD, HOSTS = 3, [[0, 1], [2]]
@@ -143,11 +138,7 @@ async def test_a_joiner_that_never_reads_its_state_costs_the_others_nothing():
                     await client.aclose()  # a crash: it may come back
                 await windows.wait_for(0, 2)  # a window without it: it is gone
                 async with connect_reduce_client((host, port), 1, WORLD, SALT):  # its relay asks it back in
-                    state = await trio.open_tcp_stream(host, port)
-                    nonce = new_nonce()
-                    await state.send_all(encode_state_request(1, WORLD, nonce, SALT))
-                    challenge = await receive_exactly(state, STATE_CHALLENGE_LEN)
-                    await state.send_all(encode_state_answer(1, decode_state_challenge(challenge, nonce, SALT), SALT))
+                    state, _sent = await answered_state_request((host, port), 1, WORLD, SALT)
                     while 1 not in (await fetch_status(cluster.controller_address))["joining"]:
                         await trio.sleep(0.02)
                     stalled.set()
@@ -198,11 +189,7 @@ async def test_a_state_write_that_stalls_calls_the_return_off_and_frees_the_seat
                 data = await trio.open_tcp_stream(host, port)
                 await data.send_all(encode_data_handshake(1, WORLD))
                 assert len(await receive_exactly(data, DATA_ACK_LEN)) == DATA_ACK_LEN
-                state = await trio.open_tcp_stream(host, port)
-                nonce = new_nonce()
-                await state.send_all(encode_state_request(1, WORLD, nonce, SALT))
-                challenge = await receive_exactly(state, STATE_CHALLENGE_LEN)
-                await state.send_all(encode_state_answer(1, decode_state_challenge(challenge, nonce, SALT), SALT))
+                state, _sent = await answered_state_request((host, port), 1, WORLD, SALT)
                 await closed_by_peer(data)  # the relay drops it once the controller called the return off
                 await state.aclose()
                 params = model()
