@@ -6,7 +6,11 @@ starts them (plus ``--rejoin-timeout``), and ``python -m torch.distributed.run
 --nproc-per-node 2 --max-restarts 1`` running a trainer that calls ``join``.
 Rank 1 raises at window 3 of its first attempt; torchrun stops rank 0 and
 starts both again; they rejoin from the consensus and finish the run; every
-process exits 0.
+process exits 0. Rank 0's first attempt parks after window 3 until torchrun
+stops it, so the restart always lands mid-run however slowly torchrun reacts
+(alone, rank 0 would otherwise race through the remaining windows). In the
+second attempt each rank waits, before it joins, for the other's ready file, so
+neither trains alone through the run while the other is still starting.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import trio
 
 from tests.daemon.test_daemons import LOOP, SALT_HEX, free_ports, start_daemon
 
-WINDOWS = 8
+WINDOWS = 10
 FAIL_AT = 3
 
 TRAINER = f"""\
@@ -44,13 +48,21 @@ async def main():
     salt = load_salt(None)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     params, buffers = [torch.zeros(64)], [torch.zeros(2)]
+    out_dir = Path(sys.argv[1])
     async with connect_control_client(me.control_relay, me.rank, me.world_size, salt, b"\\x11" * 32):
         async with connect_reduce_client(me.data_relay, me.rank, me.world_size, salt) as client:
+            if attempt == 1:  # both restarted workers are up before either joins
+                (out_dir / f"ready-{{me.rank}}").touch()
+                with trio.fail_after(60):
+                    while not all((out_dir / f"ready-{{r}}").exists() for r in range(me.world_size)):
+                        await trio.sleep(0.02)
             start = await client.join(params, buffers)
             print(json.dumps({{"rank": me.rank, "attempt": attempt, "start": start}}), flush=True)
             for window in range(start, WINDOWS):
                 if me.rank == 1 and attempt == 0 and window == FAIL_AT:
                     raise RuntimeError("rank 1 fails on purpose")
+                if me.rank == 0 and attempt == 0 and window == FAIL_AT + 1:
+                    await trio.sleep_forever()  # until torchrun stops this attempt
                 await trio.sleep(0.2)  # "inner steps"
                 with torch.no_grad():
                     gen = torch.Generator().manual_seed(1000 * me.rank + window)
@@ -58,7 +70,7 @@ async def main():
                     buffers[0].add_(1.0 + me.rank)
                 await average_window(client, params, buffers, 1 + me.rank, rank=me.rank,
                                      world_size=me.world_size, in_place=True)
-    out = Path(sys.argv[1]) / f"rank-{{me.rank}}-attempt-{{attempt}}.json"
+    out = out_dir / f"rank-{{me.rank}}-attempt-{{attempt}}.json"
     out.write_text(json.dumps({{"start": start, "params": params[0].tolist(), "buffers": buffers[0].tolist()}}))
 
 
