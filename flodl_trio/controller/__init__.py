@@ -5,7 +5,9 @@
 - :mod:`.joins`: :class:`Returns`, ranks coming back (the join exchange);
 - :mod:`.membership`: a rank's life and the rejoin and formation policy, no I/O;
 - :mod:`.status`: the JSON status page;
-- :mod:`.round`: :class:`ControllerRound`, the round and its seats, with no I/O;
+- :mod:`.seats`: :class:`~.seats.Seats`, the accepted relays and their ranks (one for every lane);
+- :mod:`.round`: :class:`ControllerRound`, one round, with no I/O;
+- :mod:`.windows`, :mod:`.lane_windows`: the rounds and the windows they make (outer step, checkpoints);
 - :mod:`.links`: a relay connection as the controller sees it (sole writer, outbox);
 - :mod:`.coordinator`: heartbeats, beacons and model signatures (the control channel);
 - :mod:`.dead_ranks`: :class:`DeadRanks`, the cluster's record of dead ranks;

@@ -55,7 +55,7 @@ from .links import (
     RelayLink,
     receive_hello,
 )
-from .round import check_hello_ranks
+from .seats import check_hello_ranks
 
 log = logging.getLogger("flodl_trio.coordinator")
 

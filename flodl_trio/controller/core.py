@@ -74,12 +74,11 @@ from ..wire.mux import (
     decode_control_msg,
     record_payload,
 )
-from ..wire.round_frame import EncodedFrame, decode_round_frame
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .config import ControllerConfig, check_lanes, membership_policy
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
-from .lane_windows import LaneWindows
 from .joins import Returns
 from .links import AfterAllWrites, RelayLink, receive_hello
 from .membership import Membership
@@ -90,8 +89,10 @@ from .round import (
     OuterOptimizer,
     WindowStore,
 )
+from .seats import Seats
 from .stats import ControllerStats
 from .status import serve_status
+from .windows import rounds_and_windows
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -221,20 +222,13 @@ class _Controller:
         self.stats = handle.stats
         self.dead = handle.dead_ranks
         self.round_changed = ChangeSignal()
-        # One round per lane (one in all without lanes); membership lives in each alike.
-        # With lanes, the windows (outer step, checkpoints, joiners' state) are the
-        # LaneWindows' to keep, over whole rounds; the lanes' rounds have no hooks.
-        laned = config.lanes > 1
-        self.rounds = [
-            ControllerRound(
-                config.world_size, self.dead, self.stats, on_change=self.round_changed.notify,
-                outer_optimizer=None if laned else outer_optimizer, checkpoint=None if laned else checkpoint,
-            )
-            for _ in range(config.lanes)
-        ]
-        self.round = self.rounds[0]
-        self.lane_windows = LaneWindows(config.salt, outer_optimizer, checkpoint) if laned else None
-        self.windows: ControllerRound | LaneWindows = self.lane_windows or self.round
+        # The relays and their ranks: one registry, read by every lane's round.
+        self.seats = Seats(config.world_size, self.dead)
+        # One round per lane (one in all without lanes); the windows (outer step,
+        # checkpoints, joiners' state) are kept over whole rounds by ``windows``.
+        self.rounds, self.windows = rounds_and_windows(
+            config.lanes, self.seats, self.stats, config.salt, outer_optimizer, checkpoint, self.round_changed.notify
+        )
         self._next_lane: dict[int, int] = {}  # link id -> the lane its next HostFrame is
         self._lane_layout: dict[int, LaneLayout] = {}  # link id -> its round's layout (from its lane 0)
         self.links: dict[int, RelayLink] = {}
@@ -336,7 +330,7 @@ class _Controller:
         """Read and check the Hello; seat the relay or refuse it (logged, not fatal)."""
         try:
             hello = await receive_hello(conn, self.config.salt, self.config.bounds)
-            self.round.check_hello(hello)
+            self.seats.check_hello(hello)
         except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             if isinstance(exc, MacError):
                 self.stats.mac_failures += 1
@@ -346,12 +340,11 @@ class _Controller:
             return None
         link = RelayLink.accept(hello, conn, self.config.world_size + 8)
         self.links[link.id] = link
-        for lane_round in self.rounds:
-            lane_round.seat(link.id, hello, link.name)
+        self.seats.seat(link.id, hello, link.name)
         self._next_lane[link.id] = 0
         self.stats.relays += 1
         link.queue_control(HelloAck(), self.config.salt)
-        if self.config.lanes > 1:
+        if self.config.lanes > 1:  # the lanes extension: a flodl cluster gets flodl's bytes
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
         now = trio.current_time()
         for rank in link.ranks:
@@ -363,8 +356,7 @@ class _Controller:
 
     async def _drop_link(self, link: RelayLink, why: str) -> None:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
-        for lane_round in self.rounds:
-            lane_round.unseat(link.id)
+        self.seats.unseat(link.id)
         for rank in self.membership.seat_gone(link.id):
             self.returns.call_off(rank, f"{link.name} left before it was let back in")
         await link.close_and_declare_dead(self.dead, why, log)
@@ -437,48 +429,71 @@ class _Controller:
             return True
         finally:
             if not used:
-                self.round.give_back(speculation.frame)
+                self.rounds[0].give_back(speculation.frame)
 
     async def _receive_record(
         self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer
     ) -> tuple[MuxKind, memoryview, Speculation]:
         """A record's payload, verified as it arrives. A large HostFrame that becomes the
-        round's last has the consensus computed and signed beside it."""
+        round's last has the consensus computed and signed beside it (without lanes:
+        only a whole frame's round computes ahead)."""
         salt = self.config.salt
-        if header.length <= SMALL_MESSAGE or self.config.lanes > 1 or not self.round.may_speculate(link.id, header.kind):
+        whole = self.rounds[0]
+        if header.length <= SMALL_MESSAGE or not whole.may_speculate(link.id, header.kind):
             kind, payload = await link.conn.receive_mux_payload(header, buf, salt)
             return kind, payload, Speculation()
         watch = ArrivalWatch(header.length)
         (kind, payload), speculation = await receive_speculating(
             watch, partial(link.conn.receive_mux_payload, header, buf, salt, watch),
-            is_last=partial(self.round.is_last, link.id), begin=partial(self.round.begin_speculation, header.length),
+            is_last=partial(whole.is_last, link.id), begin=partial(whole.begin_speculation, header.length),
             changes=self.round_changed, buf=buf, kind=MuxKind.BROADCAST, salt=salt,
         )
         return kind, payload, speculation
 
     def _on_host_frame(self, link: RelayLink, payload: memoryview, speculation: Speculation) -> bool:
-        """Fold a relay's HostFrame (with lanes: its next lane's); whether the speculation
-        became the round's consensus."""
-        if self.config.lanes > 1:
-            return self._on_lane_frame(link, payload)
-        if not self.round.accepts_host_frame(link.id):
-            log.info("controller: dropped a late frame from %s (all its ranks are dead)", link.name)
-            return False
+        """Fold a relay's HostFrame (with lanes: one of its lanes) into its lane's round,
+        whose consensus goes down once every live relay delivered; whether the
+        speculation became the round's consensus."""
         # The record's MAC (same key, verified as the bytes arrived) covers every byte of the frame.
         frame = decode_round_frame(
             payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, authenticated=True
         )
+        lane = self._lane_of(link, frame)
+        lane_round = self.rounds[lane]
+        if not lane_round.accepts_host_frame(link.id):
+            log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
+            return False
         now = trio.current_time()
         if speculation.frame is not None and speculation.record is not None:
-            consensus = self.round.commit_speculation(link.id, speculation.frame, speculation.record, now)
+            consensus = lane_round.commit_speculation(link.id, speculation.frame, speculation.record, now)
             if consensus is not None:
-                self._consensus_send.send_nowait((0, consensus))
+                self._consensus_send.send_nowait((lane, consensus))
                 return True
-        consensus = self.round.deposit(link.id, frame, now)
-        self._expel(self.round)
+        consensus = lane_round.deposit(link.id, frame, now)
+        self._expel(lane_round)
         if consensus is not None:
-            self._consensus_send.send_nowait((0, consensus))
+            self._consensus_send.send_nowait((lane, consensus))
         return False
+
+    def _lane_of(self, link: RelayLink, frame: RoundFrame) -> int:
+        """Which lane ``frame`` is: its tag says (and of how many), and it must be the
+        one due from this relay and fit the schema its lane 0 carried (else
+        DesyncError / SchemaError: this relay is dropped). Without lanes every
+        HostFrame is the whole round, as flodl sends it: lane 0, untagged."""
+        if self.config.lanes == 1:
+            return 0
+        tag = read_lane_tag(frame)
+        expected = self._next_lane[link.id]
+        if tag is None or tag.index != expected or tag.count > self.config.lanes:
+            raise DesyncError(
+                f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
+            )
+        if tag.index == 0:
+            self._lane_layout[link.id] = LaneLayout.of_lane0(frame)
+        else:
+            self._lane_layout[link.id].check_lane(tag.index, frame)
+        self._next_lane[link.id] = 0 if tag.index == tag.count - 1 else tag.index + 1
+        return tag.index
 
     def _expel(self, lane_round: ControllerRound) -> None:
         """Cut off the relays whose folded frames a later one proved wrong (their part
@@ -487,36 +502,6 @@ class _Controller:
             link = self.links.get(seat_id)
             if link is not None:
                 link.expel(why)
-
-    def _on_lane_frame(self, link: RelayLink, payload: memoryview) -> bool:
-        """One lane of a relay's HostFrame (its tag says which, and of how many): folded
-        into that lane's round, whose consensus goes down as soon as every live relay
-        delivered its lane."""
-        frame = decode_round_frame(
-            payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, authenticated=True
-        )
-        tag = read_lane_tag(frame)
-        expected = self._next_lane[link.id]
-        if tag is None or tag.index != expected or tag.count > self.config.lanes:
-            raise DesyncError(
-                f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
-            )
-        lane, count = tag.index, tag.count
-        # Each lane must be what the schema its lane 0 carried says (SchemaError: this relay is dropped).
-        if lane == 0:
-            self._lane_layout[link.id] = LaneLayout.of_lane0(frame)
-        else:
-            self._lane_layout[link.id].check_lane(lane, frame)
-        self._next_lane[link.id] = 0 if lane == count - 1 else lane + 1
-        lane_round = self.rounds[lane]
-        if not lane_round.accepts_host_frame(link.id):
-            log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
-            return False
-        consensus = lane_round.deposit(link.id, frame, trio.current_time())
-        self._expel(lane_round)
-        if consensus is not None:
-            self._consensus_send.send_nowait((lane, consensus))
-        return False
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
         if not isinstance(msg, RankExit | RankJoin | RankFinished):
@@ -545,17 +530,14 @@ class _Controller:
         async for lane, consensus in inbox:
             lane_round = self.rounds[lane]
             self.membership.formed = True
-            part, kept = consensus.part, None
-            if self.lane_windows is not None:
-                laned = self.lane_windows.take(lane, consensus)
-                consensus, part = laned.consensus, laned.part
-                if laned.kept is not None:
-                    kept = await _signed(laned.kept, self.config.salt)
+            out = self.windows.take(lane, consensus)  # the outer step and checkpoint, if due
+            consensus, part = out.consensus, out.part
+            kept = None if out.kept is None else await _signed(out.kept, self.config.salt)
             if isinstance(consensus.outgoing, EncodedFrame):
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
-            targets = lane_round.broadcast_targets()  # before any joiner is revived: they did not ask
+            targets = self.seats.broadcast_targets()  # before any joiner is revived: they did not ask
             if (
                 part is not None
                 and self.windows.keep_window_state
@@ -570,7 +552,7 @@ class _Controller:
                     on_written=None if written is None else written.one,
                 )
             # Only the link outboxes may keep this round's consensus alive (until written).
-            del consensus, record, written
+            del consensus, record, written, out
 
     def _revive(self, rank: int) -> None:
         """A return let in: the rank is live again, and a later death is news."""
@@ -587,7 +569,7 @@ class _Controller:
         for rank in sorted(new):
             self._forwarded.add(rank)
             self.membership.died(rank, now)
-            seat_id = self.round.seat_of(rank)
+            seat_id = self.seats.seat_of(rank)
             if seat_id is not None and rank not in self._exited:
                 away = rank in self.membership.absent  # the cluster formed without it: it may come
                 self.links[seat_id].queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
@@ -650,7 +632,7 @@ class _Controller:
             "primed": [rank for rank, _seat in self.membership.entering()],
             "relays": [
                 {"host": self.links[sid].host, "ranks": list(seat.ranks)}
-                for sid, seat in self.round.seats.items() if seat.connected
+                for sid, seat in self.seats.connected()
             ],
             "stats": attrs.asdict(self.stats),
         }

@@ -45,11 +45,11 @@ from ..wire.state import (
 )
 from .config import ControllerConfig
 from .dead_ranks import DeadRanks
-from .lane_windows import LaneWindows
 from .links import RelayLink
 from .membership import Membership
-from .round import ControllerRound, WindowState, WindowStore
+from .round import WindowState, WindowStore
 from .stats import ControllerStats
+from .windows import Windows
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -113,7 +113,7 @@ class Returns:
     dead: DeadRanks
     stats: ControllerStats
     window_store: WindowStore
-    windows: ControllerRound | LaneWindows  # whoever counts the windows (one round, or the lanes' windows)
+    windows: Windows  # whoever counts the windows (:mod:`.windows`)
     links: dict[int, RelayLink]
     refused: Callable[[str], None]  # log and count a refused connection
     revive: Callable[[int], None]  # the rank is live again: the controller forgets its death

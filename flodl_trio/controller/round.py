@@ -7,8 +7,10 @@ a HostFrame verified, a rank died, a Broadcast went out) and act on what it
 returns (a :class:`Consensus` to sign and queue, the relays to queue it to).
 It never awaits, so it reads and tests without trio.
 
-Deaths come from the shared :class:`DeadRanks` ledger, read directly: a death
-declared anywhere counts the moment it is declared.
+Which relays carry which ranks is the controller's one :class:`~.seats.Seats`
+registry, shared by every lane's round; deaths come from its shared
+:class:`DeadRanks` ledger, read directly: a death declared anywhere counts the
+moment it is declared.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Protocol
 
 import attrs
 
-from ..errors import DesyncError, FlodlError, HandshakeError, ProtocolError, SchemaError
+from ..errors import DesyncError, FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import (
     FoldAccumulator,
     ImageCache,
@@ -30,9 +32,9 @@ from ..fold.schemas import AgreedSchemas, schema_of, why_taken_out
 from ..fold.speculative import SpeculativeFrame
 from ..transport.buffers import ReceiveBuffer
 from ..wire.fragment import FragmentTag, fragment_of
-from ..wire.mux import Hello, MuxKind
+from ..wire.mux import MuxKind
 from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind
-from .dead_ranks import DeadRanks
+from .seats import Seats
 from .stats import ControllerStats
 
 
@@ -220,52 +222,45 @@ class WindowStore:
             self.latest = WindowState(self._window, tuple(newest), self._newest_buffers)
 
 
-@attrs.define(eq=False)
-class Seat:
-    """One accepted data relay, as the round sees it."""
-
-    name: str
-    ranks: tuple[int, ...]
-    # A HostFrame was accepted and its round's Broadcast has not gone out yet:
-    # another HostFrame now would be a replay or a desync.
-    awaiting_broadcast: bool = False
-    connected: bool = True
-
-
 def _nothing() -> None:
     pass
 
 
 class ControllerRound:
-    """The round in progress plus the membership it is computed over.
+    """The round in progress, computed over the relays of ``seats``.
 
     A round completes when every rank of the world is dead or carried by a
     relay that delivered; the sum is divided once by the accepted mass.
     ``on_change`` is called whenever the set of frames the round waits for
     moves (a task speculating on the last frame waits for that).
+    ``computes_ahead``: whether a consensus may be computed and signed while
+    the round's last frame arrives (not for one lane of several: the windows
+    step each lane before it is signed).
     """
 
     def __init__(
         self,
-        world_size: int,
-        dead: DeadRanks,
+        seats: Seats,
         stats: ControllerStats,
         *,
         outer_optimizer: OuterOptimizer | None = None,
         checkpoint: CheckpointSink | None = None,
         on_change: Callable[[], None] = _nothing,
         keep_window_state: bool = False,
+        computes_ahead: bool = True,
     ) -> None:
-        self.world_size = world_size
+        self.seats = seats
         # Whether windows' consensus frames are kept for joiners (else their memory is reused).
         self.keep_window_state = keep_window_state
-        self.dead = dead
+        self.dead = seats.dead
         self.stats = stats
         self.outer_optimizer = outer_optimizer
         self.checkpoint = checkpoint
+        self.computes_ahead = computes_ahead
         self._on_change = on_change
-        self.seats: dict[int, Seat] = {}
-        self.owner: dict[int, int] = {}  # rank -> seat id
+        # Relays whose HostFrame was accepted and whose consensus has not gone out
+        # yet: another HostFrame from one of them now is a replay or a desync.
+        self.awaiting_broadcast: set[int] = set()
         self.images = ImageCache()
         self.acc = FoldAccumulator(self.images)
         self.delivered: set[int] = set()
@@ -276,44 +271,14 @@ class ControllerRound:
         # Buffers of consensus frames computed ahead and since sent to every relay.
         self._spare_buffers: list[ReceiveBuffer] = []
 
-    # -- membership ----------------------------------------------------------
-
-    def check_hello(self, hello: Hello) -> None:
-        """Ranks must be non-empty, sorted, unique, inside the world, and not carried already
-        (a relay whose connection is gone carries nothing: a restarted relay may take its ranks)."""
-        carried = {rank: self.seats[seat].name for rank, seat in self.owner.items() if self.seats[seat].connected}
-        check_hello_ranks(hello, self.world_size, carried)
-
-    def seat(self, seat_id: int, hello: Hello, name: str) -> None:
-        """An accepted relay (its Hello passed :meth:`check_hello`) now carries its ranks."""
-        self.seats[seat_id] = Seat(name, tuple(hello.ranks))
-        for rank in hello.ranks:
-            self.owner[rank] = seat_id
-
-    def unseat(self, seat_id: int) -> None:
-        """A relay's connection is gone (its ranks are declared dead by the caller)."""
-        self.seats[seat_id].connected = False
-
-    def seat_of(self, rank: int) -> int | None:
-        """The connected relay carrying ``rank``, if any."""
-        seat_id = self.owner.get(rank)
-        return seat_id if seat_id is not None and self.seats[seat_id].connected else None
-
-    def has_live_rank(self, seat_id: int) -> bool:
-        return any(not self.dead.is_dead(rank) for rank in self.seats[seat_id].ranks)
-
-    def broadcast_targets(self) -> list[int]:
-        """The relays a consensus goes to: connected, with a live rank."""
-        return [sid for sid, seat in self.seats.items() if seat.connected and self.has_live_rank(sid)]
-
     # -- frames in -----------------------------------------------------------
 
     def completes(self, seat_id: int | None) -> bool:
         """Whether every live rank's frame is in once ``seat_id``'s is (None: as things stand)."""
-        for rank in range(self.world_size):
+        for rank in range(self.seats.world_size):
             if self.dead.is_dead(rank):
                 continue
-            owner = self.owner.get(rank)
+            owner = self.seats.owner(rank)
             if owner is None or (owner != seat_id and owner not in self.delivered):
                 return False
         return True
@@ -323,17 +288,15 @@ class ControllerRound:
         is the first (by its lowest rank) that the round still waits for, or not one
         the round waits for at all (its frame must reach the checks to be refused
         or dropped)."""
-        pending = [
-            sid for sid, seat in self.seats.items() if seat.connected and sid not in self.delivered and self.has_live_rank(sid)
-        ]
-        return seat_id not in pending or seat_id == min(pending, key=lambda sid: min(self.seats[sid].ranks))
+        pending = [sid for sid in self.seats.broadcast_targets() if sid not in self.delivered]
+        return seat_id not in pending or seat_id == self.seats.first_in_host_order(pending)
 
     def accepts_host_frame(self, seat_id: int) -> bool:
         """Whether a HostFrame from this relay counts: False for a late frame whose
         ranks are all dead (dropped); DesyncError for a second frame in one round."""
-        if not self.has_live_rank(seat_id):
+        if not self.seats.has_live_rank(seat_id):
             return False
-        if self.seats[seat_id].awaiting_broadcast:
+        if seat_id in self.awaiting_broadcast:
             raise DesyncError(
                 "sent a HostFrame before the consensus of its previous one went out "
                 "(a replayed record, or the ping-pong broke)"
@@ -346,12 +309,12 @@ class ControllerRound:
         if self.acc.count == 0:
             self.started = now
         try:
-            self.acc.add(frame, self.seats[seat_id].name)
+            self.acc.add(frame, self.seats.name(seat_id))
         except SchemaError:  # nothing of the frame was added: see who is wrong
             if not self.agreed.folded_frames_at_fault(self.acc.schema, schema_of(frame)):
                 raise
             self._take_out_folded(seat_id, frame)
-            self.acc.add(frame, self.seats[seat_id].name)
+            self.acc.add(frame, self.seats.name(seat_id))
         self._delivered_by(seat_id)
         self._on_change()
         return self.consensus_if_complete(now)
@@ -362,7 +325,7 @@ class ControllerRound:
         relays stay in the barrier (their ranks live) until the caller drops them."""
         folded = self.acc.schema
         assert folded is not None
-        why = why_taken_out(folded, schema_of(frame), self.seats[seat_id].name)
+        why = why_taken_out(folded, schema_of(frame), self.seats.name(seat_id))
         for culprit in sorted(self.delivered):
             self.expelled[culprit] = f"its HostFrame {why}"
         self.images.give(self.acc.sums())
@@ -400,14 +363,16 @@ class ControllerRound:
     def may_speculate(self, seat_id: int, kind: int) -> bool:
         """Whether a record (by its still unverified header) may be a HostFrame whose
         consensus goes out unchanged, should it become the round's last."""
-        if kind != MuxKind.HOST_FRAME or self.seats[seat_id].awaiting_broadcast or seat_id in self.delivered:
+        if not self.computes_ahead or kind != MuxKind.HOST_FRAME:
+            return False
+        if seat_id in self.awaiting_broadcast or seat_id in self.delivered:
             return False
         # A params round's consensus is transformed by the outer step before it is signed.
         return self.outer_optimizer is None or self.counter.previous_kind != RoundKind.CONTROL
 
     def is_last(self, seat_id: int) -> bool:
         """Whether ``seat_id``'s frame is now the only one the round waits for."""
-        return self.completes(seat_id) and self.has_live_rank(seat_id)
+        return self.completes(seat_id) and self.seats.has_live_rank(seat_id)
 
     def begin_speculation(self, in_length: int) -> SpeculativeFrame | None:
         """A speculative consensus over the round as it stands (None: not possible)."""
@@ -441,7 +406,7 @@ class ControllerRound:
 
     def broadcast_going_out(self, seat_id: int) -> None:
         """The relay is being written its consensus: its next HostFrame may follow at once."""
-        self.seats[seat_id].awaiting_broadcast = False
+        self.awaiting_broadcast.discard(seat_id)
 
     @property
     def hooked(self) -> bool:
@@ -452,7 +417,7 @@ class ControllerRound:
 
     def _delivered_by(self, seat_id: int) -> None:
         self.delivered.add(seat_id)
-        self.seats[seat_id].awaiting_broadcast = True
+        self.awaiting_broadcast.add(seat_id)
 
     def _finish(
         self, consensus: RoundFrame, record: EncodedFrame | None, after_write: Callable[[], None] | None, now: float
@@ -503,29 +468,13 @@ class ControllerRound:
         return consensus
 
 
-def check_hello_ranks(hello: Hello, world_size: int, carried_by: dict[int, str]) -> None:
-    """Ranks must be non-empty, sorted, unique, inside the world, and not carried
-    already (``carried_by``: rank -> the name of the relay that does)."""
-    if not hello.ranks:
-        raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
-    if list(hello.ranks) != sorted(set(hello.ranks)):
-        raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
-    for rank in hello.ranks:
-        if rank >= world_size:
-            raise HandshakeError(f"Hello from host {hello.host!r} announces rank {rank} >= world_size {world_size}")
-        if rank in carried_by:
-            raise HandshakeError(f"Hello from host {hello.host!r} announces rank {rank}, already carried by {carried_by[rank]}")
-
-
 __all__ = [
     "CheckpointSink",
     "Consensus",
     "ControllerRound",
     "OuterOptimizer",
-    "Seat",
     "WindowPart",
     "WindowState",
     "WindowCounter",
     "WindowStore",
-    "check_hello_ranks",
 ]

@@ -24,6 +24,7 @@ from flodl_trio import (
 )
 from flodl_trio.controller import ControllerRound, ControllerStats, DeadRanks
 from flodl_trio.controller.round import Consensus
+from flodl_trio.controller.seats import Seats
 from flodl_trio.wire import (
     EncodedFrame,
     Hello,
@@ -49,13 +50,13 @@ def values(f: RoundFrame) -> list[float]:
 
 def controller_round(world: int = 4, **hooks) -> tuple[ControllerRound, DeadRanks, ControllerStats]:
     dead, stats = DeadRanks(world), ControllerStats()
-    return ControllerRound(world, dead, stats, **hooks), dead, stats
+    return ControllerRound(Seats(world, dead), stats, **hooks), dead, stats
 
 
 def seat(round_: ControllerRound, seat_id: int, host: str, ranks: tuple[int, ...]) -> None:
     hello = Hello(host, ranks)
-    round_.check_hello(hello)
-    round_.seat(seat_id, hello, f"relay {host}")
+    round_.seats.check_hello(hello)
+    round_.seats.seat(seat_id, hello, f"relay {host}")
 
 
 def test_controller_round_completes_when_every_live_rank_is_delivered_and_divides_once():
@@ -161,7 +162,7 @@ def test_controller_round_a_broadcast_going_out_lets_the_next_frame_in():
     assert consensus is not None
     with pytest.raises(DesyncError):
         r.accepts_host_frame(1)
-    assert r.broadcast_targets() == [1]
+    assert r.seats.broadcast_targets() == [1]
     r.broadcast_going_out(1)
     assert r.accepts_host_frame(1)
 
@@ -172,20 +173,20 @@ def test_controller_round_broadcast_targets_skip_gone_relays_and_relays_with_onl
     seat(r, 2, "b", (2,))
     seat(r, 3, "c", (3,))
     dead.declare_dead(2)
-    r.unseat(3)
-    assert r.broadcast_targets() == [1]
-    assert r.seat_of(3) is None and r.seat_of(0) == 1
+    r.seats.unseat(3)
+    assert r.seats.broadcast_targets() == [1]
+    assert r.seats.seat_of(3) is None and r.seats.seat_of(0) == 1
 
 
 def test_controller_round_refuses_a_hello_for_ranks_already_carried():
     r, _dead, _stats = controller_round()
     seat(r, 1, "a", (0, 1))
     with pytest.raises(HandshakeError, match=r"rank 1, already carried by relay a"):
-        r.check_hello(Hello("b", (1, 2)))
+        r.seats.check_hello(Hello("b", (1, 2)))
     with pytest.raises(HandshakeError, match=r"rank 4 >= world_size 4"):
-        r.check_hello(Hello("b", (4,)))
+        r.seats.check_hello(Hello("b", (4,)))
     with pytest.raises(HandshakeError, match="not sorted and unique"):
-        r.check_hello(Hello("b", (3, 2)))
+        r.seats.check_hello(Hello("b", (3, 2)))
 
 
 def test_controller_round_outer_optimizer_sees_only_the_params_round_of_each_window():
@@ -295,3 +296,30 @@ def test_controller_round_in_host_order_waits_for_the_first_relay_the_round_need
     dead.declare_dead(3)
     r.rank_died(now=1.0)
     assert r.may_fold_now(9)  # a relay whose ranks are all dead is not waited for
+
+
+def test_every_lanes_round_reads_one_seats_registry():
+    dead = DeadRanks(4)
+    seats = Seats(4, dead)
+    lanes = [ControllerRound(seats, ControllerStats(), computes_ahead=False) for _ in range(3)]
+    hello = Hello("a", (0, 1))
+    seats.check_hello(hello)
+    seats.seat(1, hello, "relay a")
+    seats.seat(2, Hello("b", (2, 3)), "relay b")
+    for lane in lanes:  # seated once, waited for by every lane
+        assert lane.deposit(1, frame([1.0]), now=0.0) is None
+    seats.unseat(2)
+    dead.declare_dead(2)
+    dead.declare_dead(3)
+    assert all(lane.rank_died(now=1.0) is not None for lane in lanes)  # one unseat ends every lane's round
+    with pytest.raises(HandshakeError, match="already carried by relay a"):
+        seats.check_hello(Hello("c", (1,)))
+    assert seats.check_hello(Hello("b2", (2, 3))) is None  # relay b's connection is gone: its ranks are free
+
+
+def test_one_lane_of_several_never_computes_its_consensus_ahead():
+    dead = DeadRanks(1)
+    seats = Seats(1, dead)
+    seats.seat(1, Hello("a", (0,)), "relay a")
+    assert ControllerRound(seats, ControllerStats()).may_speculate(1, MuxKind.HOST_FRAME)
+    assert not ControllerRound(seats, ControllerStats(), computes_ahead=False).may_speculate(1, MuxKind.HOST_FRAME)

@@ -1,0 +1,81 @@
+"""The controller's rounds and the windows they make, chosen once from the lane count.
+
+However many lanes, the controller's tasks see one shape: a list of rounds
+(one per lane, all over the one :class:`~.seats.Seats` registry) and a
+:class:`Windows` keeper that every finished lane's consensus passes through
+before it is signed. Without lanes the single round applies the outer step and
+the checkpoint itself (:class:`WholeFrameWindows` only hands its consensus
+on), so a flodl cluster's consensus may still be computed while its last frame
+arrives; with lanes, :class:`~.lane_windows.LaneWindows` does the windows'
+work lane by lane. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ..wire.salt import SessionSalt
+from .lane_windows import LaneOut, LaneWindows
+from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer
+from .seats import Seats
+from .stats import ControllerStats
+
+
+class Windows(Protocol):
+    """Who counts the windows and does their work (outer step, checkpoint, joiners' state)."""
+
+    keep_window_state: bool
+
+    @property
+    def windows(self) -> int: ...
+
+    def restart_windows_at(self, window: int) -> None: ...
+
+    def take(self, lane: int, consensus: Consensus) -> LaneOut: ...
+
+
+class WholeFrameWindows:
+    """Without lanes: the one round already placed its consensus in the windows and
+    applied the hooks; this only hands it on."""
+
+    def __init__(self, round_: ControllerRound) -> None:
+        self._round = round_
+
+    @property
+    def keep_window_state(self) -> bool:
+        return self._round.keep_window_state
+
+    @keep_window_state.setter
+    def keep_window_state(self, keep: bool) -> None:
+        self._round.keep_window_state = keep
+
+    @property
+    def windows(self) -> int:
+        return self._round.windows
+
+    def restart_windows_at(self, window: int) -> None:
+        self._round.restart_windows_at(window)
+
+    def take(self, lane: int, consensus: Consensus) -> LaneOut:
+        return LaneOut(consensus, consensus.part)
+
+
+def rounds_and_windows(
+    lanes: int,
+    seats: Seats,
+    stats: ControllerStats,
+    salt: SessionSalt,
+    outer_optimizer: OuterOptimizer | None,
+    checkpoint: CheckpointSink | None,
+    on_change: Callable[[], None],
+) -> tuple[list[ControllerRound], Windows]:
+    """One round per lane over ``seats``, and the keeper of their windows."""
+    if lanes == 1:
+        whole = ControllerRound(seats, stats, outer_optimizer=outer_optimizer, checkpoint=checkpoint, on_change=on_change)
+        return [whole], WholeFrameWindows(whole)
+    rounds = [ControllerRound(seats, stats, on_change=on_change, computes_ahead=False) for _ in range(lanes)]
+    return rounds, LaneWindows(salt, outer_optimizer, checkpoint)
+
+
+__all__ = ["Windows", "WholeFrameWindows", "rounds_and_windows"]
