@@ -17,25 +17,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import attrs
 import trio
 
-from ..errors import (
-    ConfigError,
-    DesyncError,
-    FlodlError,
-    MacError,
-    ProtocolError,
-)
+from ..errors import FlodlError, MacError, ProtocolError
 from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
-from ..transport.hashing import RunningMac, encode_enveloped_frame, hash_as_it_lands
-from ..transport.stream import CONNECTION_LOST, WRITE_PIECE, MessageStream
+from ..transport.hashing import RunningMac, hash_as_it_lands
+from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import (
     CONTROL_FRAME_HEADER_LEN,
@@ -44,7 +37,6 @@ from ..wire.constants import (
     MAC_LEN,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
 from ..wire.mux import (
     DeclareDead,
     Lanes,
@@ -69,7 +61,9 @@ from ..wire.round_frame import (
 from ..wire.salt import Buffer
 from .config import RelayConfig, RelayStats
 from .host_fold import FoldedHostFrame, HostFold
+from .cut_through import stream_consensus
 from .host_ranks import HostRanks
+from .lanes import frames_for
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -87,7 +81,6 @@ RECEIVE_BUFFERS = 2
 
 # A control-channel blob is one ControlFrame: 24-byte header + at most 16 MiB.
 CONTROL_BLOB_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
-_U32 = struct.Struct("<I")
 MiB = 1 << 20
 # What a data relay holds besides its model-sized buffers (the interpreter, numpy,
 # trio, small buffers): a relay daemon with 4 KiB frames is ~42 MiB resident.
@@ -402,18 +395,11 @@ class DataChannel(_Channel):
         super().__init__(config, upstream, stats, host, released)
         self.fold_changed = ChangeSignal()
         self.fold = HostFold(config.host_name, config.ranks, on_change=self.fold_changed.notify)
-        self.lanes = config.lanes
+        # Whole records each way, or lanes (:mod:`.lanes`): chosen once, here.
+        self.frames = frames_for(config, self.pool)
         # A single rank's frame goes up as it is, unless it must be cut into lanes.
-        self.single = len(config.ranks) == 1 and self.lanes == 1
+        self.single = len(config.ranks) == 1 and self.frames.whole
         self._budget_refused = False
-        # Lanes: the controller confirms the count (and the bytes per lane) after HelloAck.
-        self._lanes_confirmed = trio.Event()
-        if self.lanes == 1:
-            self._lanes_confirmed.set()
-        self._lane_min_bytes = 0
-        self._assembler: LaneAssembler | None = None  # joins the consensus lanes (its layout is the round's)
-        self._lane_buffer = ReceiveBuffer()  # a consensus lane lands here: a slice of the frame
-        self._joined_in: ReceiveBuffer | None = None  # the pool buffer the round's consensus is joined in
 
     async def _read_rank(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         while True:
@@ -488,7 +474,7 @@ class DataChannel(_Channel):
         decided once, from the first verified frame."""
         budget = self.config.memory_budget_for(length)
         fold = 4 * sum(math.prod(t.shape) for t in frame.tensors)
-        lane = self._lane_record_bytes(length)
+        lane = self.frames.extra_bytes(length)
         needed = 2 * length + fold + lane + RELAY_BASELINE
         if needed > budget:
             self._budget_refused = True
@@ -501,14 +487,6 @@ class DataChannel(_Channel):
             return
         self.pool.add(ReceiveBuffer(length))
         self.stats.receive_buffers = self.pool.size
-
-    def _lane_record_bytes(self, length: int) -> int:
-        """About the largest consensus lane a frame of ``length`` bytes comes down in
-        (0 without lanes: the consensus lands in a pool buffer); the frame's schema is
-        checked against the lane limits only when it is cut, by the writer."""
-        if self.lanes == 1:
-            return 0
-        return length // lanes_for(length, self.lanes, self._lane_min_bytes) + SMALL_MESSAGE
 
     async def _queue_owning(self, out: trio.MemorySendChannel[_Outbound], item: _RawHostFrame | _SealedHostFrame) -> None:
         """Queue an item that owns a pool buffer; the buffer comes back if it never gets queued."""
@@ -551,7 +529,7 @@ class DataChannel(_Channel):
         """Receive and verify ``rank``'s frame; a large one that is the last the host
         waits for has its HostFrame computed and signed beside it (not with lanes:
         the HostFrame goes up as lane frames, signed as they are cut)."""
-        if length <= SMALL_MESSAGE or self.lanes > 1:
+        if length <= SMALL_MESSAGE or not self.frames.whole:
             return (await self._receive_verified(rank, buf, length))[1], Speculation()
         watch = ArrivalWatch(length)
 
@@ -609,7 +587,7 @@ class DataChannel(_Channel):
 
     async def _on_control(self, msg: RelayControlMsg, out: trio.MemorySendChannel[_Outbound]) -> None:
         if isinstance(msg, Lanes):
-            return self._on_lanes(msg.count, msg.min_bytes)
+            return self.frames.confirm(msg.count, msg.min_bytes)
         if isinstance(msg, RankAway):
             return await self._on_away(msg.rank, out)
         if not isinstance(msg, RankJoin):
@@ -620,62 +598,21 @@ class DataChannel(_Channel):
             if self.fold.idle and msg.rank in self.fold.held:  # its first frame beat this answer: in now
                 await self._enter_approved(out)
 
-    def _on_lanes(self, count: int, min_bytes: int) -> None:
-        if count != self.lanes:
-            raise ConfigError(
-                f"relay {self.config.host_name}: the controller reduces each round in {count} lanes, this relay "
-                f"was started with lanes={self.lanes} (start both with the same --lanes)"
-            )
-        self._lane_min_bytes = min_bytes  # the controller's: every relay cuts a frame the same way
-        self._lanes_confirmed.set()
-
-    async def _wait_for_lanes(self) -> None:
-        """A relay with lanes ships lane frames only to a controller that said it takes them."""
-        try:
-            with trio.fail_after(self.config.bounds.handshake):
-                await self._lanes_confirmed.wait()
-        except trio.TooSlowError:
-            raise ConfigError(
-                f"relay {self.config.host_name}: started with lanes={self.lanes}, but the controller did not say it "
-                f"reduces in lanes within {self.config.bounds.handshake:g} s (start both with the same --lanes)"
-            ) from None
-
-    async def _write_lanes(self, item: FoldedHostFrame) -> int:
-        """The HostFrame as its lane frames, in lane order, each its own signed record."""
-        await self._wait_for_lanes()
-        layout = LaneLayout.of(item.frame, self.lanes, self._lane_min_bytes)
-        if self._assembler is None or self._assembler.layout != layout:
-            self._assembler = LaneAssembler(layout)
-            # The consensus lanes come back the size these go up (at most): room for the largest, once.
-            self._lane_buffer.reserve(layout.max_frame_bytes)
-        nbytes = 0
-        for part in layout.split(item.frame):
-            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self.config.salt)
-            await self.upstream.send_chunks(record.chunks)
-            nbytes += record.nbytes
-        return nbytes
-
     async def _write_upstream(self, item: _Outbound) -> None:
         if not isinstance(item, _HOST_FRAMES):
             return await super()._write_upstream(item)
         self.fold.host_frame_sent()  # before the write: the answer may beat our resumption
-        if isinstance(item, FoldedHostFrame) and self.lanes > 1:
-            sent = await self._write_lanes(item)
-            self.fold.images.give(item.images)
-            self._count_round(sent)
-            return
         if isinstance(item, FoldedHostFrame):
-            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, item.frame, self.config.salt)
-            await self.upstream.send_chunks(record.chunks)
+            sent = await self.frames.send(item.frame, self.upstream)
             self.fold.images.give(item.images)  # written: nothing reads them now
-        else:
-            try:
-                record = item.record if isinstance(item, _SealedHostFrame) else encode_mux_record(
-                    MuxKind.HOST_FRAME, item.body, self.config.salt
-                )
-                await self.upstream.send_chunks(record.chunks)
-            finally:
-                self.pool.release(item.buffer)
+            return self._count_round(sent)
+        try:
+            record = item.record if isinstance(item, _SealedHostFrame) else encode_mux_record(
+                MuxKind.HOST_FRAME, item.body, self.config.salt
+            )
+            await self.upstream.send_chunks(record.chunks)
+        finally:
+            self.pool.release(item.buffer)
         self._count_round(record.nbytes)
 
     def _count_round(self, nbytes: int) -> None:
@@ -686,7 +623,7 @@ class DataChannel(_Channel):
     async def _receive_record(self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]) -> None:
         # The kind byte is not authenticated yet: it only picks the path. A record
         # that is not what it claims fails its MAC before any rank sees its end.
-        if header.kind == MuxKind.BROADCAST and self.fold.host_frame_up and header.length > SMALL_MESSAGE and self.lanes == 1:
+        if header.kind == MuxKind.BROADCAST and self.fold.host_frame_up and header.length > SMALL_MESSAGE and self.frames.whole:
             await self._cut_through_broadcast(header, buf, out)
         else:
             await super()._receive_record(header, buf, out)
@@ -694,60 +631,33 @@ class DataChannel(_Channel):
     async def _cut_through_broadcast(
         self, header: MuxHeader, buf: ReceiveBuffer, out: trio.MemorySendChannel[_Outbound]
     ) -> None:
-        """Fan a large consensus out while it arrives, instead of after.
-
-        Every waiting rank gets the frame's bytes as they land, except its last
-        8 (the frame's own MAC), which go out only once the record's MAC has
-        verified: a rank cannot complete a frame the relay has not authenticated.
-        If verification fails the relay stops, closing every rank connection
-        mid-frame.
-        """
+        """Fan a large whole consensus out while it arrives, instead of after (:mod:`.cut_through`)."""
         targets = self.fold.consensus_arrived()
         await self._enter_approved(out)
-        watch = ArrivalWatch(header.length)
-        await receive_with_followers(
-            watch,
-            partial(self.upstream.receive_mux_payload, header, buf, self.config.salt, watch),
-            *(partial(self._forward_consensus, target, buf, watch, out) for target in targets),
-        )
+
+        async def rank_failed(rank: int, why: str) -> None:
+            await self._rank_gone(rank, out, why)
+
+        await stream_consensus(self.upstream, header, buf, self.config.salt, self.conns, targets, rank_failed)
         self.stats.bytes_down += header.length
         self.stats.broadcasts_streamed += 1
 
-    async def _forward_consensus(
-        self, rank: int, buf: ReceiveBuffer, watch: ArrivalWatch, out: trio.MemorySendChannel[_Outbound]
-    ) -> None:
-        """One rank's share of a cut-through fan-out: a length prefix, the bytes so far, the tag last."""
-        conn = self.conns[rank]
-        gate = watch.length - MAC_LEN
-        sent = 0
-        try:
-            await conn.send_piece(_U32.pack(watch.length))
-            while (end := await watch.next_stretch(sent, step=WRITE_PIECE, stop=gate)) is not None:
-                await conn.send_piece(buf.view(end)[sent:])
-                sent = end
-            await watch.wait_done()
-            if watch.ok:
-                await conn.send_piece(buf.view(watch.length)[gate:])
-        except CONNECTION_LOST as exc:
-            await self._rank_gone(rank, out, f"could not take the consensus: {exc}")
-
     async def _upstream_buffer(self, header: MuxHeader) -> tuple[ReceiveBuffer, bool]:
-        if self.lanes > 1 and header.length > SMALL_MESSAGE:
-            return self._lane_buffer, False  # the pool's buffers are for frames and the joined consensus
+        own = self.frames.downlink_buffer(header.length)
+        if own is not None:
+            return own, False
         return await super()._upstream_buffer(header)
 
     async def _on_record(self, kind: MuxKind, rank: int, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         if kind is not MuxKind.BROADCAST:
             return await super()._on_record(kind, rank, payload, out)
-        if self.lanes == 1:
-            return await self._fan_out(payload, out)
-        joined = await self._take_lane(payload)
-        if joined is None:
-            return  # more lanes to come
-        try:
-            await self._fan_out(joined, out)
-        finally:
-            self._release_joined()
+        async with self.frames.consensus(payload, self.fold.host_frame_up, self._a_waiting_rank_reads_macs) as consensus:
+            if consensus is not None:  # None: more lanes to come
+                await self._fan_out(consensus, out)
+
+    def _a_waiting_rank_reads_macs(self) -> bool:
+        """Ranks on the local leg take frames unsigned: a joined consensus is signed only for one on TCP."""
+        return any(self.conns[r].signed_frames for r in self.fold.awaiting_reply if r in self.conns)
 
     async def _fan_out(self, payload: memoryview, out: trio.MemorySendChannel[_Outbound]) -> None:
         """Send the consensus to every rank waiting for it, concurrently."""
@@ -756,42 +666,6 @@ class DataChannel(_Channel):
         async with trio.open_nursery() as nursery:
             for target in targets:
                 nursery.start_soon(self._send_to_rank, target, [payload], len(payload), out)
-
-    async def _take_lane(self, payload: memoryview) -> memoryview | None:
-        """One lane of the consensus (its record verified), copied into the round's
-        frame; the whole consensus, in the HostFrame's shapes and signed, once every
-        lane is in.
-
-        The frame is joined in a pool buffer: the ranks' frames of this round are
-        folded already and their next ones come only after it has gone out, so
-        the relay holds no model-sized buffer of its own for it (a rank's early
-        frame waits for the buffer in its socket meanwhile)."""
-        assembler = self._assembler
-        if assembler is None or not self.fold.host_frame_up:
-            raise DesyncError(f"relay {self.config.host_name}: a consensus lane came down with no HostFrame up")
-        lane = decode_round_frame(
-            payload, self.config.salt, ceiling=self.config.ceiling, source="the controller's consensus lane",
-            authenticated=True,
-        )
-        if not assembler.begun:
-            self._joined_in = await self.pool.acquire()
-            self._joined_in.reserve(assembler.nbytes)
-            assembler.begin(self._joined_in.array(assembler.nbytes))
-        assembler.add(lane)
-        if not assembler.complete:
-            return None
-        # Ranks on the local leg take frames unsigned: sign only for one that reads its MAC.
-        tcp = any(self.conns[r].signed_frames for r in self.fold.awaiting_reply if r in self.conns)
-        salt = self.config.salt if tcp else None
-        if salt is None or assembler.nbytes <= SMALL_MESSAGE:
-            return assembler.finish(salt)
-        return await trio.to_thread.run_sync(assembler.finish, salt)  # the MAC, off the event loop
-
-    def _release_joined(self) -> None:
-        """The joined consensus has gone out: its buffer goes back to the pool."""
-        if self._joined_in is not None:
-            self.pool.release(self._joined_in)
-            self._joined_in = None
 
     async def _on_away(self, rank: int, out: trio.MemorySendChannel[_Outbound]) -> None:
         """The controller says ``rank`` is dead but may come back (this relay was

@@ -1,0 +1,179 @@
+"""How a data relay's HostFrame goes up and its consensus comes down: whole, or in lanes.
+
+Chosen once per channel (:func:`frames_for`), so the channel's tasks run one
+code path whatever the lane count:
+
+- :class:`WholeFrames` (``lanes == 1``, flodl's bytes): the HostFrame goes up
+  as one signed record and the consensus comes down as one. Being whole, a
+  single rank's frame can be forwarded byte for byte, a HostFrame can be
+  signed while its last rank frame lands, and the consensus can be cut
+  through to the ranks while it arrives.
+- :class:`LaneFrames` (the lanes extension, docs/wire.md): the HostFrame goes
+  up as its lane frames, each its own signed record, only once the controller
+  has said it reduces in that many lanes; the consensus lanes are joined back
+  into one frame in the model's shapes before it is fanned out. That joined
+  frame lives in a buffer lent from the channel's pool, which this object owns
+  from the round's first consensus lane until the whole frame has gone out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+import trio
+
+from ..errors import ConfigError, DesyncError
+from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
+from ..transport.hashing import encode_enveloped_frame
+from ..transport.stream import MessageStream
+from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
+from ..wire.mux import MuxKind
+from ..wire.round_frame import RoundFrame, decode_round_frame
+from ..wire.salt import SessionSalt
+from .config import RelayConfig
+
+
+class WholeFrames:
+    """Without lanes: one record up, one record down, exactly flodl's bytes."""
+
+    whole = True
+
+    def __init__(self, config: RelayConfig) -> None:
+        self._config = config
+
+    def confirm(self, count: int, min_bytes: int) -> None:
+        """A controller that reduces in lanes and a relay started without them disagree."""
+        if count == 1:
+            return
+        raise ConfigError(
+            f"relay {self._config.host_name}: the controller reduces each round in {count} lanes, this relay "
+            "was started with lanes=1 (start both with the same --lanes)"
+        )
+
+    def extra_bytes(self, length: int) -> int:
+        """Model-sized memory besides the pool and the fold: none (the consensus lands in a pool buffer)."""
+        return 0
+
+    async def send(self, frame: RoundFrame, upstream: MessageStream) -> int:
+        record = await encode_enveloped_frame(MuxKind.HOST_FRAME, frame, self._config.salt)
+        await upstream.send_chunks(record.chunks)
+        return record.nbytes
+
+    def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
+        return None  # a pool buffer, the channel's
+
+    @asynccontextmanager
+    async def consensus(
+        self, payload: memoryview, host_frame_up: bool, signed_for: Callable[[], bool]
+    ) -> AsyncIterator[memoryview | None]:
+        yield payload  # the record is the consensus, signed by the controller
+
+
+class LaneFrames:
+    """The lanes extension on the relay's side (see the module docstring)."""
+
+    whole = False
+
+    def __init__(self, config: RelayConfig, pool: BufferPool) -> None:
+        self._config = config
+        self._pool = pool
+        self.count = config.lanes
+        self._confirmed = trio.Event()  # the controller's Lanes message, after HelloAck
+        self._min_bytes = 0  # the controller's: every relay cuts a frame the same way
+        self._assembler: LaneAssembler | None = None  # joins the consensus lanes (its layout is the round's)
+        self._lane_buffer = ReceiveBuffer()  # a consensus lane lands here: a slice of the frame
+        self._joined_in: ReceiveBuffer | None = None  # the pool buffer this round's consensus is joined in
+
+    def confirm(self, count: int, min_bytes: int) -> None:
+        if count != self.count:
+            raise ConfigError(
+                f"relay {self._config.host_name}: the controller reduces each round in {count} lanes, this relay "
+                f"was started with lanes={self.count} (start both with the same --lanes)"
+            )
+        self._min_bytes = min_bytes
+        self._confirmed.set()
+
+    def extra_bytes(self, length: int) -> int:
+        """About the largest consensus lane a frame of ``length`` bytes comes down in (the
+        frame's schema is checked against the lane limits only when it is cut)."""
+        return length // lanes_for(length, self.count, self._min_bytes) + SMALL_MESSAGE
+
+    async def send(self, frame: RoundFrame, upstream: MessageStream) -> int:
+        """The HostFrame as its lane frames, in lane order, each its own signed record."""
+        await self._wait_confirmed()
+        layout = LaneLayout.of(frame, self.count, self._min_bytes)
+        if self._assembler is None or self._assembler.layout != layout:
+            self._assembler = LaneAssembler(layout)
+            # The consensus lanes come back the size these go up (at most): room for the largest, once.
+            self._lane_buffer.reserve(layout.max_frame_bytes)
+        nbytes = 0
+        for part in layout.split(frame):
+            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self._config.salt)
+            await upstream.send_chunks(record.chunks)
+            nbytes += record.nbytes
+        return nbytes
+
+    async def _wait_confirmed(self) -> None:
+        """Lane frames go only to a controller that said it takes them."""
+        bound = self._config.bounds.handshake
+        try:
+            with trio.fail_after(bound):
+                await self._confirmed.wait()
+        except trio.TooSlowError:
+            raise ConfigError(
+                f"relay {self._config.host_name}: started with lanes={self.count}, but the controller did not say it "
+                f"reduces in lanes within {bound:g} s (start both with the same --lanes)"
+            ) from None
+
+    def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
+        """A large consensus lane lands in the lane buffer: the pool's are for frames and the joined consensus."""
+        return self._lane_buffer if length > SMALL_MESSAGE else None
+
+    @asynccontextmanager
+    async def consensus(
+        self, payload: memoryview, host_frame_up: bool, signed_for: Callable[[], bool]
+    ) -> AsyncIterator[memoryview | None]:
+        """One consensus lane (its record verified) copied into the round's frame; the
+        whole consensus, in the HostFrame's shapes, once every lane is in (None
+        before), signed if ``signed_for()`` says a rank reads its MAC. The joined
+        frame's pool buffer goes back when the last lane's scope ends.
+
+        It is joined in a pool buffer: the ranks' frames of this round are folded
+        already and their next ones come only after it has gone out, so the relay
+        holds no model-sized buffer of its own for it (a rank's early frame waits
+        for the buffer in its socket meanwhile)."""
+        assembler = self._assembler
+        if assembler is None or not host_frame_up:
+            raise DesyncError(f"relay {self._config.host_name}: a consensus lane came down with no HostFrame up")
+        lane = decode_round_frame(
+            payload, self._config.salt, ceiling=self._config.ceiling, source="the controller's consensus lane",
+            authenticated=True,
+        )
+        if not assembler.begun:
+            self._joined_in = await self._pool.acquire()
+            self._joined_in.reserve(assembler.nbytes)
+            assembler.begin(self._joined_in.array(assembler.nbytes))
+        assembler.add(lane)
+        if not assembler.complete:
+            yield None
+            return
+        try:
+            yield await self._finish(assembler, self._config.salt if signed_for() else None)
+        finally:
+            joined, self._joined_in = self._joined_in, None
+            if joined is not None:
+                self._pool.release(joined)
+
+    @staticmethod
+    async def _finish(assembler: LaneAssembler, salt: SessionSalt | None) -> memoryview:
+        if salt is None or assembler.nbytes <= SMALL_MESSAGE:
+            return assembler.finish(salt)
+        return await trio.to_thread.run_sync(assembler.finish, salt)  # the MAC, off the event loop
+
+
+def frames_for(config: RelayConfig, pool: BufferPool) -> WholeFrames | LaneFrames:
+    """The channel's way of moving frames, from its lane count."""
+    return WholeFrames(config) if config.lanes == 1 else LaneFrames(config, pool)
+
+
+__all__ = ["LaneFrames", "WholeFrames", "frames_for"]
