@@ -66,9 +66,11 @@ from ..wire.mux import (
 )
 from ..wire.salt import SessionSalt
 from ..wire.state import STATE_REQUEST_LEN, decode_state_request
-from .channels import ControlChannel, DataChannel
+from .channels import Channel
 from .config import ChannelKind, RelayConfig, RelayStats
+from .data_plane import DataPlane
 from .host_ranks import HostRanks
+from .router import ControlRouter
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -206,7 +208,7 @@ class _Relay:
         self.waiting: dict[int, MessageStream] = {}  # handshaken before the channel started
         self.signatures: dict[int, bytes] = {}
         self.announced: dict[int, bytes] = {}  # signatures the control Hello gave each rank
-        self.channel: DataChannel | ControlChannel | None = None
+        self.channel: Channel | None = None
 
     async def run(self) -> None:
         try:
@@ -214,7 +216,7 @@ class _Relay:
                 await nursery.start(trio.serve_listeners, self._serve_rank_connection, self.listeners)
                 if self.config.kind is ChannelKind.DATA:
                     upstream = await self._dial_controller(self.config.ranks)
-                    self.channel = DataChannel(self.config, upstream, self.handle.stats, self.host, self._released)
+                    self.channel = Channel(self.config, upstream, self.handle.stats, self.host, self._released, DataPlane)
                 else:
                     ranks, away = await self._control_formation()
                     if not ranks:
@@ -222,8 +224,8 @@ class _Relay:
                                  self.config.host_name)
                         return
                     upstream = await self._dial_controller(ranks)
-                    self.channel = ControlChannel(
-                        self.config, upstream, self.handle.stats, self.host, self._released, ranks, away
+                    self.channel = Channel(
+                        self.config, upstream, self.handle.stats, self.host, self._released, ControlRouter, ranks, away
                     )
                 waiting, self.waiting = self.waiting, {}
                 for rank, conn in waiting.items():

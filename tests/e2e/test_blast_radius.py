@@ -275,20 +275,20 @@ async def test_a_goodbye_the_controller_no_longer_takes_ends_the_relay_cleanly(s
     That write fails (EPIPE) where the reader would have seen EOF: the relay shuts down
     as for EOF, it does not fail. (A HostFrame that cannot be written still fails it:
     tests/e2e/test_lanes.py, tests/relay/test_cut_through.py.)"""
-    from flodl_trio.relay.channels import DataChannel
+    from flodl_trio.relay.channels import Channel
     from flodl_trio.wire.mux import RankExit, RankFinished
 
     caplog.set_level(logging.INFO, logger="flodl_trio.relay")
-    write_upstream = DataChannel._write_upstream
+    write_notice = Channel.write_notice
     lost: list[object] = []
 
     async def controller_gone_for_goodbyes(self, item):  # type: ignore[no-untyped-def]
         if isinstance(item, RankExit | RankFinished):
             lost.append(item)
             raise trio.BrokenResourceError("[Errno 32] Broken pipe")
-        await write_upstream(self, item)
+        await write_notice(self, item)
 
-    monkeypatch.setattr(DataChannel, "_write_upstream", controller_gone_for_goodbyes)
+    monkeypatch.setattr(Channel, "write_notice", controller_gone_for_goodbyes)
 
     async def quiet_controller(stream: trio.SocketStream) -> None:
         await _answer_hello(stream, salt)
