@@ -22,13 +22,11 @@ Targets:
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import hmac
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _machine import cpu_model  # noqa: E402  (this script's folder is on sys.path)
+from _machine import best_time, cpu_model  # noqa: E402  (this script's folder is on sys.path)
 
 from flodl_trio.fold import FoldAccumulator
 from flodl_trio.wire import (
@@ -57,18 +55,6 @@ BF16_TARGET_MBPS = 1000.0
 FOLD_TARGET_MBPS = 1000.0
 N_FOLD = 4
 
-
-
-def best_time(fn: Callable[[], object], reps: int) -> float:
-    """Best wall time of ``reps`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def make_frame(mib: int, dtype: int, rng: np.random.Generator, n_tensors: int = 3) -> RoundFrame:

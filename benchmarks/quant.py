@@ -19,18 +19,15 @@ test: pytest never collects it.
 from __future__ import annotations
 
 import argparse
-import gc
 import platform
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _machine import cpu_model  # noqa: E402  (this script's folder is on sys.path)
+from _machine import best_time, cpu_model  # noqa: E402  (this script's folder is on sys.path)
 
 from flodl_trio.wire.quant import Code, decode, encode, payload_bytes  # noqa: E402
 
@@ -38,18 +35,6 @@ MB = 1_000_000
 MiB = 1 << 20
 BLOCKS = (256, 512, 1024, 2048, 4096)
 LINKS = {"200 Mbit/s": 200e6 / 8, "1 Gbit/s": 1e9 / 8}
-
-
-def best_time(fn: Callable[[], object], reps: int) -> float:
-    """Best wall time of ``reps`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def deltas(numel: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
