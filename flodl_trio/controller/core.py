@@ -537,7 +537,8 @@ class _Controller:
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
-            targets = self.seats.broadcast_targets()  # before any joiner is revived: they did not ask
+            # Before any joiner is revived (they did not ask), and every relay that delivered.
+            targets = self.seats.broadcast_targets(consensus.delivered_by)
             if (
                 part is not None
                 and self.windows.keep_window_state

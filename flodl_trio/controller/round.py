@@ -122,11 +122,13 @@ class Consensus:
     while the last frame arrived). ``after_write`` gives its memory back for reuse
     once every relay has been sent it (None: never - a hook may keep it, or the
     frame is kept as the window's state for joiners). ``part``: the round's place
-    in a window, if it has one."""
+    in a window, if it has one. ``delivered_by``: the relays whose HostFrames it
+    sums - each waits for it, even if all its ranks died since."""
 
     outgoing: RoundFrame | EncodedFrame
     after_write: Callable[[], None] | None = None
     part: WindowPart | None = None
+    delivered_by: frozenset[int] = frozenset()
 
 
 @attrs.frozen
@@ -424,6 +426,7 @@ class ControllerRound:
     ) -> Consensus:
         """Account for the finished round, start the next, and apply the hooks."""
         started = self.started if self.started is not None else now
+        delivered_by = frozenset(self.delivered)
         self.agreed.agree(schema_of(consensus))
         self.acc = FoldAccumulator(self.images)
         self.delivered = set()
@@ -438,8 +441,8 @@ class ControllerRound:
         if self.hooked or (self.keep_window_state and part is not None and part.kept):
             after_write = None  # a hook may keep it; a window's params or buffers are kept for joiners
         if record is not None and transformed is consensus:
-            return Consensus(record, after_write, part)
-        return Consensus(transformed, after_write, part)
+            return Consensus(record, after_write, part, delivered_by)
+        return Consensus(transformed, after_write, part, delivered_by)
 
     @property
     def windows(self) -> int:

@@ -9,7 +9,7 @@ a consensus) stays in that round. No I/O: plain calls, tested without trio.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import attrs
 
@@ -74,9 +74,12 @@ class Seats:
         """The relays whose connection is up, in the order they were seated."""
         return [(sid, seat) for sid, seat in self.seats.items() if seat.connected]
 
-    def broadcast_targets(self) -> list[int]:
-        """The relays a consensus goes to: connected, with a live rank."""
-        return [sid for sid, _seat in self.connected() if self.has_live_rank(sid)]
+    def broadcast_targets(self, delivered_by: Collection[int] = ()) -> list[int]:
+        """The relays a consensus goes to: connected, and with a live rank or among
+        ``delivered_by`` (a relay that sent the round its HostFrame waits for the
+        answer even if its ranks all died since: without it, a rank let back in on
+        that host would wait for a window start that never comes down)."""
+        return [sid for sid, _seat in self.connected() if sid in delivered_by or self.has_live_rank(sid)]
 
     def first_in_host_order(self, seat_ids: Iterable[int]) -> int | None:
         """Of ``seat_ids``, the relay with the lowest rank (deterministic mode's fold order)."""

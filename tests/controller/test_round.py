@@ -323,3 +323,22 @@ def test_one_lane_of_several_never_computes_its_consensus_ahead():
     seats.seat(1, Hello("a", (0,)), "relay a")
     assert ControllerRound(seats, ControllerStats()).may_speculate(1, MuxKind.HOST_FRAME)
     assert not ControllerRound(seats, ControllerStats(), computes_ahead=False).may_speculate(1, MuxKind.HOST_FRAME)
+
+
+def test_a_relay_that_delivered_gets_the_consensus_even_if_its_ranks_died_since():
+    """The chaos run that hung (seed 785966779): host b's rank 2 sent its frame and exited, its
+    rank 3 was being let back in; the consensus skipped b (no live rank), so b never saw the
+    window start its returning rank waited for, and the cluster's next window never ended."""
+    r, dead, _stats = controller_round()
+    seat(r, 1, "a", (0, 1))
+    seat(r, 2, "b", (2, 3))
+    dead.declare_dead(1)
+    dead.declare_dead(3)  # away: coming back
+    assert r.deposit(2, frame([1.0]), now=0.0) is None
+    dead.declare_dead(2)  # exits after its relay delivered
+    consensus = r.deposit(1, frame([3.0]), now=0.1)
+    assert consensus is not None and consensus.delivered_by == {1, 2}
+    assert r.seats.broadcast_targets(consensus.delivered_by) == [1, 2]
+    assert r.seats.broadcast_targets() == [1]  # without the delivery, b would be skipped
+    r.seats.unseat(2)
+    assert r.seats.broadcast_targets(consensus.delivered_by) == [1]  # a gone relay gets nothing
