@@ -261,8 +261,11 @@ class _Relay:
         if rank is None:
             return
         if self.channel is None:
+            superseded = self.waiting.get(rank)
             self.waiting[rank] = conn
             self.host.changed.notify()
+            if superseded is not None:
+                await superseded.aclose()
         else:
             await self._hand_over(rank, conn)
         await conn.wait_closed()
@@ -309,7 +312,8 @@ class _Relay:
         if not taken:
             log.info("relay %s: rank %d is not part of this %s channel any more; closed",
                      self.config.host_name, rank, self.config.kind.value)
-            self.claimed.discard(rank)
+            if rank not in channel.conns:  # else the claim is the connection the channel holds
+                self.claimed.discard(rank)
             await conn.aclose()
 
     def _released(self, rank: int) -> None:
@@ -358,7 +362,7 @@ class _Relay:
             raise HandshakeError(
                 f"rank {hello.rank} is not in host {self.config.host_name}'s rank set {list(self.config.ranks)}"
             )
-        if hello.rank in self.claimed:
+        if hello.rank in self.claimed and not self._supersedes_waiting(hello.rank, conn):
             raise HandshakeError(f"duplicate rank {hello.rank}: {self._claim_state(hello.rank)}")
         announced = self.announced.get(hello.rank)
         if announced is not None and hello.model_signature != announced:
@@ -403,6 +407,22 @@ class _Relay:
             return
         if rank in self.config.ranks:
             self.host.elastic.add(rank)
+
+    def _supersedes_waiting(self, rank: int, conn: MessageStream) -> bool:
+        """Whether a verified handshake for ``rank`` takes the place of its connection
+        that waits for the channel to form. Nobody reads a waiting connection, so
+        its rank's death goes unnoticed there; a rank restarted meanwhile must not
+        be refused as a duplicate (its restart would fail, and the formation would
+        wait on a dead connection). Only a handshake as strong as the first may
+        replace it: on the control channel and the local leg the handshake is
+        MACed with the salt; a plain TCP data handshake is not, and is refused."""
+        if self.channel is not None or rank not in self.waiting:
+            return False
+        if self.config.kind is ChannelKind.DATA and conn.signed_frames:
+            return False
+        log.info("relay %s: rank %d connected again before the %s channel formed; its earlier connection is closed",
+                 self.config.host_name, rank, self.config.kind.value)
+        return True
 
     def _claim_state(self, rank: int) -> str:
         """Why a rank already claimed cannot connect again, in words."""
