@@ -184,24 +184,35 @@ def _make_tensor(numel: int, rank: int, dtype: str) -> Any:
 
 
 def worker_flodl(args: argparse.Namespace) -> None:
+    import torch
     import trio
 
     import flodl_trio
+    import flodl_trio.wire.quant
+    from flodl_trio.train.realized_work import delta_reduce
 
     async def main() -> None:
         salt = bytes.fromhex(os.environ[SALT_ENV])
         host, _, port = args.addr.rpartition(":")
         t = _make_tensor(args.numel, args.rank, "f32")
         times: list[float] = []
+        codec = None if args.dtype in ("f32", "bf16") else flodl_trio.wire.quant.DeltaCodec.parse(args.dtype)
+        drift = torch.Generator().manual_seed(99 + args.rank)
         async with flodl_trio.connect_reduce_client((host, int(port)), args.rank, args.world, salt) as client:
             client.bf16_wire = args.dtype == "bf16"
+            client.delta_codec = codec
             out = [t]
             for i in range(args.warmup + args.rounds):
                 if i == args.warmup:
                     _mark_warm(args.rank)
                     start, cpu0 = time.perf_counter(), _cpu_seconds()
+                if codec is not None:  # a window's change, so every delta round codes real values
+                    t.add_(torch.randn(t.shape, generator=drift), alpha=1e-3)
                 t0 = time.perf_counter()
-                out = await client.all_reduce_tensors([t], in_place=True)
+                if codec is None:
+                    out = await client.all_reduce_tensors([t], in_place=True)
+                else:  # a delta round (the first, in the warm-up, starts the lineage in f32)
+                    out = await delta_reduce(client, [t], 1.0, in_place=True)
                 dt = time.perf_counter() - t0
                 if i >= args.warmup:
                     times.append(dt)

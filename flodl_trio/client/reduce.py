@@ -38,6 +38,7 @@ from ..transport.local_leg import dial_local_leg, local_leg_enabled
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import DTYPE_BF16, DTYPE_F32, FINISHED_LENGTH
+from ..wire.quant import DeltaCodec
 from ..wire.fragment import FragmentTag
 from ..wire.handshake import (
     DATA_ACK_LEN,
@@ -56,6 +57,7 @@ from ..wire.round_frame import (
     schema_frame_len,
 )
 from ..wire.salt import SessionSalt
+from .delta import RankDelta
 from .state import ClusterState, fetch_cluster_state
 
 if TYPE_CHECKING:
@@ -111,6 +113,10 @@ class ReduceClient:
         self._salt = salt
         self.reply_timeout = reply_timeout
         self.bf16_wire = False
+        # Delta rounds (docs/wire.md): the params go as coded deltas; None: params in f32/bf16.
+        self.delta_codec: DeltaCodec | None = None
+        self._delta: RankDelta | None = None
+        self._joined_params: list[np.ndarray] | None = None  # what join() loaded: a delta lineage's base
         self.pinned_decode = False
         self._armed_slot: int | None = None
         self._staging: dict[int, list[torch.Tensor]] = {}
@@ -284,7 +290,7 @@ class ReduceClient:
         own: a restarted rank starts it fresh. Raises :class:`JoinRefused`
         (with the controller's reason) if the rank may not come back.
         """
-        from .tensors import check_destinations, fragment_pieces, round_frame_to_tensors
+        from .tensors import check_destinations, f32_copies, fragment_pieces, round_frame_to_tensors
 
         check_destinations([*params, *buffers], "join destination")
         state = self.last_state = await self.fetch_state()
@@ -299,8 +305,40 @@ class ReduceClient:
                 round_frame_to_tensors(frame, out=pieces)
         if buffers_frame is not None and buffers_frame.weight > 0:
             round_frame_to_tensors(buffers_frame, out=list(buffers))
+        if len(params_frames) == 1 and self.delta_codec is not None:  # a delta run's base (set the codec first)
+            self._joined_params = f32_copies(params)
+        if state.catch_up:
+            self._catch_up(params, state)
         self.catching_up = set(range(len(params_frames))) if state.behind else set()
         return state.entry
+
+    def _catch_up(self, params: Sequence[torch.Tensor], state: ClusterState) -> None:
+        """A delta run's joiner: the state's params are the base of window ``state.window``;
+        the windows finished since came as the deltas the ranks were sent, which bring
+        the base (and ``params``) up to its host's."""
+        from .tensors import copy_arrays_into
+
+        if self.delta_codec is None:
+            raise ConfigError(
+                f"rank {self.rank}: the cluster runs delta rounds (a codec): set client.delta_codec before join()"
+            )
+        delta = self.delta_state()
+        base: list[np.ndarray] = []
+        for frame in state.catch_up:
+            base = delta.take(frame, self.rank)
+        copy_arrays_into(params, base)
+
+    def delta_state(self) -> RankDelta:
+        """This rank's delta-round state for :attr:`delta_codec` (made at the first
+        delta round; from the state join() loaded, if it loaded one)."""
+        if self.delta_codec is None:
+            raise ConfigError(f"rank {self.rank}: no delta codec is set")
+        if self._delta is None or self._delta.codec != self.delta_codec:
+            self._delta = RankDelta(self.delta_codec)
+            if self._joined_params is not None:
+                self._delta.start_from(self._joined_params)
+        self._joined_params = None
+        return self._delta
 
     # -- tensor level --------------------------------------------------------
 

@@ -70,6 +70,9 @@ class ClusterState:
     nbytes: int = 0  # the frames' bytes on the wire
     transfer_seconds: float = 0.0  # from the reply's header to its last byte (not the wait before)
     entry: int = attrs.field()
+    # A delta run's params consensus of each window between the state's and the entry
+    # (docs/wire.md, "Delta rounds"): what brings the state up to its host's base.
+    catch_up: tuple[RoundFrame, ...] = attrs.field(default=(), kw_only=True)
 
     @entry.default
     def _entered_next(self) -> int:
@@ -81,7 +84,7 @@ class ClusterState:
         than its host's, so its first window of each fragment must carry no work (it
         takes that window's consensus and contributes from the next; average_window
         does this by itself)."""
-        return self.entry > self.window + 1
+        return self.entry > self.window + 1 and not self.catch_up
 
     def split(
         self, params: Sequence[Shape], buffers: Sequence[Shape]
@@ -173,17 +176,25 @@ async def fetch_cluster_state(
             raise JoinRefused(f"rank {rank} may not join: {reply.reason}")
         started, received = trio.current_time(), conn.bytes_received
         frames = [
-            await _receive_frame(conn, rank, index, length, salt, ceiling) for index, length in enumerate(reply.lengths)
+            await _receive_frame(conn, rank, f"state frame {index}", length, salt, ceiling)
+            for index, length in enumerate(reply.lengths)
         ]
         seconds = trio.current_time() - started
         nbytes = conn.bytes_received - received
         if not frames:
             return ClusterState(reply.window, (), nbytes, seconds)
         await conn.send_chunks([encode_state_receipt(nonces, salt)])
-        entry = await _receive_entry(conn, rank, nonces, salt, reply_timeout, where)
+        entry, status = await _receive_entry(conn, rank, nonces, salt, reply_timeout, where)
+        catch_up: list[RoundFrame] = []
+        if status is EntryStatus.CATCH_UP:
+            # No frame of a window's params round is more than twice its f32 frame (a
+            # code's block scale per element at worst), so that bounds each read.
+            bound = 2 * reply.lengths[0] + 64
+            for window in range(reply.window + 1, entry):
+                catch_up.append(await _receive_frame(conn, rank, f"catch-up frame of window {window}", None, salt, bound))
     finally:
         await conn.aclose()
-    return ClusterState(reply.window, tuple(frames), nbytes, seconds, entry)
+    return ClusterState(reply.window, tuple(frames), nbytes, seconds, entry, catch_up=tuple(catch_up))
 
 
 async def _receive_challenge(conn: MessageStream, rank: int, nonce: bytes, salt: SessionSalt, where: str) -> JoinNonces:
@@ -215,16 +226,17 @@ async def _receive_reply(
 
 async def _receive_entry(
     conn: MessageStream, rank: int, nonces: JoinNonces, salt: SessionSalt, timeout: float | None, where: str
-) -> int:
-    """The window this rank enters its host's barrier at (the next boundary's)."""
+) -> tuple[int, EntryStatus]:
+    """The window this rank enters its host's barrier at (the next boundary's), and how."""
     raw = await _wait_for(conn, STATE_ENTRY_LEN, "the state entry", rank, timeout, where)
     entry = decode_state_entry(raw, nonces, salt)
     if entry.status is EntryStatus.CALLED_OFF:
         raise JoinRefused(
             f"rank {rank}: the controller called its join off after sending its state "
-            "(its data connection or relay left first; see the controller's log)"
+            "(its data connection or relay left first, or - in a delta run - it fell too many "
+            "windows behind; see the controller's log)"
         )
-    return entry.window
+    return entry.window, entry.status
 
 
 async def _wait_for(conn: MessageStream, n: int, what: str, rank: int, timeout: float | None, where: str) -> bytes:
@@ -242,15 +254,15 @@ async def _wait_for(conn: MessageStream, n: int, what: str, rank: int, timeout: 
 
 
 async def _receive_frame(
-    conn: MessageStream, rank: int, index: int, announced: int, salt: SessionSalt, ceiling: int
+    conn: MessageStream, rank: int, what: str, announced: int | None, salt: SessionSalt, ceiling: int
 ) -> RoundFrame:
     """One consensus frame of the reply, its MAC checked as it arrives, into memory of
-    the size the reply announced under its MAC (checked against the frame's prefix)."""
-    what = f"state frame {index}"
+    the size the reply announced under its MAC (checked against the frame's prefix;
+    a catch-up frame, announced by nobody, within ``ceiling``)."""
     length = await conn.receive_length_prefix(ceiling)
     if length is None:
         raise FramingError(f"rank {rank}: the state reply ended before {what}")
-    if length != announced:
+    if announced is not None and length != announced:
         raise FramingError(f"rank {rank}: {what} is {length} bytes, the reply announced {announced}")
     mac = RunningMac(salt.hmac(), max(length - MAC_LEN, 0))
     body = await conn.receive_into_buffer(ReceiveBuffer(length), length, what, mac)

@@ -116,6 +116,22 @@ def tensors_to_round_frame(
     return RoundFrame(payloads, kind, weight)
 
 
+def f32_copies(tensors: Sequence[torch.Tensor], out: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """The tensors' values as flat f32 arrays, copied (into ``out`` when given): a delta
+    round's params snapshot, which the rank then trains on past."""
+    arrays = out if out is not None else [np.empty(t.numel(), dtype=np.float32) for t in tensors]
+    for array, t in zip(arrays, tensors):
+        torch.from_numpy(array).copy_(t.detach().reshape(-1))
+    return arrays
+
+
+def copy_arrays_into(tensors: Sequence[torch.Tensor], arrays: Sequence[np.ndarray]) -> None:
+    """Write flat f32 ``arrays`` into ``tensors`` in place (their shapes and dtypes kept)."""
+    with torch.no_grad():
+        for t, array in zip(tensors, arrays):
+            t.copy_(torch.from_numpy(array).view(t.shape))
+
+
 def elided_like(tensors: Sequence[torch.Tensor], wire_dtype: int = DTYPE_F32) -> list[TensorPayload]:
     """Zero-elided payloads with the same shapes (what non-root ranks send in a broadcast)."""
     return [TensorPayload(wire_dtype, tuple(t.shape)) for t in tensors]

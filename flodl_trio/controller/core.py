@@ -74,7 +74,7 @@ from ..wire.mux import (
     decode_control_msg,
     record_payload,
 )
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, encode_round_frame_chunks
 from ..wire.salt import SessionSalt
 from .config import ControllerConfig, check_lanes, membership_policy
 from .coordinator import Coordinator
@@ -107,6 +107,11 @@ def attributed_to(exc: FlodlError, who: str) -> FlodlError:
         return type(exc)(f"{who}: {exc}")
     except TypeError:
         return FlodlError(f"{who}: {exc}")
+
+
+async def _encoded(frame: RoundFrame, salt: SessionSalt) -> EncodedFrame:
+    """A frame kept for joiners, signed off the event loop."""
+    return await trio.to_thread.run_sync(encode_round_frame_chunks, frame, salt)
 
 
 async def _signed(frame: memoryview, salt: SessionSalt) -> EncodedFrame:
@@ -533,10 +538,14 @@ class _Controller:
             out = self.windows.take(lane, consensus)  # the outer step and checkpoint, if due
             consensus, part = out.consensus, out.part
             kept = None if out.kept is None else await _signed(out.kept, self.config.salt)
+            if consensus.for_joiners is not None and self.windows.keep_window_state:
+                kept = await _encoded(consensus.for_joiners, self.config.salt)
             if isinstance(consensus.outgoing, EncodedFrame):
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
+            if consensus.for_joiners is not None and part is not None and self.windows.keep_window_state:
+                self.window_store.keep_catch_up(part.window, record_payload(record))
             # Before any joiner is revived (they did not ask), and every relay that delivered.
             targets = self.seats.broadcast_targets(consensus.delivered_by)
             if (

@@ -24,6 +24,7 @@ from ..errors import MacError, ProtocolError
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.mux import DeclareDead, RankJoin
+from ..wire.round_frame import EncodedFrame
 from ..wire.salt import Buffer
 from ..wire.state import (
     STATE_ANSWER_LEN,
@@ -220,8 +221,7 @@ class Returns:
                 return
             if not await _wait_unless_peer_leaves(conn, joiner.decided):
                 return log.info("controller: rank %d left while it waited for its window", rank)
-            entry = StateEntry.called_off() if joiner.entry is None else StateEntry(EntryStatus.ENTERED, joiner.entry)
-            await conn.send_chunks([encode_state_entry(entry, joiner.nonces, salt)])
+            await self._send_entry(conn, joiner)
         except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             reason = "its receipt did not come in time" if isinstance(exc, trio.TooSlowError) else str(exc)
             self.refuse(rank, self.links.get(self.membership.asked.get(rank, -1)), f"its state transfer failed: {reason}")
@@ -230,6 +230,22 @@ class Returns:
             if joiner.entry is None:
                 self.membership.withdraw(rank)
                 self.changed.notify()
+
+    async def _send_entry(self, conn: MessageStream, joiner: Joiner) -> None:
+        """Where the rank enters; in a delta run that finished windows since its state,
+        with their params consensus as the ranks got it (docs/wire.md, "Delta rounds"):
+        the state alone is an older base than its host's."""
+        salt = self.config.salt
+        assert joiner.state is not None
+        if joiner.entry is None:
+            return await conn.send_chunks([encode_state_entry(StateEntry.called_off(), joiner.nonces, salt)])
+        # Checked before it was let in (None: it was refused, not let in).
+        catch_up = self.window_store.catch_up_between(joiner.state.window, joiner.entry) or []
+        status = EntryStatus.CATCH_UP if catch_up else EntryStatus.ENTERED
+        chunks: list[Buffer] = [encode_state_entry(StateEntry(status, joiner.entry), joiner.nonces, salt)]
+        for frame in catch_up:
+            chunks += [frame.nbytes.to_bytes(4, "little"), *frame.chunks]
+        await conn.send_chunks(chunks)
 
     async def _send_state(self, conn: MessageStream, rank: int, joiner: Joiner) -> None:
         """The reply and its frames (from the memory they were kept in: no copy), then
@@ -332,14 +348,23 @@ class Returns:
             if link is None or link.closed or refusal is not None:
                 self.refuse(rank, None, refusal or "its relay left before it could be let in")
                 continue
+            joiner = self.joiners[rank]
+            loaded = -1 if joiner.state is None else joiner.state.window
+            catch_up = self.window_store.catch_up_between(loaded, window)
+            if catch_up is None:
+                self.refuse(rank, link, f"it is more than {self.window_store.catch_up_limit} windows behind "
+                                        "in a delta run (it may ask again)")
+                continue
             link.queue_control(RankJoin(rank), self.config.salt)
             self.membership.rejoined(rank)
             self.revive(rank)
             self.stats.rejoins, self.stats.late_joins = self.membership.rejoins, self.membership.late_joins
-            joiner = self.joiners[rank]
             joiner.enter(window)
-            loaded = -1 if joiner.state is None else joiner.state.window
-            behind = " (behind: its first window carries no work)" if loaded + 1 < window else ""
+            behind = ""
+            if catch_up:
+                behind = f" (the {len(catch_up)} delta consensus frame(s) since go with its entry)"
+            elif loaded + 1 < window:
+                behind = " (behind: its first window carries no work)"
             log.info("controller: rank %d rejoins (%s) with the consensus of window %d; it enters window %d%s",
                      rank, link.name, loaded, window, behind)
         self.changed.notify()

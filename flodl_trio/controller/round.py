@@ -28,11 +28,13 @@ from ..fold.accumulator import (
     finish_consensus,
     shares_sums,
 )
+from ..fold.delta import DeltaLineage
 from ..fold.schemas import AgreedSchemas, schema_of, why_taken_out
 from ..fold.speculative import SpeculativeFrame
 from ..transport.buffers import ReceiveBuffer
 from ..wire.fragment import FragmentTag, fragment_of
 from ..wire.mux import MuxKind
+from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
 from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind
 from .seats import Seats
 from .stats import ControllerStats
@@ -123,12 +125,16 @@ class Consensus:
     once every relay has been sent it (None: never - a hook may keep it, or the
     frame is kept as the window's state for joiners). ``part``: the round's place
     in a window, if it has one. ``delivered_by``: the relays whose HostFrames it
-    sums - each waits for it, even if all its ranks died since."""
+    sums - each waits for it, even if all its ranks died since. ``for_joiners``: what
+    the window state keeps instead of ``outgoing`` (a delta round's base in f32)."""
 
     outgoing: RoundFrame | EncodedFrame
     after_write: Callable[[], None] | None = None
     part: WindowPart | None = None
     delivered_by: frozenset[int] = frozenset()
+    # What a joiner is to start from, when it is not what the ranks are sent (a delta
+    # round's: its base in f32). None: the outgoing frame itself.
+    for_joiners: RoundFrame | None = None
 
 
 @attrs.frozen
@@ -175,6 +181,27 @@ class WindowStore:
         # With fragments: each fragment's newest params, and the newest buffers.
         self._newest: list[EncodedFrame | None] = []
         self._newest_buffers: EncodedFrame | None = None
+        # A delta run's params consensus frames as the ranks got them, by window: what
+        # brings a joiner whose state is some windows old up to its host's base.
+        self.catch_up_limit = 8
+        self._catch_up: dict[int, EncodedFrame] = {}
+
+    def keep_catch_up(self, window: int, frame: EncodedFrame) -> None:
+        """A delta round's params consensus went out for ``window`` (the newest few are kept)."""
+        self._catch_up[window] = frame
+        for old in [w for w in self._catch_up if w <= window - self.catch_up_limit]:
+            del self._catch_up[old]
+
+    def catch_up_between(self, state_window: int, entry: int) -> list[EncodedFrame] | None:
+        """The kept params frames of the windows after ``state_window`` and before ``entry``:
+        [] when there are none to send (no window between, or not a delta run), None
+        when a delta run's joiner is further behind than the frames kept."""
+        if not self._catch_up:
+            return []
+        kept = [self._catch_up.get(window) for window in range(state_window + 1, entry)]
+        if any(frame is None for frame in kept):
+            return None
+        return [frame for frame in kept if frame is not None]
 
     @property
     def model_rounds_per_window(self) -> int | None:
@@ -270,6 +297,7 @@ class ControllerRound:
         self.expelled: dict[int, str] = {}  # relays whose folded frames proved wrong: why, until dropped
         self.started: float | None = None  # when the round's first contribution arrived
         self.counter = WindowCounter()
+        self.lineage = DeltaLineage()  # delta rounds: the exact consensus and the ranks' base
         # Buffers of consensus frames computed ahead and since sent to every relay.
         self._spare_buffers: list[ReceiveBuffer] = []
 
@@ -310,6 +338,7 @@ class ControllerRound:
         consensus when it completes the round."""
         if self.acc.count == 0:
             self.started = now
+        self.lineage.check_base(frame, self.seats.name(seat_id))
         try:
             self.acc.add(frame, self.seats.name(seat_id))
         except SchemaError:  # nothing of the frame was added: see who is wrong
@@ -348,6 +377,8 @@ class ControllerRound:
         if self.acc.count == 0 or not self.completes(None):
             return None
         acc = self.acc
+        if acc.schema is not None and acc.schema[1][-1:] == ((DTYPE_BASE_DIGEST, (DIGEST_LEN,)),):
+            return self._finish_delta(finish_consensus(acc), now)
         # Without hooks the consensus's memory is reused once written, so a bf16
         # one may as well be rounded over the sums as into new arrays.
         consensus = finish_consensus(acc, overwrite_sums=not self.hooked)
@@ -421,13 +452,26 @@ class ControllerRound:
         self.delivered.add(seat_id)
         self.awaiting_broadcast.add(seat_id)
 
+    def _finish_delta(self, mean: RoundFrame, now: float) -> Consensus:
+        """A delta round's end (docs/wire.md, "Delta rounds"): the mean delta plus the
+        exact consensus before it is the params the hooks see; the stepped params go
+        out as a delta against the ranks' base, coded as the ranks coded theirs, and a
+        joiner is given that base in f32."""
+        assert self.acc.schema is not None
+        codec = DeltaCodec.of_tag(self.acc.schema[1][0][0])
+        averaged = self.lineage.averaged(mean)
+        finished = self._finish(averaged, None, None, now)
+        assert isinstance(finished.outgoing, RoundFrame)  # the stepped params: no record was signed ahead
+        outgoing, for_joiners = self.lineage.downlink_frame(finished.outgoing, codec)
+        return attrs.evolve(finished, outgoing=outgoing, after_write=None, for_joiners=for_joiners)
+
     def _finish(
         self, consensus: RoundFrame, record: EncodedFrame | None, after_write: Callable[[], None] | None, now: float
     ) -> Consensus:
         """Account for the finished round, start the next, and apply the hooks."""
         started = self.started if self.started is not None else now
         delivered_by = frozenset(self.delivered)
-        self.agreed.agree(schema_of(consensus))
+        self.agreed.agree(self.acc.schema or schema_of(consensus))
         self.acc = FoldAccumulator(self.images)
         self.delivered = set()
         self.started = None

@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
                    help="start the victim again after this window (default 10; 0: never)")
     p.add_argument("--outer", default="diloco", choices=["none", "slowmo", "diloco"], help="outer optimizer on the controller")
     p.add_argument("--bf16", action="store_true", help="bf16 wire for the parameter rounds")
+    p.add_argument("--codec", default=None,
+                   help="the params rounds as coded deltas with error feedback: int8, fp4 or int4, "
+                        "optionally :BLOCK (docs/wire.md, 'Delta rounds')")
     p.add_argument("--overlap", type=int, default=0, choices=(0, 1),
                    help="1: each window's round runs while the next window trains (default 0: wait for it)")
     p.add_argument("--merge-after", type=int, default=None,
@@ -72,7 +75,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.codec is not None:
+        from ..errors import SchemaError
+        from ..wire.quant import DeltaCodec
+
+        try:
+            DeltaCodec.parse(args.codec)
+        except SchemaError as exc:
+            p.error(f"--codec: {exc}")
+        if args.fragments > 1:
+            p.error("--codec does not combine with --fragments yet")
     if args.worker:
         from .worker import worker
 

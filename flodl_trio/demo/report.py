@@ -77,7 +77,7 @@ def summary_rows(run: DemoRun, args: argparse.Namespace) -> list[tuple[str, str]
         ("live ranks", live_path(rank0)),
         ("averaging rounds", str(stats["rounds"])),
         ("outer optimizer", args.outer),
-        ("wire", "bf16" if args.bf16 else "f32"),
+        ("wire", f"{args.codec} deltas" if args.codec else "bf16" if args.bf16 else "f32"),
         ("consensus loss, first window -> end", f"{first['consensus_loss']:.4f} -> {final['final_loss']:.4f} (rank 0)"),
         ("cluster model's validation loss", "n/a" if cluster_loss is None else f"{cluster_loss:.4f} (newest checkpoint)"),
         ("trainer time waiting on the network",

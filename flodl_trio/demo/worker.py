@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from ..fold.outer import DiLoCoNesterov, SlowMo
+from ..wire.quant import DeltaCodec
 
 WORLD = 4
 HOSTS = [[0, 1], [2, 3]]
@@ -61,6 +62,7 @@ async def worker(args: argparse.Namespace) -> None:
     ):
         async with connect_reduce_client(("127.0.0.1", args.data_port), rank, WORLD, salt) as client:
             client.bf16_wire = args.bf16
+            client.delta_codec = None if args.codec is None else DeltaCodec.parse(args.codec)  # before join()
             # 0 at first start; after a restart the model is the cluster's consensus from here on.
             start = await client.join(params, buffers)
             # The window loop: every window's averages land in the model's own parameters
@@ -104,4 +106,6 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--eager-stand-in")
     if args.bf16:
         flags.append("--bf16")
+    if args.codec is not None:
+        flags += ["--codec", args.codec]
     return flags

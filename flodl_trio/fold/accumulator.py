@@ -28,6 +28,7 @@ from ..wire.bf16 import (
     f32_to_bf16_in_place,
 )
 from ..wire.constants import DTYPE_BF16, DTYPE_F32
+from ..wire.quant import DTYPE_BASE_DIGEST, DeltaCodec, decode
 from ..wire.round_frame import (
     RoundFrame,
     RoundKind,
@@ -77,17 +78,35 @@ class ImageCache:
 class _Slot:
     """Running f32 sum of one tensor position; None until a non-elided payload lands."""
 
-    __slots__ = ("dtype", "shape", "spare", "sum")
+    __slots__ = ("digest", "dtype", "shape", "spare", "sum")
 
     def __init__(self, dtype: int, shape: tuple[int, ...], spare: npt.NDArray[np.float32] | None = None) -> None:
         self.dtype = dtype
         self.shape = shape
         self.sum: npt.NDArray[np.float32] | None = None
         self.spare = spare  # an earlier round's image to copy the first payload into
+        self.digest: bytes | None = None  # a delta round's base digest
+
+    def _add_delta(self, t: TensorPayload, codec: DeltaCodec) -> None:
+        """Decode a delta payload into the f32 sum (the first straight into it)."""
+        numel = t.numel
+        first = self.sum is None
+        if first:
+            image, self.spare = self.spare, None
+            self.sum = image if image is not None else np.empty(numel, dtype=F32)
+        assert self.sum is not None
+        decode(t.data, codec.code, codec.block, numel, self.sum.reshape(-1), add=not first)
 
     def add(self, t: TensorPayload) -> None:
         if t.nbytes == 0:
             return  # elided: all zeros
+        if self.dtype == DTYPE_BASE_DIGEST:
+            self.digest = bytes(t.data)  # every contributor's is the same (checked first)
+            return
+        codec = DeltaCodec.of_tag(self.dtype)
+        if codec is not None:
+            self._add_delta(t, codec)
+            return
         # Overflow to inf and inf - inf = NaN are the defined f32 results
         # (torch gives the same without a warning); keep numpy quiet about them.
         with np.errstate(over="ignore", invalid="ignore"):
@@ -175,6 +194,11 @@ class FoldAccumulator:
                 f"round fold: {source} sent {len(frame.tensors)} tensors, {first} sent {len(self._slots)}"
             )
         for i, (slot, t) in enumerate(zip(self._slots, frame.tensors)):
+            if t.dtype == slot.dtype == DTYPE_BASE_DIGEST and slot.digest is not None and bytes(t.data) != slot.digest:
+                raise SchemaError(
+                    f"round fold: {source}'s delta is against another base than {first}'s "
+                    f"(base digest {bytes(t.data).hex()}, not {slot.digest.hex()}): it missed a consensus"
+                )
             if t.dtype != slot.dtype:
                 raise SchemaError(
                     f"round fold: {source} tensor {i} is {describe_dtype(t.dtype)}, "
@@ -203,6 +227,9 @@ class FoldAccumulator:
 
     def result(self, *, overwrite_sums: bool = False) -> RoundFrame:
         """The folded frame, re-encoded in the input dtypes, mass = summed weights.
+        A delta round's tensors come out as their f32 sums (a relay re-encodes
+        them with its own error feedback; the controller divides them), its base
+        digest as it came in.
 
         ``overwrite_sums``: bf16 tensors are rounded over their own f32 sums instead
         of into new arrays (the frame then aliases every sum, as an f32 one
@@ -215,13 +242,20 @@ class FoldAccumulator:
 
 def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float, overwrite_sums: bool = False) -> RoundFrame:
     def encoded(s: _Slot) -> npt.NDArray[np.generic] | bytes:
+        if s.dtype == DTYPE_BASE_DIGEST:
+            return s.digest or b""
         if s.sum is None:
             return b""
+        if DeltaCodec.of_tag(s.dtype) is not None:
+            return s.sum  # a delta round's sums stay f32: the caller re-encodes (or divides) them
         if overwrite_sums and s.dtype == DTYPE_BF16:
             return f32_to_bf16_in_place(s.sum)
         return encode_f32_as(s.sum, s.dtype)
 
-    return RoundFrame([TensorPayload(s.dtype, s.shape, encoded(s)) for s in slots], kind, weight)
+    def dtype(s: _Slot) -> int:
+        return DTYPE_F32 if DeltaCodec.of_tag(s.dtype) is not None else s.dtype
+
+    return RoundFrame([TensorPayload(dtype(s), s.shape, encoded(s)) for s in slots], kind, weight)
 
 
 def shares_sums(acc: FoldAccumulator, frame: RoundFrame) -> bool:

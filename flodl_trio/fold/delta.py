@@ -24,12 +24,26 @@ in cache-sized chunks (:mod:`flodl_trio.wire.quant`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ..errors import SchemaError
-from ..wire.quant import F32, Code, F32Array, decode, encode, payload_bytes
+from ..wire.quant import (
+    DIGEST_LEN,
+    DTYPE_BASE_DIGEST,
+    F32,
+    Code,
+    DeltaCodec,
+    F32Array,
+    base_digest,
+    decode,
+    encode,
+    payload_bytes,
+)
+from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
+from .schemas import Schema
 
 Payload = bytearray | memoryview
 
@@ -69,12 +83,16 @@ class DeltaUplink:
     def encode(self, deltas: Sequence[F32Array], out: Sequence[Payload]) -> None:
         """Quantize ``deltas`` (plus the residual) into ``out``, one payload per tensor."""
         _check_shapes("delta", deltas, self.sizes)
-        for delta, residual, scratch, payload in zip(deltas, self.residual, self._scratch, out):
-            if self.error_feedback:
-                np.add(delta, residual, out=scratch)
-                encode(scratch, payload, self.code, self.block, residual=residual)
-            else:
-                encode(delta, payload, self.code, self.block)
+        for index, (delta, payload) in enumerate(zip(deltas, out)):
+            self.encode_tensor(index, delta, payload)
+
+    def encode_tensor(self, index: int, delta: F32Array, out: Payload) -> None:
+        """One tensor of :meth:`encode`."""
+        if self.error_feedback:
+            np.add(delta, self.residual[index], out=self._scratch[index])
+            encode(self._scratch[index], out, self.code, self.block, residual=self.residual[index])
+        else:
+            encode(delta, out, self.code, self.block)
 
 
 class DeltaSum:
@@ -131,10 +149,176 @@ class DeltaDownlink:
     def encode(self, consensus: Sequence[F32Array], out: Sequence[Payload]) -> None:
         """Quantize ``consensus - base`` into ``out``; the base then advances as each rank's will."""
         _check_shapes("consensus", consensus, [array.size for array in self.base])
-        for target, base, scratch, payload in zip(consensus, self.base, self._scratch, out):
-            np.subtract(target, base, out=scratch)
-            encode(scratch, payload, self.code, self.block)
-        apply_delta(self.base, out, self.code, self.block)
+        for index, (target, payload) in enumerate(zip(consensus, out)):
+            self.encode_tensor(index, target, payload)
+
+    def encode_tensor(self, index: int, target: F32Array, out: Payload) -> None:
+        """One tensor of :meth:`encode`: its delta coded into ``out``, its base advanced
+        with the operation a rank's :func:`apply_delta` does."""
+        np.subtract(target, self.base[index], out=self._scratch[index])
+        encode(self._scratch[index], out, self.code, self.block)
+        decode(out, self.code, self.block, target.size, self.base[index], add=True)
 
 
-__all__ = ["DeltaDownlink", "DeltaSum", "DeltaUplink", "apply_delta"]
+# -- delta rounds on the wire (docs/wire.md, "Delta rounds") ----------------
+
+NO_BASE = bytes(DIGEST_LEN)  # the digest a rank sends with the f32 params that start a lineage
+
+
+def digest_of(frame: RoundFrame) -> bytes | None:
+    """A delta round frame's base digest (its last tensor); None for any other frame."""
+    if frame.kind != RoundKind.MODEL or not frame.tensors or frame.tensors[-1].dtype != DTYPE_BASE_DIGEST:
+        return None
+    return bytes(frame.tensors[-1].data)
+
+
+def codec_of(frame: RoundFrame) -> DeltaCodec | None:
+    """The delta codec of a delta round's frame (None: its tensors are f32, a lineage's first)."""
+    codecs = {DeltaCodec.of_tag(t.dtype) for t in frame.tensors[:-1]}
+    if codecs == {None}:
+        return None
+    if len(codecs) != 1 or None in codecs:
+        raise SchemaError(f"a delta round's tensors must share one code, got {sorted(str(c) for c in codecs)}")
+    return codecs.pop()
+
+
+def _flat(payload: TensorPayload) -> F32Array:
+    """An f32 payload as a flat array (zeros for an elided one)."""
+    if payload.nbytes == 0:
+        return np.zeros(payload.numel, dtype=F32)
+    return np.frombuffer(payload.data, dtype=F32)
+
+
+EncodeOne = Callable[[int, F32Array, Payload], None]  # (tensor index, values, payload to fill)
+
+
+def delta_frame(
+    values: Sequence[F32Array], shapes: Sequence[tuple[int, ...]], codec: DeltaCodec, digest: bytes, weight: float,
+    encode_one: EncodeOne,
+) -> RoundFrame:
+    """A delta round's frame: each tensor coded by ``encode_one``, then the base digest."""
+    tensors = []
+    for index, (array, shape) in enumerate(zip(values, shapes)):
+        payload = bytearray(codec.payload_bytes(array.size))
+        encode_one(index, array, payload)
+        tensors.append(TensorPayload(codec.tag, shape, payload))
+    tensors.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), digest))
+    return RoundFrame(tensors, RoundKind.MODEL, weight)
+
+
+class HostDeltaUplink:
+    """A relay's re-encode of its host's summed deltas, with error feedback.
+
+    The relay keeps one :class:`DeltaUplink` per delta round schema (the whole
+    model, or each fragment): an f32 residual and a scratch per tensor, two
+    model-sized arrays per schema, for as long as the relay runs (at most
+    ``limit`` schemas).
+    """
+
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
+        self._uplinks: OrderedDict[Schema, DeltaUplink] = OrderedDict()
+
+    def encode(self, schema: Schema, summed: RoundFrame) -> RoundFrame:
+        """``summed`` (a fold's result: f32 sums, then the digest) coded as ``schema`` says."""
+        codec = DeltaCodec.of_tag(schema[1][0][0])
+        digest = digest_of(summed)
+        assert codec is not None and digest is not None
+        sums = [_flat(t) for t in summed.tensors[:-1]]
+        uplink = self._uplink_for(schema, codec, [a.size for a in sums])
+        shapes = [tuple(t.shape) for t in summed.tensors[:-1]]
+        return delta_frame(sums, shapes, codec, digest, summed.weight, uplink.encode_tensor)
+
+    def _uplink_for(self, schema: Schema, codec: DeltaCodec, sizes: list[int]) -> DeltaUplink:
+        uplink = self._uplinks.get(schema)
+        if uplink is None:
+            uplink = self._uplinks[schema] = DeltaUplink(codec.code, codec.block, sizes)
+            while len(self._uplinks) > self.limit:
+                self._uplinks.popitem(last=False)
+        self._uplinks.move_to_end(schema)
+        return uplink
+
+
+class DeltaLineage:
+    """The controller's side of the delta rounds of one params set (the model, or a
+    fragment): the exact consensus ``x`` (what the outer step moves), and the base
+    every rank holds, which trails ``x`` by what the downlink's code dropped.
+
+    A lineage starts with an f32 params round whose frames carry :data:`NO_BASE`;
+    after it every params round carries deltas against the base.
+    """
+
+    def __init__(self) -> None:
+        self.x: list[F32Array] | None = None
+        self.downlink: DeltaDownlink | None = None
+        self.digest = NO_BASE
+        self._shapes: list[tuple[int, ...]] = []
+
+    @property
+    def base(self) -> list[F32Array] | None:
+        return None if self.downlink is None else self.downlink.base
+
+    def check_base(self, frame: RoundFrame, source: str) -> None:
+        """A contribution must be against this lineage's base (SchemaError naming ``source``)."""
+        digest = digest_of(frame)
+        if digest is None or digest == self.digest or (digest == NO_BASE and codec_of(frame) is None):
+            return
+        raise SchemaError(
+            f"{source}'s delta is against base {digest.hex()}, the controller's is {self.digest.hex()} "
+            "(it missed a consensus, or started from other params)"
+        )
+
+    def averaged(self, consensus: RoundFrame) -> RoundFrame:
+        """The round's mean (f32 tensors, then the digest) as the params the outer step
+        takes: ``x + mean delta``, or for a lineage's first round the f32 mean itself."""
+        tensors = consensus.tensors[:-1]
+        if self.x is None or digest_of(consensus) == NO_BASE:
+            return RoundFrame(list(tensors), RoundKind.MODEL, consensus.weight)
+        values = [np.add(x, _flat(t), dtype=F32).reshape(t.shape) for x, t in zip(self.x, tensors)]
+        return RoundFrame(
+            [TensorPayload(0, t.shape, v) for t, v in zip(tensors, values)], RoundKind.MODEL, consensus.weight
+        )
+
+    def downlink_frame(self, params: RoundFrame, codec: DeltaCodec | None) -> tuple[RoundFrame, RoundFrame]:
+        """The stepped params out: (what the ranks are sent, what a joiner is sent).
+
+        ``codec`` None (a lineage's first round): the f32 params and their digest,
+        which becomes the base. Else the params as a delta against the base, coded
+        with the round's codec (the base then advances as each rank's will), and the
+        new base's digest. A joiner gets the base in f32."""
+        x = [np.array(_flat(t), dtype=F32, copy=True) for t in params.tensors]
+        self._shapes = [tuple(t.shape) for t in params.tensors]
+        self.x = x
+        if codec is None or self.downlink is None:
+            self.downlink = DeltaDownlink(codec.code if codec else Code.INT8, codec.block if codec else 1024, x)
+            self.digest = base_digest(self.downlink.base)
+            out = [*params.tensors, TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.digest)]
+            return RoundFrame(out, RoundKind.MODEL, params.weight), self.joiner_frame(params.weight)
+        downlink = self.downlink
+        downlink.code, downlink.block = codec.code, codec.block
+        frame = delta_frame(x, self._shapes, codec, NO_BASE, params.weight, downlink.encode_tensor)
+        self.digest = base_digest(downlink.base)
+        frame.tensors[-1] = TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.digest)
+        return frame, self.joiner_frame(params.weight)
+
+    def joiner_frame(self, weight: float) -> RoundFrame:
+        """The base in f32, as a params consensus: where a joiner starts."""
+        assert self.downlink is not None
+        return RoundFrame(
+            [TensorPayload(0, shape, base) for shape, base in zip(self._shapes, self.downlink.base)],
+            RoundKind.MODEL, weight,
+        )
+
+
+__all__ = [
+    "NO_BASE",
+    "DeltaDownlink",
+    "DeltaLineage",
+    "DeltaSum",
+    "DeltaUplink",
+    "HostDeltaUplink",
+    "apply_delta",
+    "codec_of",
+    "delta_frame",
+    "digest_of",
+]

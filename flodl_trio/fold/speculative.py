@@ -128,10 +128,13 @@ class SpeculativeFrame:
         frames' schema and the output is allocated once, at a size no unverified
         byte chose. Without a folded frame (the round's only contribution), or
         with a tensor every folded frame elided, the size would depend on the
-        incoming bytes: those rounds take the ordinary path.
+        incoming bytes: those rounds take the ordinary path, and so do delta
+        rounds (docs/wire.md, "Delta rounds").
         """
         if self.acc.count == 0 or any(total is None for _dtype, _shape, total in self._layout):
             return None
+        if any(dtype not in DTYPE_NAMES for dtype, _shape, _total in self._layout):
+            return None  # a delta round: decoded and re-encoded, never summed as it streams
         return schema_frame_len((dtype, shape) for dtype, shape, _ in self._layout)
 
     @property

@@ -25,7 +25,8 @@ from functools import partial
 
 import trio
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, SchemaError
+from ..fold.delta import digest_of
 from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
@@ -248,6 +249,11 @@ class DataPlane:
         # Its bytes are authentic; now they must also make sense (checked here, at
         # the first hop, so a single rank's frame is not forwarded unchecked).
         check_payloads(frame, source)
+        if self.config.lanes > 1 and digest_of(frame) is not None:
+            raise SchemaError(
+                f"{source}: a delta round's frame (a codec), and this relay ships lanes ({self.config.lanes}); "
+                "delta rounds are not cut into lanes yet: run the controller and relays with --lanes 1"
+            )
         return body, frame
 
     async def _receive_folding(self, rank: int, buf: ReceiveBuffer, length: int) -> tuple[RoundFrame, Speculation]:
@@ -329,6 +335,7 @@ class DataPlane:
             await self.channel.drop(rank, out, why)
 
         await stream_consensus(self.upstream, header, buf, self.config.salt, self.channel.conns, targets, rank_failed)
+        self.fold.learn_base(buf.view(header.length))  # verified whole by now
         self.stats.bytes_down += header.length
         self.stats.broadcasts_streamed += 1
 
@@ -349,6 +356,7 @@ class DataPlane:
     async def _fan_out(self, payload: memoryview, out: Outbox) -> None:
         """Send the consensus to every rank waiting for it, concurrently."""
         targets = self.fold.consensus_arrived()
+        self.fold.learn_base(payload)
         await self._enter_approved(out)
         async with trio.open_nursery() as nursery:
             for target in targets:

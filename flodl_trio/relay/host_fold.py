@@ -9,6 +9,7 @@ read without trio.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,8 +17,11 @@ import attrs
 
 from ..errors import DesyncError, SchemaError
 from ..fold.accumulator import FoldAccumulator, ImageCache
+from ..fold.delta import NO_BASE, HostDeltaUplink, digest_of
 from ..fold.schemas import AgreedSchemas, Schema, schema_of, why_taken_out
-from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
+from ..wire.constants import MAC_LEN
+from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST
+from ..wire.round_frame import FRAME_HEADER_LEN, RoundFrame, RoundKind, TensorPayload
 
 
 @attrs.frozen
@@ -27,6 +31,9 @@ class FoldedHostFrame:
 
     frame: RoundFrame
     images: list[Any]
+
+
+_DIGEST_HEAD = struct.Struct("<BBIQ")  # the digest tensor's dtype, ndim, dim, byte count
 
 
 def _nothing() -> None:
@@ -63,6 +70,11 @@ class HostFold:
         self.agreed = AgreedSchemas()  # schemas of rounds whose consensus came back
         self._schema_up: Schema | None = None  # the schema of the HostFrame in flight
         self.expelled: dict[int, str] = {}  # ranks whose folded frames proved wrong: why, until dropped
+        # Delta rounds (docs/wire.md): the host's sums re-encoded with error feedback, and
+        # the base the last delta consensus gave every rank (None: none came down yet).
+        self.delta_uplink = HostDeltaUplink()
+        self.base_digest: bytes | None = None
+        self._delta_up = False  # the HostFrame in flight is a delta round's
         self._on_change = on_change
 
     @property
@@ -105,6 +117,7 @@ class HostFold:
         if rank in self.fresh:
             self.fresh.discard(rank)
             self._check_first_frame(rank, frame)
+        self._check_base(rank, frame)
         self._owe_reply(rank)
         try:
             self.acc.add(frame, f"rank {rank}")
@@ -186,6 +199,29 @@ class HostFold:
                 "window start, so its first frame must be a window's Control round (use average_window)"
             )
 
+    def _check_base(self, rank: int, frame: RoundFrame) -> None:
+        """A rank's delta must be against the base the last delta consensus gave the host."""
+        digest = digest_of(frame)
+        if digest is None or digest == NO_BASE or self.base_digest is None or digest == self.base_digest:
+            return
+        raise SchemaError(
+            f"relay {self.host}: rank {rank}'s delta is against base {digest.hex()}, but the last consensus "
+            f"gave this host {self.base_digest.hex()} (it missed a consensus, or started from other params)"
+        )
+
+    def learn_base(self, consensus: memoryview) -> None:
+        """A verified consensus came down whole: if it answers a delta round, its last
+        tensor is the base every rank now holds (checked by layout, not guessed)."""
+        if not self._delta_up:
+            return
+        self._delta_up = False
+        if len(consensus) < FRAME_HEADER_LEN + _DIGEST_HEAD.size + DIGEST_LEN + MAC_LEN:
+            return
+        tail = consensus[-(MAC_LEN + DIGEST_LEN + _DIGEST_HEAD.size):]
+        head = _DIGEST_HEAD.unpack_from(tail)
+        if head == (DTYPE_BASE_DIGEST, 1, DIGEST_LEN, DIGEST_LEN):
+            self.base_digest = bytes(tail[_DIGEST_HEAD.size:_DIGEST_HEAD.size + DIGEST_LEN])
+
     def forward(self, rank: int) -> None:
         """A single-rank host's verified frame, which goes up as it is (no fold)."""
         self._owe_reply(rank)
@@ -233,6 +269,7 @@ class HostFold:
                 "(a replayed record, or the ping-pong broke)"
             )
         self.host_frame_up = False
+        self._delta_up = self._schema_up is not None and self._schema_up[1][-1:] == ((DTYPE_BASE_DIGEST, (DIGEST_LEN,)),)
         if self._schema_up is not None:
             self.agreed.agree(self._schema_up)
             self._schema_up = None
@@ -254,8 +291,11 @@ class HostFold:
         if not self.deposited or not self.live <= self.deposited:
             return None
         # The frame may alias the sums (it always does for f32): they go back once it is written.
-        self._schema_up = self.acc.schema
-        folded = FoldedHostFrame(self.acc.result(overwrite_sums=True), self.acc.sums())
+        schema = self._schema_up = self.acc.schema
+        result = self.acc.result(overwrite_sums=True)
+        if schema is not None and digest_of(result) is not None and result.tensors[0].dtype != schema[1][0][0]:
+            result = self.delta_uplink.encode(schema, result)  # the sums, coded once more for the uplink
+        folded = FoldedHostFrame(result, self.acc.sums())
         self._next_round()
         return folded
 

@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from ..client.reduce import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
+from ..client.delta import RankDelta
+from ..errors import ConfigError
 from ..wire.fragment import FragmentTag
-from ..wire.round_frame import RoundKind
+from ..wire.quant import DeltaCodec
+from ..wire.round_frame import RoundFrame, RoundKind
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +43,13 @@ def mover_mass(steps: float) -> float:
 class _ReduceClientLike(Protocol):
     pinned_decode: bool
     bf16_wire: bool
+    delta_codec: DeltaCodec | None
+    rank: int
     catching_up: set[int]
+
+    def delta_state(self) -> RankDelta: ...
+
+    async def all_reduce(self, frame: RoundFrame) -> RoundFrame: ...
 
     def arm_pinned_decode(self, slot: int) -> None: ...
 
@@ -66,6 +75,26 @@ async def sumcount_reduce(
     if mass <= 0:
         return list(tensors)
     return consensus
+
+
+async def delta_reduce(
+    client: _ReduceClientLike, params: Sequence[torch.Tensor], weight: float, *, in_place: bool = False
+) -> list[torch.Tensor]:
+    """The params round of a delta run (docs/wire.md, "Delta rounds"): this window's
+    change since the base goes out coded, the new consensus comes back as a delta
+    against that base. Unlike an f32 round the consensus is adopted even when the
+    accepted mass is 0: the base every rank holds moves with every consensus."""
+    from ..client.tensors import copy_arrays_into, f32_copies
+
+    state = client.delta_state()
+    frame = state.frame(f32_copies(params), [tuple(p.shape) for p in params], weight)
+    base = state.take(await client.all_reduce(frame), client.rank)
+    if in_place:
+        copy_arrays_into(params, base)
+        return list(params)
+    fresh = [p.detach().clone().float() for p in params]
+    copy_arrays_into(fresh, base)
+    return fresh
 
 
 def _work_to_count(client: _ReduceClientLike, steps: int, fragment: int) -> int:
@@ -107,15 +136,21 @@ async def average_window(
     carries the tag, so the controller keeps its state per fragment.
     A rank that joined behind its host (``client.catching_up``) sends its
     first window of each fragment with no work: it adopts the consensus of
-    the others and contributes from the next.
+    the others and contributes from the next. With ``client.delta_codec`` set
+    the params go as a coded delta (:func:`delta_reduce`).
     """
     steps = _work_to_count(client, steps, 0 if fragment is None else fragment.index)
     counts = [0.0] * world_size
     counts[rank] = float(steps)
+    if client.delta_codec is not None and fragment is not None:
+        raise ConfigError("delta rounds (a codec) do not sync in fragments yet: use fragments=1 with a codec")
     gathered = await client.all_reduce_per_rank_f64(counts, fragment=fragment)
-    new_params = await sumcount_reduce(
-        client, params, gamma_mass(steps, gamma), DECODE_SLOT_PARAMS, in_place=in_place
-    )
+    if client.delta_codec is not None:
+        new_params = await delta_reduce(client, params, gamma_mass(steps, gamma), in_place=in_place)
+    else:
+        new_params = await sumcount_reduce(
+            client, params, gamma_mass(steps, gamma), DECODE_SLOT_PARAMS, in_place=in_place
+        )
     new_buffers = list(buffers)
     if buffers:
         new_buffers = await sumcount_reduce(

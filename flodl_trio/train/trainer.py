@@ -48,6 +48,7 @@ from ..client.tensors import fragment_pieces
 from ..errors import ConfigError
 from ..transport.tasks import one_error
 from ..wire.fragment import FragmentTag
+from ..wire.quant import DeltaCodec
 from .mirror import OuterMirror
 from .realized_work import _ReduceClientLike, average_window
 from .schedule import WindowSchedule, merge_late_consensus
@@ -343,6 +344,7 @@ async def open_window_trainer(
     fragments: int = 1,
     start_window: int = 0,
     merge_by: int | None = None,
+    codec: DeltaCodec | str | None = None,
 ) -> AsyncIterator[WindowTrainer]:
     """A :class:`WindowTrainer` whose background rounds live in a nursery of its own.
 
@@ -362,6 +364,10 @@ async def open_window_trainer(
     staleness is bounded, and a round that lands early is merged early. With
     DiLoCo the loss depends on it (docs/outer-and-checkpoints.md); give one of
     ``merge_after`` and ``merge_by``.
+    ``codec`` (``"int8"``, ``"fp4"``, ``"int4"``, optionally ``":BLOCK"``): the
+    params rounds carry coded deltas with error feedback (docs/wire.md, "Delta
+    rounds"); set it on the client (``client.delta_codec``) before ``join()``
+    instead when the rank may join a running cluster, so its base is kept.
 
     Leaving the block normally waits for the last round and merges it. A round
     that fails (the relay or controller gone, this rank declared dead) cancels
@@ -372,6 +378,8 @@ async def open_window_trainer(
             schedule = WindowSchedule(sync_every, overlap, gamma, merge_after, fragments, merge_by)
             if bf16_wire is not None:  # the params rounds' wire dtype (step counts always go f32)
                 client.bf16_wire = bf16_wire
+            if codec is not None:
+                client.delta_codec = codec if isinstance(codec, DeltaCodec) else DeltaCodec.parse(codec)
             trainer = WindowTrainer(
                 client, params, buffers, rank=rank, world_size=world_size, schedule=schedule, outer=outer,
                 nursery=nursery, start_window=start_window,

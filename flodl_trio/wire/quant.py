@@ -23,7 +23,10 @@ preallocated scratch, so a model-sized tensor costs a few in-cache passes.
 from __future__ import annotations
 
 import enum
+import hashlib
+from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -74,6 +77,71 @@ def _byte_table(code: Code) -> npt.NDArray[np.float32]:
 
 _BYTE_TABLES = {code: _byte_table(code) for code in (Code.INT4, Code.FP4)}
 _ZERO_NIBBLE = {Code.INT4: 8, Code.FP4: 0}
+
+
+# A delta payload's dtype tag on the wire (docs/wire.md, "Delta rounds"): bit 7 set,
+# the code in bits 4-6, log2 of the block in bits 0-3 (blocks of 256-4096 elements).
+DELTA_TAG_BIT = 0x80
+_CODE_OF_INDEX = (Code.INT8, Code.INT4, Code.FP4)
+MIN_BLOCK, MAX_BLOCK = 256, 4096
+# The base digest: the last tensor of every delta-round frame, 16 bytes.
+DTYPE_BASE_DIGEST = 0x7F
+DIGEST_LEN = 16
+
+
+@attrs.frozen
+class DeltaCodec:
+    """A delta code and its block size: what a pseudo-gradient round's payloads use."""
+
+    code: Code = attrs.field(converter=Code)
+    block: int = 1024
+
+    def __attrs_post_init__(self) -> None:
+        if self.block not in _BLOCKS:
+            raise SchemaError(f"delta block {self.block} must be a power of two from {MIN_BLOCK} to {MAX_BLOCK}")
+
+    @property
+    def tag(self) -> int:
+        return DELTA_TAG_BIT | _CODE_OF_INDEX.index(self.code) << 4 | self.block.bit_length() - 1
+
+    @classmethod
+    def of_tag(cls, tag: int) -> DeltaCodec | None:
+        """The codec a dtype tag names (None: not a delta tag, or not one this version reads)."""
+        index, log2 = (tag >> 4) & 0x7, tag & 0xF
+        if not tag & DELTA_TAG_BIT or index >= len(_CODE_OF_INDEX) or (1 << log2) not in _BLOCKS:
+            return None
+        return cls(_CODE_OF_INDEX[index], 1 << log2)
+
+    @classmethod
+    def parse(cls, text: str) -> DeltaCodec:
+        """``int8``, ``fp4``, ``int4``, optionally ``:BLOCK`` (default: 1024 for int8, 256 for 4-bit)."""
+        name, _, block = text.partition(":")
+        try:
+            code = Code(name)
+        except ValueError:
+            raise SchemaError(f"unknown delta code {name!r} (int8, int4 or fp4)") from None
+        if not block:
+            return cls(code, 1024 if code is Code.INT8 else 256)
+        if not block.isdigit():
+            raise SchemaError(f"delta block {block!r} is not a number")
+        return cls(code, int(block))
+
+    def payload_bytes(self, numel: int) -> int:
+        return payload_bytes(self.code, numel, self.block)
+
+    def __str__(self) -> str:
+        return f"{self.code.value}:{self.block}"
+
+
+_BLOCKS = frozenset(1 << k for k in range(MIN_BLOCK.bit_length() - 1, MAX_BLOCK.bit_length()))
+
+
+def base_digest(base: Sequence[F32Array]) -> bytes:
+    """What identifies a delta round's base: a 16-byte BLAKE2b of its tensors' f32 bytes, in order."""
+    h = hashlib.blake2b(digest_size=DIGEST_LEN)
+    for array in base:
+        h.update(np.ascontiguousarray(array, dtype=F32).reshape(-1).view(np.uint8).data)
+    return h.digest()
 
 
 def block_count(numel: int, block: int) -> int:
@@ -223,4 +291,16 @@ def _levels_of_nibbles(packed: npt.NDArray[np.uint8], code: Code, out: F32Array)
         out[-1] = table[packed[-1], 0]
 
 
-__all__ = ["CHUNK", "Code", "block_count", "code_bytes", "decode", "encode", "payload_bytes"]
+__all__ = [
+    "CHUNK",
+    "DIGEST_LEN",
+    "DTYPE_BASE_DIGEST",
+    "Code",
+    "DeltaCodec",
+    "base_digest",
+    "block_count",
+    "code_bytes",
+    "decode",
+    "encode",
+    "payload_bytes",
+]

@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import FramingError, SchemaError
 from .bf16 import DTYPE_NAMES, itemsize
 from .constants import DEFAULT_FRAME_CEILING, MAC_LEN, MAX_TENSORS, ROUND_FRAME_MAGIC
+from .quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
 from .salt import Buffer, SessionSalt, verify_mac
 
 _FRAME_HEADER = struct.Struct("<IIBd")  # magic, count, kind, weight
@@ -87,7 +88,10 @@ class TensorPayload:
         return self.data.nbytes == 0 and self.numel > 0
 
     def expected_nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+        expected = payload_nbytes(self.dtype, self.numel)
+        if expected is None:
+            raise SchemaError(f"unknown wire dtype tag {self.dtype}")
+        return expected
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorPayload):
@@ -99,7 +103,7 @@ class TensorPayload:
         )
 
     def __repr__(self) -> str:
-        name = DTYPE_NAMES.get(self.dtype, f"dtype{self.dtype}")
+        name = describe_dtype(self.dtype)
         body = "elided" if self.elided else f"{self.nbytes} bytes"
         return f"TensorPayload({name}{list(self.shape)}, {body})"
 
@@ -140,31 +144,64 @@ def check_payloads(frame: RoundFrame, source: str) -> None:
     (or is elided): SchemaError naming ``source`` and the tensor otherwise."""
     for index, tensor in enumerate(frame.tensors):
         check_payload(tensor, index, source)
+        if frame.kind == RoundKind.CONTROL and is_delta_dtype(tensor.dtype):
+            raise SchemaError(f"{source} tensor {index}: a {describe_dtype(tensor.dtype)} in a Control frame (Model only)")
 
 
 def schema_frame_len(schema: Iterable[tuple[int, Sequence[int]]]) -> int:
     """Length of a frame of this ``(dtype, shape)`` schema with nothing elided: the
     largest a consensus for it can be (known dtypes only)."""
-    return FRAME_HEADER_LEN + MAC_LEN + sum(
-        10 + 4 * len(shape) + math.prod(shape) * itemsize(dtype) for dtype, shape in schema
-    )
+    total = FRAME_HEADER_LEN + MAC_LEN
+    for dtype, shape in schema:
+        nbytes = payload_nbytes(dtype, math.prod(shape))
+        if nbytes is None:
+            raise SchemaError(f"unknown wire dtype tag {dtype}")
+        total += 10 + 4 * len(shape) + nbytes
+    return total
+
+
+def payload_nbytes(dtype: int, numel: int) -> int | None:
+    """The payload bytes of a tensor of ``numel`` elements in ``dtype`` (None: a tag
+    this version does not know). f32 and bf16 are flodl's; the delta codes and the
+    base digest are flodl_trio's (docs/wire.md, "Delta rounds")."""
+    if dtype in DTYPE_NAMES:
+        return numel * itemsize(dtype)
+    if dtype == DTYPE_BASE_DIGEST:
+        return DIGEST_LEN if numel == DIGEST_LEN else None
+    codec = DeltaCodec.of_tag(dtype)
+    return None if codec is None else codec.payload_bytes(numel)
+
+
+def is_delta_dtype(dtype: int) -> bool:
+    """Whether ``dtype`` is one of flodl_trio's delta-round tags (a code or the digest)."""
+    return dtype == DTYPE_BASE_DIGEST or DeltaCodec.of_tag(dtype) is not None
 
 
 def describe_dtype(dtype: int) -> str:
-    """A dtype tag as a reader wants it in an error ("bf16", or "dtype tag 7")."""
-    return DTYPE_NAMES.get(dtype, f"dtype tag {dtype}")
+    """A dtype tag as a reader wants it in an error ("bf16", "int8:1024 delta", or "dtype tag 7")."""
+    if dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    if dtype == DTYPE_BASE_DIGEST:
+        return "base digest"
+    codec = DeltaCodec.of_tag(dtype)
+    return f"{codec} delta" if codec is not None else f"dtype tag {dtype}"
 
 
 def check_payload(t: TensorPayload, index: int, source: str) -> None:
-    """A payload's byte length must match numel x itemsize (or be the elision marker)."""
-    size = itemsize(t.dtype) if t.dtype in DTYPE_NAMES else None
-    if size is None:
-        raise SchemaError(f"{source} tensor {index}: unknown dtype tag {t.dtype} (0 = f32, 1 = bf16)")
-    expected = t.numel * size
-    if t.nbytes not in (0, expected):
+    """A payload's byte length must be what its dtype and shape need (or the elision marker)."""
+    expected = payload_nbytes(t.dtype, t.numel)
+    if expected is None:
+        if t.dtype == DTYPE_BASE_DIGEST:
+            raise SchemaError(f"{source} tensor {index}: a base digest of shape {list(t.shape)}, expected [{DIGEST_LEN}]")
+        raise SchemaError(
+            f"{source} tensor {index}: unknown dtype tag {t.dtype} (0 = f32, 1 = bf16, 0x7F base digest, "
+            f"0x80-0xAC delta codes)"
+        )
+    if t.nbytes not in (0, expected) or (t.dtype == DTYPE_BASE_DIGEST and t.nbytes != expected):
+        per = f"{itemsize(t.dtype)} bytes of " if t.dtype in DTYPE_NAMES else ""
         raise SchemaError(
             f"{source} tensor {index}: {t.nbytes} payload bytes, expected {expected} "
-            f"(numel {t.numel} x {size} bytes of {describe_dtype(t.dtype)})"
+            f"(numel {t.numel} x {per}{describe_dtype(t.dtype)})"
         )
 
 

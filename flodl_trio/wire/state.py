@@ -21,8 +21,11 @@ that does not know the salt - verify at no step::
                 then per frame u32 length | a RoundFrame, its own MAC8 last (params first, then buffers)
     rank:       receipt (16)   u32 magic 0xF10D17EC | u32 version 2
                                | MAC8(the 8 bytes before || rank nonce || controller nonce)
-    controller: entry (28)     u32 magic 0xF10D17ED | u32 version 2 | u32 status (0 entered, 1 called off)
-                               | i64 window | MAC8(the 20 bytes before || rank nonce || controller nonce)
+    controller: entry (28)     u32 magic 0xF10D17ED | u32 version 2 | u32 status (0 entered, 1 called off,
+                               2 entered, catch-up frames follow) | i64 window
+                               | MAC8(the 20 bytes before || rank nonce || controller nonce)
+                then (status 2) per window from the state's + 1 to the entry's - 1:
+                               u32 length | that window's params consensus RoundFrame, its own MAC8 last
 
 The receipt and the entry only follow a reply that carried frames: the
 controller lets a rank into its host's barrier only after the rank said it
@@ -85,6 +88,9 @@ class StateStatus(enum.IntEnum):
 class EntryStatus(enum.IntEnum):
     ENTERED = 0
     CALLED_OFF = 1
+    # Entered, and the windows finished since the state's follow as the delta round
+    # consensus frames the ranks were sent (docs/wire.md, "Delta rounds").
+    CATCH_UP = 2
 
 
 @attrs.frozen
@@ -186,7 +192,8 @@ def check_state_receipt(data: Buffer, rank: int, nonces: JoinNonces, salt: Sessi
 @attrs.frozen
 class StateEntry:
     """Where a rank that has its state enters: ``window`` is the first window it runs
-    in its host's barrier (ENTERED), or the join was called off (CALLED_OFF, window -1)."""
+    in its host's barrier (ENTERED; CATCH_UP when the params frames of the windows
+    between follow), or the join was called off (CALLED_OFF, window -1)."""
 
     status: EntryStatus
     window: int = -1
@@ -208,7 +215,7 @@ def decode_state_entry(data: Buffer, nonces: JoinNonces, salt: SessionSalt) -> S
     verify_mac(salt.mac8(raw[:_ENTRY.size], nonces.rank, nonces.controller), raw[_ENTRY.size:], "state entry")
     if status not in EntryStatus.__members__.values():
         raise HandshakeError(f"state entry: unknown status {status}")
-    if (status == EntryStatus.ENTERED) != (window >= 0):
+    if (status != EntryStatus.CALLED_OFF) != (window >= 0):
         raise HandshakeError(f"state entry: status {EntryStatus(status).name} with window {window}")
     return StateEntry(EntryStatus(status), window)
 

@@ -342,3 +342,17 @@ def test_a_relay_that_delivered_gets_the_consensus_even_if_its_ranks_died_since(
     assert r.seats.broadcast_targets() == [1]  # without the delivery, b would be skipped
     r.seats.unseat(2)
     assert r.seats.broadcast_targets(consensus.delivered_by) == [1]  # a gone relay gets nothing
+
+
+def test_window_store_catch_up_frames_between_a_joiners_state_and_its_entry():
+    from flodl_trio.controller.round import WindowStore
+    from flodl_trio.wire.round_frame import EncodedFrame
+
+    store = WindowStore()
+    assert store.catch_up_between(2, 6) == []  # not a delta run: nothing to send
+    frames = {w: EncodedFrame([bytes([w])], 1) for w in range(20)}
+    for window in range(12):
+        store.keep_catch_up(window, frames[window])
+    assert store.catch_up_between(10, 11) == []  # entered right after its state
+    assert store.catch_up_between(7, 11) == [frames[8], frames[9], frames[10]]
+    assert store.catch_up_between(2, 11) is None  # window 3 is no longer kept (the newest 8 are)

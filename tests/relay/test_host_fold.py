@@ -210,3 +210,50 @@ def test_host_fold_learns_a_schema_only_when_its_consensus_comes_back():
     assert len(fold.agreed) == 1
     _complete_round(fold, frame([0, 0], kind=RoundKind.CONTROL))
     assert len(fold.agreed) == 2  # another kind is another schema
+
+
+# -- delta rounds -----------------------------------------------------------------------------
+
+
+def _delta_frame(digest: bytes, value: float, weight: float = 1.0) -> RoundFrame:
+    from flodl_trio.wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec, encode
+
+    codec = DeltaCodec.parse("int8:256")
+    payload = bytearray(codec.payload_bytes(300))
+    encode(np.full(300, value, dtype="<f4"), payload, codec.code, codec.block)
+    return RoundFrame(
+        [TensorPayload(codec.tag, (300,), payload), TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), digest)],
+        RoundKind.MODEL, weight,
+    )
+
+
+def test_a_host_of_delta_ranks_ships_its_sum_coded_again_and_learns_the_base_from_the_consensus():
+    from flodl_trio.fold.delta import codec_of, digest_of
+    from flodl_trio.wire import encode_round_frame
+
+    base = bytes(range(16))
+    fold = HostFold("h", [0, 1])
+    assert fold.deposit(0, _delta_frame(base, 0.5)) is None
+    up = fold.deposit(1, _delta_frame(base, 0.25))
+    assert up is not None and codec_of(up.frame) is not None and digest_of(up.frame) == base
+    fold.host_frame_sent()
+    new_base = bytes(16 * [7])
+    consensus = encode_round_frame(_delta_frame(new_base, 0.1), SALT)
+    assert fold.consensus_arrived() == [0, 1]
+    fold.learn_base(memoryview(consensus))
+    assert fold.base_digest == new_base
+    # A rank still against the old base is refused alone; one against the new one folds.
+    with pytest.raises(SchemaError, match="rank 1's delta is against base .* missed a consensus"):
+        fold.deposit(1, _delta_frame(base, 0.1))
+    assert fold.deposit(0, _delta_frame(new_base, 0.1)) is None
+
+
+def test_a_consensus_that_answers_no_delta_round_teaches_no_base():
+    from flodl_trio.wire import encode_round_frame
+
+    fold = HostFold("h", [0])
+    fold.deposit(0, frame([1.0, 2.0]))
+    fold.host_frame_sent()
+    fold.consensus_arrived()
+    fold.learn_base(memoryview(encode_round_frame(_delta_frame(bytes(16 * [9]), 0.1), SALT)))
+    assert fold.base_digest is None

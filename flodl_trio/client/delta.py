@@ -1,0 +1,90 @@
+"""A rank's side of the delta rounds (docs/wire.md, "Delta rounds"), free of I/O and torch.
+
+In a delta round a rank sends what its window changed - its params minus the
+*base*, the consensus it started the window from - in a blockwise code, and
+receives the new consensus as a delta against that same base. The rank keeps:
+
+- the base (one f32 copy of the params), bit for bit what the controller
+  holds for it, checked by digest after every consensus;
+- the uplink's error feedback (what its code dropped, and a scratch): two more
+  f32 copies.
+
+A lineage starts with one f32 round: the rank has no base yet (a fresh run), so
+it sends its params in f32 with the all-zero digest, and the consensus that
+comes back, in f32 with its digest, becomes the base. A rank that joined a
+running cluster starts from the state it was given, which is that base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import FlodlError, SchemaError
+from ..fold.delta import NO_BASE, DeltaUplink, apply_delta, codec_of, delta_frame, digest_of
+from ..wire.constants import DTYPE_F32
+from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, F32, DeltaCodec, F32Array, base_digest
+from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
+
+
+class RankDelta:
+    """One rank's delta-round state for one params set (see the module docstring)."""
+
+    def __init__(self, codec: DeltaCodec, *, error_feedback: bool = True) -> None:
+        self.codec = codec
+        self.error_feedback = error_feedback
+        self.base: list[F32Array] | None = None
+        self.digest = NO_BASE
+        self._uplink: DeltaUplink | None = None
+        self._delta: list[F32Array] = []
+
+    def start_from(self, params: Sequence[F32Array]) -> None:
+        """The base is ``params`` (a joiner's state: the controller's base in f32)."""
+        self.base = [np.array(p, dtype=F32, copy=True).reshape(-1) for p in params]
+        self.digest = base_digest(self.base)
+
+    def frame(self, params: Sequence[F32Array], shapes: Sequence[tuple[int, ...]], weight: float) -> RoundFrame:
+        """This window's contribution: ``weight x (params - base)`` coded, or - with no base
+        yet - ``weight x params`` in f32 (the lineage's first round); the digest last."""
+        w = np.float32(weight)
+        if self.base is None:
+            tensors = [TensorPayload(DTYPE_F32, shape, np.multiply(p, w, dtype=F32)) for p, shape in zip(params, shapes)]
+            tensors.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), NO_BASE))
+            return RoundFrame(tensors, RoundKind.MODEL, weight)
+        sizes = [b.size for b in self.base]
+        if [p.size for p in params] != sizes:
+            raise SchemaError(f"delta round: params of sizes {[p.size for p in params]}, the base has {sizes}")
+        if self._uplink is None or self._uplink.sizes != tuple(sizes):
+            self._uplink = DeltaUplink(self.codec.code, self.codec.block, sizes, error_feedback=self.error_feedback)
+            self._delta = [np.empty(n, dtype=F32) for n in sizes]
+        for delta, p, b in zip(self._delta, params, self.base):
+            np.subtract(p, b, out=delta)
+            np.multiply(delta, w, out=delta)
+        return delta_frame(self._delta, shapes, self.codec, self.digest, weight, self._uplink.encode_tensor)
+
+    def take(self, reply: RoundFrame, rank: int) -> list[F32Array]:
+        """The consensus in: the base advanced (or set, after a lineage's first round)
+        and checked against the digest the controller computed; the new params."""
+        digest = digest_of(reply)
+        if digest is None:
+            raise SchemaError(f"rank {rank}: a delta round's consensus carries no base digest")
+        codec = codec_of(reply)
+        if codec is None:
+            self.base = [np.array(np.frombuffer(t.data, dtype=F32), copy=True) if t.nbytes else np.zeros(t.numel, F32)
+                         for t in reply.tensors[:-1]]
+        elif self.base is None:
+            raise SchemaError(f"rank {rank}: a delta consensus came back for a round this rank sent in f32")
+        else:
+            apply_delta(self.base, [t.data for t in reply.tensors[:-1]], codec.code, codec.block)
+        mine = base_digest(self.base)
+        if mine != digest:
+            raise FlodlError(
+                f"rank {rank}: after the consensus this rank's base is {mine.hex()}, the controller's is "
+                f"{digest.hex()}: the two diverged (a bug, or a consensus this rank did not apply)"
+            )
+        self.digest = mine
+        return self.base
+
+
+__all__ = ["RankDelta"]
