@@ -10,21 +10,12 @@ import pytest
 import trio
 
 from flodl_trio.testing import open_local_cluster
+from flodl_trio.testing.matrix.hostile import receive_exactly
 from flodl_trio.wire.handshake import CONTROL_ACK_LEN, decode_control_ack, encode_control_handshake
 from flodl_trio.wire.salt import SessionSalt
 
 SALT = SessionSalt(b"formation-salt!!")
 SIG = bytes(32)
-
-
-async def receive_exactly(stream: trio.abc.Stream, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = await stream.receive_some(n - len(data))
-        if not chunk:
-            raise AssertionError(f"closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
 
 
 async def control_handshake(address: tuple[str, int], rank: int) -> trio.SocketStream:
