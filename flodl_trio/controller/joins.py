@@ -24,7 +24,6 @@ from ..errors import MacError, ProtocolError
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.mux import DeclareDead, RankJoin
-from ..wire.round_frame import EncodedFrame
 from ..wire.salt import Buffer
 from ..wire.state import (
     STATE_ANSWER_LEN,
