@@ -462,7 +462,8 @@ class ControllerRound:
         averaged = self.lineage.averaged(mean)
         finished = self._finish(averaged, None, None, now)
         assert isinstance(finished.outgoing, RoundFrame)  # the stepped params: no record was signed ahead
-        outgoing, for_joiners = self.lineage.downlink_frame(finished.outgoing, codec)
+        outgoing = self.lineage.downlink_frame(finished.outgoing, codec)
+        for_joiners = self.lineage.joiner_frame(outgoing.weight) if self.keep_window_state else None
         return attrs.evolve(finished, outgoing=outgoing, after_write=None, for_joiners=for_joiners)
 
     def _finish(

@@ -279,13 +279,14 @@ class DeltaLineage:
             [TensorPayload(0, t.shape, v) for t, v in zip(tensors, values)], RoundKind.MODEL, consensus.weight
         )
 
-    def downlink_frame(self, params: RoundFrame, codec: DeltaCodec | None) -> tuple[RoundFrame, RoundFrame]:
-        """The stepped params out: (what the ranks are sent, what a joiner is sent).
+    def downlink_frame(self, params: RoundFrame, codec: DeltaCodec | None) -> RoundFrame:
+        """The stepped params out, as the ranks are sent them (a joiner is sent
+        :meth:`joiner_frame`).
 
         ``codec`` None (a lineage's first round): the f32 params and their digest,
         which becomes the base. Else the params as a delta against the base, coded
         with the round's codec (the base then advances as each rank's will), and the
-        new base's digest. A joiner gets the base in f32."""
+        new base's digest."""
         x = [np.array(_flat(t), dtype=F32, copy=True) for t in params.tensors]
         self._shapes = [tuple(t.shape) for t in params.tensors]
         self.x = x
@@ -293,19 +294,21 @@ class DeltaLineage:
             self.downlink = DeltaDownlink(codec.code if codec else Code.INT8, codec.block if codec else 1024, x)
             self.digest = base_digest(self.downlink.base)
             out = [*params.tensors, TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.digest)]
-            return RoundFrame(out, RoundKind.MODEL, params.weight), self.joiner_frame(params.weight)
+            return RoundFrame(out, RoundKind.MODEL, params.weight)
         downlink = self.downlink
         downlink.code, downlink.block = codec.code, codec.block
         frame = delta_frame(x, self._shapes, codec, NO_BASE, params.weight, downlink.encode_tensor)
         self.digest = base_digest(downlink.base)
         frame.tensors[-1] = TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.digest)
-        return frame, self.joiner_frame(params.weight)
+        return frame
 
     def joiner_frame(self, weight: float) -> RoundFrame:
-        """The base in f32, as a params consensus: where a joiner starts."""
+        """The base in f32, as a params consensus: where a joiner starts. A copy: the
+        base advances in place with the next round, while this frame is kept (signed,
+        its payloads read as they are) until a later window replaces it."""
         assert self.downlink is not None
         return RoundFrame(
-            [TensorPayload(0, shape, base) for shape, base in zip(self._shapes, self.downlink.base)],
+            [TensorPayload(0, shape, base.copy()) for shape, base in zip(self._shapes, self.downlink.base)],
             RoundKind.MODEL, weight,
         )
 

@@ -106,3 +106,21 @@ def test_a_delta_of_the_wrong_shape_names_the_tensor():
         uplink.encode([np.zeros(4096, np.float32), np.zeros(1000)], out)
     with pytest.raises(SchemaError, match="mass must be positive"):
         DeltaSum(SIZES).mean(0.0)
+
+
+def test_the_joiners_frame_keeps_its_bytes_while_the_base_advances():
+    """The controller keeps a joiner's state (signed, read as it is) while later rounds
+    advance the base in place: the frame must hold a copy, not the base itself."""
+    from flodl_trio.fold.delta import DeltaLineage
+    from flodl_trio.wire.quant import DeltaCodec
+    from flodl_trio.wire.round_frame import RoundFrame, RoundKind, TensorPayload
+
+    lineage = DeltaLineage()
+    start = np.arange(8, dtype=np.float32)
+    lineage.downlink_frame(RoundFrame([TensorPayload(0, (8,), start)], RoundKind.MODEL, 1.0), None)
+    kept = lineage.joiner_frame(1.0)
+    before = bytes(kept.tensors[0].data)
+    moved = RoundFrame([TensorPayload(0, (8,), start + 1)], RoundKind.MODEL, 1.0)
+    lineage.downlink_frame(moved, DeltaCodec.parse("int8:256"))
+    assert not np.array_equal(lineage.base[0], start)  # the base did advance
+    assert bytes(kept.tensors[0].data) == before
