@@ -38,6 +38,13 @@ class RankDelta:
         self.digest = NO_BASE
         self._uplink: DeltaUplink | None = None
         self._delta: list[F32Array] = []
+        self._snapshot: list[F32Array] = []
+
+    def snapshot_buffers(self, sizes: Sequence[int]) -> list[F32Array]:
+        """Arrays to copy the params into each window (kept from window to window)."""
+        if [a.size for a in self._snapshot] != list(sizes):
+            self._snapshot = [np.empty(n, dtype=F32) for n in sizes]
+        return self._snapshot
 
     def start_from(self, params: Sequence[F32Array]) -> None:
         """The base is ``params`` (a joiner's state: the controller's base in f32)."""

@@ -193,16 +193,19 @@ EncodeOne = Callable[[int, F32Array, Payload], None]  # (tensor index, values, p
 
 
 def delta_frame(
-    values: Sequence[F32Array], shapes: Sequence[tuple[int, ...]], codec: DeltaCodec, digest: bytes, weight: float,
-    encode_one: EncodeOne,
+    values: Sequence[F32Array], shapes: Sequence[tuple[int, ...]], codec: DeltaCodec,
+    digest: bytes | Callable[[], bytes], weight: float, encode_one: EncodeOne,
 ) -> RoundFrame:
-    """A delta round's frame: each tensor coded by ``encode_one``, then the base digest."""
+    """A delta round's frame: each tensor coded by ``encode_one``, then the base digest
+    (``digest``, or what it returns once every tensor is coded: the downlink's digest
+    is of the base the coding advanced)."""
     tensors = []
     for index, (array, shape) in enumerate(zip(values, shapes)):
         payload = bytearray(codec.payload_bytes(array.size))
         encode_one(index, array, payload)
         tensors.append(TensorPayload(codec.tag, shape, payload))
-    tensors.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), digest))
+    tail = digest if isinstance(digest, bytes) else digest()
+    tensors.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), tail))
     return RoundFrame(tensors, RoundKind.MODEL, weight)
 
 
@@ -297,10 +300,13 @@ class DeltaLineage:
             return RoundFrame(out, RoundKind.MODEL, params.weight)
         downlink = self.downlink
         downlink.code, downlink.block = codec.code, codec.block
-        frame = delta_frame(x, self._shapes, codec, NO_BASE, params.weight, downlink.encode_tensor)
-        self.digest = base_digest(downlink.base)
-        frame.tensors[-1] = TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.digest)
-        return frame
+        return delta_frame(x, self._shapes, codec, self._advanced_digest, params.weight, downlink.encode_tensor)
+
+    def _advanced_digest(self) -> bytes:
+        """The digest of the base as the downlink just advanced it (kept for the next round's checks)."""
+        assert self.downlink is not None
+        self.digest = base_digest(self.downlink.base)
+        return self.digest
 
     def joiner_frame(self, weight: float) -> RoundFrame:
         """The base in f32, as a params consensus: where a joiner starts. A copy: the

@@ -87,7 +87,8 @@ async def delta_reduce(
     from ..client.tensors import copy_arrays_into, f32_copies
 
     state = client.delta_state()
-    frame = state.frame(f32_copies(params), [tuple(p.shape) for p in params], weight)
+    snapshot = f32_copies(params, out=state.snapshot_buffers([p.numel() for p in params]))
+    frame = state.frame(snapshot, [tuple(p.shape) for p in params], weight)
     base = state.take(await client.all_reduce(frame), client.rank)
     if in_place:
         copy_arrays_into(params, base)
