@@ -263,7 +263,7 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
                 nursery.start_soon(survivor, 2)
                 nursery.start_soon(comes_back)
             assert cluster.controller.stats.rejoins == 1
-    assert 5 <= joined[0] < total
+    assert 3 <= joined[0] < total  # after its crash; how soon depends on how fast its state went out
     for window in range(total):
         holders = [r for r in range(world) if (r, window) in seen]
         for rank in holders:
