@@ -115,6 +115,9 @@ class ReduceClient:
         self.bf16_wire = False
         # Delta rounds (docs/wire.md): the params go as coded deltas; None: params in f32/bf16.
         self.delta_codec: DeltaCodec | None = None
+        # Whether the rank carries what its code dropped into the next window's delta
+        # (error feedback); off, each window's rounding error is lost for good.
+        self.delta_error_feedback = True
         self._delta: RankDelta | None = None
         self._joined_params: list[np.ndarray] | None = None  # what join() loaded: a delta lineage's base
         self.pinned_decode = False
@@ -333,8 +336,9 @@ class ReduceClient:
         delta round; from the state join() loaded, if it loaded one)."""
         if self.delta_codec is None:
             raise ConfigError(f"rank {self.rank}: no delta codec is set")
-        if self._delta is None or self._delta.codec != self.delta_codec:
-            self._delta = RankDelta(self.delta_codec)
+        if (self._delta is None or self._delta.codec != self.delta_codec
+                or self._delta.error_feedback != self.delta_error_feedback):
+            self._delta = RankDelta(self.delta_codec, error_feedback=self.delta_error_feedback)
             if self._joined_params is not None:
                 self._delta.start_from(self._joined_params)
         self._joined_params = None

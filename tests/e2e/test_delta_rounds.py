@@ -46,15 +46,19 @@ def change(rank: int, window: int) -> list[np.ndarray]:
 class Coder:
     """One hop's error-feedback encoder, as the oracle replays it."""
 
-    def __init__(self, codec: DeltaCodec) -> None:
+    def __init__(self, codec: DeltaCodec, feedback: bool = True) -> None:
         self.codec = codec
+        self.feedback = feedback
         self.residual = [np.zeros(int(np.prod(s)), F32) for s in SHAPES]
 
     def encode(self, values: list[np.ndarray]) -> list[bytearray]:
         out = []
         for value, residual in zip(values, self.residual):
             payload = bytearray(self.codec.payload_bytes(value.size))
-            encode(np.add(value, residual, dtype=F32), payload, self.codec.code, self.codec.block, residual=residual)
+            if self.feedback:
+                encode(np.add(value, residual, dtype=F32), payload, self.codec.code, self.codec.block, residual=residual)
+            else:
+                encode(value, payload, self.codec.code, self.codec.block)
             out.append(payload)
         return out
 
@@ -67,10 +71,11 @@ def decoded_sum(payloads: list[list[bytearray]], codec: DeltaCodec) -> list[np.n
     return sums
 
 
-def oracle(hosts: list[list[int]], codec: DeltaCodec) -> list[list[np.ndarray]]:
-    """Every window's params, as every rank must hold them after it."""
+def oracle(hosts: list[list[int]], codec: DeltaCodec, rank_feedback: bool = True) -> list[list[np.ndarray]]:
+    """Every window's params, as every rank must hold them after it (``rank_feedback``:
+    whether the ranks' uplinks keep what their code dropped; the relays always do)."""
     ranks = [r for host in hosts for r in host]
-    uplinks = {r: Coder(codec) for r in ranks}
+    uplinks = {r: Coder(codec, rank_feedback) for r in ranks}
     relays = [Coder(codec) for _ in hosts]
     # Window 0 starts the lineage in f32: the weighted mean of the ranks' first params.
     params = {r: [p + c for p, c in zip(initial(r), change(r, 0))] for r in ranks}
@@ -120,13 +125,16 @@ async def train(
         seen[rank, window] = [p.detach().reshape(-1).numpy().copy() for p in params]
 
 
-async def run_cluster(hosts: list[list[int]], codec: DeltaCodec, local_leg: bool) -> dict[tuple[int, int], list[np.ndarray]]:
+async def run_cluster(
+    hosts: list[list[int]], codec: DeltaCodec, local_leg: bool, error_feedback: bool = True,
+) -> dict[tuple[int, int], list[np.ndarray]]:
     world = sum(len(h) for h in hosts)
     seen: dict[tuple[int, int], list[np.ndarray]] = {}
 
     async def rank_main(rank: int) -> None:
         async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
             client.delta_codec = codec
+            client.delta_error_feedback = error_feedback
             await train(client, rank, world, model(rank), range(WINDOWS), seen)
 
     with trio.fail_after(DEADLINE_S):
@@ -150,6 +158,21 @@ async def test_every_rank_holds_the_oracles_params_bit_for_bit(hosts, local_leg,
         for rank in (r for host in hosts for r in host):
             for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
                 assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+
+
+@pytest.mark.trio
+async def test_ranks_without_error_feedback_drop_what_their_code_cannot_carry():
+    """``delta_error_feedback = False``: each rank's window is coded on its own (what the
+    code drops is gone); the relays keep theirs. Bit for bit the no-feedback oracle,
+    and not the feedback one (the flag changes the run)."""
+    hosts, codec = [[0, 1], [2, 3]], DeltaCodec.parse("fp4:256")
+    seen = await run_cluster(hosts, codec, True, error_feedback=False)
+    want, with_feedback = oracle(hosts, codec, rank_feedback=False), oracle(hosts, codec)
+    for window in range(WINDOWS):
+        for rank in range(4):
+            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
+                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+    assert not np.array_equal(seen[0, WINDOWS - 1][0], with_feedback[WINDOWS - 1][0])
 
 
 def test_the_oracles_delta_run_tracks_the_f32_run():
