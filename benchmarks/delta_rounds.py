@@ -6,8 +6,8 @@ the two floors - the link's one-way time for one frame, and this machine's codec
 CPU time for one encode and one decode of it (benchmarks/quant.py measures the
 codes alone).
 
-    python benchmarks/delta_rounds.py                 # 200mbit and 1gbit
-    python benchmarks/delta_rounds.py --rates 200mbit --rounds 8
+    python benchmarks/delta_rounds.py                 # 200mbit and 1gbit, lanes 1 and 8
+    python benchmarks/delta_rounds.py --rates 200mbit --rounds 8 --lanes 8
 
 Needs root (network namespaces). A round here is one delta exchange (no step-count
 round), timed at the rank from send to the consensus applied.
@@ -68,23 +68,27 @@ def main() -> int:
     ap.add_argument("--rates", default="200mbit,1gbit")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lanes", default="1,8", help="comma-separated lane counts to run flodl_trio with")
     args = ap.parse_args()
-    bench = allreduce.Bench(bench_args(1), Path(tempfile.mkdtemp(prefix="delta-bench-")))
+    workdir = Path(tempfile.mkdtemp(prefix="delta-bench-"))
     rows = []
     for rate in args.rates.split(","):
         with allreduce.NetnsPair(rate) as pair:
             hosts = pair.hosts(2)
-            gloo = bench.run_gloo(hosts, NUMEL, "f32", args.warmup, args.rounds)
-            for wire in WIRES:
-                flodl = bench.run_flodl(hosts, NUMEL, wire, args.warmup, args.rounds, f"delta_{wire}_{rate}")
-                link_ms = 1e3 * 8 * frame_bytes(wire) / RATE_BITS.get(rate, 1e9)
-                rows.append((rate, wire, median_ms(flodl), median_ms(gloo), link_ms, codec_cpu_ms(wire)))
+            gloo = allreduce.Bench(bench_args(1), workdir).run_gloo(hosts, NUMEL, "f32", args.warmup, args.rounds)
+            for lanes in (int(n) for n in args.lanes.split(",")):
+                bench = allreduce.Bench(bench_args(lanes), workdir)
+                for wire in WIRES:
+                    flodl = bench.run_flodl(hosts, NUMEL, wire, args.warmup, args.rounds, f"delta_{wire}_{rate}_l{lanes}")
+                    link_ms = 1e3 * 8 * frame_bytes(wire) / RATE_BITS.get(rate, 1e9)
+                    rows.append((rate, lanes, wire, median_ms(flodl), median_ms(gloo), link_ms, codec_cpu_ms(wire)))
     print(f"2 hosts x 2 ranks, {NUMEL * 4 >> 20} MiB f32 params, every link tbf-shaped, {args.rounds} rounds "
           f"after {args.warmup} warm-up; medians")
-    print("| link | flodl_trio wire | round ms | gloo f32 ms | ratio | link floor ms (one frame, one way) | codec CPU ms (encode + decode) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for rate, wire, ms, gloo_ms, link_ms, cpu in rows:
-        print(f"| {rate} | {wire} | {ms:.0f} | {gloo_ms:.0f} | {ms / gloo_ms:.2f}x | {link_ms:.0f} | {cpu:.0f} |")
+    print("| link | lanes | flodl_trio wire | round ms | gloo f32 ms | ratio | link floor ms (one frame, one way) "
+          "| codec CPU ms (encode + decode) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for rate, lanes, wire, ms, gloo_ms, link_ms, cpu in rows:
+        print(f"| {rate} | {lanes} | {wire} | {ms:.0f} | {gloo_ms:.0f} | {ms / gloo_ms:.2f}x | {link_ms:.0f} | {cpu:.0f} |")
     return 0
 
 

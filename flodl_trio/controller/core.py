@@ -545,7 +545,9 @@ class _Controller:
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
             if consensus.for_joiners is not None and part is not None and self.windows.keep_window_state:
-                self.window_store.keep_catch_up(part.window, record_payload(record))
+                # A delta round's consensus as the ranks got it (joined from its lanes, with lanes).
+                whole = record_payload(record) if out.catch_up is None else await _signed(out.catch_up, self.config.salt)
+                self.window_store.keep_catch_up(part.window, whole)
             # Before any joiner is revived (they did not ask), and every relay that delivered.
             targets = self.seats.broadcast_targets(consensus.delivered_by)
             if (

@@ -11,7 +11,12 @@ and does the per-window work a whole frame gets without lanes:
   down while lane i + 1 comes up (the step is elementwise: the ranks get the
   bytes a whole-frame step gives them);
 - it joins the lanes of a round the checkpoint sink or the joiners need into
-  one frame in the model's shapes, as the ranks receive it.
+  one frame in the model's shapes, as the ranks receive it;
+- a delta round's lanes (docs/wire.md, "Delta rounds", "In lanes") come in as
+  f32 mean deltas of runs of whole blocks: each piece is added to the exact
+  consensus, stepped, and coded against the ranks' base on its own (the bytes
+  the whole tensor's coding gives those blocks); the last lane carries the new
+  base's digest. The hooks see the exact consensus, the joiners the base.
 
 It never awaits, so it reads and tests without trio.
 """
@@ -22,10 +27,15 @@ import logging
 
 import attrs
 
+import numpy as np
+
 from ..errors import FlodlError, ProtocolError
+from ..fold.delta import DeltaLineage, is_delta_schema
+from ..wire.constants import DTYPE_F32
 from ..wire.fragment import fragment_of
 from ..wire.lanes import LaneAssembler, LaneLayout
-from ..wire.round_frame import RoundFrame, TensorPayload, decode_round_frame
+from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, F32, DeltaCodec
+from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame
 from ..wire.salt import SessionSalt
 from .round import CheckpointSink, Consensus, OuterOptimizer, WindowCounter, WindowPart
 
@@ -35,18 +45,47 @@ log = logging.getLogger("flodl_trio.controller")
 @attrs.frozen
 class LaneOut:
     """One lane's consensus to send, and - with a round's last lane - the round's place
-    in the windows and, if the joiners keep it, the whole frame (unsigned)."""
+    in the windows and, if the joiners keep it, the whole frame (unsigned); for a
+    delta round, the whole coded consensus as the ranks get it (``catch_up``, unsigned:
+    what brings a joiner from an older state up to the base)."""
 
     consensus: Consensus
     part: WindowPart | None = None
     kept: memoryview | None = None
+    catch_up: memoryview | None = None
+
+
+@attrs.frozen
+class _DeltaRound:
+    """A delta round going out lane by lane: the layout of its params alone (the
+    digest's piece left out), which the outer step reads."""
+
+    params: LaneLayout
+
+    @classmethod
+    def of(cls, layout: LaneLayout) -> _DeltaRound:
+        count = len(layout.schema) - 1
+        schema = tuple((DTYPE_F32, shape) for _, shape in layout.schema[:count])
+        lanes = tuple(tuple(p for p in pieces if p.tensor < count) for pieces in layout.lanes)
+        return cls(LaneLayout(schema, lanes))
+
+
+def _flat(t: TensorPayload) -> np.ndarray:
+    return np.frombuffer(t.data, dtype=F32) if t.nbytes else np.zeros(t.numel, dtype=F32)
 
 
 class LaneWindows:
     """The windows of a controller that reduces in lanes (see the module docstring)."""
 
-    def __init__(self, salt: SessionSalt, outer_optimizer: OuterOptimizer | None, checkpoint: CheckpointSink | None) -> None:
+    def __init__(
+        self, salt: SessionSalt, outer_optimizer: OuterOptimizer | None, checkpoint: CheckpointSink | None,
+        lineage: DeltaLineage | None = None,
+    ) -> None:
         self.salt = salt
+        # Delta rounds: the exact consensus and the ranks' base (shared with the lane
+        # rounds, which check each relay's digest against it).
+        self.lineage = lineage if lineage is not None else DeltaLineage()
+        self._delta: _DeltaRound | None = None
         self.outer_optimizer = outer_optimizer
         self.checkpoint = checkpoint
         self.counter = WindowCounter()
@@ -81,7 +120,10 @@ class LaneWindows:
             log.warning("controller: lane %d's consensus finished outside the round in progress; sent as it is", lane)
             return LaneOut(attrs.evolve(consensus, part=None))
         part = self._part
-        if part is not None and part.is_params and self.outer_optimizer is not None and frame.weight > 0:
+        if self._delta is not None:
+            frame = self._delta_lane(frame, layout, lane, part)
+        elif self._steps(part, frame):
+            assert part is not None
             frame = self._outer_step(frame, layout, lane, part)
         if self._assembler is not None:
             self._assembler.add(frame)
@@ -93,13 +135,28 @@ class LaneWindows:
 
     # -- internals -------------------------------------------------------------
 
+    def _steps(self, part: WindowPart | None, frame: RoundFrame) -> bool:
+        """Whether the outer optimizer steps this lane (a params round's, with mass)."""
+        return part is not None and part.is_params and self.outer_optimizer is not None and frame.weight > 0
+
     def _begin_round(self, lane0: RoundFrame) -> None:
         # Every relay's lane 0 was checked against the schema it carries, and the
-        # fold made them agree: the consensus carries the same schema.
-        layout = self._layout = LaneLayout.of_lane0(lane0)
-        whole = RoundFrame([TensorPayload(dtype, shape) for dtype, shape in layout.schema], lane0.kind)
+        # fold made them agree: the consensus carries the same schema (a delta
+        # round's pieces come out as f32 means: only the schema is checked then).
+        layout = self._layout = LaneLayout.declared_by(lane0)
+        delta = is_delta_schema(layout.schema) and lane0.kind == RoundKind.MODEL
+        if not delta:
+            layout.check_lane(0, lane0)
+        self._delta = _DeltaRound.of(layout) if delta else None
+        schema = self._delta.params.schema if self._delta is not None else layout.schema
+        whole = RoundFrame([TensorPayload(dtype, shape) for dtype, shape in schema], lane0.kind)
         part = self._part = self.counter.place(lane0.kind, fragment_of(whole))
-        joined = self.checkpoint is not None or (self.keep_window_state and part is not None and part.kept)
+        if self._delta is not None:
+            self.lineage.begin_lanes([shape for _, shape in schema], DeltaCodec.of_tag(layout.schema[0][0]))
+            # The coded consensus joined for the joiners' catch-up; the checkpoint gets x.
+            joined = self.keep_window_state and part is not None
+        else:
+            joined = self.checkpoint is not None or (self.keep_window_state and part is not None and part.kept)
         self._assembler = LaneAssembler(layout) if joined else None
         if self._assembler is not None:
             self._assembler.begin()  # a frame of its own: a hook or the joiners may keep it
@@ -114,8 +171,30 @@ class LaneWindows:
             raise FlodlError(f"the outer optimizer refused window {part.window}'s params consensus (lane {lane}): {exc}") from exc
         return stepped
 
+    def _delta_lane(self, frame: RoundFrame, layout: LaneLayout, lane: int, part: WindowPart | None) -> RoundFrame:
+        """A delta round's lane out: each piece's mean delta added to the exact consensus,
+        stepped, and coded against the ranks' base; on the last lane, the new digest."""
+        assert self._delta is not None
+        pieces, params = layout.lanes[lane], self._delta.params.lanes[lane]
+        means = frame.tensors[:len(params)]
+        values = [self.lineage.lane_params(p.tensor, p.start, _flat(t)) for p, t in zip(params, means)]
+        stepping = RoundFrame([TensorPayload(DTYPE_F32, (p.numel,), v) for p, v in zip(params, values)],
+                              RoundKind.MODEL, frame.weight)
+        if self._steps(part, frame):
+            assert part is not None
+            stepping = self._outer_step(stepping, self._delta.params, lane, part)
+        out = []
+        for p, t in zip(params, stepping.tensors):
+            dtype, payload = self.lineage.lane_downlink(p.tensor, p.start, _flat(t))
+            out.append(TensorPayload(dtype, (p.numel,), payload))
+        if len(pieces) > len(params):  # the digest: the round's last piece
+            out.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.lineage.lanes_done()))
+        return RoundFrame([*out, *frame.tensors[len(pieces):]], frame.kind, frame.weight)
+
     def _end_round(self, out: Consensus, part: WindowPart | None) -> LaneOut:
         self.rounds += 1
+        if self._delta is not None:
+            return self._end_delta_round(out, part)
         assembler, self._assembler, self._layout = self._assembler, None, None
         if assembler is None:
             return LaneOut(out, part)
@@ -124,6 +203,17 @@ class LaneWindows:
             self.checkpoint(self.rounds, decode_round_frame(joined, self.salt, authenticated=True))
         kept = self.keep_window_state and part is not None and part.kept
         return LaneOut(out, part, joined if kept else None)
+
+    def _end_delta_round(self, out: Consensus, part: WindowPart | None) -> LaneOut:
+        """The hooks see the exact consensus ``x``; a joiner starts from the base in f32
+        and is brought up to date with the coded consensus frames since its state."""
+        assembler, self._assembler, self._layout, self._delta = self._assembler, None, None, None
+        weight = out.outgoing.weight if isinstance(out.outgoing, RoundFrame) else 0.0
+        if self.checkpoint is not None:
+            self.checkpoint(self.rounds, self.lineage.params_frame(weight))
+        for_joiners = self.lineage.joiner_frame(weight) if self.keep_window_state else None
+        catch_up = assembler.finish(None) if assembler is not None else None
+        return LaneOut(attrs.evolve(out, for_joiners=for_joiners, after_write=None), part, None, catch_up)
 
 
 __all__ = ["LaneOut", "LaneWindows"]

@@ -28,7 +28,7 @@ from ..fold.accumulator import (
     finish_consensus,
     shares_sums,
 )
-from ..fold.delta import DeltaLineage
+from ..fold.delta import DeltaLineage, is_delta_schema
 from ..fold.schemas import AgreedSchemas, schema_of, why_taken_out
 from ..fold.speculative import SpeculativeFrame
 from ..transport.buffers import ReceiveBuffer
@@ -377,7 +377,7 @@ class ControllerRound:
         if self.acc.count == 0 or not self.completes(None):
             return None
         acc = self.acc
-        if acc.schema is not None and acc.schema[1][-1:] == ((DTYPE_BASE_DIGEST, (DIGEST_LEN,)),):
+        if acc.schema is not None and is_delta_schema(acc.schema[1]):
             return self._finish_delta(finish_consensus(acc), now)
         # Without hooks the consensus's memory is reused once written, so a bf16
         # one may as well be rounded over the sums as into new arrays.

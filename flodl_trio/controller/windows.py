@@ -75,7 +75,10 @@ def rounds_and_windows(
         whole = ControllerRound(seats, stats, outer_optimizer=outer_optimizer, checkpoint=checkpoint, on_change=on_change)
         return [whole], WholeFrameWindows(whole)
     rounds = [ControllerRound(seats, stats, on_change=on_change, computes_ahead=False) for _ in range(lanes)]
-    return rounds, LaneWindows(salt, outer_optimizer, checkpoint)
+    windows = LaneWindows(salt, outer_optimizer, checkpoint)
+    for lane_round in rounds:  # one delta lineage: each lane's round checks relays' digests against it
+        lane_round.lineage = windows.lineage
+    return rounds, windows
 
 
 __all__ = ["Windows", "WholeFrameWindows", "rounds_and_windows"]

@@ -253,7 +253,10 @@ def _frame_from_sums(slots: list[_Slot], kind: RoundKind, weight: float, overwri
         return encode_f32_as(s.sum, s.dtype)
 
     def dtype(s: _Slot) -> int:
-        return DTYPE_F32 if DeltaCodec.of_tag(s.dtype) is not None else s.dtype
+        # A coded tensor's sums are f32; an empty one (a lane-0 schema tensor, an
+        # empty piece) keeps its code, which is what the schema says it is.
+        coded = DeltaCodec.of_tag(s.dtype) is not None
+        return DTYPE_F32 if coded and math.prod(s.shape) > 0 else s.dtype
 
     return RoundFrame([TensorPayload(dtype(s), s.shape, encoded(s)) for s in slots], kind, weight)
 

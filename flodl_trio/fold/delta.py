@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..errors import SchemaError
+from ..wire.constants import DTYPE_F32
+from ..wire.lanes import read_lane_tag
 from ..wire.quant import (
     DIGEST_LEN,
     DTYPE_BASE_DIGEST,
@@ -155,9 +157,17 @@ class DeltaDownlink:
     def encode_tensor(self, index: int, target: F32Array, out: Payload) -> None:
         """One tensor of :meth:`encode`: its delta coded into ``out``, its base advanced
         with the operation a rank's :func:`apply_delta` does."""
-        np.subtract(target, self.base[index], out=self._scratch[index])
-        encode(self._scratch[index], out, self.code, self.block)
-        decode(out, self.code, self.block, target.size, self.base[index], add=True)
+        self.encode_piece(index, 0, target, out)
+
+    def encode_piece(self, index: int, start: int, target: F32Array, out: Payload) -> None:
+        """Elements ``start:start + target.size`` of tensor ``index`` (``start`` on a block
+        boundary, as a lane's piece is): the same bytes, and the same advanced base,
+        as those blocks get when the whole tensor is coded."""
+        stop = start + target.size
+        scratch, base = self._scratch[index][start:stop], self.base[index][start:stop]
+        np.subtract(target, base, out=scratch)
+        encode(scratch, out, self.code, self.block)
+        decode(out, self.code, self.block, target.size, base, add=True)
 
 
 # -- delta rounds on the wire (docs/wire.md, "Delta rounds") ----------------
@@ -170,6 +180,29 @@ def digest_of(frame: RoundFrame) -> bytes | None:
     if frame.kind != RoundKind.MODEL or not frame.tensors or frame.tensors[-1].dtype != DTYPE_BASE_DIGEST:
         return None
     return bytes(frame.tensors[-1].data)
+
+
+def is_delta_schema(schema: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
+    """Whether tensors of this (dtype, shape) schema are a delta round's: the last is the base digest."""
+    return tuple(schema[-1:]) == ((DTYPE_BASE_DIGEST, (DIGEST_LEN,)),)
+
+
+def lane_digest_of(frame: RoundFrame) -> bytes | None:
+    """:func:`digest_of`, for a whole frame or a lane's: a delta round's last lane carries
+    the digest as its last piece (before lane 0's schema, if it is also lane 0)."""
+    tag = read_lane_tag(frame)
+    if tag is None:
+        return digest_of(frame)
+    at = len(frame.tensors) - 2 - tag.schema
+    if frame.kind != RoundKind.MODEL or tag.index != tag.count - 1 or at < 0:
+        return None
+    t = frame.tensors[at]
+    return bytes(t.data) if t.dtype == DTYPE_BASE_DIGEST and t.nbytes == DIGEST_LEN else None
+
+
+def carries_codes(frame: RoundFrame) -> bool:
+    """Whether any tensor of ``frame`` holds coded deltas (empty schema tensors aside)."""
+    return any(DeltaCodec.of_tag(t.dtype) is not None and t.numel > 0 for t in frame.tensors)
 
 
 def codec_of(frame: RoundFrame) -> DeltaCodec | None:
@@ -256,15 +289,17 @@ class DeltaLineage:
         self.downlink: DeltaDownlink | None = None
         self.digest = NO_BASE
         self._shapes: list[tuple[int, ...]] = []
+        self._first_in_lanes = False  # a lineage's first round, going out lane by lane
 
     @property
     def base(self) -> list[F32Array] | None:
         return None if self.downlink is None else self.downlink.base
 
     def check_base(self, frame: RoundFrame, source: str) -> None:
-        """A contribution must be against this lineage's base (SchemaError naming ``source``)."""
-        digest = digest_of(frame)
-        if digest is None or digest == self.digest or (digest == NO_BASE and codec_of(frame) is None):
+        """A contribution (a whole frame, or a delta round's last lane: the one with the
+        digest) must be against this lineage's base (SchemaError naming ``source``)."""
+        digest = lane_digest_of(frame)
+        if digest is None or digest == self.digest or (digest == NO_BASE and not carries_codes(frame)):
             return
         raise SchemaError(
             f"{source}'s delta is against base {digest.hex()}, the controller's is {self.digest.hex()} "
@@ -308,6 +343,57 @@ class DeltaLineage:
         self.digest = base_digest(self.downlink.base)
         return self.digest
 
+    # -- a delta round that goes out lane by lane (docs/wire.md, "In lanes") --------
+
+    def begin_lanes(self, shapes: Sequence[tuple[int, ...]], codec: DeltaCodec | None) -> None:
+        """A round in lanes starts; ``codec`` None: its params are f32 (a lineage's first)."""
+        if codec is None or self.downlink is None:
+            self._shapes = [tuple(shape) for shape in shapes]
+            self.x = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=F32) for shape in shapes]
+            self._first_in_lanes = True
+            return
+        if [tuple(shape) for shape in shapes] != self._shapes:
+            raise SchemaError(f"a delta round of shapes {[list(s) for s in shapes]}, the lineage's are "
+                              f"{[list(s) for s in self._shapes]}")
+        self.downlink.code, self.downlink.block = codec.code, codec.block
+        self._first_in_lanes = False
+
+    def lane_params(self, tensor: int, start: int, mean: F32Array) -> F32Array:
+        """The params the outer step takes for elements ``start:`` of ``tensor`` (as many
+        as ``mean`` has): ``x + mean delta``, or in a first round the mean itself (a copy)."""
+        if self._first_in_lanes:
+            return np.array(mean, dtype=F32, copy=True)
+        assert self.x is not None
+        return np.add(self.x[tensor][start:start + mean.size], mean, dtype=F32)
+
+    def lane_downlink(self, tensor: int, start: int, stepped: F32Array) -> tuple[int, Payload | F32Array]:
+        """A piece's stepped params out, as (dtype, payload): ``x`` takes them; coded against
+        the base, which advances as the ranks' will (bytes the whole tensor's coding
+        gives those blocks), or in a first round f32 as they are."""
+        assert self.x is not None
+        self.x[tensor][start:start + stepped.size] = stepped
+        if self._first_in_lanes or self.downlink is None:
+            return DTYPE_F32, stepped
+        out = bytearray(payload_bytes(self.downlink.code, stepped.size, self.downlink.block))
+        self.downlink.encode_piece(tensor, start, stepped, out)
+        return DeltaCodec(self.downlink.code, self.downlink.block).tag, out
+
+    def lanes_done(self) -> bytes:
+        """Every piece of the round went out: the digest of the base the ranks now hold
+        (after a first round, ``x`` itself)."""
+        if self._first_in_lanes:
+            assert self.x is not None
+            self.downlink = DeltaDownlink(Code.INT8, 1024, self.x)
+            self._first_in_lanes = False
+        return self._advanced_digest()
+
+    def params_frame(self, weight: float) -> RoundFrame:
+        """``x`` in f32 in its shapes (copies), as the hooks see a whole delta round's params."""
+        assert self.x is not None
+        return RoundFrame(
+            [TensorPayload(DTYPE_F32, shape, x.copy()) for shape, x in zip(self._shapes, self.x)], RoundKind.MODEL, weight
+        )
+
     def joiner_frame(self, weight: float) -> RoundFrame:
         """The base in f32, as a params consensus: where a joiner starts. A copy: the
         base advances in place with the next round, while this frame is kept (signed,
@@ -327,7 +413,10 @@ __all__ = [
     "DeltaUplink",
     "HostDeltaUplink",
     "apply_delta",
+    "carries_codes",
     "codec_of",
     "delta_frame",
     "digest_of",
+    "is_delta_schema",
+    "lane_digest_of",
 ]

@@ -25,8 +25,7 @@ from functools import partial
 
 import trio
 
-from ..errors import ProtocolError, SchemaError
-from ..fold.delta import digest_of
+from ..errors import ProtocolError
 from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
@@ -249,11 +248,6 @@ class DataPlane:
         # Its bytes are authentic; now they must also make sense (checked here, at
         # the first hop, so a single rank's frame is not forwarded unchecked).
         check_payloads(frame, source)
-        if self.config.lanes > 1 and digest_of(frame) is not None:
-            raise SchemaError(
-                f"{source}: a delta round's frame (a codec), and this relay ships lanes ({self.config.lanes}); "
-                "delta rounds are not cut into lanes yet: run the controller and relays with --lanes 1"
-            )
         return body, frame
 
     async def _receive_folding(self, rank: int, buf: ReceiveBuffer, length: int) -> tuple[RoundFrame, Speculation]:

@@ -17,7 +17,7 @@ import attrs
 
 from ..errors import DesyncError, SchemaError
 from ..fold.accumulator import FoldAccumulator, ImageCache
-from ..fold.delta import NO_BASE, HostDeltaUplink, digest_of
+from ..fold.delta import NO_BASE, HostDeltaUplink, digest_of, is_delta_schema
 from ..fold.schemas import AgreedSchemas, Schema, schema_of, why_taken_out
 from ..wire.constants import MAC_LEN
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST
@@ -269,7 +269,7 @@ class HostFold:
                 "(a replayed record, or the ping-pong broke)"
             )
         self.host_frame_up = False
-        self._delta_up = self._schema_up is not None and self._schema_up[1][-1:] == ((DTYPE_BASE_DIGEST, (DIGEST_LEN,)),)
+        self._delta_up = self._schema_up is not None and is_delta_schema(self._schema_up[1])
         if self._schema_up is not None:
             self.agreed.agree(self._schema_up)
             self._schema_up = None

@@ -13,6 +13,11 @@ empty tensor per original tensor, of its dtype and shape ``[0, *shape]``),
 so the controller can see whole tensors: its outer optimizer steps each
 lane's elements, and it joins the lanes it keeps for checkpoints and joiners.
 
+A delta round's frame (docs/wire.md, "Delta rounds") is cut the same way, on
+coarser grains (:class:`TensorCut`): a coded tensor only at its block
+boundaries, its piece being that run of blocks' scales and then their codes (a
+coded payload of its own); the base digest whole, in the last lane.
+
 :class:`LaneLayout` is computed from the frame's schema alone (dtypes and
 shapes), so every host that folds the same schema cuts it the same way, and
 the lanes are put back into the original shapes with
@@ -32,7 +37,8 @@ import numpy as np
 from ..errors import ConfigError, SchemaError
 from .bf16 import DTYPE_NAMES, itemsize
 from .constants import DTYPE_F32, MAC_LEN, MAX_TENSORS, ROUND_FRAME_MAGIC
-from .round_frame import RoundFrame, RoundKind, TensorPayload, schema_frame_len
+from .quant import DTYPE_BASE_DIGEST, DeltaCodec, block_count, code_bytes
+from .round_frame import RoundFrame, RoundKind, TensorPayload, payload_nbytes, schema_frame_len
 from .salt import SessionSalt
 
 _FRAME_HEADER = struct.Struct("<IIBd")  # magic, count, kind, weight (PROTOCOL.md's RoundFrame)
@@ -100,6 +106,68 @@ class Piece:
 
 
 @attrs.frozen
+class TensorCut:
+    """Where one tensor of a schema may be cut, and which of its payload's bytes a
+    piece is. A cut falls on a multiple of ``grain`` elements: 1 for f32 and bf16,
+    the block for a delta code (a piece of whole blocks is a coded payload of its
+    own: its scales, then its codes), the whole tensor for the base digest."""
+
+    dtype: int
+    numel: int
+    nbytes: int
+    grain: int
+
+    @classmethod
+    def of(cls, dtype: int, shape: Sequence[int]) -> TensorCut:
+        numel = int(np.prod(shape, dtype=np.int64))
+        nbytes = payload_nbytes(dtype, numel)
+        if nbytes is None:
+            itemsize(dtype)  # names the unknown tag
+            raise SchemaError(f"a tensor of dtype tag {dtype} and shape {list(shape)} cannot be cut into lanes")
+        codec = DeltaCodec.of_tag(dtype)
+        grain = codec.block if codec is not None else max(numel, 1) if dtype == DTYPE_BASE_DIGEST else 1
+        return cls(dtype, numel, nbytes, grain)
+
+    def element_at(self, offset: int) -> int:
+        """The element where byte ``offset`` of the payload falls (in proportion for a
+        coded one), moved down to the grain."""
+        element = offset * self.numel // self.nbytes
+        return element - element % self.grain
+
+    def regions(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """(offset, length) in the tensor's payload of the bytes of elements
+        ``start:stop`` (``start`` on the grain), in the order a piece carries them."""
+        codec = DeltaCodec.of_tag(self.dtype)
+        if codec is None:
+            per = self.nbytes // self.numel if self.numel else 0
+            return [(start * per, (stop - start) * per)]
+        first, end = start // codec.block, block_count(stop, codec.block)
+        codes_at = 4 * block_count(self.numel, codec.block)
+        code_start = code_bytes(codec.code, start)
+        return [(4 * first, 4 * (end - first)), (codes_at + code_start, code_bytes(codec.code, stop) - code_start)]
+
+
+def _bytes_of(data: object) -> memoryview:
+    """A payload's bytes as a flat byte view (no copy)."""
+    view = memoryview(data)  # type: ignore[arg-type]  # any buffer a TensorPayload holds
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _gather(data: object, regions: Sequence[tuple[int, int]]) -> object:
+    """A piece's bytes: a view for one region, a copy for two (a coded piece)."""
+    view = _bytes_of(data)
+    if len(regions) == 1:
+        offset, length = regions[0]
+        return view[offset:offset + length]
+    out = bytearray(sum(length for _, length in regions))
+    at = 0
+    for offset, length in regions:
+        out[at:at + length] = view[offset:offset + length]
+        at += length
+    return out
+
+
+@attrs.frozen
 class LaneLayout:
     """How a frame of one schema is cut into lanes: each lane's pieces, in order."""
 
@@ -113,7 +181,7 @@ class LaneLayout:
         schema = [(t.dtype, tuple(t.shape)) for t in frame.tensors]
         if not 1 <= count <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
-        payload = sum(int(np.prod(shape, dtype=np.int64)) * itemsize(dtype) for dtype, shape in schema)
+        payload = sum(TensorCut.of(dtype, shape).nbytes for dtype, shape in schema)
         return cls.for_schema(schema, lanes_for(payload, count, min_bytes))
 
     @classmethod
@@ -127,11 +195,11 @@ class LaneLayout:
                 f"a frame of {len(schema)} tensors cannot be cut into lanes: lane 0 would carry up to "
                 f"{2 * len(schema) + 1} (its pieces, the schema and the tag), over the {MAX_TENSORS} a frame may hold"
             )
-        sizes = [itemsize(dtype) for dtype, _ in schema]
-        numels = [int(np.prod(shape, dtype=np.int64)) for _, shape in schema]
-        total = sum(n * s for n, s in zip(numels, sizes))
-        # Byte offsets where lanes start, each moved down to its tensor's element boundary.
-        starts = [_element_boundary(total * k // count, numels, sizes) for k in range(count)] + [(len(schema), 0)]
+        cuts = [TensorCut.of(dtype, shape) for dtype, shape in schema]
+        numels = [c.numel for c in cuts]
+        total = sum(c.nbytes for c in cuts)
+        # Byte offsets where lanes start, each moved down to where its tensor may be cut.
+        starts = [_element_boundary(total * k // count, cuts) for k in range(count)] + [(len(schema), 0)]
         lanes = []
         for (t0, e0), (t1, e1) in zip(starts, starts[1:]):
             lanes.append(_pieces_between(t0, e0, t1, e1, numels))
@@ -142,6 +210,14 @@ class LaneLayout:
         """The layout a round's lane-0 frame (or its consensus) declares: its tag's lane
         count over the schema it carries; SchemaError if the frame is not a lane 0
         or its pieces are not that layout's."""
+        layout = cls.declared_by(frame)
+        layout.check_lane(0, frame)
+        return layout
+
+    @classmethod
+    def declared_by(cls, frame: RoundFrame) -> LaneLayout:
+        """:meth:`of_lane0` without the check of the pieces: for a delta round's lane-0
+        consensus, whose pieces are the f32 means of the coded pieces that went up."""
         tag = read_lane_tag(frame)
         if tag is None or tag.index != 0:
             raise SchemaError(f"expected a round's lane 0 with its schema, got a frame tagged {tag}")
@@ -151,9 +227,7 @@ class LaneLayout:
                 raise SchemaError(f"lane 0: schema tensor {i} has shape {list(t.shape)} and {t.nbytes} bytes; "
                                   "a schema tensor is empty, of shape [0, *shape]")
             schema.append((t.dtype, tuple(t.shape[1:])))
-        layout = _layout_for(tuple(schema), tag.count)
-        layout.check_lane(0, frame)
-        return layout
+        return _layout_for(tuple(schema), tag.count)
 
     @property
     def count(self) -> int:
@@ -162,14 +236,19 @@ class LaneLayout:
     def frame_bytes(self, index: int) -> int:
         """The length of lane ``index``'s frame with nothing elided: the most it can be."""
         pieces = [(self.schema[p.tensor][0], (p.numel,)) for p in self.lanes[index]]
-        return schema_frame_len([*pieces, *((t.dtype, tuple(t.shape)) for t in self._trailer(index))])
+        return schema_frame_len([*pieces, *((t.dtype, tuple(t.shape)) for t in self.trailer(index))])
 
     @property
     def max_frame_bytes(self) -> int:
         """The length of the largest lane frame (nothing elided): what a lane buffer needs."""
         return max(self.frame_bytes(k) for k in range(self.count))
 
-    def _trailer(self, index: int) -> list[TensorPayload]:
+    @functools.cached_property
+    def cuts(self) -> tuple[TensorCut, ...]:
+        """Each schema tensor's :class:`TensorCut`."""
+        return tuple(TensorCut.of(dtype, shape) for dtype, shape in self.schema)
+
+    def trailer(self, index: int) -> list[TensorPayload]:
         """What lane ``index`` carries after its pieces: on lane 0 the schema, then the tag."""
         schema = [TensorPayload(dtype, (0, *shape), _EMPTY) for dtype, shape in self.schema] if index == 0 else []
         return [*schema, lane_tag(index, self.count, len(schema))]
@@ -183,7 +262,7 @@ class LaneLayout:
         if tag != want_tag:
             raise SchemaError(f"lane {index}: tag {tag}, the layout says {want_tag}")
         want: list[tuple[int, tuple[int, ...]]] = [(self.schema[p.tensor][0], (p.numel,)) for p in pieces]
-        want += [(t.dtype, tuple(t.shape)) for t in self._trailer(index)[:-1]]
+        want += [(t.dtype, tuple(t.shape)) for t in self.trailer(index)[:-1]]
         got = [(t.dtype, tuple(t.shape)) for t in frame.tensors[:-1]]
         if got != want:
             raise SchemaError(f"lane {index}: tensors {_brief(got)} before the tag, the layout says {_brief(want)}")
@@ -197,10 +276,9 @@ class LaneLayout:
             payloads = []
             for p in pieces:
                 t = frame.tensors[p.tensor]
-                size = itemsize(t.dtype)
-                data = t.data if t.elided else t.data[p.start * size:p.stop * size]
+                data = t.data if t.elided else _gather(t.data, self.cuts[p.tensor].regions(p.start, p.stop))
                 payloads.append(TensorPayload(t.dtype, (p.numel,), data))
-            out.append(RoundFrame([*payloads, *self._trailer(index)], frame.kind, frame.weight))
+            out.append(RoundFrame([*payloads, *self.trailer(index)], frame.kind, frame.weight))
         return out
 
     def join(self, lanes: Sequence[RoundFrame]) -> RoundFrame:
@@ -227,12 +305,20 @@ class LaneLayout:
         dtype, shape = self.schema[index]
         if all(t.elided or p.numel == 0 for p, t in found) and any(t.elided for _, t in found):
             return TensorPayload(dtype, shape)
-        size = itemsize(dtype)
-        out = np.zeros(int(np.prod(shape, dtype=np.int64)) * size, dtype=np.uint8)
+        cut = self.cuts[index]
+        out = np.zeros(cut.nbytes, dtype=np.uint8)
         for p, t in found:
             if not t.elided:
-                out[p.start * size:p.stop * size] = np.frombuffer(t.data, dtype=np.uint8)
+                self.place(p, np.frombuffer(_bytes_of(t.data), dtype=np.uint8), out)
         return TensorPayload(dtype, shape, out)
+
+    def place(self, piece: Piece, data: np.ndarray | None, payload: np.ndarray) -> None:
+        """A piece's bytes (``data``; None: zeros) written where they go in its tensor's
+        whole payload (uint8 arrays)."""
+        at = 0
+        for offset, length in self.cuts[piece.tensor].regions(piece.start, piece.stop):
+            payload[offset:offset + length] = data[at:at + length] if data is not None else 0
+            at += length
 
     def _check(self, frame: RoundFrame, what: str) -> None:
         schema = tuple((t.dtype, tuple(t.shape)) for t in frame.tensors)
@@ -253,8 +339,8 @@ class LaneAssembler:
         self._heads: list[tuple[int, bytes]] = []  # (offset, bytes) of each tensor's header
         self._payload_at: list[int] = []
         at = _FRAME_HEADER.size
-        for dtype, shape in layout.schema:
-            size = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
+        for (dtype, shape), cut in zip(layout.schema, layout.cuts):
+            size = cut.nbytes
             head = _TENSOR_HEAD.pack(dtype, len(shape)) + struct.pack(f"<{len(shape)}IQ", *shape, size)
             self._heads.append((at, head))
             at += len(head)
@@ -297,13 +383,9 @@ class LaneAssembler:
         if self._kind is not None and lane.kind != self._kind:
             raise SchemaError(f"lane {index} is a {lane.kind.name} frame, lane 0 a {self._kind.name} frame")
         for p, t in zip(pieces, lane.tensors):
-            size = itemsize(self.layout.schema[p.tensor][0])
-            start = self._payload_at[p.tensor] + p.start * size
-            target = self._buffer[start:start + p.numel * size]
-            if t.elided:
-                target[:] = 0
-            else:
-                target[:] = np.frombuffer(t.data, dtype=np.uint8)
+            start = self._payload_at[p.tensor]
+            target = self._buffer[start:start + self.layout.cuts[p.tensor].nbytes]
+            self.layout.place(p, None if t.elided else np.frombuffer(_bytes_of(t.data), dtype=np.uint8), target)
         self._kind, self._weight, self._lanes = lane.kind, min(self._weight, lane.weight), index + 1
 
     @property
@@ -336,14 +418,14 @@ def _brief(schema: Sequence[tuple[int, tuple[int, ...]]]) -> str:
     return f"[{shown}{', ...' if len(schema) > 6 else ''}] ({len(schema)} tensors)"
 
 
-def _element_boundary(offset: int, numels: list[int], sizes: list[int]) -> tuple[int, int]:
+def _element_boundary(offset: int, cuts: Sequence[TensorCut]) -> tuple[int, int]:
     """The (tensor, element) where byte ``offset`` of the concatenated payloads falls,
-    moved down to an element boundary."""
-    for index, (n, s) in enumerate(zip(numels, sizes)):
-        if offset < n * s:
-            return index, offset // s
-        offset -= n * s
-    return len(numels), 0
+    moved down to where that tensor may be cut."""
+    for index, cut in enumerate(cuts):
+        if offset < cut.nbytes:
+            return index, cut.element_at(offset)
+        offset -= cut.nbytes
+    return len(cuts), 0
 
 
 def _pieces_between(t0: int, e0: int, t1: int, e1: int, numels: list[int]) -> tuple[Piece, ...]:
@@ -369,6 +451,7 @@ __all__ = [
     "LaneLayout",
     "LaneTag",
     "Piece",
+    "TensorCut",
     "lane_tag",
     "lanes_for",
     "read_lane_tag",

@@ -166,8 +166,8 @@ def payload_nbytes(dtype: int, numel: int) -> int | None:
     base digest are flodl_trio's (docs/wire.md, "Delta rounds")."""
     if dtype in DTYPE_NAMES:
         return numel * itemsize(dtype)
-    if dtype == DTYPE_BASE_DIGEST:
-        return DIGEST_LEN if numel == DIGEST_LEN else None
+    if dtype == DTYPE_BASE_DIGEST:  # 16 bytes; 0 only in a lane-0 schema tensor ([0, 16])
+        return numel if numel in (0, DIGEST_LEN) else None
     codec = DeltaCodec.of_tag(dtype)
     return None if codec is None else codec.payload_bytes(numel)
 

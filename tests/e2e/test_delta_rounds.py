@@ -85,7 +85,10 @@ def oracle(hosts: list[list[int]], codec: DeltaCodec, rank_feedback: bool = True
         scaled = [[np.multiply(p, weights[r], dtype=F32) for p in params[r]] for r in host]
         host_sums.append([scaled[0][i] if len(host) == 1 else np.add(scaled[0][i], scaled[1][i]) for i in range(len(SHAPES))])
     mass = float(sum(steps_of(r, 0) for r in ranks))
-    x = [np.multiply(np.add(host_sums[0][i], host_sums[1][i]), np.float32(1.0 / mass)) for i in range(len(SHAPES))]
+    totals = [host_sums[0][i] for i in range(len(SHAPES))]
+    for more in host_sums[1:]:  # in host order
+        totals = [np.add(t, m) for t, m in zip(totals, more)]
+    x = [np.multiply(t, np.float32(1.0 / mass)) for t in totals]
     base = [a.copy() for a in x]
     history = [[b.copy() for b in base]]
     for window in range(1, WINDOWS):
@@ -126,7 +129,8 @@ async def train(
 
 
 async def run_cluster(
-    hosts: list[list[int]], codec: DeltaCodec, local_leg: bool, error_feedback: bool = True,
+    hosts: list[list[int]], codec: DeltaCodec, local_leg: bool, error_feedback: bool = True, lanes: int = 1,
+    **options: object,
 ) -> dict[tuple[int, int], list[np.ndarray]]:
     world = sum(len(h) for h in hosts)
     seen: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -138,7 +142,9 @@ async def run_cluster(
             await train(client, rank, world, model(rank), range(WINDOWS), seen)
 
     with trio.fail_after(DEADLINE_S):
-        async with open_local_cluster(world_size=world, hosts=hosts, salt=SALT, local_leg=local_leg) as cluster:
+        async with open_local_cluster(
+            world_size=world, hosts=hosts, salt=SALT, local_leg=local_leg, lanes=lanes, lane_min_bytes=0, **options,
+        ) as cluster:
             async with trio.open_nursery() as nursery:
                 for rank in range(world):
                     nursery.start_soon(rank_main, rank)
@@ -158,6 +164,70 @@ async def test_every_rank_holds_the_oracles_params_bit_for_bit(hosts, local_leg,
         for rank in (r for host in hosts for r in host):
             for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
                 assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+
+
+@pytest.mark.parametrize("lanes", [2, 5])
+@pytest.mark.parametrize("codec", ["int8:1024", "fp4:256"])
+@pytest.mark.parametrize(
+    ("hosts", "local_leg"), [([[0, 1], [2, 3]], True), ([[0], [1, 2]], False)], ids=["2x2-local-leg", "1+2-tcp"]
+)
+@pytest.mark.trio
+async def test_in_lanes_every_rank_holds_the_same_oracles_params_bit_for_bit(hosts, local_leg, codec, lanes):
+    """Cut into lanes (coded tensors on block boundaries, some lanes empty at 5), a
+    delta round gives every rank the bits it gives without lanes: each piece is
+    coded as the whole tensor's coding codes those blocks."""
+    codec = DeltaCodec.parse(codec)
+    seen = await run_cluster(hosts, codec, local_leg, lanes=lanes)
+    want = oracle(hosts, codec)
+    for window in range(WINDOWS):
+        for rank in (r for host in hosts for r in host):
+            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
+                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.trio
+async def test_deterministic_mode_sums_three_hosts_in_host_order_bit_for_bit(lanes):
+    """With three contributors f32 addition order matters: deterministic mode folds the
+    hosts in host order, so every rank holds the oracle's ((h0 + h1) + h2), with or
+    without lanes."""
+    hosts, codec = [[0], [1], [2]], DeltaCodec.parse("int8:256")
+    seen = await run_cluster(hosts, codec, False, lanes=lanes, deterministic=True)
+    want = oracle(hosts, codec)
+    for window in range(WINDOWS):
+        for rank in range(3):
+            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
+                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+
+
+@pytest.mark.trio
+async def test_diloco_and_the_checkpoint_sink_see_the_same_rounds_in_lanes_as_without(tmp_path):
+    """With DiLoCo on the controller and a checkpoint sink, 1 lane and 3 lanes give every
+    rank the same bits and the sink the same exact consensus (f32 params, no codes,
+    no digest), window after window."""
+    from flodl_trio import DiLoCoNesterov
+
+    codec = DeltaCodec.parse("int8:256")
+    runs = []
+    for lanes in (1, 3):
+        sunk: list[tuple[int, list[np.ndarray]]] = []
+
+        def sink(index: int, frame, sunk=sunk) -> None:
+            if frame.kind.name == "MODEL":
+                sunk.append((index, [np.frombuffer(t.data, F32).copy() for t in frame.tensors]))
+
+        seen = await run_cluster([[0, 1], [2, 3]], codec, True, lanes=lanes,
+                                 outer_optimizer=DiLoCoNesterov(0.7, 0.9), checkpoint=sink)
+        runs.append((seen, sunk))
+    (seen1, sunk1), (seen3, sunk3) = runs
+    assert seen1.keys() == seen3.keys()
+    for key in seen1:
+        for a, b in zip(seen1[key], seen3[key]):
+            assert np.array_equal(a, b), key
+    assert [i for i, _ in sunk1] == [i for i, _ in sunk3] and len(sunk1) == WINDOWS
+    for (_, a), (_, b) in zip(sunk1, sunk3):
+        assert [t.shape for t in a] == [(int(np.prod(s)),) for s in SHAPES]
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.trio
@@ -231,9 +301,9 @@ async def test_a_rank_whose_base_differs_is_dropped_alone_with_a_clear_error(cap
     assert "rank 1's delta is against base" in caplog.text and "missed a consensus" in caplog.text
 
 
-@pytest.mark.parametrize("outer", [None, "diloco"])
+@pytest.mark.parametrize(("outer", "lanes"), [(None, 1), ("diloco", 1), ("diloco", 3)])
 @pytest.mark.trio
-async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step(outer):
+async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step(outer, lanes):
     """Rank 1 crashes after window 2 and comes back (its codec set before join()): it is
     given the base every rank holds, in f32, so its next delta is against that base
     and the consensus it then takes matches the controller's digest. Every rank
@@ -279,7 +349,8 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
     joined, back = [-1], trio.Event()
     with trio.fail_after(DEADLINE_S):
         async with open_local_cluster(
-            world_size=world, hosts=hosts, salt=SALT, rejoin_timeout=60, local_leg=False, **options
+            world_size=world, hosts=hosts, salt=SALT, rejoin_timeout=60, local_leg=False, lanes=lanes,
+            lane_min_bytes=0, **options,
         ) as cluster:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(survivor, 0)
@@ -292,16 +363,3 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
         for rank in holders:
             for got, want in zip(seen[rank, window], seen[0, window]):
                 assert np.array_equal(got, want), (window, rank)
-
-
-@pytest.mark.trio
-async def test_a_delta_frame_on_a_cluster_with_lanes_is_a_clear_error_for_its_rank(caplog):
-    """Delta rounds are not cut into lanes (yet): the relay says so, naming the rank and
-    the flag, instead of failing somewhere in the lane cut."""
-    with trio.fail_after(DEADLINE_S):
-        async with open_local_cluster(world_size=1, hosts=[[0]], salt=SALT, lanes=2, rejoin_timeout=0) as cluster:
-            async with connect_reduce_client(cluster.relay_address(0), 0, 1, SALT) as client:
-                client.delta_codec = DeltaCodec.parse("int8")
-                with pytest.raises(FlodlError):
-                    await average_window(client, model(0), [], 1, rank=0, world_size=1, in_place=True)
-    assert "delta rounds are not cut into lanes yet" in caplog.text and "--lanes 1" in caplog.text
