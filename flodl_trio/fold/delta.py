@@ -24,6 +24,7 @@ in cache-sized chunks (:mod:`flodl_trio.wire.quant`).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -290,6 +291,8 @@ class DeltaLineage:
         self.digest = NO_BASE
         self._shapes: list[tuple[int, ...]] = []
         self._first_in_lanes = False  # a lineage's first round, going out lane by lane
+        # The new base's digest, fed piece by piece as lanes go out (they come in order).
+        self._lane_hash = hashlib.blake2b(digest_size=DIGEST_LEN)
 
     @property
     def base(self) -> list[F32Array] | None:
@@ -347,6 +350,7 @@ class DeltaLineage:
 
     def begin_lanes(self, shapes: Sequence[tuple[int, ...]], codec: DeltaCodec | None) -> None:
         """A round in lanes starts; ``codec`` None: its params are f32 (a lineage's first)."""
+        self._lane_hash = hashlib.blake2b(digest_size=DIGEST_LEN)
         if codec is None or self.downlink is None:
             self._shapes = [tuple(shape) for shape in shapes]
             self.x = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=F32) for shape in shapes]
@@ -371,21 +375,26 @@ class DeltaLineage:
         the base, which advances as the ranks' will (bytes the whole tensor's coding
         gives those blocks), or in a first round f32 as they are."""
         assert self.x is not None
-        self.x[tensor][start:start + stepped.size] = stepped
+        stop = start + stepped.size
+        self.x[tensor][start:stop] = stepped
         if self._first_in_lanes or self.downlink is None:
+            self._lane_hash.update(self.x[tensor][start:stop].view(np.uint8).data)
             return DTYPE_F32, stepped
         out = bytearray(payload_bytes(self.downlink.code, stepped.size, self.downlink.block))
         self.downlink.encode_piece(tensor, start, stepped, out)
+        self._lane_hash.update(self.downlink.base[tensor][start:stop].view(np.uint8).data)
         return DeltaCodec(self.downlink.code, self.downlink.block).tag, out
 
     def lanes_done(self) -> bytes:
         """Every piece of the round went out: the digest of the base the ranks now hold
-        (after a first round, ``x`` itself)."""
+        (after a first round, ``x`` itself), hashed piece by piece as they went (the
+        pieces cover every tensor in order: :func:`base_digest`'s bytes)."""
         if self._first_in_lanes:
             assert self.x is not None
             self.downlink = DeltaDownlink(Code.INT8, 1024, self.x)
             self._first_in_lanes = False
-        return self._advanced_digest()
+        self.digest = self._lane_hash.digest()
+        return self.digest
 
     def params_frame(self, weight: float) -> RoundFrame:
         """``x`` in f32 in its shapes (copies), as the hooks see a whole delta round's params."""
