@@ -85,10 +85,12 @@ def main() -> int:
     print(f"2 hosts x 2 ranks, {NUMEL * 4 >> 20} MiB f32 params, every link tbf-shaped, {args.rounds} rounds "
           f"after {args.warmup} warm-up; medians")
     print("| link | lanes | flodl_trio wire | round ms | gloo f32 ms | ratio | link floor ms (one frame, one way) "
-          "| codec CPU ms (encode + decode) |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+          "| codec CPU ms (encode + decode) | codec GB/s (f32 in, one core) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for rate, lanes, wire, ms, gloo_ms, link_ms, cpu in rows:
-        print(f"| {rate} | {lanes} | {wire} | {ms:.0f} | {gloo_ms:.0f} | {ms / gloo_ms:.2f}x | {link_ms:.0f} | {cpu:.0f} |")
+        rate_gbs = f"{4 * NUMEL / cpu / 1e6:.2f}" if cpu else "-"
+        print(f"| {rate} | {lanes} | {wire} | {ms:.0f} | {gloo_ms:.0f} | {ms / gloo_ms:.2f}x | {link_ms:.0f} "
+              f"| {cpu:.0f} | {rate_gbs} |")
     return 0
 
 
