@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import SchemaError
 from ..wire.constants import DTYPE_F32
-from ..wire.lanes import read_lane_tag
+from ..wire.lanes import Piece, read_lane_tag
 from ..wire.quant import (
     DIGEST_LEN,
     DTYPE_BASE_DIGEST,
@@ -91,11 +91,18 @@ class DeltaUplink:
 
     def encode_tensor(self, index: int, delta: F32Array, out: Payload) -> None:
         """One tensor of :meth:`encode`."""
-        if self.error_feedback:
-            np.add(delta, self.residual[index], out=self._scratch[index])
-            encode(self._scratch[index], out, self.code, self.block, residual=self.residual[index])
-        else:
+        self.encode_piece(index, 0, delta, out)
+
+    def encode_piece(self, index: int, start: int, delta: F32Array, out: Payload) -> None:
+        """Elements ``start:start + delta.size`` of tensor ``index`` (``start`` on a block
+        boundary): the bytes, and the residual, the whole tensor's encode gives them."""
+        if not self.error_feedback:
             encode(delta, out, self.code, self.block)
+            return
+        stop = start + delta.size
+        scratch, residual = self._scratch[index][start:stop], self.residual[index][start:stop]
+        np.add(delta, residual, out=scratch)
+        encode(scratch, out, self.code, self.block, residual=residual)
 
 
 class DeltaSum:
@@ -258,13 +265,14 @@ class HostDeltaUplink:
 
     def encode(self, schema: Schema, summed: RoundFrame) -> RoundFrame:
         """``summed`` (a fold's result: f32 sums, then the digest) coded as ``schema`` says."""
+        return self.pending(schema, summed).whole()
+
+    def pending(self, schema: Schema, summed: RoundFrame) -> PendingHostDelta:
+        """``summed``, to be coded as it goes up: whole, or lane by lane."""
         codec = DeltaCodec.of_tag(schema[1][0][0])
-        digest = digest_of(summed)
-        assert codec is not None and digest is not None
+        assert codec is not None and digest_of(summed) is not None
         sums = [_flat(t) for t in summed.tensors[:-1]]
-        uplink = self._uplink_for(schema, codec, [a.size for a in sums])
-        shapes = [tuple(t.shape) for t in summed.tensors[:-1]]
-        return delta_frame(sums, shapes, codec, digest, summed.weight, uplink.encode_tensor)
+        return PendingHostDelta(schema, summed, codec, self._uplink_for(schema, codec, [a.size for a in sums]), sums)
 
     def _uplink_for(self, schema: Schema, codec: DeltaCodec, sizes: list[int]) -> DeltaUplink:
         uplink = self._uplinks.get(schema)
@@ -274,6 +282,47 @@ class HostDeltaUplink:
                 self._uplinks.popitem(last=False)
         self._uplinks.move_to_end(schema)
         return uplink
+
+
+class PendingHostDelta:
+    """A relay's summed deltas, coded for the uplink only as they go: :meth:`whole` for
+    one frame, or :meth:`lane` for each lane in order (its encode then overlaps the
+    lanes before it going up). Either way the bytes and the error feedback are the
+    same (pieces start on block boundaries), and each element is coded once."""
+
+    def __init__(self, schema: Schema, summed: RoundFrame, codec: DeltaCodec, uplink: DeltaUplink,
+                 sums: list[F32Array]) -> None:
+        self.schema = schema
+        self.summed = summed
+        self.codec = codec
+        self._uplink = uplink
+        self._sums = sums
+
+    @property
+    def weight(self) -> float:
+        return self.summed.weight
+
+    def schema_frame(self) -> RoundFrame:
+        """The frame's schema (empty tensors of its coded dtypes): what its lanes are cut by."""
+        return RoundFrame([TensorPayload(dtype, shape) for dtype, shape in self.schema[1]], RoundKind.MODEL)
+
+    def whole(self) -> RoundFrame:
+        shapes = [tuple(t.shape) for t in self.summed.tensors[:-1]]
+        digest = digest_of(self.summed)
+        assert digest is not None
+        return delta_frame(self._sums, shapes, self.codec, digest, self.weight, self._uplink.encode_tensor)
+
+    def lane(self, pieces: Sequence[Piece], trailer: Sequence[TensorPayload]) -> RoundFrame:
+        """One lane's frame: its ``pieces`` coded (the digest's piece as it is), then ``trailer``."""
+        tensors = []
+        for p in pieces:
+            if p.tensor == len(self._sums):
+                tensors.append(self.summed.tensors[-1])
+                continue
+            out = bytearray(self.codec.payload_bytes(p.numel))
+            self._uplink.encode_piece(p.tensor, p.start, self._sums[p.tensor][p.start:p.stop], out)
+            tensors.append(TensorPayload(self.codec.tag, (p.numel,), out))
+        return RoundFrame([*tensors, *trailer], RoundKind.MODEL, self.weight)
 
 
 class DeltaLineage:
@@ -421,6 +470,7 @@ __all__ = [
     "DeltaSum",
     "DeltaUplink",
     "HostDeltaUplink",
+    "PendingHostDelta",
     "apply_delta",
     "carries_codes",
     "codec_of",

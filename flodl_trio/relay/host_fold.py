@@ -17,7 +17,7 @@ import attrs
 
 from ..errors import DesyncError, SchemaError
 from ..fold.accumulator import FoldAccumulator, ImageCache
-from ..fold.delta import NO_BASE, HostDeltaUplink, digest_of, is_delta_schema
+from ..fold.delta import NO_BASE, HostDeltaUplink, PendingHostDelta, digest_of, is_delta_schema
 from ..fold.schemas import AgreedSchemas, Schema, schema_of, why_taken_out
 from ..wire.constants import MAC_LEN
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST
@@ -29,7 +29,7 @@ class FoldedHostFrame:
     """The host's fold, ready to sign and send; ``images`` (the fold's f32 sums, which
     its payloads may alias) go back to the fold's cache once it has been written."""
 
-    frame: RoundFrame
+    frame: RoundFrame | PendingHostDelta  # a delta round's sums are coded as they go up
     images: list[Any]
 
 
@@ -294,8 +294,10 @@ class HostFold:
         schema = self._schema_up = self.acc.schema
         result = self.acc.result(overwrite_sums=True)
         if schema is not None and digest_of(result) is not None and result.tensors[0].dtype != schema[1][0][0]:
-            result = self.delta_uplink.encode(schema, result)  # the sums, coded once more for the uplink
-        folded = FoldedHostFrame(result, self.acc.sums())
+            # The sums, coded once more for the uplink (as they go: lane by lane with lanes).
+            folded = FoldedHostFrame(self.delta_uplink.pending(schema, result), self.acc.sums())
+        else:
+            folded = FoldedHostFrame(result, self.acc.sums())
         self._next_round()
         return folded
 

@@ -18,11 +18,12 @@ code path whatever the lane count:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 import trio
 
 from ..errors import ConfigError, DesyncError
+from ..fold.delta import PendingHostDelta
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.stream import MessageStream
@@ -54,7 +55,9 @@ class WholeFrames:
         """Model-sized memory besides the pool and the fold: none (the consensus lands in a pool buffer)."""
         return 0
 
-    async def send(self, frame: RoundFrame, upstream: MessageStream) -> int:
+    async def send(self, frame: RoundFrame | PendingHostDelta, upstream: MessageStream) -> int:
+        if isinstance(frame, PendingHostDelta):
+            frame = frame.whole()
         record = await encode_enveloped_frame(MuxKind.HOST_FRAME, frame, self._config.salt)
         await upstream.send_chunks(record.chunks)
         return record.nbytes
@@ -98,16 +101,25 @@ class LaneFrames:
         frame's schema is checked against the lane limits only when it is cut)."""
         return length // lanes_for(length, self.count, self._min_bytes) + SMALL_MESSAGE
 
-    async def send(self, frame: RoundFrame, upstream: MessageStream) -> int:
-        """The HostFrame as its lane frames, in lane order, each its own signed record."""
+    async def send(self, frame: RoundFrame | PendingHostDelta, upstream: MessageStream) -> int:
+        """The HostFrame as its lane frames, in lane order, each its own signed record (a
+        delta round's coded lane by lane, each just before it goes)."""
         await self._wait_confirmed()
-        layout = LaneLayout.of(frame, self.count, self._min_bytes)
+        pending = frame if isinstance(frame, PendingHostDelta) else None
+        cut_by = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
+        layout = LaneLayout.of(cut_by, self.count, self._min_bytes)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
             self._lane_buffer.reserve(layout.max_frame_bytes)
+        if pending is not None:
+            parts: Iterable[RoundFrame] = (
+                pending.lane(pieces, layout.trailer(index)) for index, pieces in enumerate(layout.lanes)
+            )
+        else:
+            parts = layout.split(cut_by)
         nbytes = 0
-        for part in layout.split(frame):
+        for part in parts:
             record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self._config.salt)
             await upstream.send_chunks(record.chunks)
             nbytes += record.nbytes

@@ -124,3 +124,31 @@ def test_the_joiners_frame_keeps_its_bytes_while_the_base_advances():
     lineage.downlink_frame(moved, DeltaCodec.parse("int8:256"))
     assert not np.array_equal(lineage.base[0], start)  # the base did advance
     assert bytes(kept.tensors[0].data) == before
+
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 7])
+def test_a_relay_coding_lane_by_lane_sends_the_bytes_and_keeps_the_residual_of_whole_coding(lanes):
+    """PendingHostDelta.lane over every lane, window after window, equals .whole() cut
+    into lanes: the same coded bytes piece for piece, the same error feedback carried on."""
+    from flodl_trio.fold.delta import HostDeltaUplink
+    from flodl_trio.wire import RoundFrame, RoundKind, TensorPayload
+    from flodl_trio.wire.lanes import LaneLayout
+    from flodl_trio.wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
+
+    codec = DeltaCodec.parse("fp4:256")
+    schema = (RoundKind.MODEL, (*((codec.tag, (n,)) for n in SIZES), (DTYPE_BASE_DIGEST, (DIGEST_LEN,))))
+    whole_side, lane_side = HostDeltaUplink(), HostDeltaUplink()
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        sums = [rng.standard_t(3, n).astype(np.float32) for n in SIZES]
+        summed = RoundFrame([*(TensorPayload(0, (n,), s) for n, s in zip(SIZES, sums)),
+                             TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), bytes(range(DIGEST_LEN)))],
+                            RoundKind.MODEL, 3.0)
+        pending = lane_side.pending(schema, summed)
+        layout = LaneLayout.of(pending.schema_frame(), lanes)
+        want = layout.split(whole_side.encode(schema, summed))
+        got = [pending.lane(pieces, layout.trailer(k)) for k, pieces in enumerate(layout.lanes)]
+        for w, g in zip(want, got):
+            assert [(t.dtype, tuple(t.shape), bytes(t.data)) for t in w.tensors] == \
+                   [(t.dtype, tuple(t.shape), bytes(t.data)) for t in g.tensors]

@@ -228,14 +228,16 @@ def _delta_frame(digest: bytes, value: float, weight: float = 1.0) -> RoundFrame
 
 
 def test_a_host_of_delta_ranks_ships_its_sum_coded_again_and_learns_the_base_from_the_consensus():
-    from flodl_trio.fold.delta import codec_of, digest_of
+    from flodl_trio.fold.delta import PendingHostDelta, codec_of, digest_of
     from flodl_trio.wire import encode_round_frame
 
     base = bytes(range(16))
     fold = HostFold("h", [0, 1])
     assert fold.deposit(0, _delta_frame(base, 0.5)) is None
     up = fold.deposit(1, _delta_frame(base, 0.25))
-    assert up is not None and codec_of(up.frame) is not None and digest_of(up.frame) == base
+    assert up is not None and isinstance(up.frame, PendingHostDelta)  # coded as it goes up
+    coded = up.frame.whole()
+    assert codec_of(coded) is not None and digest_of(coded) == base
     fold.host_frame_sent()
     new_base = bytes(16 * [7])
     consensus = encode_round_frame(_delta_frame(new_base, 0.1), SALT)
