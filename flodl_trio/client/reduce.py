@@ -118,8 +118,9 @@ class ReduceClient:
         # Whether the rank carries what its code dropped into the next window's delta
         # (error feedback); off, each window's rounding error is lost for good.
         self.delta_error_feedback = True
-        self._delta: RankDelta | None = None
-        self._joined_params: list[np.ndarray] | None = None  # what join() loaded: a delta lineage's base
+        # One delta lineage per params set: the whole model (None), or each fragment (its index).
+        self._deltas: dict[int | None, RankDelta] = {}
+        self._joined_params: dict[int | None, list[np.ndarray]] = {}  # what join() loaded: each lineage's base
         self.pinned_decode = False
         self._armed_slot: int | None = None
         self._staging: dict[int, list[torch.Tensor]] = {}
@@ -308,41 +309,44 @@ class ReduceClient:
                 round_frame_to_tensors(frame, out=pieces)
         if buffers_frame is not None and buffers_frame.weight > 0:
             round_frame_to_tensors(buffers_frame, out=list(buffers))
-        if len(params_frames) == 1 and self.delta_codec is not None:  # a delta run's base (set the codec first)
-            self._joined_params = f32_copies(params)
+        if self.delta_codec is not None:  # a delta run's bases (set the codec first): the model's, or each fragment's
+            fragmented = len(params_frames) > 1
+            self._joined_params = {(p if fragmented else None): f32_copies(pieces) for p, pieces in enumerate(destinations)}
         if state.catch_up:
-            self._catch_up(params, state)
+            self._catch_up(destinations, state)
         self.catching_up = set(range(len(params_frames))) if state.behind else set()
         return state.entry
 
-    def _catch_up(self, params: Sequence[torch.Tensor], state: ClusterState) -> None:
-        """A delta run's joiner: the state's params are the base of window ``state.window``;
+    def _catch_up(self, destinations: Sequence[Sequence[torch.Tensor]], state: ClusterState) -> None:
+        """A delta run's joiner: the state's params are the bases of window ``state.window``;
         the windows finished since came as the deltas the ranks were sent, which bring
-        the base (and ``params``) up to its host's."""
+        each base (and its ``destinations``: the model's params, or each fragment's
+        pieces) up to its host's. With P fragments window ``w`` synced fragment ``w % P``."""
         from .tensors import copy_arrays_into
 
         if self.delta_codec is None:
             raise ConfigError(
                 f"rank {self.rank}: the cluster runs delta rounds (a codec): set client.delta_codec before join()"
             )
-        delta = self.delta_state()
-        base: list[np.ndarray] = []
-        for frame in state.catch_up:
-            base = delta.take(frame, self.rank)
-        copy_arrays_into(params, base)
+        fragments = len(destinations)
+        for offset, frame in enumerate(state.catch_up):
+            fragment = (state.window + 1 + offset) % fragments if fragments > 1 else None
+            base = self.delta_state(fragment).take(frame, self.rank)
+            copy_arrays_into(destinations[fragment or 0], base)
 
-    def delta_state(self) -> RankDelta:
-        """This rank's delta-round state for :attr:`delta_codec` (made at the first
-        delta round; from the state join() loaded, if it loaded one)."""
+    def delta_state(self, fragment: int | None = None) -> RankDelta:
+        """This rank's delta-round state for :attr:`delta_codec` and one params set (the
+        model, or fragment ``fragment``): made at its first delta round, from the state
+        join() loaded if it loaded one."""
         if self.delta_codec is None:
             raise ConfigError(f"rank {self.rank}: no delta codec is set")
-        if (self._delta is None or self._delta.codec != self.delta_codec
-                or self._delta.error_feedback != self.delta_error_feedback):
-            self._delta = RankDelta(self.delta_codec, error_feedback=self.delta_error_feedback)
-            if self._joined_params is not None:
-                self._delta.start_from(self._joined_params)
-        self._joined_params = None
-        return self._delta
+        delta = self._deltas.get(fragment)
+        if delta is None or delta.codec != self.delta_codec or delta.error_feedback != self.delta_error_feedback:
+            delta = self._deltas[fragment] = RankDelta(self.delta_codec, error_feedback=self.delta_error_feedback)
+            if fragment in self._joined_params:
+                delta.start_from(self._joined_params[fragment])
+        self._joined_params.pop(fragment, None)
+        return delta
 
     # -- tensor level --------------------------------------------------------
 

@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from ..errors import FlodlError, ProtocolError
-from ..fold.delta import DeltaLineage, is_delta_schema
+from ..fold.delta import DeltaLineage, DeltaLineages, is_delta_schema
 from ..wire.constants import DTYPE_F32
 from ..wire.fragment import fragment_of
 from ..wire.lanes import LaneAssembler, LaneLayout
@@ -61,13 +61,14 @@ class _DeltaRound:
     digest's piece left out), which the outer step reads."""
 
     params: LaneLayout
+    lineage: DeltaLineage  # the params set's (the model's, or the window's fragment's)
 
     @classmethod
-    def of(cls, layout: LaneLayout) -> _DeltaRound:
+    def of(cls, layout: LaneLayout, lineage: DeltaLineage) -> _DeltaRound:
         count = len(layout.schema) - 1
         schema = tuple((DTYPE_F32, shape) for _, shape in layout.schema[:count])
         lanes = tuple(tuple(p for p in pieces if p.tensor < count) for pieces in layout.lanes)
-        return cls(LaneLayout(schema, lanes))
+        return cls(LaneLayout(schema, lanes), lineage)
 
 
 def _flat(t: TensorPayload) -> np.ndarray:
@@ -79,12 +80,12 @@ class LaneWindows:
 
     def __init__(
         self, salt: SessionSalt, outer_optimizer: OuterOptimizer | None, checkpoint: CheckpointSink | None,
-        lineage: DeltaLineage | None = None,
+        lineages: DeltaLineages | None = None,
     ) -> None:
         self.salt = salt
-        # Delta rounds: the exact consensus and the ranks' base (shared with the lane
-        # rounds, which check each relay's digest against it).
-        self.lineage = lineage if lineage is not None else DeltaLineage()
+        # Delta rounds: per params set, the exact consensus and the ranks' base (shared
+        # with the lane rounds, which check each relay's digest against it).
+        self.lineages = lineages if lineages is not None else DeltaLineages()
         self._delta: _DeltaRound | None = None
         self.outer_optimizer = outer_optimizer
         self.checkpoint = checkpoint
@@ -147,12 +148,14 @@ class LaneWindows:
         delta = is_delta_schema(layout.schema) and lane0.kind == RoundKind.MODEL
         if not delta:
             layout.check_lane(0, lane0)
-        self._delta = _DeltaRound.of(layout) if delta else None
+        self._delta = _DeltaRound.of(layout, self.lineages.current) if delta else None
         schema = self._delta.params.schema if self._delta is not None else layout.schema
         whole = RoundFrame([TensorPayload(dtype, shape) for dtype, shape in schema], lane0.kind)
         part = self._part = self.counter.place(lane0.kind, fragment_of(whole))
+        if lane0.kind == RoundKind.CONTROL:  # a window opens: its params round is this set's
+            self.lineages.window_fragment = part.fragment.index if part is not None and part.fragment else None
         if self._delta is not None:
-            self.lineage.begin_lanes([shape for _, shape in schema], DeltaCodec.of_tag(layout.schema[0][0]))
+            self._delta.lineage.begin_lanes([shape for _, shape in schema], DeltaCodec.of_tag(layout.schema[0][0]))
             # The coded consensus joined for the joiners' catch-up; the checkpoint gets x.
             joined = self.keep_window_state and part is not None
         else:
@@ -175,9 +178,10 @@ class LaneWindows:
         """A delta round's lane out: each piece's mean delta added to the exact consensus,
         stepped, and coded against the ranks' base; on the last lane, the new digest."""
         assert self._delta is not None
+        lineage = self._delta.lineage
         pieces, params = layout.lanes[lane], self._delta.params.lanes[lane]
         means = frame.tensors[:len(params)]
-        values = [self.lineage.lane_params(p.tensor, p.start, _flat(t)) for p, t in zip(params, means)]
+        values = [lineage.lane_params(p.tensor, p.start, _flat(t)) for p, t in zip(params, means)]
         stepping = RoundFrame([TensorPayload(DTYPE_F32, (p.numel,), v) for p, v in zip(params, values)],
                               RoundKind.MODEL, frame.weight)
         if self._steps(part, frame):
@@ -185,10 +189,10 @@ class LaneWindows:
             stepping = self._outer_step(stepping, self._delta.params, lane, part)
         out = []
         for p, t in zip(params, stepping.tensors):
-            dtype, payload = self.lineage.lane_downlink(p.tensor, p.start, _flat(t))
+            dtype, payload = lineage.lane_downlink(p.tensor, p.start, _flat(t))
             out.append(TensorPayload(dtype, (p.numel,), payload))
         if len(pieces) > len(params):  # the digest: the round's last piece
-            out.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.lineage.lanes_done()))
+            out.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), lineage.lanes_done()))
         return RoundFrame([*out, *frame.tensors[len(pieces):]], frame.kind, frame.weight)
 
     def _end_round(self, out: Consensus, part: WindowPart | None) -> LaneOut:
@@ -207,11 +211,13 @@ class LaneWindows:
     def _end_delta_round(self, out: Consensus, part: WindowPart | None) -> LaneOut:
         """The hooks see the exact consensus ``x``; a joiner starts from the base in f32
         and is brought up to date with the coded consensus frames since its state."""
+        assert self._delta is not None
+        lineage = self._delta.lineage
         assembler, self._assembler, self._layout, self._delta = self._assembler, None, None, None
         weight = out.outgoing.weight if isinstance(out.outgoing, RoundFrame) else 0.0
         if self.checkpoint is not None:
-            self.checkpoint(self.rounds, self.lineage.params_frame(weight))
-        for_joiners = self.lineage.joiner_frame(weight) if self.keep_window_state else None
+            self.checkpoint(self.rounds, lineage.params_frame(weight))
+        for_joiners = lineage.joiner_frame(weight) if self.keep_window_state else None
         catch_up = assembler.finish(None) if assembler is not None else None
         return LaneOut(attrs.evolve(out, for_joiners=for_joiners, after_write=None), part, None, catch_up)
 

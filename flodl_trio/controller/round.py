@@ -28,7 +28,7 @@ from ..fold.accumulator import (
     finish_consensus,
     shares_sums,
 )
-from ..fold.delta import DeltaLineage, is_delta_schema
+from ..fold.delta import DeltaLineages, is_delta_schema
 from ..fold.schemas import AgreedSchemas, schema_of, why_taken_out
 from ..fold.speculative import SpeculativeFrame
 from ..transport.buffers import ReceiveBuffer
@@ -297,7 +297,10 @@ class ControllerRound:
         self.expelled: dict[int, str] = {}  # relays whose folded frames proved wrong: why, until dropped
         self.started: float | None = None  # when the round's first contribution arrived
         self.counter = WindowCounter()
-        self.lineage = DeltaLineage()  # delta rounds: the exact consensus and the ranks' base
+        # Delta rounds: per params set, the exact consensus and the ranks' base; which set
+        # a window syncs is this round's to say, unless a lane windows keeper says it.
+        self.lineages = DeltaLineages()
+        self.names_window_fragment = True
         # Buffers of consensus frames computed ahead and since sent to every relay.
         self._spare_buffers: list[ReceiveBuffer] = []
 
@@ -338,7 +341,7 @@ class ControllerRound:
         consensus when it completes the round."""
         if self.acc.count == 0:
             self.started = now
-        self.lineage.check_base(frame, self.seats.name(seat_id))
+        self.lineages.current.check_base(frame, self.seats.name(seat_id))
         try:
             self.acc.add(frame, self.seats.name(seat_id))
         except SchemaError:  # nothing of the frame was added: see who is wrong
@@ -459,11 +462,12 @@ class ControllerRound:
         joiner is given that base in f32."""
         assert self.acc.schema is not None
         codec = DeltaCodec.of_tag(self.acc.schema[1][0][0])
-        averaged = self.lineage.averaged(mean)
+        lineage = self.lineages.current
+        averaged = lineage.averaged(mean)
         finished = self._finish(averaged, None, None, now)
         assert isinstance(finished.outgoing, RoundFrame)  # the stepped params: no record was signed ahead
-        outgoing = self.lineage.downlink_frame(finished.outgoing, codec)
-        for_joiners = self.lineage.joiner_frame(outgoing.weight) if self.keep_window_state else None
+        outgoing = lineage.downlink_frame(finished.outgoing, codec)
+        for_joiners = lineage.joiner_frame(outgoing.weight) if self.keep_window_state else None
         return attrs.evolve(finished, outgoing=outgoing, after_write=None, for_joiners=for_joiners)
 
     def _finish(
@@ -482,6 +486,8 @@ class ControllerRound:
         self.stats.round_seconds.observe(now - started)
         self.stats.last_mass = consensus.weight
         part = self.counter.place(consensus.kind, fragment_of(consensus))
+        if consensus.kind == RoundKind.CONTROL and self.names_window_fragment:  # its params round is this set's
+            self.lineages.window_fragment = part.fragment.index if part is not None and part.fragment else None
         transformed = self._apply_hooks(consensus, part)
         if self.hooked or (self.keep_window_state and part is not None and part.kept):
             after_write = None  # a hook may keep it; a window's params or buffers are kept for joiners

@@ -76,8 +76,9 @@ def rounds_and_windows(
         return [whole], WholeFrameWindows(whole)
     rounds = [ControllerRound(seats, stats, on_change=on_change, computes_ahead=False) for _ in range(lanes)]
     windows = LaneWindows(salt, outer_optimizer, checkpoint)
-    for lane_round in rounds:  # one delta lineage: each lane's round checks relays' digests against it
-        lane_round.lineage = windows.lineage
+    for lane_round in rounds:  # one set of delta lineages: each lane's round checks relays' digests against it
+        lane_round.lineages = windows.lineages
+        lane_round.names_window_fragment = False  # LaneWindows does, from the round's lane 0
     return rounds, windows
 
 

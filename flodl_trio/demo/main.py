@@ -85,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
             DeltaCodec.parse(args.codec)
         except SchemaError as exc:
             p.error(f"--codec: {exc}")
-        if args.fragments > 1:
-            p.error("--codec does not combine with --fragments yet")
     if args.worker:
         from .worker import worker
 

@@ -253,34 +253,36 @@ def delta_frame(
 class HostDeltaUplink:
     """A relay's re-encode of its host's summed deltas, with error feedback.
 
-    The relay keeps one :class:`DeltaUplink` per delta round schema (the whole
-    model, or each fragment): an f32 residual and a scratch per tensor, two
-    model-sized arrays per schema, for as long as the relay runs (at most
-    ``limit`` schemas).
+    The relay keeps one :class:`DeltaUplink` per params set (the whole model, or
+    each fragment) and schema: an f32 residual and a scratch per tensor, two
+    arrays of the set's size each (with fragments, two model-sized arrays in
+    all), for as long as the relay runs (at most ``limit`` of them).
     """
 
     def __init__(self, limit: int = 16) -> None:
         self.limit = limit
-        self._uplinks: OrderedDict[Schema, DeltaUplink] = OrderedDict()
+        self._uplinks: OrderedDict[tuple[int | None, Schema], DeltaUplink] = OrderedDict()
 
-    def encode(self, schema: Schema, summed: RoundFrame) -> RoundFrame:
+    def encode(self, schema: Schema, summed: RoundFrame, fragment: int | None = None) -> RoundFrame:
         """``summed`` (a fold's result: f32 sums, then the digest) coded as ``schema`` says."""
-        return self.pending(schema, summed).whole()
+        return self.pending(schema, summed, fragment).whole()
 
-    def pending(self, schema: Schema, summed: RoundFrame) -> PendingHostDelta:
-        """``summed``, to be coded as it goes up: whole, or lane by lane."""
+    def pending(self, schema: Schema, summed: RoundFrame, fragment: int | None = None) -> PendingHostDelta:
+        """``summed``, to be coded as it goes up: whole, or lane by lane. ``fragment``:
+        the params set it is (None, the model), whose error feedback it carries on."""
         codec = DeltaCodec.of_tag(schema[1][0][0])
         assert codec is not None and digest_of(summed) is not None
         sums = [_flat(t) for t in summed.tensors[:-1]]
-        return PendingHostDelta(schema, summed, codec, self._uplink_for(schema, codec, [a.size for a in sums]), sums)
+        uplink = self._uplink_for((fragment, schema), codec, [a.size for a in sums])
+        return PendingHostDelta(schema, summed, codec, uplink, sums)
 
-    def _uplink_for(self, schema: Schema, codec: DeltaCodec, sizes: list[int]) -> DeltaUplink:
-        uplink = self._uplinks.get(schema)
+    def _uplink_for(self, key: tuple[int | None, Schema], codec: DeltaCodec, sizes: list[int]) -> DeltaUplink:
+        uplink = self._uplinks.get(key)
         if uplink is None:
-            uplink = self._uplinks[schema] = DeltaUplink(codec.code, codec.block, sizes)
+            uplink = self._uplinks[key] = DeltaUplink(codec.code, codec.block, sizes)
             while len(self._uplinks) > self.limit:
                 self._uplinks.popitem(last=False)
-        self._uplinks.move_to_end(schema)
+        self._uplinks.move_to_end(key)
         return uplink
 
 
@@ -463,10 +465,29 @@ class DeltaLineage:
         )
 
 
+class DeltaLineages:
+    """The controller's lineages, one per params set: the whole model (None) or each
+    fragment (its index). ``window_fragment`` is the set the window in progress
+    syncs: whoever places rounds in windows sets it when a Control round opens one."""
+
+    def __init__(self) -> None:
+        self._lineages: dict[int | None, DeltaLineage] = {}
+        self.window_fragment: int | None = None
+
+    @property
+    def current(self) -> DeltaLineage:
+        """The lineage of the window in progress' params set."""
+        lineage = self._lineages.get(self.window_fragment)
+        if lineage is None:
+            lineage = self._lineages[self.window_fragment] = DeltaLineage()
+        return lineage
+
+
 __all__ = [
     "NO_BASE",
     "DeltaDownlink",
     "DeltaLineage",
+    "DeltaLineages",
     "DeltaSum",
     "DeltaUplink",
     "HostDeltaUplink",

@@ -20,6 +20,7 @@ from ..fold.accumulator import FoldAccumulator, ImageCache
 from ..fold.delta import NO_BASE, HostDeltaUplink, PendingHostDelta, digest_of, is_delta_schema
 from ..fold.schemas import AgreedSchemas, Schema, schema_of, why_taken_out
 from ..wire.constants import MAC_LEN
+from ..wire.fragment import fragment_of
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST
 from ..wire.round_frame import FRAME_HEADER_LEN, RoundFrame, RoundKind, TensorPayload
 
@@ -71,9 +72,11 @@ class HostFold:
         self._schema_up: Schema | None = None  # the schema of the HostFrame in flight
         self.expelled: dict[int, str] = {}  # ranks whose folded frames proved wrong: why, until dropped
         # Delta rounds (docs/wire.md): the host's sums re-encoded with error feedback, and
-        # the base the last delta consensus gave every rank (None: none came down yet).
+        # the base the last delta consensus gave every rank, per params set: the model
+        # (None) or each fragment (its index), as the window's Control round names it.
         self.delta_uplink = HostDeltaUplink()
-        self.base_digest: bytes | None = None
+        self.base_digests: dict[int | None, bytes] = {}
+        self.window_fragment: int | None = None
         self._delta_up = False  # the HostFrame in flight is a delta round's
         self._on_change = on_change
 
@@ -117,6 +120,9 @@ class HostFold:
         if rank in self.fresh:
             self.fresh.discard(rank)
             self._check_first_frame(rank, frame)
+        if frame.kind == RoundKind.CONTROL:  # a window opens: its params round syncs this fragment
+            tag = fragment_of(frame)
+            self.window_fragment = None if tag is None else tag.index
         self._check_base(rank, frame)
         self._owe_reply(rank)
         try:
@@ -202,12 +208,19 @@ class HostFold:
     def _check_base(self, rank: int, frame: RoundFrame) -> None:
         """A rank's delta must be against the base the last delta consensus gave the host."""
         digest = digest_of(frame)
-        if digest is None or digest == NO_BASE or self.base_digest is None or digest == self.base_digest:
+        known = self.base_digests.get(self.window_fragment)
+        if digest is None or digest == NO_BASE or known is None or digest == known:
             return
+        fragment = "" if self.window_fragment is None else f" of fragment {self.window_fragment}"
         raise SchemaError(
-            f"relay {self.host}: rank {rank}'s delta is against base {digest.hex()}, but the last consensus "
-            f"gave this host {self.base_digest.hex()} (it missed a consensus, or started from other params)"
+            f"relay {self.host}: rank {rank}'s delta{fragment} is against base {digest.hex()}, but the last consensus "
+            f"gave this host {known.hex()} (it missed a consensus, or started from other params)"
         )
+
+    @property
+    def base_digest(self) -> bytes | None:
+        """The base the last delta consensus of the window's params set gave every rank."""
+        return self.base_digests.get(self.window_fragment)
 
     def learn_base(self, consensus: memoryview) -> None:
         """A verified consensus came down whole: if it answers a delta round, its last
@@ -220,7 +233,7 @@ class HostFold:
         tail = consensus[-(MAC_LEN + DIGEST_LEN + _DIGEST_HEAD.size):]
         head = _DIGEST_HEAD.unpack_from(tail)
         if head == (DTYPE_BASE_DIGEST, 1, DIGEST_LEN, DIGEST_LEN):
-            self.base_digest = bytes(tail[_DIGEST_HEAD.size:_DIGEST_HEAD.size + DIGEST_LEN])
+            self.base_digests[self.window_fragment] = bytes(tail[_DIGEST_HEAD.size:_DIGEST_HEAD.size + DIGEST_LEN])
 
     def forward(self, rank: int) -> None:
         """A single-rank host's verified frame, which goes up as it is (no fold)."""
@@ -295,7 +308,8 @@ class HostFold:
         result = self.acc.result(overwrite_sums=True)
         if schema is not None and digest_of(result) is not None and result.tensors[0].dtype != schema[1][0][0]:
             # The sums, coded once more for the uplink (as they go: lane by lane with lanes).
-            folded = FoldedHostFrame(self.delta_uplink.pending(schema, result), self.acc.sums())
+            pending = self.delta_uplink.pending(schema, result, self.window_fragment)
+            folded = FoldedHostFrame(pending, self.acc.sums())
         else:
             folded = FoldedHostFrame(result, self.acc.sums())
         self._next_round()

@@ -17,7 +17,6 @@ import attrs
 
 from ..client.reduce import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
 from ..client.delta import RankDelta
-from ..errors import ConfigError
 from ..wire.fragment import FragmentTag
 from ..wire.quant import DeltaCodec
 from ..wire.round_frame import RoundFrame, RoundKind
@@ -47,7 +46,7 @@ class _ReduceClientLike(Protocol):
     rank: int
     catching_up: set[int]
 
-    def delta_state(self) -> RankDelta: ...
+    def delta_state(self, fragment: int | None = None) -> RankDelta: ...
 
     async def all_reduce(self, frame: RoundFrame) -> RoundFrame: ...
 
@@ -78,15 +77,17 @@ async def sumcount_reduce(
 
 
 async def delta_reduce(
-    client: _ReduceClientLike, params: Sequence[torch.Tensor], weight: float, *, in_place: bool = False
+    client: _ReduceClientLike, params: Sequence[torch.Tensor], weight: float, *, in_place: bool = False,
+    fragment: int | None = None,
 ) -> list[torch.Tensor]:
     """The params round of a delta run (docs/wire.md, "Delta rounds"): this window's
     change since the base goes out coded, the new consensus comes back as a delta
     against that base. Unlike an f32 round the consensus is adopted even when the
-    accepted mass is 0: the base every rank holds moves with every consensus."""
+    accepted mass is 0: the base every rank holds moves with every consensus.
+    ``fragment``: the params are that fragment's pieces, a lineage of their own."""
     from ..client.tensors import copy_arrays_into, f32_copies
 
-    state = client.delta_state()
+    state = client.delta_state(fragment)
     snapshot = f32_copies(params, out=state.snapshot_buffers([p.numel() for p in params]))
     frame = state.frame(snapshot, [tuple(p.shape) for p in params], weight)
     base = state.take(await client.all_reduce(frame), client.rank)
@@ -143,11 +144,10 @@ async def average_window(
     steps = _work_to_count(client, steps, 0 if fragment is None else fragment.index)
     counts = [0.0] * world_size
     counts[rank] = float(steps)
-    if client.delta_codec is not None and fragment is not None:
-        raise ConfigError("delta rounds (a codec) do not sync in fragments yet: use fragments=1 with a codec")
     gathered = await client.all_reduce_per_rank_f64(counts, fragment=fragment)
     if client.delta_codec is not None:
-        new_params = await delta_reduce(client, params, gamma_mass(steps, gamma), in_place=in_place)
+        new_params = await delta_reduce(client, params, gamma_mass(steps, gamma), in_place=in_place,
+                                        fragment=None if fragment is None else fragment.index)
     else:
         new_params = await sumcount_reduce(
             client, params, gamma_mass(steps, gamma), DECODE_SLOT_PARAMS, in_place=in_place

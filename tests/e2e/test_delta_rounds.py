@@ -363,3 +363,143 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
         for rank in holders:
             for got, want in zip(seen[rank, window], seen[0, window]):
                 assert np.array_equal(got, want), (window, rank)
+
+
+async def run_fragments(
+    codec: DeltaCodec | None, fragments: int, lanes: int, **options: object,
+) -> dict[tuple[int, int], list[np.ndarray]]:
+    """2 hosts x 2 ranks; window ``w`` syncs fragment ``w % fragments`` (run ``w % fragments``
+    of every tensor's elements), each fragment its own delta lineage. What each rank
+    holds of the fragment each window synced, after it."""
+    from flodl_trio.client.tensors import fragment_pieces
+    from flodl_trio.wire.fragment import FragmentTag
+
+    hosts, world = [[0, 1], [2, 3]], 4
+    seen: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    async def rank_main(rank: int) -> None:
+        params = model(rank)
+        pieces = fragment_pieces(params, fragments)
+        shapes = tuple(tuple(p.shape) for p in params)
+        async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
+            client.delta_codec = codec
+            for window in range(2 * WINDOWS):
+                with torch.no_grad():
+                    for p, c in zip(params, change(rank, window)):
+                        p.view(-1).add_(torch.from_numpy(c))
+                tag = FragmentTag(window % fragments, fragments, shapes)
+                await average_window(client, pieces[window % fragments], [], steps_of(rank, window), rank=rank,
+                                     world_size=world, in_place=True, fragment=tag)
+                # What the window averaged (the other fragments are each rank's own until they sync).
+                seen[rank, window] = [p.detach().numpy().copy() for p in pieces[window % fragments]]
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=world, hosts=hosts, salt=SALT, lanes=lanes, lane_min_bytes=0,
+                                      **options) as cluster:
+            async with trio.open_nursery() as nursery:
+                for rank in range(world):
+                    nursery.start_soon(rank_main, rank)
+    return seen
+
+
+@pytest.mark.parametrize("fragments", [2, 3])
+@pytest.mark.trio
+async def test_fragments_each_carry_a_lineage_of_their_own_in_lanes_or_not(fragments):
+    """Streamed windows with coded deltas: every rank holds the same bits after every
+    window, 3 lanes give the bits 1 lane gives, and the run tracks the same run in
+    f32 (a fraction of how far the params move), fragment lineages interleaved."""
+    codec = DeltaCodec.parse("int8:256")
+    whole = await run_fragments(codec, fragments, 1)
+    laned = await run_fragments(codec, fragments, 3)
+    plain = await run_fragments(None, fragments, 1)
+    for (rank, window), params in whole.items():
+        for index, (a, b, c) in enumerate(zip(params, laned[rank, window], whole[0, window])):
+            assert np.array_equal(a, b) and np.array_equal(a, c), (rank, window, index)
+    for window in range(fragments, 2 * WINDOWS):  # each fragment's lineage past its f32 start
+        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[0, window], plain[0, window % fragments]))
+        gap = max(float(np.max(np.abs(a - b))) for a, b in zip(whole[0, window], plain[0, window]))
+        assert gap < 0.05 * moved, (window, gap, moved)
+
+
+@pytest.mark.trio
+async def test_fragments_with_diloco_step_each_fragment_from_its_own_exact_consensus():
+    """DiLoCo on the controller keeps its state per fragment; with coded deltas each
+    fragment's outer step takes that fragment's exact consensus: identical bits on
+    every rank, with 1 lane and with 3."""
+    from flodl_trio import DiLoCoNesterov
+
+    codec = DeltaCodec.parse("fp4:256")
+    runs = [await run_fragments(codec, 2, lanes, outer_optimizer=DiLoCoNesterov(0.7, 0.9)) for lanes in (1, 3)]
+    for key, params in runs[0].items():
+        for a, b, c in zip(params, runs[1][key], runs[0][0, key[1]]):
+            assert np.array_equal(a, b) and np.array_equal(a, c), key
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.trio
+async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_base(lanes):
+    """With 2 fragments a returning rank is given each fragment's base (and the coded
+    consensus frames since its state, each applied to the fragment its window synced):
+    its next delta of either fragment is against the base the others hold, so every
+    rank holds the same bits of each fragment after its sync."""
+    from flodl_trio import DiLoCoNesterov
+    from flodl_trio.client.tensors import fragment_pieces
+    from flodl_trio.testing import fetch_status
+    from flodl_trio.wire.fragment import FragmentTag
+
+    codec, fragments = DeltaCodec.parse("int8:256"), 2
+    hosts, world, total = [[0, 1], [2]], 3, 10
+    seen: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    async def windows(client, rank: int, params: list[torch.Tensor], span: range) -> None:
+        pieces = fragment_pieces(params, fragments)
+        shapes = tuple(tuple(p.shape) for p in params)
+        for window in span:
+            with torch.no_grad():
+                for p, c in zip(params, change(rank, window)):
+                    p.view(-1).add_(torch.from_numpy(c))
+            tag = FragmentTag(window % fragments, fragments, shapes)
+            await average_window(client, pieces[window % fragments], [], steps_of(rank, window), rank=rank,
+                                 world_size=world, in_place=True, fragment=tag)
+            seen[rank, window] = [p.detach().numpy().copy() for p in pieces[window % fragments]]
+
+    async def survivor(rank: int) -> None:
+        params = model(rank)
+        async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
+            client.delta_codec = codec
+            await client.join(params)
+            await windows(client, rank, params, range(0, 5))
+            while not back.is_set() and 1 not in (await fetch_status(cluster.controller_address))["primed"]:
+                await trio.sleep(0.02)
+            await windows(client, rank, params, range(5, total))
+
+    async def comes_back() -> None:
+        params = model(1)
+        async with connect_reduce_client(cluster.relay_address(1), 1, world, SALT) as client:
+            client.delta_codec = codec
+            await client.join(params)
+            await windows(client, 1, params, range(0, 3))
+            await client.aclose()  # a crash: it may come back
+        params = model(1)
+        async with connect_reduce_client(cluster.relay_address(1), 1, world, SALT) as client:
+            client.delta_codec = codec
+            start = await client.join(params)
+            back.set()
+            joined[0] = start
+            await windows(client, 1, params, range(start, total))
+
+    joined, back = [-1], trio.Event()
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=world, hosts=hosts, salt=SALT, rejoin_timeout=60, local_leg=False, lanes=lanes,
+            lane_min_bytes=0, outer_optimizer=DiLoCoNesterov(0.7, 0.9),
+        ) as cluster:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(survivor, 0)
+                nursery.start_soon(survivor, 2)
+                nursery.start_soon(comes_back)
+            assert cluster.controller.stats.rejoins == 1
+    assert 3 <= joined[0] < total
+    for window in range(joined[0], total):  # its windows after it came back: the same bits as rank 0's
+        for got, want in zip(seen[1, window], seen[0, window]):
+            assert np.array_equal(got, want), window
