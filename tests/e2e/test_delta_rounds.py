@@ -151,6 +151,15 @@ async def run_cluster(
     return seen
 
 
+def assert_holds_the_oracles(
+    seen: dict[tuple[int, int], list[np.ndarray]], hosts: list[list[int]], want: list[list[np.ndarray]],
+) -> None:
+    for window in range(WINDOWS):
+        for rank in (r for host in hosts for r in host):
+            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
+                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+
+
 @pytest.mark.parametrize("codec", ["int8:1024", "fp4:256", "int4:512"])
 @pytest.mark.parametrize(
     ("hosts", "local_leg"), [([[0, 1], [2, 3]], True), ([[0], [1, 2]], False)], ids=["2x2-local-leg", "1+2-tcp"]
@@ -158,12 +167,7 @@ async def run_cluster(
 @pytest.mark.trio
 async def test_every_rank_holds_the_oracles_params_bit_for_bit(hosts, local_leg, codec):
     codec = DeltaCodec.parse(codec)
-    seen = await run_cluster(hosts, codec, local_leg)
-    want = oracle(hosts, codec)
-    for window in range(WINDOWS):
-        for rank in (r for host in hosts for r in host):
-            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
-                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+    assert_holds_the_oracles(await run_cluster(hosts, codec, local_leg), hosts, oracle(hosts, codec))
 
 
 @pytest.mark.parametrize("lanes", [2, 5])
@@ -177,12 +181,7 @@ async def test_in_lanes_every_rank_holds_the_same_oracles_params_bit_for_bit(hos
     delta round gives every rank the bits it gives without lanes: each piece is
     coded as the whole tensor's coding codes those blocks."""
     codec = DeltaCodec.parse(codec)
-    seen = await run_cluster(hosts, codec, local_leg, lanes=lanes)
-    want = oracle(hosts, codec)
-    for window in range(WINDOWS):
-        for rank in (r for host in hosts for r in host):
-            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
-                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+    assert_holds_the_oracles(await run_cluster(hosts, codec, local_leg, lanes=lanes), hosts, oracle(hosts, codec))
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
@@ -193,11 +192,7 @@ async def test_deterministic_mode_sums_three_hosts_in_host_order_bit_for_bit(lan
     without lanes."""
     hosts, codec = [[0], [1], [2]], DeltaCodec.parse("int8:256")
     seen = await run_cluster(hosts, codec, False, lanes=lanes, deterministic=True)
-    want = oracle(hosts, codec)
-    for window in range(WINDOWS):
-        for rank in range(3):
-            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
-                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+    assert_holds_the_oracles(seen, hosts, oracle(hosts, codec))
 
 
 @pytest.mark.trio
@@ -237,11 +232,8 @@ async def test_ranks_without_error_feedback_drop_what_their_code_cannot_carry():
     and not the feedback one (the flag changes the run)."""
     hosts, codec = [[0, 1], [2, 3]], DeltaCodec.parse("fp4:256")
     seen = await run_cluster(hosts, codec, True, error_feedback=False)
-    want, with_feedback = oracle(hosts, codec, rank_feedback=False), oracle(hosts, codec)
-    for window in range(WINDOWS):
-        for rank in range(4):
-            for index, (got, expected) in enumerate(zip(seen[rank, window], want[window])):
-                assert np.array_equal(got, expected), f"window {window} rank {rank} tensor {index}"
+    assert_holds_the_oracles(seen, hosts, oracle(hosts, codec, rank_feedback=False))
+    with_feedback = oracle(hosts, codec)
     assert not np.array_equal(seen[0, WINDOWS - 1][0], with_feedback[WINDOWS - 1][0])
 
 
