@@ -357,33 +357,42 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
                 assert np.array_equal(got, want), (window, rank)
 
 
+async def train_fragments(
+    client, rank: int, world: int, params: list[torch.Tensor], fragments: int, windows: range,
+    seen: dict[tuple[int, int], list[np.ndarray]],
+) -> None:
+    """Each window: the rank's change, then ``average_window`` of fragment ``window %
+    fragments``; what the rank then holds of that fragment (the others are each
+    rank's own until they sync)."""
+    from flodl_trio.client.tensors import fragment_pieces
+    from flodl_trio.wire.fragment import FragmentTag
+
+    pieces = fragment_pieces(params, fragments)
+    shapes = tuple(tuple(p.shape) for p in params)
+    for window in windows:
+        with torch.no_grad():
+            for p, c in zip(params, change(rank, window)):
+                p.view(-1).add_(torch.from_numpy(c))
+        tag = FragmentTag(window % fragments, fragments, shapes)
+        await average_window(client, pieces[window % fragments], [], steps_of(rank, window), rank=rank,
+                             world_size=world, in_place=True, fragment=tag)
+        seen[rank, window] = [p.detach().numpy().copy() for p in pieces[window % fragments]]
+
+
 async def run_fragments(
     codec: DeltaCodec | None, fragments: int, lanes: int, **options: object,
 ) -> dict[tuple[int, int], list[np.ndarray]]:
     """2 hosts x 2 ranks; window ``w`` syncs fragment ``w % fragments`` (run ``w % fragments``
     of every tensor's elements), each fragment its own delta lineage. What each rank
     holds of the fragment each window synced, after it."""
-    from flodl_trio.client.tensors import fragment_pieces
-    from flodl_trio.wire.fragment import FragmentTag
 
     hosts, world = [[0, 1], [2, 3]], 4
     seen: dict[tuple[int, int], list[np.ndarray]] = {}
 
     async def rank_main(rank: int) -> None:
-        params = model(rank)
-        pieces = fragment_pieces(params, fragments)
-        shapes = tuple(tuple(p.shape) for p in params)
         async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
             client.delta_codec = codec
-            for window in range(2 * WINDOWS):
-                with torch.no_grad():
-                    for p, c in zip(params, change(rank, window)):
-                        p.view(-1).add_(torch.from_numpy(c))
-                tag = FragmentTag(window % fragments, fragments, shapes)
-                await average_window(client, pieces[window % fragments], [], steps_of(rank, window), rank=rank,
-                                     world_size=world, in_place=True, fragment=tag)
-                # What the window averaged (the other fragments are each rank's own until they sync).
-                seen[rank, window] = [p.detach().numpy().copy() for p in pieces[window % fragments]]
+            await train_fragments(client, rank, world, model(rank), fragments, range(2 * WINDOWS), seen)
 
     with trio.fail_after(DEADLINE_S):
         async with open_local_cluster(world_size=world, hosts=hosts, salt=SALT, lanes=lanes, lane_min_bytes=0,
@@ -435,25 +444,14 @@ async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_b
     its next delta of either fragment is against the base the others hold, so every
     rank holds the same bits of each fragment after its sync."""
     from flodl_trio import DiLoCoNesterov
-    from flodl_trio.client.tensors import fragment_pieces
     from flodl_trio.testing import fetch_status
-    from flodl_trio.wire.fragment import FragmentTag
 
     codec, fragments = DeltaCodec.parse("int8:256"), 2
     hosts, world, total = [[0, 1], [2]], 3, 10
     seen: dict[tuple[int, int], list[np.ndarray]] = {}
 
     async def windows(client, rank: int, params: list[torch.Tensor], span: range) -> None:
-        pieces = fragment_pieces(params, fragments)
-        shapes = tuple(tuple(p.shape) for p in params)
-        for window in span:
-            with torch.no_grad():
-                for p, c in zip(params, change(rank, window)):
-                    p.view(-1).add_(torch.from_numpy(c))
-            tag = FragmentTag(window % fragments, fragments, shapes)
-            await average_window(client, pieces[window % fragments], [], steps_of(rank, window), rank=rank,
-                                 world_size=world, in_place=True, fragment=tag)
-            seen[rank, window] = [p.detach().numpy().copy() for p in pieces[window % fragments]]
+        await train_fragments(client, rank, world, params, fragments, span, seen)
 
     async def survivor(rank: int) -> None:
         params = model(rank)
