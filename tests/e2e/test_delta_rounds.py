@@ -293,6 +293,22 @@ async def test_a_rank_whose_base_differs_is_dropped_alone_with_a_clear_error(cap
     assert "rank 1's delta is against base" in caplog.text and "missed a consensus" in caplog.text
 
 
+async def run_with_a_return(hosts: list[list[int]], lanes: int, survivor, comes_back, **options: object) -> None:
+    """Ranks 0 and 2 survive, rank 1 crashes and comes back (the roles get the cluster);
+    the controller must count exactly one rejoin."""
+    world = sum(len(h) for h in hosts)
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=world, hosts=hosts, salt=SALT, rejoin_timeout=60, local_leg=False, lanes=lanes,
+            lane_min_bytes=0, **options,
+        ) as cluster:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(survivor, cluster, 0)
+                nursery.start_soon(survivor, cluster, 2)
+                nursery.start_soon(comes_back, cluster)
+            assert cluster.controller.stats.rejoins == 1
+
+
 @pytest.mark.parametrize(("outer", "lanes"), [(None, 1), ("diloco", 1), ("diloco", 3)])
 @pytest.mark.trio
 async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step(outer, lanes):
@@ -309,7 +325,7 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
     seen: dict[tuple[int, int], list[np.ndarray]] = {}
     options = {} if outer is None else {"outer_optimizer": DiLoCoNesterov(0.7, 0.9)}
 
-    async def survivor(rank: int) -> None:
+    async def survivor(cluster, rank: int) -> None:
         params = model(rank)
         async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
             client.delta_codec = codec
@@ -320,7 +336,7 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
                 await trio.sleep(0.02)
             await train(client, rank, world, params, range(5, total), seen)
 
-    async def comes_back() -> None:
+    async def comes_back(cluster) -> None:
         params = model(1)
         async with connect_reduce_client(cluster.relay_address(1), 1, world, SALT) as client:
             client.delta_codec = codec
@@ -339,16 +355,7 @@ async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step
             await train(client, 1, world, params, range(start, total), seen)
 
     joined, back = [-1], trio.Event()
-    with trio.fail_after(DEADLINE_S):
-        async with open_local_cluster(
-            world_size=world, hosts=hosts, salt=SALT, rejoin_timeout=60, local_leg=False, lanes=lanes,
-            lane_min_bytes=0, **options,
-        ) as cluster:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(survivor, 0)
-                nursery.start_soon(survivor, 2)
-                nursery.start_soon(comes_back)
-            assert cluster.controller.stats.rejoins == 1
+    await run_with_a_return(hosts, lanes, survivor, comes_back, **options)
     assert 3 <= joined[0] < total  # after its crash; how soon depends on how fast its state went out
     for window in range(total):
         holders = [r for r in range(world) if (r, window) in seen]
@@ -385,7 +392,6 @@ async def run_fragments(
     """2 hosts x 2 ranks; window ``w`` syncs fragment ``w % fragments`` (run ``w % fragments``
     of every tensor's elements), each fragment its own delta lineage. What each rank
     holds of the fragment each window synced, after it."""
-
     hosts, world = [[0, 1], [2, 3]], 4
     seen: dict[tuple[int, int], list[np.ndarray]] = {}
 
@@ -453,7 +459,7 @@ async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_b
     async def windows(client, rank: int, params: list[torch.Tensor], span: range) -> None:
         await train_fragments(client, rank, world, params, fragments, span, seen)
 
-    async def survivor(rank: int) -> None:
+    async def survivor(cluster, rank: int) -> None:
         params = model(rank)
         async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
             client.delta_codec = codec
@@ -463,7 +469,7 @@ async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_b
                 await trio.sleep(0.02)
             await windows(client, rank, params, range(5, total))
 
-    async def comes_back() -> None:
+    async def comes_back(cluster) -> None:
         params = model(1)
         async with connect_reduce_client(cluster.relay_address(1), 1, world, SALT) as client:
             client.delta_codec = codec
@@ -479,16 +485,7 @@ async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_b
             await windows(client, 1, params, range(start, total))
 
     joined, back = [-1], trio.Event()
-    with trio.fail_after(DEADLINE_S):
-        async with open_local_cluster(
-            world_size=world, hosts=hosts, salt=SALT, rejoin_timeout=60, local_leg=False, lanes=lanes,
-            lane_min_bytes=0, outer_optimizer=DiLoCoNesterov(0.7, 0.9),
-        ) as cluster:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(survivor, 0)
-                nursery.start_soon(survivor, 2)
-                nursery.start_soon(comes_back)
-            assert cluster.controller.stats.rejoins == 1
+    await run_with_a_return(hosts, lanes, survivor, comes_back, outer_optimizer=DiLoCoNesterov(0.7, 0.9))
     assert 3 <= joined[0] < total
     for window in range(joined[0], total):  # its windows after it came back: the same bits as rank 0's
         for got, want in zip(seen[1, window], seen[0, window]):
