@@ -18,6 +18,7 @@ running cluster starts from the state it was given, which is that base.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -26,6 +27,11 @@ from ..fold.delta import NO_BASE, DeltaUplink, apply_delta, codec_of, delta_fram
 from ..wire.constants import DTYPE_F32
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, F32, DeltaCodec, F32Array, base_digest
 from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
+
+
+# Hashes each new base while the rank trains on (BLAKE2b releases the GIL): the check
+# is off the round's critical path, and done before the base is used to send again.
+_BASE_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flodl-base-digest")
 
 
 class RankDelta:
@@ -39,6 +45,7 @@ class RankDelta:
         self._uplink: DeltaUplink | None = None
         self._delta: list[F32Array] = []
         self._snapshot: list[F32Array] = []
+        self._check: tuple[Future[bytes], bytes, int] | None = None  # the last consensus's digest check
 
     def snapshot_buffers(self, sizes: Sequence[int]) -> list[F32Array]:
         """Arrays to copy the params into each window (kept from window to window)."""
@@ -53,7 +60,10 @@ class RankDelta:
 
     def frame(self, params: Sequence[F32Array], shapes: Sequence[tuple[int, ...]], weight: float) -> RoundFrame:
         """This window's contribution: ``weight x (params - base)`` coded, or - with no base
-        yet - ``weight x params`` in f32 (the lineage's first round); the digest last."""
+        yet - ``weight x params`` in f32 (the lineage's first round); the digest last.
+        The last consensus's digest check ends first: no delta goes out against a
+        base that differs."""
+        self.verify()
         w = np.float32(weight)
         if self.base is None:
             tensors = [TensorPayload(DTYPE_F32, shape, np.multiply(p, w, dtype=F32)) for p, shape in zip(params, shapes)]
@@ -71,8 +81,11 @@ class RankDelta:
         return delta_frame(self._delta, shapes, self.codec, self.digest, weight, self._uplink.encode_tensor)
 
     def take(self, reply: RoundFrame, rank: int) -> list[F32Array]:
-        """The consensus in: the base advanced (or set, after a lineage's first round)
-        and checked against the digest the controller computed; the new params."""
+        """The consensus in: the base advanced (or set, after a lineage's first round);
+        the new params. The base is checked against the digest the controller computed
+        in a thread meanwhile; :meth:`verify` (which :meth:`frame` and the next take
+        call first) waits for the check and raises if the two differ."""
+        self.verify()
         digest = digest_of(reply)
         if digest is None:
             raise SchemaError(f"rank {rank}: a delta round's consensus carries no base digest")
@@ -84,14 +97,23 @@ class RankDelta:
             raise SchemaError(f"rank {rank}: a delta consensus came back for a round this rank sent in f32")
         else:
             apply_delta(self.base, [t.data for t in reply.tensors[:-1]], codec.code, codec.block)
-        mine = base_digest(self.base)
+        self.digest = digest
+        self._check = (_BASE_HASHER.submit(base_digest, self.base), digest, rank)
+        return self.base
+
+    def verify(self) -> None:
+        """The last consensus's digest check, waited for: FlodlError if this rank's base
+        is not the controller's (nothing to wait for when none is pending)."""
+        if self._check is None:
+            return
+        future, digest, rank = self._check
+        self._check = None
+        mine = future.result()
         if mine != digest:
             raise FlodlError(
                 f"rank {rank}: after the consensus this rank's base is {mine.hex()}, the controller's is "
                 f"{digest.hex()}: the two diverged (a bug, or a consensus this rank did not apply)"
             )
-        self.digest = mine
-        return self.base
 
 
 __all__ = ["RankDelta"]

@@ -158,7 +158,15 @@ class ReduceClient:
         """Leave the cluster for good, saying so: training is done, this rank will not
         come back, so nobody waits ``rejoin_timeout`` for it. Only a rank that called
         :meth:`join` says it (a length prefix of 0, a flodl_trio extension); for any
-        other rank this is :meth:`aclose`."""
+        other rank this is :meth:`aclose`. A delta run's last digest check is waited
+        for first (FlodlError, after leaving, if this rank's base differs)."""
+        try:
+            for delta in self._deltas.values():
+                delta.verify()
+        finally:
+            await self._leave()
+
+    async def _leave(self) -> None:
         if self.joined and self._broken is None:
             # Shielded from the caller's cancellation, bounded by our own deadline
             # (inside the shield, so it can fire): a relay that stopped reading costs
