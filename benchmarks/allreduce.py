@@ -272,6 +272,17 @@ TIMED_FUNCTIONS = [
     ("flodl_trio.fold.accumulator", "FoldAccumulator.result"),
     ("flodl_trio.client.tensors", "tensors_to_round_frame"),
     ("flodl_trio.client.tensors", "round_frame_to_tensors"),
+    # Delta rounds (docs/wire.md): each hop's coding and the controller's lanes.
+    ("flodl_trio.client.delta", "RankDelta.frame"),
+    ("flodl_trio.client.delta", "RankDelta.take"),
+    ("flodl_trio.client.delta", "RankDelta.verify"),
+    ("flodl_trio.client.tensors", "f32_copies"),
+    ("flodl_trio.client.tensors", "copy_arrays_into"),
+    ("flodl_trio.fold.delta", "PendingHostDelta.lane"),
+    ("flodl_trio.fold.delta", "PendingHostDelta.whole"),
+    ("flodl_trio.controller.lane_windows", "LaneWindows.take"),
+    ("flodl_trio.wire.lanes", "LaneAssembler.add"),
+    ("flodl_trio.wire.lanes", "LaneAssembler.finish"),
 ]
 TIMING_PREFIX = "FLODL_BENCH_TIMING "
 

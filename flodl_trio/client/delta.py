@@ -43,7 +43,6 @@ class RankDelta:
         self.base: list[F32Array] | None = None
         self.digest = NO_BASE
         self._uplink: DeltaUplink | None = None
-        self._delta: list[F32Array] = []
         self._snapshot: list[F32Array] = []
         self._check: tuple[Future[bytes], bytes, int] | None = None  # the last consensus's digest check
 
@@ -74,11 +73,9 @@ class RankDelta:
             raise SchemaError(f"delta round: params of sizes {[p.size for p in params]}, the base has {sizes}")
         if self._uplink is None or self._uplink.sizes != tuple(sizes):
             self._uplink = DeltaUplink(self.codec.code, self.codec.block, sizes, error_feedback=self.error_feedback)
-            self._delta = [np.empty(n, dtype=F32) for n in sizes]
-        for delta, p, b in zip(self._delta, params, self.base):
-            np.subtract(p, b, out=delta)
-            np.multiply(delta, w, out=delta)
-        return delta_frame(self._delta, shapes, self.codec, self.digest, weight, self._uplink.encode_tensor)
+        uplink = self._uplink
+        staged = [uplink.stage(i, p, b, w) for i, (p, b) in enumerate(zip(params, self.base))]
+        return delta_frame(staged, shapes, self.codec, self.digest, weight, uplink.encode_staged)
 
     def take(self, reply: RoundFrame, rank: int) -> list[F32Array]:
         """The consensus in: the base advanced (or set, after a lineage's first round);

@@ -125,6 +125,15 @@ def f32_copies(tensors: Sequence[torch.Tensor], out: list[np.ndarray] | None = N
     return arrays
 
 
+def f32_views(tensors: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
+    """The tensors' values as flat f32 arrays sharing their memory, when every one is a
+    contiguous f32 tensor on the CPU (None otherwise: copy them with :func:`f32_copies`).
+    Only for values read at once, before anything can train the tensors on."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        return None
+    return [t.detach().reshape(-1).numpy() for t in tensors]
+
+
 def copy_arrays_into(tensors: Sequence[torch.Tensor], arrays: Sequence[np.ndarray]) -> None:
     """Write flat f32 ``arrays`` into ``tensors`` in place (their shapes and dtypes kept)."""
     with torch.no_grad():

@@ -93,6 +93,21 @@ class DeltaUplink:
         """One tensor of :meth:`encode`."""
         self.encode_piece(index, 0, delta, out)
 
+    def stage(self, index: int, params: F32Array, base: F32Array, weight: np.float32) -> F32Array:
+        """A rank's window change ``weight x (params - base)``, plus the residual, computed
+        straight into tensor ``index``'s scratch (no delta array of its own), for
+        :meth:`encode_staged`: the operations, in the order, :meth:`encode` applies."""
+        scratch = self._scratch[index]
+        np.subtract(params, base, out=scratch)
+        np.multiply(scratch, weight, out=scratch)
+        if self.error_feedback:
+            np.add(scratch, self.residual[index], out=scratch)
+        return scratch
+
+    def encode_staged(self, index: int, staged: F32Array, out: Payload) -> None:
+        """Code what :meth:`stage` left for tensor ``index``; the residual keeps what it drops."""
+        encode(staged, out, self.code, self.block, residual=self.residual[index] if self.error_feedback else None)
+
     def encode_piece(self, index: int, start: int, delta: F32Array, out: Payload) -> None:
         """Elements ``start:start + delta.size`` of tensor ``index`` (``start`` on a block
         boundary): the bytes, and the residual, the whole tensor's encode gives them."""

@@ -85,10 +85,12 @@ async def delta_reduce(
     against that base. Unlike an f32 round the consensus is adopted even when the
     accepted mass is 0: the base every rank holds moves with every consensus.
     ``fragment``: the params are that fragment's pieces, a lineage of their own."""
-    from ..client.tensors import copy_arrays_into, f32_copies
+    from ..client.tensors import copy_arrays_into, f32_copies, f32_views
 
     state = client.delta_state(fragment)
-    snapshot = f32_copies(params, out=state.snapshot_buffers([p.numel() for p in params]))
+    # The frame is computed from them at once (nothing trains meanwhile): CPU f32
+    # params are read in place, others copied into buffers kept from window to window.
+    snapshot = f32_views(params) or f32_copies(params, out=state.snapshot_buffers([p.numel() for p in params]))
     frame = state.frame(snapshot, [tuple(p.shape) for p in params], weight)
     base = state.take(await client.all_reduce(frame), client.rank)
     if in_place:
