@@ -356,3 +356,33 @@ def test_window_store_catch_up_frames_between_a_joiners_state_and_its_entry():
     assert store.catch_up_between(10, 11) == []  # entered right after its state
     assert store.catch_up_between(7, 11) == [frames[8], frames[9], frames[10]]
     assert store.catch_up_between(2, 11) is None  # window 3 is no longer kept (the newest 8 are)
+
+
+def test_in_lanes_a_relay_against_another_base_is_refused_on_the_lane_that_carries_the_digest():
+    """A delta round's digest rides whole in its last lane: the lanes before it fold, and
+    the last one names the relay and both digests (docs/wire.md, "In lanes")."""
+    from flodl_trio.errors import SchemaError
+    from flodl_trio.fold.delta import lane_digest_of
+    from flodl_trio.wire.lanes import LaneLayout
+    from flodl_trio.wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec, encode
+
+    codec = DeltaCodec.parse("int8:256")
+    values = np.linspace(-1, 1, 2048, dtype="<f4")
+    payload = bytearray(codec.payload_bytes(values.size))
+    encode(values, payload, codec.code, codec.block)
+    theirs = bytes(range(DIGEST_LEN))
+    whole = RoundFrame([TensorPayload(codec.tag, (2048,), payload), TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), theirs)],
+                       RoundKind.MODEL, 1.0)
+    lanes = LaneLayout.of(whole, 3).split(whole)
+    assert [lane_digest_of(lane) for lane in lanes] == [None, None, theirs]
+    dead = DeadRanks(2)
+    seats = Seats(2, dead)
+    seats.seat(1, Hello("a", (0, 1)), "relay a")
+    rounds = [ControllerRound(seats, ControllerStats(), computes_ahead=False) for _ in lanes]
+    for r in rounds[1:]:
+        r.lineages = rounds[0].lineages  # one set of lineages, as rounds_and_windows shares it
+    rounds[0].lineages.current.digest = b"\x01" * DIGEST_LEN  # the controller's base is another
+    for r, lane in zip(rounds[:-1], lanes[:-1]):
+        assert r.deposit(1, lane, now=0.0) is not None
+    with pytest.raises(SchemaError, match=f"relay a's delta is against base {theirs.hex()}, the controller's is 0101"):
+        rounds[-1].deposit(1, lanes[-1], now=0.0)
