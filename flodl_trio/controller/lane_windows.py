@@ -27,14 +27,12 @@ import logging
 
 import attrs
 
-import numpy as np
-
 from ..errors import FlodlError, ProtocolError
-from ..fold.delta import DeltaLineage, DeltaLineages, is_delta_schema
+from ..fold.delta import DeltaLineage, DeltaLineages, flat_f32, is_delta_schema
 from ..wire.constants import DTYPE_F32
 from ..wire.fragment import fragment_of
 from ..wire.lanes import LaneAssembler, LaneLayout
-from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, F32, DeltaCodec
+from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
 from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame
 from ..wire.salt import SessionSalt
 from .round import CheckpointSink, Consensus, OuterOptimizer, WindowCounter, WindowPart
@@ -69,10 +67,6 @@ class _DeltaRound:
         schema = tuple((DTYPE_F32, shape) for _, shape in layout.schema[:count])
         lanes = tuple(tuple(p for p in pieces if p.tensor < count) for pieces in layout.lanes)
         return cls(LaneLayout(schema, lanes), lineage)
-
-
-def _flat(t: TensorPayload) -> np.ndarray:
-    return np.frombuffer(t.data, dtype=F32) if t.nbytes else np.zeros(t.numel, dtype=F32)
 
 
 class LaneWindows:
@@ -181,7 +175,7 @@ class LaneWindows:
         lineage = self._delta.lineage
         pieces, params = layout.lanes[lane], self._delta.params.lanes[lane]
         means = frame.tensors[:len(params)]
-        values = [lineage.lane_params(p.tensor, p.start, _flat(t)) for p, t in zip(params, means)]
+        values = [lineage.lane_params(p.tensor, p.start, flat_f32(t)) for p, t in zip(params, means)]
         stepping = RoundFrame([TensorPayload(DTYPE_F32, (p.numel,), v) for p, v in zip(params, values)],
                               RoundKind.MODEL, frame.weight)
         if self._steps(part, frame):
@@ -189,7 +183,7 @@ class LaneWindows:
             stepping = self._outer_step(stepping, self._delta.params, lane, part)
         out = []
         for p, t in zip(params, stepping.tensors):
-            dtype, payload = lineage.lane_downlink(p.tensor, p.start, _flat(t))
+            dtype, payload = lineage.lane_downlink(p.tensor, p.start, flat_f32(t))
             out.append(TensorPayload(dtype, (p.numel,), payload))
         if len(pieces) > len(params):  # the digest: the round's last piece
             out.append(TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), lineage.lanes_done()))

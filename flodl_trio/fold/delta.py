@@ -17,6 +17,15 @@ new consensus. The pieces, each used by one role:
   the ranks and the controller hold the same bits. What the code dropped stays
   in the gap between the consensus and that base, and goes out with the next
   window's delta: the downlink's error feedback needs no residual of its own.
+- :class:`HostDeltaUplink` / :class:`PendingHostDelta` (a relay): its host's
+  summed deltas, coded once more with the relay's own error feedback - whole,
+  or lane by lane as the lanes go up.
+- :class:`DeltaLineage` / :class:`DeltaLineages` (the controller): per params
+  set (the model, or each fragment), the exact consensus and the downlink -
+  whole, or piece by piece for lanes.
+
+Every piece of a lane starts on a block boundary, so coding a tensor piece by
+piece gives the bytes (and the residual) coding it whole gives.
 
 Every array is a 1-d f32 view of one tensor; model-sized work is numpy,
 in cache-sized chunks (:mod:`flodl_trio.wire.quant`).
@@ -238,7 +247,7 @@ def codec_of(frame: RoundFrame) -> DeltaCodec | None:
     return codecs.pop()
 
 
-def _flat(payload: TensorPayload) -> F32Array:
+def flat_f32(payload: TensorPayload) -> F32Array:
     """An f32 payload as a flat array (zeros for an elided one)."""
     if payload.nbytes == 0:
         return np.zeros(payload.numel, dtype=F32)
@@ -287,7 +296,7 @@ class HostDeltaUplink:
         the params set it is (None, the model), whose error feedback it carries on."""
         codec = DeltaCodec.of_tag(schema[1][0][0])
         assert codec is not None and digest_of(summed) is not None
-        sums = [_flat(t) for t in summed.tensors[:-1]]
+        sums = [flat_f32(t) for t in summed.tensors[:-1]]
         uplink = self._uplink_for((fragment, schema), codec, [a.size for a in sums])
         return PendingHostDelta(schema, summed, codec, uplink, sums)
 
@@ -381,7 +390,7 @@ class DeltaLineage:
         tensors = consensus.tensors[:-1]
         if self.x is None or digest_of(consensus) == NO_BASE:
             return RoundFrame(list(tensors), RoundKind.MODEL, consensus.weight)
-        values = [np.add(x, _flat(t), dtype=F32).reshape(t.shape) for x, t in zip(self.x, tensors)]
+        values = [np.add(x, flat_f32(t), dtype=F32).reshape(t.shape) for x, t in zip(self.x, tensors)]
         return RoundFrame(
             [TensorPayload(0, t.shape, v) for t, v in zip(tensors, values)], RoundKind.MODEL, consensus.weight
         )
@@ -394,7 +403,7 @@ class DeltaLineage:
         which becomes the base. Else the params as a delta against the base, coded
         with the round's codec (the base then advances as each rank's will), and the
         new base's digest."""
-        x = [np.array(_flat(t), dtype=F32, copy=True) for t in params.tensors]
+        x = [np.array(flat_f32(t), dtype=F32, copy=True) for t in params.tensors]
         self._shapes = [tuple(t.shape) for t in params.tensors]
         self.x = x
         if codec is None or self.downlink is None:
@@ -512,6 +521,7 @@ __all__ = [
     "codec_of",
     "delta_frame",
     "digest_of",
+    "flat_f32",
     "is_delta_schema",
     "lane_digest_of",
 ]
