@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import SchemaError
 from ..wire.constants import DTYPE_F32
-from ..wire.lanes import Piece, read_lane_tag
+from ..wire.lanes import LaneLayout, Piece, read_lane_tag
 from ..wire.quant import (
     DIGEST_LEN,
     DTYPE_BASE_DIGEST,
@@ -338,6 +338,12 @@ class PendingHostDelta:
         assert digest is not None
         return delta_frame(self._sums, shapes, self.codec, digest, self.weight, self._uplink.encode_tensor)
 
+    def lanes(self, layout: LaneLayout) -> Iterator[RoundFrame]:
+        """The frame as ``layout``'s lane frames, in order (as :meth:`LaneLayout.split`
+        cuts a frame), each lane coded only when it is asked for."""
+        for index, pieces in enumerate(layout.lanes):
+            yield self.lane(pieces, layout.trailer(index))
+
     def lane(self, pieces: Sequence[Piece], trailer: Sequence[TensorPayload]) -> RoundFrame:
         """One lane's frame: its ``pieces`` coded (the digest's piece as it is), then ``trailer``."""
         tensors = []
@@ -366,6 +372,7 @@ class DeltaLineage:
         self.digest = NO_BASE
         self._shapes: list[tuple[int, ...]] = []
         self._first_in_lanes = False  # a lineage's first round, going out lane by lane
+        self._lane_codec: DeltaCodec | None = None  # the code of the round going out lane by lane
         # The new base's digest, fed piece by piece as lanes go out (they come in order).
         self._lane_hash = hashlib.blake2b(digest_size=DIGEST_LEN)
 
@@ -426,6 +433,7 @@ class DeltaLineage:
     def begin_lanes(self, shapes: Sequence[tuple[int, ...]], codec: DeltaCodec | None) -> None:
         """A round in lanes starts; ``codec`` None: its params are f32 (a lineage's first)."""
         self._lane_hash = hashlib.blake2b(digest_size=DIGEST_LEN)
+        self._lane_codec = codec
         if codec is None or self.downlink is None:
             self._shapes = [tuple(shape) for shape in shapes]
             self.x = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=F32) for shape in shapes]
@@ -452,13 +460,14 @@ class DeltaLineage:
         assert self.x is not None
         stop = start + stepped.size
         self.x[tensor][start:stop] = stepped
-        if self._first_in_lanes or self.downlink is None:
+        codec = self._lane_codec
+        if self._first_in_lanes or self.downlink is None or codec is None:
             self._lane_hash.update(self.x[tensor][start:stop].view(np.uint8).data)
             return DTYPE_F32, stepped
-        out = bytearray(payload_bytes(self.downlink.code, stepped.size, self.downlink.block))
+        out = bytearray(codec.payload_bytes(stepped.size))
         self.downlink.encode_piece(tensor, start, stepped, out)
         self._lane_hash.update(self.downlink.base[tensor][start:stop].view(np.uint8).data)
-        return DeltaCodec(self.downlink.code, self.downlink.block).tag, out
+        return codec.tag, out
 
     def lanes_done(self) -> bytes:
         """Every piece of the round went out: the digest of the base the ranks now hold

@@ -18,7 +18,7 @@ code path whatever the lane count:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 import trio
 
@@ -105,19 +105,13 @@ class LaneFrames:
         """The HostFrame as its lane frames, in lane order, each its own signed record (a
         delta round's coded lane by lane, each just before it goes)."""
         await self._wait_confirmed()
-        pending = frame if isinstance(frame, PendingHostDelta) else None
-        cut_by = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
-        layout = LaneLayout.of(cut_by, self.count, self._min_bytes)
+        schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
+        layout = LaneLayout.of(schema, self.count, self._min_bytes)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
             self._lane_buffer.reserve(layout.max_frame_bytes)
-        if pending is not None:
-            parts: Iterable[RoundFrame] = (
-                pending.lane(pieces, layout.trailer(index)) for index, pieces in enumerate(layout.lanes)
-            )
-        else:
-            parts = layout.split(cut_by)
+        parts = frame.lanes(layout) if isinstance(frame, PendingHostDelta) else layout.split(frame)
         nbytes = 0
         for part in parts:
             record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self._config.salt)
