@@ -8,6 +8,7 @@ the trainer's block, including a reduce it is waiting on.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -40,6 +41,8 @@ from ..wire.liveness import Beacon, Notice, RunOver, decode_liveness, heartbeat_
 from ..wire.salt import SessionSalt
 from .reduce import Address, check_rank, dialing_bounds, open_handshaken
 
+log = logging.getLogger("flodl_trio.client")
+
 BEACON_GRACE_S = 0.2
 
 
@@ -57,7 +60,7 @@ class ControlClient:
 
     def __init__(
         self, conn: MessageStream, rank: int, world_size: int, salt: SessionSalt,
-        heartbeat_interval: float, beacon_timeout: float,
+        heartbeat_interval: float, beacon_timeout: float, outage: float = 0.0,
     ) -> None:
         self._conn = conn
         self.rank = rank
@@ -65,6 +68,9 @@ class ControlClient:
         self._salt = salt
         self.heartbeat_interval = heartbeat_interval
         self.beacon_timeout = beacon_timeout
+        # How much longer than beacon_timeout to wait for a controller that may come back.
+        self.outage = outage
+        self.outages = 0  # times the beacon stopped for longer than beacon_timeout and came back
         self.heartbeats_sent = 0
         self.last_beacon: Beacon | None = None
         # The coordinator said the run is over (every rank finished or exited): the
@@ -115,15 +121,25 @@ class ControlClient:
             await inbox.send(frame)
 
     async def _next_message(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> ControlFrame | None:
-        """The next message; CoordinatorLost if none comes within the beacon timeout."""
+        """The next message; CoordinatorLost if none comes within the beacon timeout
+        (plus the controller outage bound: the controller may be coming back)."""
         with trio.move_on_after(self.beacon_timeout):
             return await inbox.receive()
+        if self.outage > 0:
+            log.warning("rank %d: no beacon from the coordinator for %.1f s; holding up to %g s more for it to come back",
+                        self.rank, self.beacon_timeout, self.outage)
+            with trio.move_on_after(self.outage):
+                message = await inbox.receive()
+                self.outages += 1
+                log.info("rank %d: the coordinator is back", self.rank)
+                return message
         # A process thawed after SIGSTOP finds every timer expired: give the reader a
         # moment to deliver what is already queued (a death notice) before giving up.
         with trio.move_on_after(BEACON_GRACE_S):
             return await inbox.receive()
+        waited = self.beacon_timeout + self.outage
         raise CoordinatorLost(
-            f"rank {self.rank}: no beacon from the coordinator for {self.beacon_timeout:.1f} s "
+            f"rank {self.rank}: no beacon from the coordinator for {waited:.1f} s "
             "(coordinator, controller or this host's control relay is gone or frozen)"
         )
 
@@ -196,7 +212,9 @@ async def connect_control_client(
     ``client.run_over`` becomes True and both tasks stop: the connection closing
     afterwards ends nothing, and the block goes on. Defaults follow the cluster's:
     ``heartbeat_timeout`` is ``bounds.heartbeat_timeout`` (30 s x
-    FLODL_NET_TIMEOUT_SCALE), beating 4x per timeout.
+    FLODL_NET_TIMEOUT_SCALE), beating 4x per timeout. With ``bounds.controller_outage``
+    (``FLODL_CONTROLLER_OUTAGE``) above 0, beacons that stop are waited for that much
+    longer before the coordinator counts as lost: the controller may be restarted.
     """
     check_rank(rank, world_size)
     session = SessionSalt.coerce(salt)
@@ -211,7 +229,10 @@ async def connect_control_client(
     )
     try:
         decode_control_ack(ack, session)
-        client = ControlClient(conn, rank, world_size, session, heartbeat_interval or timeout / 4, beacon_timeout or timeout)
+        client = ControlClient(
+            conn, rank, world_size, session, heartbeat_interval or timeout / 4, beacon_timeout or timeout,
+            net.controller_outage,
+        )
         with one_error(prefer=_VERDICTS):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._heartbeat_loop)

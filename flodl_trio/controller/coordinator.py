@@ -104,6 +104,12 @@ class Coordinator:
         # cut them off, so their control connection is left to them (or to the run's end).
         self.finished: set[int] = set()
 
+    def expect(self, ranks: list[int], now: float) -> None:
+        """Start the heartbeat clock of ``ranks`` now (a resumed run's live ranks): one
+        that never beats again is declared dead a heartbeat timeout from now."""
+        for rank in ranks:
+            self.last_seen.setdefault(rank, now)
+
     # -- service tasks (run in the controller's nursery) ---------------------
 
     async def run(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -71,6 +72,7 @@ from ..wire.mux import (
     RankFinished,
     RankJoin,
     RelayControlMsg,
+    Resume,
     decode_control_msg,
     record_payload,
 )
@@ -82,6 +84,7 @@ from .dead_ranks import DeadRanks
 from .joins import Returns
 from .links import AfterAllWrites, RelayLink, receive_hello
 from .membership import Membership
+from .resumption import Resumption
 from .round import (
     CheckpointSink,
     Consensus,
@@ -161,6 +164,7 @@ async def open_controller(
     deterministic: bool = False,
     lanes: int = 1,
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES,
+    resume_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -181,6 +185,10 @@ async def open_controller(
     lane is still coming up (an outer optimizer steps each lane as it finishes).
     A round goes in one lane per ``lane_min_bytes`` of its frame's payload (0:
     always ``lanes``), so small rounds stay one record each way.
+    ``resume_dir``: keep the run's resume record there (written each round before
+    its consensus goes out), and take the run on from it if one is there: relays
+    and ranks holding through a controller outage then carry on where they were
+    (docs/liveness.md, "A lost controller"; lanes 1 only for now).
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
@@ -202,7 +210,7 @@ async def open_controller(
             raise ConfigError("open_controller needs a host to listen on, or listeners=")
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
-    controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership)
+    controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
     async with serving(controller.run, handle.outcome, log, "controller"):
         yield handle
 
@@ -216,6 +224,7 @@ class _Controller:
         outer_optimizer: OuterOptimizer | None,
         checkpoint: CheckpointSink | None,
         membership: Membership,
+        resume_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.config = config
         self.membership = membership
@@ -251,8 +260,13 @@ class _Controller:
             self.links, self._refuse, self._revive,
         )
         self._consensus_send, self._consensus_receive = trio.open_memory_channel[tuple[int, Consensus]](config.lanes)
+        self.resumption = Resumption(
+            resume_dir, lanes=config.lanes, salt=config.salt, whole=self.rounds[0], membership=membership,
+            dead=self.dead, coordinator=handle.coordinator, stats=self.stats,
+        )
 
     async def run(self) -> None:
+        self.resumption.restore()
         async with self._consensus_send, trio.open_nursery() as nursery:
             self.returns.nursery = nursery
             nursery.start_soon(self.dead.watch, self._forward_new_deaths)
@@ -362,6 +376,7 @@ class _Controller:
     async def _drop_link(self, link: RelayLink, why: str) -> None:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
         self.seats.unseat(link.id)
+        self.resumption.forget(link.id)
         for rank in self.membership.seat_gone(link.id):
             self.returns.call_off(rank, f"{link.name} left before it was let back in")
         await link.close_and_declare_dead(self.dead, why, log)
@@ -465,6 +480,10 @@ class _Controller:
         )
         lane = self._lane_of(link, frame)
         lane_round = self.rounds[lane]
+        if self.resumption.stale_host_frame(link.id):
+            self.stats.stale_host_frames += 1
+            log.info("controller: dropped %s's HostFrame sent again for a round already finished", link.name)
+            return False
         if not lane_round.accepts_host_frame(link.id):
             log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
             return False
@@ -500,6 +519,15 @@ class _Controller:
         self._next_lane[link.id] = 0 if tag.index == tag.count - 1 else tag.index + 1
         return tag.index
 
+    def _refuse_resumption(self, link: RelayLink, why: DesyncError) -> None:
+        """A relay that resumes somewhere this controller never was: its ranks are dead
+        (each is told, so the relay ends with them instead of dialing on)."""
+        log.warning("controller: %s may not resume: %s; its ranks are dead", link.name, why)
+        self.stats.resumptions_refused += 1
+        for rank in link.ranks:
+            self.handle.coordinator.death_reasons.setdefault(rank, f"its relay {link.name} could not resume: {why}")
+            self.dead.declare_dead(rank)
+
     def _expel(self, lane_round: ControllerRound) -> None:
         """Cut off the relays whose folded frames a later one proved wrong (their part
         of the round's sum is gone already; their ranks' deaths let it complete)."""
@@ -509,6 +537,14 @@ class _Controller:
                 link.expel(why)
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
+        if isinstance(msg, Resume):
+            try:
+                again = self.resumption.answer(link.id, link.name, msg)
+            except DesyncError as exc:
+                return self._refuse_resumption(link, exc)
+            if again is not None:
+                link.queue(again, before_write=partial(self.rounds[0].broadcast_going_out, link.id))
+            return
         if not isinstance(msg, RankExit | RankJoin | RankFinished):
             raise ProtocolError(f"unexpected {type(msg).__name__} mid-session")
         if msg.rank not in link.ranks:
@@ -548,6 +584,8 @@ class _Controller:
                 # A delta round's consensus as the ranks got it (joined from its lanes, with lanes).
                 whole = record_payload(record) if out.catch_up is None else await _signed(out.catch_up, self.config.salt)
                 self.window_store.keep_catch_up(part.window, whole)
+            # Durable before any relay has it: a controller started again resumes from it.
+            await self.resumption.record(record, part)
             # Before any joiner is revived (they did not ask), and every relay that delivered.
             targets = self.seats.broadcast_targets(consensus.delivered_by)
             if (
@@ -625,6 +663,7 @@ class _Controller:
             deadline = self.membership.finish_deadline(self.dead.snapshot())
             if deadline is not None and trio.current_time() >= deadline:
                 log.info("controller: every rank is dead or has exited; finished after %d rounds", self.stats.rounds)
+                self.resumption.run_over()
                 await self.handle.coordinator.say_run_over()  # before the connections close
                 self.handle.outcome.end()
                 return
@@ -643,7 +682,7 @@ class _Controller:
             # Of those, the ones that have their state: they enter at the next boundary.
             "primed": [rank for rank, _seat in self.membership.entering()],
             "relays": [
-                {"host": self.links[sid].host, "ranks": list(seat.ranks)}
+                {"host": self.links[sid].host, "ranks": list(seat.ranks), "delivered": sid in self.rounds[0].delivered}
                 for sid, seat in self.seats.connected()
             ],
             "stats": attrs.asdict(self.stats),

@@ -49,6 +49,22 @@ class ControllerCollector(Collector):
             stats.rejoins_refused,
         )
         yield counter("flodl_controller_states_served", "Window states sent to joining ranks", stats.states_served)
+        yield counter(
+            "flodl_controller_resumed_runs", "1 when this controller took the run on from its resume record",
+            stats.resumed_runs,
+        )
+        yield counter(
+            "flodl_controller_relays_resumed", "Relays that came back after losing their connection and resumed",
+            stats.relays_resumed,
+        )
+        yield counter(
+            "flodl_controller_resumptions_refused", "Relays that resumed a run this controller cannot take on",
+            stats.resumptions_refused,
+        )
+        yield counter(
+            "flodl_controller_stale_host_frames", "HostFrames sent again for a round already finished, dropped",
+            stats.stale_host_frames,
+        )
         ignored = CounterMetricFamily(
             "flodl_controller_control_frames_ignored",
             "Rank control frames the coordinator ignored (anything but a valid, fresh heartbeat)", labels=["reason"],

@@ -117,6 +117,22 @@ class WindowCounter:
         self.windows = window
         self._model_rounds = 0
 
+    @property
+    def model_rounds(self) -> int:
+        """Model rounds finished in the window now open."""
+        return self._model_rounds
+
+    @property
+    def fragment(self) -> FragmentTag | None:
+        """The fragment the window now open syncs (None: the whole model)."""
+        return self._fragment
+
+    def restore(self, windows: int, model_rounds: int, previous_kind: RoundKind | None) -> None:
+        """Carry on counting where a controller that ran before stopped (its resume record)."""
+        self.windows = windows
+        self._model_rounds = model_rounds
+        self.previous_kind = previous_kind
+
 
 @attrs.frozen
 class Consensus:
@@ -301,6 +317,7 @@ class ControllerRound:
         # a window syncs is this round's to say, unless a lane windows keeper says it.
         self.lineages = DeltaLineages()
         self.names_window_fragment = True
+        self.last_was_delta = False  # whether the last round finished was a delta round
         # Buffers of consensus frames computed ahead and since sent to every relay.
         self._spare_buffers: list[ReceiveBuffer] = []
 
@@ -382,6 +399,7 @@ class ControllerRound:
         acc = self.acc
         if acc.schema is not None and is_delta_schema(acc.schema[1]):
             return self._finish_delta(finish_consensus(acc), now)
+        self.last_was_delta = False
         # Without hooks the consensus's memory is reused once written, so a bf16
         # one may as well be rounded over the sums as into new arrays.
         consensus = finish_consensus(acc, overwrite_sums=not self.hooked)
@@ -462,6 +480,7 @@ class ControllerRound:
         joiner is given that base in f32."""
         assert self.acc.schema is not None
         codec = DeltaCodec.of_tag(self.acc.schema[1][0][0])
+        self.last_was_delta = True
         lineage = self.lineages.current
         averaged = lineage.averaged(mean)
         finished = self._finish(averaged, None, None, now)

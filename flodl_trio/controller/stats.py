@@ -37,6 +37,10 @@ class ControllerStats:
     rejoins: int = 0  # dead ranks let back in
     late_joins: int = 0  # ranks the cluster formed without, let in later
     rejoins_refused: int = 0  # returns refused (a live rank, rejoining off, too late)
+    resumed_runs: int = 0  # 1 when this controller took on a run from its resume record
+    relays_resumed: int = 0  # relays that came back after losing their connection and said Resume
+    resumptions_refused: int = 0  # relays that resumed where this controller never was: their ranks are dead
+    stale_host_frames: int = 0  # HostFrames sent again for a round already finished, dropped
     states_served: int = 0  # window states sent to joining ranks
     rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--outer-momentum", type=float, default=env_default("FLODL_OUTER_MOMENTUM"),
                         help="outer momentum [env FLODL_OUTER_MOMENTUM; default 0.5 slowmo, 0.9 diloco]")
     parser.add_argument("--checkpoint-dir", default=env_default("FLODL_CHECKPOINT_DIR"),
-                        help="write each window's consensus here as safetensors [env FLODL_CHECKPOINT_DIR; default off]")
+                        help="write each window's consensus here as safetensors, and the run's resume record: a controller "
+                        "started again with it takes the run on [env FLODL_CHECKPOINT_DIR; default off]")
     parser.add_argument("--checkpoint-every", type=int, default=int(env_default("FLODL_CHECKPOINT_EVERY", 1)),
                         help="checkpoint every Nth window [env FLODL_CHECKPOINT_EVERY; default 1]")
     parser.add_argument("--checkpoint-keep", type=int, default=int(env_default("FLODL_CHECKPOINT_KEEP", 3)),
@@ -159,7 +160,7 @@ async def serve_controller_daemon(
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
                 rejoin_timeout=settings.rejoin_timeout, min_ranks=settings.min_ranks,
                 formation_timeout=settings.formation_timeout, deterministic=settings.deterministic,
-                lanes=settings.lanes,
+                lanes=settings.lanes, resume_dir=settings.checkpoint_dir,
             )
         )
         if metrics is not None:

@@ -14,7 +14,7 @@ from ..relay.config import ChannelKind, RelayConfig
 from ..relay.core import open_relay
 from ..relay.host_ranks import HostRanks
 from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
-from ..transport.settings import NetBounds, load_salt
+from ..transport.settings import OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .common import (
     add_common_flags,
@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="resident MiB the data relay may grow to by receiving two frames at once "
         "[env FLODL_RELAY_MEMORY_BUDGET; default 2 x model + 150]",
     )
+    parser.add_argument(
+        "--controller-outage", type=float, default=None, metavar="SECONDS",
+        help="hold the ranks this long for a controller that was lost (killed, restarted, its link cut) to "
+        f"come back; 0 = give up at once [env {OUTAGE_ENV}; default 0]",
+    )
     add_common_flags(parser)
     return parser
 
@@ -131,6 +136,10 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
         bool(args.deterministic), not args.no_unix, args.unix_dir,
         None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)), int(args.lanes),
     )
+    if args.controller_outage is not None:
+        settings = attrs.evolve(
+            settings, bounds=attrs.evolve(settings.bounds, controller_outage=float(args.controller_outage))
+        )
     RelayConfig(
         ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt,
         memory_budget=settings.memory_budget, lanes=settings.lanes,

@@ -8,6 +8,12 @@ Task structure of one channel (all in one nursery)::
 
     controller --> upstream_reader --> fan-out to every rank socket (sole rank-socket writer)
 
+With a controller outage bound (``NetBounds.controller_outage`` > 0), a broken
+upstream connection is not the end: the task that notices starts a reconnect
+task, which dials the controller again (backing off) while the rank side
+keeps running, sends ``Resume`` and what the role holds in flight, and swaps
+the new connection in; the writer and reader wait for it and go on.
+
 :class:`Channel` owns those tasks, its ranks' comings and goings and how it
 ends. What the bytes mean is its role's, a :class:`ChannelRole` it is built
 with: :class:`~.router.ControlRouter` (the control channel routes rank-tagged
@@ -19,25 +25,28 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
 
 import trio
 
-from ..errors import FlodlError, MacError, ProtocolError
+from ..errors import ConnectFailed, FlodlError, HandshakeError, MacError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..transport.tasks import ChangeSignal
 from ..wire.mux import (
     DeclareDead,
     MuxHeader,
     MuxKind,
     RankExit,
     RankFinished,
+    RankJoin,
     RelayControlMsg,
     encode_control_msg,
     encode_mux_record,
 )
+from ..wire.round_frame import EncodedFrame
 from ..wire.salt import Buffer
 from .config import RelayConfig, RelayStats
 from .host_ranks import HostRanks
@@ -56,6 +65,10 @@ OUTBOUND_DEPTH = 16
 # the relay then stays within its memory budget: for a large model one buffer
 # and the fold are what fits.
 RECEIVE_BUFFERS = 2
+# The longest pause between two dials of a controller that is away.
+REDIAL_BACKOFF_MAX_S = 5.0
+
+Redial = Callable[[], Awaitable[MessageStream]]
 
 
 class ChannelRole(Protocol):
@@ -77,6 +90,13 @@ class ChannelRole(Protocol):
     async def on_upstream(self, header: MuxHeader, out: Outbox) -> None:
         """Receive, verify and act on the controller's record that ``header`` opens."""
 
+    def resume_notice(self) -> RelayControlMsg | None:
+        """What opens a connection that replaces a lost one (after HelloAck), if anything."""
+
+    def in_flight(self) -> EncodedFrame | None:
+        """The record whose answer never came, to send again on a new connection;
+        FlodlError if one is in flight that cannot be sent again."""
+
 
 class Channel:
     """A channel's nursery, its ranks joining and leaving, the sole upstream
@@ -95,7 +115,7 @@ class Channel:
     def __init__(
         self, config: RelayConfig, upstream: MessageStream, stats: RelayStats, host: HostRanks,
         released: Callable[[int], None], role: Callable[[Channel], ChannelRole],
-        ranks: Iterable[int] | None = None, away: Iterable[int] = (),
+        ranks: Iterable[int] | None = None, away: Iterable[int] = (), redial: Redial | None = None,
     ) -> None:
         self.config = config
         self.host = host
@@ -113,7 +133,19 @@ class Channel:
         # (rank, whether it is coming back); unbounded, each entry is a rank's connection.
         self._joins_send, self._joins = trio.open_memory_channel[tuple[int, bool]](math.inf)
         self._nursery: trio.Nursery | None = None
+        # A lost controller: who dials it again, and how the tasks wait for that.
+        self._redial = redial
+        self._epoch = 0  # connections that replaced a lost one, so far
+        self._reconnecting = False
+        self._reconnected = ChangeSignal()
+        self._write_lock = trio.Lock()  # the writer's per item, the reconnect's while it lasts
+        self._goodbyes: dict[int, RankExit | RankFinished] = {}  # told again to a controller that comes back
         self.role = role(self)
+
+    @property
+    def holds(self) -> bool:
+        """Whether a lost controller is waited for, up to the outage bound (docs/liveness.md)."""
+        return self._redial is not None and self.config.bounds.controller_outage > 0
 
     @property
     def live(self) -> set[int]:
@@ -133,6 +165,7 @@ class Channel:
         if rank not in self.ranks or rank not in self.gone:
             return False
         self.gone.discard(rank)
+        self._goodbyes.pop(rank, None)
         self.stats.live_ranks = len(self.live)
         log.info("relay %s: rank %d reconnected", self.config.host_name, rank)
         self._start_reader(rank, conn, rejoined=True)
@@ -203,6 +236,7 @@ class Channel:
             scope.cancel()
         notice = await self.role.rank_left(rank, out)
         if report:
+            self._goodbyes[rank] = notice
             await out.send(notice)
         conn = self.conns.get(rank)
         if conn is not None:
@@ -214,6 +248,8 @@ class Channel:
     def _after_last_rank_left(self) -> None:
         """Shut down - unless a rank that left may still come back (it called join()
         and did not say it finished): then keep serving until the controller closes."""
+        if self._reconnecting:
+            return self._stop_after_shutdown("every local rank has left while the controller was away")
         waiting_for = self.host.may_return(self.ranks)
         if waiting_for:
             log.info("relay %s: every local rank has left; staying up for ranks %s, which may come back",
@@ -236,15 +272,22 @@ class Channel:
     async def _outbound_writer(self, inbox: trio.MemoryReceiveChannel[Outbound]) -> None:
         async with inbox:
             async for item in inbox:
-                try:
-                    await self._write(item)
-                except CONNECTION_LOST as exc:
-                    if isinstance(item, RankExit | RankFinished):
+                while True:
+                    async with self._write_lock:
+                        epoch = self._epoch
+                        try:
+                            await self._write(item)
+                            break
+                        except CONNECTION_LOST as exc:
+                            lost: BaseException = exc
+                    if isinstance(item, RankExit | RankFinished) and not self.holds:
                         # Only a rank's goodbye was lost: the controller closed the connection (it
                         # does once every rank has finished) before this write, as when the reader
                         # sees EOF first - a shutdown, not a failure.
-                        return self._stop_after_shutdown(f"the controller closed the upstream connection ({exc})")
-                    raise FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {exc}") from exc
+                        return self._stop_after_shutdown(f"the controller closed the upstream connection ({lost})")
+                    await self._upstream_lost(epoch, lost)
+                    if not isinstance(item, RankJoin):
+                        break  # resent by the reconnect (a HostFrame, a goodbye), or stale (a heartbeat)
                 del item  # a sent HostFrame must not outlive its write while we wait for the next
 
     async def _write(self, item: Outbound) -> None:
@@ -260,17 +303,97 @@ class Channel:
     async def _upstream_reader(self, out: Outbox) -> None:
         async with out:
             with self._upstream_reading:
-                try:
-                    await self._read_upstream(out)
-                except CONNECTION_LOST as exc:
-                    raise FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {exc}") from exc
+                while True:
+                    epoch = self._epoch
+                    try:
+                        if not await self._read_upstream(out):
+                            return self._stop_after_shutdown("the controller closed the upstream connection")
+                    except CONNECTION_LOST as exc:
+                        await self._upstream_lost(epoch, exc)
 
-    async def _read_upstream(self, out: Outbox) -> None:
+    async def _read_upstream(self, out: Outbox) -> bool:
+        """Act on the controller's records until EOF: False, or - when a lost controller
+        is waited for - ConnectionError, so the connection is replaced."""
         while True:
             header = await self.upstream.receive_mux_header(self.config.ceiling)
             if header is None:
-                return self._stop_after_shutdown("the controller closed the upstream connection")
+                if self.holds:
+                    raise ConnectionError("the controller closed the connection")
+                return False
             await self.role.on_upstream(header, out)
+
+    # -- a lost controller ------------------------------------------------------
+
+    async def _upstream_lost(self, epoch: int, why: BaseException) -> None:
+        """The connection of ``epoch`` broke: return once another is up and resumed (or
+        FlodlError at once, unless the channel holds through a lost controller)."""
+        if not self.holds:
+            raise FlodlError(f"relay {self.config.host_name}: connection to the controller failed: {why}") from why
+        if epoch == self._epoch and not self._reconnecting:
+            self._reconnecting = True
+            assert self._nursery is not None
+            self._nursery.start_soon(self._reconnect, why)
+        while epoch == self._epoch:  # a reconnect that fails raises, which cancels this wait
+            await self._reconnected.wait()
+
+    async def _reconnect(self, why: BaseException) -> None:
+        """Dial the controller until it answers and takes our resumption, within the outage bound."""
+        outage = self.config.bounds.controller_outage
+        host, port = self.config.upstream
+        self.stats.outages += 1
+        log.warning(
+            "relay %s: lost the controller %s:%d (%s); holding the %s channel's ranks and redialing for up to %g s",
+            self.config.host_name, host, port, why, self.config.kind.value, outage,
+        )
+        await self.upstream.aclose()
+        started = trio.current_time()
+        with trio.move_on_after(outage):
+            async with self._write_lock:  # nothing else goes up until the new connection has resumed
+                self.upstream = await self._dial_until_resumed()
+                self._epoch += 1
+                self._reconnecting = False
+                self.stats.resumed += 1
+                log.info("relay %s: resumed with the controller after %.1f s", self.config.host_name,
+                         trio.current_time() - started)
+                self._reconnected.notify()
+                return
+        raise FlodlError(
+            f"relay {self.config.host_name}: the controller at {host}:{port} did not come back within the "
+            f"controller outage bound of {outage:g} s (it was lost: {why})"
+        )
+
+    async def _dial_until_resumed(self) -> MessageStream:
+        """A new connection that has said ``Resume`` and sent what was in flight."""
+        assert self._redial is not None
+        delay = self.config.bounds.connect_interval
+        while True:
+            in_flight = self.role.in_flight()  # FlodlError: nothing we could resume
+            try:
+                conn = await self._redial()
+            except (*CONNECTION_LOST, ConnectFailed, HandshakeError, trio.TooSlowError) as exc:
+                log.info("relay %s: the controller is not back yet (%s)", self.config.host_name, exc)
+                await trio.sleep(delay)
+                delay = min(2 * delay, REDIAL_BACKOFF_MAX_S)
+                continue
+            try:
+                await self._resume_on(conn, in_flight)
+                return conn
+            except CONNECTION_LOST as exc:
+                log.info("relay %s: the new connection to the controller broke while resuming (%s)",
+                         self.config.host_name, exc)
+                await conn.aclose()
+
+    async def _resume_on(self, conn: MessageStream, in_flight: EncodedFrame | None) -> None:
+        """Tell the controller where we are: the role's Resume, the record it holds in
+        flight, then the goodbyes of the ranks that left (it may not have heard them)."""
+        salt = self.config.salt
+        notice = self.role.resume_notice()
+        if notice is not None:
+            await conn.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(notice), salt).chunks)
+        if in_flight is not None:
+            await conn.send_chunks(in_flight.chunks)
+        for goodbye in self._goodbyes.values():
+            await conn.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(goodbye), salt).chunks)
 
     @asynccontextmanager
     async def record_buffer(self, header: MuxHeader) -> AsyncIterator[ReceiveBuffer]:

@@ -48,6 +48,8 @@ class RelayStats:
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
     local_connections: int = 0  # rank handshakes accepted on the Unix-socket local leg
     receive_buffers: int = 1  # model-sized receive buffers (a second only within the memory budget)
+    outages: int = 0  # times the controller's connection was lost and held through
+    resumed: int = 0  # of those, the times a new connection to it resumed the channel
 
     @property
     def fold_ratio(self) -> float:

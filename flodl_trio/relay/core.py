@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -216,7 +217,10 @@ class _Relay:
                 await nursery.start(trio.serve_listeners, self._serve_rank_connection, self.listeners)
                 if self.config.kind is ChannelKind.DATA:
                     upstream = await self._dial_controller(self.config.ranks)
-                    self.channel = Channel(self.config, upstream, self.handle.stats, self.host, self._released, DataPlane)
+                    self.channel = Channel(
+                        self.config, upstream, self.handle.stats, self.host, self._released, DataPlane,
+                        redial=partial(self._dial_controller, self.config.ranks),
+                    )
                 else:
                     ranks, away = await self._control_formation()
                     if not ranks:
@@ -225,7 +229,8 @@ class _Relay:
                         return
                     upstream = await self._dial_controller(ranks)
                     self.channel = Channel(
-                        self.config, upstream, self.handle.stats, self.host, self._released, ControlRouter, ranks, away
+                        self.config, upstream, self.handle.stats, self.host, self._released, ControlRouter, ranks, away,
+                        redial=partial(self._dial_controller, ranks),
                     )
                 waiting, self.waiting = self.waiting, {}
                 for rank, conn in waiting.items():

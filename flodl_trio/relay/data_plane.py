@@ -21,19 +21,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from functools import partial
 
+import attrs
 import trio
 
-from ..errors import ProtocolError
+from ..errors import FlodlError, ProtocolError
+from ..fold.delta import PendingHostDelta
 from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.hashing import RunningMac, hash_as_it_lands
+from ..transport.hashing import RunningMac, encode_enveloped_frame, hash_as_it_lands
 from ..transport.stream import MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import FINISHED_LENGTH, MAC_LEN, MUX_HEADER_LEN
 from ..wire.mux import (
+    NO_BROADCAST,
     Lanes,
     MuxHeader,
     MuxKind,
@@ -42,6 +46,7 @@ from ..wire.mux import (
     RankFinished,
     RankJoin,
     RelayControlMsg,
+    Resume,
     decode_control_msg,
     encode_mux_record,
     mux_signed_header,
@@ -61,6 +66,20 @@ MiB = 1 << 20
 RELAY_BASELINE = 48 * MiB
 
 
+def _nothing() -> None:
+    pass
+
+
+@attrs.define
+class InFlight:
+    """The HostFrame record written last whose consensus has not begun to come back,
+    kept (with what owns its memory) so a new connection can carry it again; ``record``
+    None: it went up in lanes and cannot (yet) be sent again."""
+
+    record: EncodedFrame | None
+    release: Callable[[], None] = _nothing
+
+
 class DataPlane:
     """The data channel's :class:`~.channels.ChannelRole` (see the module docstring)."""
 
@@ -70,7 +89,6 @@ class DataPlane:
         self.stats = channel.stats
         self.host = channel.host
         self.pool = channel.pool  # the channel's model-sized buffers (ownership: the module docstring)
-        self.upstream = channel.upstream
         self.fold_changed = ChangeSignal()
         self.fold = HostFold(self.config.host_name, self.config.ranks, on_change=self.fold_changed.notify)
         # Whole records each way, or lanes (:mod:`.lanes`): chosen once, here.
@@ -78,6 +96,9 @@ class DataPlane:
         # A single rank's frame goes up as it is, unless it must be cut into lanes.
         self.single = len(self.config.ranks) == 1 and self.frames.whole
         self._budget_refused = False
+        # What a new connection to a controller that came back needs (Channel.holds only).
+        self._in_flight: InFlight | None = None
+        self.last_broadcast = NO_BROADCAST  # the MAC of the last Broadcast record taken whole
 
     # -- the role's side of the channel ---------------------------------------
 
@@ -110,25 +131,69 @@ class DataPlane:
         if isinstance(item, DataRecord | RankNotice):
             raise TypeError(f"the data channel cannot send {type(item).__name__}")
         self.fold.host_frame_sent()  # before the write: the answer may beat our resumption
-        if isinstance(item, FoldedHostFrame):
-            sent = await self.frames.send(item.frame, self.upstream)
+        if isinstance(item, FoldedHostFrame) and not self.frames.whole:
+            self._hold(InFlight(None))
+            sent = await self.frames.send(item.frame, self.channel.upstream)
             self.fold.images.give(item.images)  # written: nothing reads them now
             return self._count_round(sent)
-        try:
+        if isinstance(item, FoldedHostFrame):
+            frame = item.frame.whole() if isinstance(item.frame, PendingHostDelta) else item.frame
+            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, frame, self.config.salt)
+            release = partial(self.fold.images.give, item.images)
+        else:
             record = item.record if isinstance(item, SealedHostFrame) else encode_mux_record(
                 MuxKind.HOST_FRAME, item.body, self.config.salt
             )
-            await self.upstream.send_chunks(record.chunks)
-        finally:
-            self.pool.release(item.buffer)  # the item owned it until written
+            release = partial(self.pool.release, item.buffer)  # the item owned it until written
+        if not self.channel.holds:
+            try:
+                await self.channel.upstream.send_chunks(record.chunks)
+            finally:
+                release()
+            return self._count_round(record.nbytes)
+        self._hold(InFlight(record, release))  # before the write: a broken one is sent again
+        await self.channel.upstream.send_chunks(record.chunks)
         self._count_round(record.nbytes)
+
+    def _hold(self, in_flight: InFlight) -> None:
+        self._let_go_in_flight()
+        if self.channel.holds:
+            self._in_flight = in_flight
+        else:
+            in_flight.release()
+
+    def _let_go_in_flight(self) -> None:
+        """The HostFrame's consensus is coming: nothing will send it again."""
+        held, self._in_flight = self._in_flight, None
+        if held is not None:
+            held.release()
+
+    def resume_notice(self) -> RelayControlMsg | None:
+        return Resume(self.last_broadcast, awaiting=self.fold.host_frame_up, resends=self._in_flight is not None)
+
+    def in_flight(self) -> EncodedFrame | None:
+        if self._in_flight is None:
+            return None
+        if self._in_flight.record is None:
+            raise FlodlError(
+                f"relay {self.config.host_name}: the controller was lost while this host's HostFrame went up in "
+                "lanes, which cannot be sent again yet (resuming needs --lanes 1 for now)"
+            )
+        return self._in_flight.record
 
     async def on_upstream(self, header: MuxHeader, out: Outbox) -> None:
         """A record from the controller: a consensus (cut through to the ranks as it lands
         when it is large and whole) or a control message."""
         # The kind byte is not authenticated yet: it only picks the path. A record
         # that is not what it claims fails its MAC before any rank sees its end.
-        if header.kind == MuxKind.BROADCAST and self.frames.whole and self.fold.host_frame_up and header.length > SMALL_MESSAGE:
+        if header.kind == MuxKind.BROADCAST:
+            self._let_go_in_flight()  # (its buffer may be the one this record lands in)
+        # Cut through only when the controller's connection is the end of the channel if
+        # it breaks: a consensus half fanned out could not be taken back for a resumption.
+        if (
+            header.kind == MuxKind.BROADCAST and self.frames.whole and self.fold.host_frame_up
+            and header.length > SMALL_MESSAGE and not self.channel.holds
+        ):
             async with self.channel.record_buffer(header) as buf:
                 return await self._cut_through_broadcast(header, buf, out)
         lane_buffer = self.frames.downlink_buffer(header.length)
@@ -328,7 +393,7 @@ class DataPlane:
         async def rank_failed(rank: int, why: str) -> None:
             await self.channel.drop(rank, out, why)
 
-        await stream_consensus(self.upstream, header, buf, self.config.salt, self.channel.conns, targets, rank_failed)
+        await stream_consensus(self.channel.upstream, header, buf, self.config.salt, self.channel.conns, targets, rank_failed)
         self.fold.learn_base(buf.view(header.length))  # verified whole by now
         self.stats.bytes_down += header.length
         self.stats.broadcasts_streamed += 1
@@ -339,6 +404,7 @@ class DataPlane:
             return await self._on_control(decode_control_msg(payload), out)
         if kind is not MuxKind.BROADCAST:
             raise self.channel.unexpected_record(kind)
+        self.last_broadcast = header.tag
         async with self.frames.consensus(payload, self.fold.host_frame_up, self._a_waiting_rank_reads_macs) as consensus:
             if consensus is not None:  # None: more lanes to come
                 await self._fan_out(consensus, out)

@@ -42,6 +42,13 @@ class RelayCollector(Collector):
         buffers = GaugeMetricFamily(
             "flodl_relay_receive_buffers", "Model-sized receive buffers (2 only within the memory budget)", labels=labels
         )
+        outages = CounterMetricFamily(
+            "flodl_relay_controller_outages", "Times the controller's connection was lost and held through", labels=labels
+        )
+        resumed = CounterMetricFamily(
+            "flodl_relay_controller_resumed", "Of those, times a new connection to the controller resumed the channel",
+            labels=labels,
+        )
         for kind, handle in self.handles.items():
             key = [handle.host_name, kind.value]
             s = handle.stats
@@ -57,7 +64,9 @@ class RelayCollector(Collector):
             reused.add_metric(key, s.fold_images_reused)
             local.add_metric(key, s.local_connections)
             buffers.add_metric(key, s.receive_buffers)
-        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused, local, buffers)
+            outages.add_metric(key, s.outages)
+            resumed.add_metric(key, s.resumed)
+        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused, local, buffers, outages, resumed)
 
 
 __all__ = ["RelayCollector"]

@@ -10,7 +10,16 @@ from __future__ import annotations
 from ..transport.buffers import ReceiveBuffer
 from ..transport.stream import MessageStream
 from ..wire.constants import CONTROL_FRAME_HEADER_LEN, CONTROL_FRAME_MAX_PAYLOAD
-from ..wire.mux import MuxHeader, MuxKind, RankExit, RankFinished, decode_control_msg, encode_mux_record
+from ..wire.mux import (
+    MuxHeader,
+    MuxKind,
+    RankExit,
+    RankFinished,
+    RelayControlMsg,
+    decode_control_msg,
+    encode_mux_record,
+)
+from ..wire.round_frame import EncodedFrame
 from .channels import Channel
 from .outbound import DataRecord, Outbound, Outbox
 
@@ -58,6 +67,12 @@ class ControlRouter:
             if rank in channel.conns and rank not in channel.gone:
                 await channel.send_to_rank(rank, [payload], len(payload), out)
             # else: the rank already left; its RankExit is on the way or delivered.
+
+    def resume_notice(self) -> RelayControlMsg | None:
+        return None  # the coordinator needs no more than the Hello: heartbeats carry on
+
+    def in_flight(self) -> EncodedFrame | None:
+        return None  # a heartbeat lost with the connection is followed by the next
 
 
 __all__ = ["CONTROL_BLOB_CEILING", "ControlRouter"]

@@ -266,6 +266,8 @@ class ProcessCluster:
     past_relays: dict[int, list[DaemonProcess]] = attrs.field(factory=dict)
     log_dir: Path | None = None  # each process's stderr also goes to a file there
     _relay_launches: dict[int, list[tuple[str, list[str], dict[str, str]]]] = attrs.field(factory=dict)
+    _controller_launch: tuple[list[str], dict[str, str]] | None = None
+    past_controllers: list[DaemonProcess] = attrs.field(factory=list)
     _launches: dict[int, tuple[list[str], dict[str, str]]] = attrs.field(factory=dict)
     _base_env: dict[str, str] = attrs.field(factory=dict)
     _nursery: trio.Nursery | None = None
@@ -440,6 +442,21 @@ class ProcessCluster:
     def kill_controller(self) -> None:
         self._controller().kill()
 
+    async def restart_controller(self) -> DaemonProcess:
+        """Start the controller daemon again with its first command line, on the same port,
+        as an operator restarts one that died (kill it first); returns it once it listens."""
+        old = self._controller()
+        if old.process.returncode is None:
+            raise RuntimeError("the controller is still running: kill it before restarting it")
+        assert self._nursery is not None and self._controller_launch is not None
+        self.past_controllers.append(old)
+        argv, env = self._controller_launch
+        argv = [str(self.controller_port) if i and argv[i - 1] == "--port" else a for i, a in enumerate(argv)]
+        self.controller = await _start_daemon(self._nursery, "controller", "flodl_trio.controller", argv, env,
+                                              self._started, self.log_path("controller"))
+        await self.controller.wait_log(re.compile(r"controller started: listening on \S+:(\d+)"))
+        return self.controller
+
     def freeze_controller(self) -> None:
         self._controller().freeze()
 
@@ -451,6 +468,7 @@ class ProcessCluster:
         out: list[ChildProcess] = [proc for lives in self.past_lives.values() for proc in lives]
         out += [proc for lives in self.past_relays.values() for proc in lives]
         out += self.ranks.values()
+        out += self.past_controllers
         for host in self.relays:
             out.extend(host)
         if self.controller is not None:
@@ -551,9 +569,9 @@ async def _start_daemons(
     args = ["--host", LOOPBACK, "--port", "0", "--world-size", str(cluster.world_size), "--log-level", "INFO"]
     if heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(heartbeat_timeout)]
+    cluster._controller_launch = ([*args, *controller_args], {**base_env, **controller_env})
     cluster.controller = await _start_daemon(
-        nursery, "controller", "flodl_trio.controller", [*args, *controller_args], {**base_env, **controller_env}, started,
-        cluster.log_path("controller"),
+        nursery, "controller", "flodl_trio.controller", *cluster._controller_launch, started, cluster.log_path("controller"),
     )
     match = await cluster.controller.wait_log(re.compile(r"controller started: listening on \S+:(\d+)"))
     cluster.controller_port = int(match.group(1))

@@ -25,6 +25,7 @@ from ..wire.salt import SessionSalt
 log = logging.getLogger("flodl_trio.net")
 
 TIMEOUT_SCALE_ENV = "FLODL_NET_TIMEOUT_SCALE"
+OUTAGE_ENV = "FLODL_CONTROLLER_OUTAGE"
 MIN_TIMEOUT_SCALE = 0.1
 SALT_HEX_ENV = "FLODL_SALT_HEX"
 SALT_FILE_ENV = "FLODL_SALT_FILE"
@@ -35,6 +36,11 @@ _warned_scale_values: set[str] = set()
 def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"NetBounds.{attr.name} must be a finite number > 0, got {value!r}")
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"NetBounds.{attr.name} must be a finite number >= 0, got {value!r}")
 
 
 def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -66,6 +72,10 @@ class NetBounds:
     connect_attempts: int = attrs.field(default=60, validator=_at_least_one)
     #: a rank silent this long on the control channel is declared dead
     heartbeat_timeout: float = attrs.field(default=30.0, validator=_positive)
+    #: how long relays and ranks hold through a lost controller (its connection broke,
+    #: its beacon stopped) for it to come back before giving up; 0: they give up at once
+    #: (flodl's behaviour). Not scaled: an operator's restart takes what it takes.
+    controller_outage: float = attrs.field(default=0.0, validator=_non_negative)
 
     @classmethod
     def scaled(cls, scale: float) -> NetBounds:
@@ -82,8 +92,10 @@ class NetBounds:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> NetBounds:
-        """The defaults scaled by ``FLODL_NET_TIMEOUT_SCALE`` (finite, >= 0.1; default 1)."""
-        return cls.scaled(timeout_scale(os.environ if environ is None else environ))
+        """The defaults scaled by ``FLODL_NET_TIMEOUT_SCALE`` (finite, >= 0.1; default 1),
+        with ``FLODL_CONTROLLER_OUTAGE`` seconds of controller outage (default 0)."""
+        env = os.environ if environ is None else environ
+        return attrs.evolve(cls.scaled(timeout_scale(env)), controller_outage=controller_outage(env))
 
 
 def timeout_scale(environ: Mapping[str, str]) -> float:
@@ -101,6 +113,20 @@ def timeout_scale(environ: Mapping[str, str]) -> float:
         _warned_scale_values.add(raw)
         log.warning("%s=%r is not a finite number >= %s; using 1.0", TIMEOUT_SCALE_ENV, raw, MIN_TIMEOUT_SCALE)
     return 1.0
+
+
+def controller_outage(environ: Mapping[str, str]) -> float:
+    """``FLODL_CONTROLLER_OUTAGE`` (seconds, finite, >= 0; unset: 0) from ``environ``."""
+    raw = environ.get(OUTAGE_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{OUTAGE_ENV}={raw!r}: give the seconds to hold through a lost controller (>= 0)")
+    return value
 
 
 def load_salt(salt_file: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> SessionSalt:
@@ -127,4 +153,4 @@ def load_salt(salt_file: str | os.PathLike[str] | None = None, environ: Mapping[
     )
 
 
-__all__ = ["SALT_FILE_ENV", "SALT_HEX_ENV", "TIMEOUT_SCALE_ENV", "NetBounds", "load_salt", "timeout_scale"]
+__all__ = ["OUTAGE_ENV", "SALT_FILE_ENV", "SALT_HEX_ENV", "TIMEOUT_SCALE_ENV", "NetBounds", "controller_outage", "load_salt", "timeout_scale"]

@@ -123,10 +123,33 @@ class Lanes:
     min_bytes: int = 0
 
 
-RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes
+@attrs.frozen
+class Resume:
+    """flodl_trio extension (variant 204), relay -> controller, the first record after
+    HelloAck on a connection that replaces one the relay lost (the controller died,
+    or the link broke): the MAC of the last Broadcast record the relay took whole
+    (8 zero bytes: none yet); whether it waits for a consensus (its HostFrame went
+    up, no Broadcast came back whole); and whether that HostFrame follows again
+    (it does unless the Broadcast had begun to arrive). See docs/wire.md, "Resuming"."""
+
+    last_broadcast: bytes = attrs.field(converter=bytes)
+    awaiting: bool = False
+    resends: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.last_broadcast) != MAC_LEN:
+            raise ConfigError(f"Resume.last_broadcast must be {MAC_LEN} bytes, got {len(self.last_broadcast)}")
+        if self.resends and not self.awaiting:
+            raise ConfigError("Resume: a relay that resends its HostFrame awaits its consensus")
+
+
+NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
+
+RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
+    Resume: 204,
 }
 
 
@@ -162,6 +185,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             out += _varint(r)
         case Lanes(count=count, min_bytes=min_bytes):
             out += _varint(count) + _varint(min_bytes)
+        case Resume(last_broadcast=last, awaiting=awaiting, resends=resends):
+            out += last + _varint(int(awaiting)) + _varint(int(resends))
         case HelloAck():
             pass
     return bytes(out)
@@ -239,6 +264,13 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = RankAway(reader.varint("RankAway rank"))
     elif variant == 203:
         msg = Lanes(reader.varint("Lanes count"), reader.varint("Lanes min_bytes"))
+    elif variant == 204:
+        last = reader._take(MAC_LEN, "Resume last_broadcast")
+        awaiting = bool(reader.varint("Resume awaiting", limit=1))
+        resends = bool(reader.varint("Resume resends", limit=1))
+        if resends and not awaiting:
+            raise FramingError("RelayControlMsg Resume: resends a HostFrame it does not await the consensus of")
+        msg = Resume(last, awaiting, resends)
     else:
         raise FramingError(f"RelayControlMsg: unknown variant index {variant}")
     if reader.pos != len(reader.data):

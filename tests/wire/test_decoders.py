@@ -37,6 +37,7 @@ from flodl_trio.wire import (
     HelloAck,
     MuxKind,
     RankExit,
+    Resume,
     RoundFrame,
     RoundKind,
     SessionSalt,
@@ -59,6 +60,7 @@ from flodl_trio.wire import (
     encode_mux_record,
     encode_round_frame,
 )
+from flodl_trio.wire.mux import NO_BROADCAST
 
 SALT = SessionSalt(b"\x42" * 16)
 OTHER_SALT = SessionSalt(b"\x24" * 16)
@@ -708,3 +710,36 @@ def test_the_run_over_payload_is_exactly_its_tag():
     assert decode_liveness(ControlFrame(ControlKind.CONTROL, b"FN01 and more")) is None
     assert decode_liveness(ControlFrame(ControlKind.HEARTBEAT, b"FN01")) is None
     assert decode_liveness(notice_frame("gone")) == Notice("gone")
+
+
+@pytest.mark.parametrize(
+    ("msg", "raw"),
+    [
+        (Resume(NO_BROADCAST), "cc" + "00" * 8 + "0000"),
+        (Resume(bytes(range(1, 9)), awaiting=True), "cc0102030405060708" + "0100"),
+        (Resume(b"\xff" * 8, awaiting=True, resends=True), "cc" + "ff" * 8 + "0101"),
+    ],
+)
+def test_resume_round_trips_as_docs_wire_md_lays_it_out(msg, raw):
+    assert encode_control_msg(msg).hex() == raw
+    assert decode_control_msg(bytes.fromhex(raw)) == msg
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        (b"\xcc" + b"\0" * 7, "ended inside Resume last_broadcast"),
+        (b"\xcc" + b"\0" * 8, "ended inside Resume awaiting"),
+        (b"\xcc" + b"\0" * 8 + b"\x02\x00", "Resume awaiting = 2 exceeds 1"),
+        (b"\xcc" + b"\0" * 8 + b"\x00\x01", "resends a HostFrame it does not await"),
+        (b"\xcc" + b"\0" * 8 + b"\x01\x01\x00", "1 trailing bytes"),
+    ],
+)
+def test_resume_decode_errors(payload, match):
+    with pytest.raises(FramingError, match=match):
+        decode_control_msg(payload)
+
+
+def test_resume_refuses_a_tag_of_the_wrong_length():
+    with pytest.raises(ConfigError, match="8 bytes, got 7"):
+        Resume(b"\0" * 7)

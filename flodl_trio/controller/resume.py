@@ -1,0 +1,204 @@
+"""The controller's durable record: what a controller started again needs to resume the run.
+
+Written atomically (temp file, fsync, rename) after every round's consensus is
+final and before its first byte goes to any relay, so whatever a relay holds,
+the record is at least as new: a relay that got the newest consensus is
+current; one that did not is exactly one round behind and is sent the
+record's Broadcast, byte for byte. What it keeps:
+
+- where the run is: rounds finished, the window counter, the MACs of the last
+  two Broadcast records (how a resuming relay says where it is: docs/wire.md,
+  "Resuming");
+- who is in it: dead, finished, elastic, plain and absent ranks;
+- the outer optimizer's state (x_prev and momentum for SlowMo / DiLoCo);
+- the last Broadcast record, header and payload.
+
+The params themselves are in that Broadcast and on every rank, which is why
+nothing else model-sized is kept: the ranks hold the consensus they trained
+from, and the record's Broadcast is what any rank one round behind still needs.
+No I/O but the file's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from ..wire.checkpoint import CheckpointError, read_safetensors, write_safetensors_atomic
+from ..wire.constants import MAC_LEN, MUX_HEADER_LEN
+from ..wire.mux import NO_BROADCAST
+from ..wire.round_frame import EncodedFrame
+from ..wire.salt import SessionSalt
+
+log = logging.getLogger("flodl_trio.controller")
+
+RECORD_FILE = "resume.safetensors"
+RECORD_FORMAT = "flodl_trio-resume-1"
+_BROADCAST = "broadcast"
+# Signed with the salt: a record of another session (another salt) is not this run's.
+_FINGERPRINT_TEXT = b"flodl_trio resume record"
+
+
+def broadcast_tag(record: EncodedFrame) -> bytes:
+    """The MAC of an encoded MuxRecord (bytes 17..25 of its header)."""
+    head = bytearray()
+    for chunk in record.chunks:
+        head += memoryview(chunk).cast("B")[: MUX_HEADER_LEN - len(head)]
+        if len(head) == MUX_HEADER_LEN:
+            break
+    return bytes(head[MUX_HEADER_LEN - MAC_LEN:])
+
+
+@attrs.frozen
+class RunRecord:
+    """Where the run stood after round ``rounds`` (all but the arrays)."""
+
+    rounds: int
+    windows: int
+    model_rounds: int  # Model rounds finished in the current window
+    previous_kind: int | None  # the last round's kind (RoundKind value)
+    fragment: tuple[int, int] | None  # the current window's fragment (index, count)
+    last_tag: bytes
+    previous_tag: bytes | None
+    dead: tuple[int, ...] = ()
+    finished: tuple[int, ...] = ()
+    elastic: tuple[int, ...] = ()
+    plain: tuple[int, ...] = ()
+    absent: tuple[int, ...] = ()
+    formed: bool = False
+    # Why a controller started again cannot take this run on (None: it can).
+    not_resumable: str | None = None
+    # The file beside the record with the outer optimizer's state after the newest params round.
+    outer_file: str | None = None
+
+    def to_json(self) -> str:
+        fields = attrs.asdict(self)
+        fields["last_tag"] = self.last_tag.hex()
+        fields["previous_tag"] = None if self.previous_tag is None else self.previous_tag.hex()
+        return json.dumps(fields, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> RunRecord:
+        try:
+            fields = json.loads(text)
+            fields["last_tag"] = bytes.fromhex(fields["last_tag"])
+            if fields["previous_tag"] is not None:
+                fields["previous_tag"] = bytes.fromhex(fields["previous_tag"])
+            for name in ("dead", "finished", "elastic", "plain", "absent"):
+                fields[name] = tuple(int(r) for r in fields[name])
+            if fields["fragment"] is not None:
+                fields["fragment"] = tuple(fields["fragment"])
+            return cls(**fields)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{where}: the resume record is not readable: {exc}") from exc
+
+
+@attrs.frozen
+class Resumed:
+    """A record read back: the run, its last Broadcast record, the outer state."""
+
+    run: RunRecord
+    broadcast: bytes
+    outer: dict[str, np.ndarray]
+
+
+class ResumeLog:
+    """The record file of one run in ``directory`` (the checkpoint directory)."""
+
+    def __init__(self, directory: str | os.PathLike[str], salt: SessionSalt, world_size: int) -> None:
+        self.path = Path(directory) / RECORD_FILE
+        self.salt = salt
+        self.world_size = world_size
+        self.writes = 0
+
+    @property
+    def fingerprint(self) -> str:
+        return self.salt.mac8(_FINGERPRINT_TEXT).hex()
+
+    def write(self, run: RunRecord, broadcast: EncodedFrame, outer: Mapping[str, np.ndarray] | None = None) -> RunRecord:
+        """Replace the record with this round's, atomically (blocking: call it in a thread).
+        ``outer``: the outer optimizer's state, when this round stepped it; it goes in a
+        file of its own (written first, so the record never names a missing one) and
+        the record as written, which names it, is returned."""
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        if outer is not None:
+            name = f"resume-outer-{run.rounds}.safetensors"
+            arrays = [(key, np.ascontiguousarray(a)) for key, a in outer.items()]
+            write_safetensors_atomic(directory / name, arrays, self._metadata())
+            run = attrs.evolve(run, outer_file=name)
+        raw = np.concatenate([np.frombuffer(memoryview(c).cast("B"), dtype=np.uint8) for c in broadcast.chunks])
+        write_safetensors_atomic(self.path, [(_BROADCAST, raw)], {**self._metadata(), "run": run.to_json()})
+        self._remove_outer_files_but(run.outer_file)
+        self.writes += 1
+        return run
+
+    def _metadata(self) -> dict[str, str]:
+        return {"format": RECORD_FORMAT, "fingerprint": self.fingerprint, "world_size": str(self.world_size)}
+
+    def _remove_outer_files_but(self, keep: str | None) -> None:
+        for old in self.path.parent.glob("resume-outer-*.safetensors"):
+            if old.name != keep:
+                old.unlink(missing_ok=True)
+
+    def load(self) -> Resumed | None:
+        """This run's record, if there is one; a record of another session or world is
+        left alone (None, logged): the controller starts a new run."""
+        if not self.path.exists():
+            return None
+        tensors, metadata = read_safetensors(self.path)
+        if metadata.get("format") != RECORD_FORMAT:
+            raise CheckpointError(f"{self.path}: not a flodl_trio resume record (format {metadata.get('format')!r})")
+        if metadata.get("fingerprint") != self.fingerprint:
+            log.warning("controller: %s is another session's resume record (another salt); starting a new run",
+                        self.path)
+            return None
+        if metadata.get("world_size") != str(self.world_size):
+            log.warning("controller: %s is the record of a run of world_size %s, this one has %d; starting a new run",
+                        self.path, metadata.get("world_size"), self.world_size)
+            return None
+        if _BROADCAST not in tensors:
+            raise CheckpointError(f"{self.path}: the resume record has no Broadcast")
+        run = RunRecord.from_json(metadata.get("run", ""), self.path)
+        outer: dict[str, np.ndarray] = {}
+        if run.outer_file is not None:
+            outer, _ = read_safetensors(self.path.parent / run.outer_file)
+        return Resumed(run, tensors[_BROADCAST].tobytes(), outer)
+
+    def last_broadcast(self) -> EncodedFrame | None:
+        """The newest record's Broadcast, as it went out (None: no record)."""
+        if not self.path.exists():
+            return None
+        tensors, _ = read_safetensors(self.path)
+        raw = tensors.get(_BROADCAST)
+        if raw is None:
+            return None
+        data = raw.tobytes()
+        return EncodedFrame([data], len(data))
+
+    def clear(self) -> None:
+        """The run is over: a controller started next starts a new one."""
+        self.path.unlink(missing_ok=True)
+        self._remove_outer_files_but(None)
+
+
+
+
+@attrs.define
+class BroadcastTags:
+    """The MACs of the last two Broadcast records: where a resuming relay may be."""
+
+    latest: bytes = NO_BROADCAST
+    previous: bytes | None = None
+
+    def advance(self, tag: bytes) -> None:
+        self.latest, self.previous = tag, self.latest
+
+
+__all__ = ["NO_BROADCAST", "RECORD_FILE", "BroadcastTags", "ResumeLog", "Resumed", "RunRecord", "broadcast_tag"]

@@ -1,0 +1,224 @@
+"""A controller that comes back: its record written each round, read at start, and
+what it answers a relay that resumes (docs/wire.md, "Resuming"; docs/liveness.md).
+
+:class:`Resumption` is the controller's one place for it. Each round, before the
+consensus goes out, :meth:`Resumption.record` makes the round durable
+(:mod:`.resume`). At start, :meth:`Resumption.restore` puts a run's record back
+into the round, the membership, the dead-rank ledger and the coordinator. When a
+relay's ``Resume`` arrives, :meth:`Resumption.answer` says what it is owed: nothing
+(it has every consensus), or the last Broadcast again (it is one round behind, and
+the HostFrame it sends again is stale: :meth:`Resumption.stale_host_frame` drops
+it). No socket I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import trio
+
+from ..errors import DesyncError, FlodlError
+from ..wire.checkpoint import CheckpointError
+from ..wire.mux import Resume
+from ..wire.round_frame import EncodedFrame, RoundKind
+from ..wire.salt import SessionSalt
+from .coordinator import Coordinator
+from .dead_ranks import DeadRanks
+from .membership import Membership
+from .resume import BroadcastTags, ResumeLog, RunRecord, broadcast_tag
+from .round import ControllerRound, WindowPart
+from .stats import ControllerStats
+
+log = logging.getLogger("flodl_trio.controller")
+
+
+class Resumption:
+    """The controller's durable record and its answers to resuming relays."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None,
+        *,
+        lanes: int,
+        salt: SessionSalt,
+        whole: ControllerRound,
+        membership: Membership,
+        dead: DeadRanks,
+        coordinator: Coordinator,
+        stats: ControllerStats,
+    ) -> None:
+        self.log: ResumeLog | None = None
+        if directory is not None and lanes > 1:
+            log.warning("controller: no resume record with lanes=%d: resuming a run needs lanes 1 for now; "
+                        "a controller started again starts a new run", lanes)
+        elif directory is not None:
+            self.log = ResumeLog(directory, salt, dead.world_size)
+        self.round = whole
+        self.membership = membership
+        self.dead = dead
+        self.coordinator = coordinator
+        self.stats = stats
+        self.tags = BroadcastTags()
+        self._outer_file: str | None = None
+        self._stale: set[int] = set()  # relays whose next HostFrame is of a round already finished
+        # Why this run cannot be resumed (a record that said so, or a round it cannot carry).
+        self.not_resumable: str | None = None
+
+    # -- at start --------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Take on the run the record describes, if there is one."""
+        if self.log is None:
+            return
+        resumed = self.log.load()
+        if resumed is None:
+            return
+        run = resumed.run
+        if run.not_resumable is not None:
+            self.not_resumable = run.not_resumable
+            log.error("controller: the record in %s cannot be resumed (%s); relays that resume will be refused",
+                      self.log.path, run.not_resumable)
+            return
+        now = trio.current_time()
+        self.stats.rounds = run.rounds
+        self.round.counter.restore(
+            run.windows, run.model_rounds, None if run.previous_kind is None else RoundKind(run.previous_kind)
+        )
+        outer = self.round.outer_optimizer
+        if resumed.outer:
+            load = getattr(outer, "load_state_dict", None)
+            if not callable(load):
+                raise FlodlError(f"the resume record in {self.log.path} has outer optimizer state, but this "
+                                 f"controller's outer optimizer ({outer!r}) takes none: start it as it was started")
+            load(resumed.outer)
+            self._outer_file = run.outer_file
+        m = self.membership
+        m.formed = run.formed
+        m.elastic |= set(run.elastic)
+        m.finished |= set(run.finished)
+        m.plain |= set(run.plain)
+        m.absent |= set(run.absent)
+        for rank in run.dead:
+            self.coordinator.death_reasons.setdefault(rank, "dead before the controller was restarted")
+            m.died(rank, now)
+            self.dead.declare_dead(rank)
+        self.coordinator.finished |= set(run.finished)
+        # A rank that never shows up again is declared dead a heartbeat timeout from now.
+        self.coordinator.expect([r for r in range(self.dead.world_size) if r not in run.dead], now)
+        self.tags = BroadcastTags(run.last_tag, run.previous_tag)
+        self.stats.resumed_runs += 1
+        log.info("controller: resuming the run from %s: %d rounds done (window %d), dead ranks %s",
+                 self.log.path, run.rounds, run.windows, sorted(run.dead))
+
+    # -- every round -------------------------------------------------------------
+
+    async def record(self, broadcast: EncodedFrame, part: WindowPart | None) -> None:
+        """Make the round whose Broadcast this is durable, before anyone is sent it."""
+        tag = broadcast_tag(broadcast)
+        if self.log is None:
+            self.tags.advance(tag)
+            return
+        run = self._run_record(tag, part)
+        outer = self._outer_state(part)
+        try:
+            written = await trio.to_thread.run_sync(self.log.write, run, broadcast, outer)
+        except CheckpointError as exc:
+            # Without a record a restarted controller would resume wrongly: none at all.
+            log.error("controller: the resume record could not be written (%s); removed: a controller started "
+                      "again will not resume this run", exc)
+            self.log.clear()
+            self.log = None
+        else:
+            self._outer_file = written.outer_file
+        self.tags.advance(tag)
+
+    def _run_record(self, tag: bytes, part: WindowPart | None) -> RunRecord:
+        counter = self.round.counter
+        m = self.membership
+        fragment = counter.fragment
+        return RunRecord(
+            rounds=self.stats.rounds,
+            windows=counter.windows,
+            model_rounds=counter.model_rounds,
+            previous_kind=None if counter.previous_kind is None else int(counter.previous_kind),
+            fragment=None if fragment is None else (fragment.index, fragment.count),
+            last_tag=tag,
+            previous_tag=self.tags.latest,
+            dead=tuple(sorted(self.dead.snapshot())),
+            finished=tuple(sorted(m.finished)),
+            elastic=tuple(sorted(m.elastic)),
+            plain=tuple(sorted(m.plain)),
+            absent=tuple(sorted(m.absent)),
+            formed=m.formed,
+            not_resumable=self._why_not_resumable(),
+            outer_file=self._outer_file,
+        )
+
+    def _why_not_resumable(self) -> str | None:
+        if self.round.last_was_delta:
+            return "it runs delta rounds (--codec), which a restarted controller cannot resume yet"
+        if self.round.counter.fragment is not None:
+            return "it streams fragments (--fragments), which a restarted controller cannot resume yet"
+        return None
+
+    def _outer_state(self, part: WindowPart | None) -> Mapping[str, np.ndarray] | None:
+        """The outer optimizer's state, if this round stepped it (else the record keeps the last file)."""
+        if part is None or not part.is_params:
+            return None
+        state_dict = getattr(self.round.outer_optimizer, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
+    # -- a relay that resumes ---------------------------------------------------
+
+    def answer(self, seat_id: int, name: str, msg: Resume) -> EncodedFrame | None:
+        """What ``msg`` from the relay of ``seat_id`` is owed: None (it is current), or
+        the last Broadcast record again. DesyncError (the relay is dropped) when the
+        relay is somewhere this controller never was."""
+        if self.not_resumable is not None and msg.last_broadcast != self.tags.latest:
+            raise DesyncError(f"resumed a run this controller cannot take on: {self.not_resumable}")
+        if msg.last_broadcast == self.tags.latest:
+            if msg.awaiting and not msg.resends:
+                raise DesyncError("resumed waiting for a consensus it began to receive, but this controller "
+                                  "never sent one after the last it has")
+            log.info("controller: %s resumed with every consensus%s", name,
+                     "; its HostFrame comes again" if msg.resends else "")
+            self.stats.relays_resumed += 1
+            return None
+        if msg.last_broadcast == self.tags.previous and msg.awaiting:
+            record = self.log.last_broadcast() if self.log is not None else None
+            if record is None:
+                raise DesyncError("resumed one consensus behind, and this controller keeps no record to send it "
+                                  "again (start it with a checkpoint directory)")
+            if msg.resends:
+                self._stale.add(seat_id)
+            log.info("controller: %s resumed one consensus behind; it is sent the last one again", name)
+            self.stats.relays_resumed += 1
+            return record
+        known = "none yet" if self.tags.previous is None else f"{self.tags.latest.hex()} and {self.tags.previous.hex()}"
+        raise DesyncError(
+            f"resumed after the Broadcast with MAC {msg.last_broadcast.hex()}, which is not one of this "
+            f"controller's last two ({known}): it belongs to another run, or this controller was started "
+            "without the record of this one (give it the same checkpoint directory)"
+        )
+
+    def stale_host_frame(self, seat_id: int) -> bool:
+        """Whether this HostFrame is one a resuming relay sent again for a round already
+        finished (dropped: its consensus went out again instead)."""
+        if seat_id in self._stale:
+            self._stale.discard(seat_id)
+            return True
+        return False
+
+    def forget(self, seat_id: int) -> None:
+        self._stale.discard(seat_id)
+
+    def run_over(self) -> None:
+        """Every rank finished or is gone for good: a controller started next starts anew."""
+        if self.log is not None:
+            self.log.clear()
+
+
+__all__ = ["Resumption"]

@@ -1,0 +1,149 @@
+"""The resume record and the controller's answers to relays that resume, I/O-free but the file's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flodl_trio.controller.coordinator import Coordinator
+from flodl_trio.controller.dead_ranks import DeadRanks
+from flodl_trio.controller.membership import Membership
+from flodl_trio.controller.resume import RECORD_FILE, ResumeLog, RunRecord, broadcast_tag
+from flodl_trio.controller.resumption import Resumption
+from flodl_trio.controller.round import ControllerRound, WindowPart
+from flodl_trio.controller.seats import Seats
+from flodl_trio.controller.stats import ControllerStats
+from flodl_trio.errors import DesyncError
+from flodl_trio.fold.outer import DiLoCoNesterov
+from flodl_trio.transport.settings import NetBounds, controller_outage
+from flodl_trio.wire.mux import NO_BROADCAST, MuxKind, Resume, encode_mux_record
+from flodl_trio.wire.constants import DTYPE_F32
+from flodl_trio.wire.round_frame import EncodedFrame, RoundFrame, RoundKind, TensorPayload
+from flodl_trio.wire.salt import SessionSalt
+
+SALT = SessionSalt(b"resume-unit-salt")
+WORLD = 4
+
+
+def broadcast(payload: bytes) -> EncodedFrame:
+    return encode_mux_record(MuxKind.BROADCAST, payload, SALT)
+
+
+def run_record(rounds: int, tag: bytes, previous: bytes | None, **fields: object) -> RunRecord:
+    return RunRecord(rounds=rounds, windows=rounds // 3, model_rounds=rounds % 3, previous_kind=0, fragment=None,
+                     last_tag=tag, previous_tag=previous, **fields)
+
+
+def test_broadcast_tag_is_the_records_mac() -> None:
+    record = broadcast(b"consensus bytes")
+    assert broadcast_tag(record) == record.tobytes()[17:25]
+    assert broadcast_tag(broadcast(b"other bytes")) != broadcast_tag(record)
+
+
+def test_a_record_reads_back_as_written_with_its_outer_state(tmp_path: Path) -> None:
+    log = ResumeLog(tmp_path, SALT, WORLD)
+    record = broadcast(b"x" * 1000)
+    outer = {"windows": np.array([3]), "x_prev.0": np.arange(6, dtype=np.float32)}
+    written = log.write(run_record(7, broadcast_tag(record), b"\1" * 8, dead=(2,), elastic=(0, 1)), record, outer)
+    assert written.outer_file == "resume-outer-7.safetensors"
+    back = log.load()
+    assert back is not None
+    assert back.run == written and back.broadcast == record.tobytes()
+    np.testing.assert_array_equal(back.outer["x_prev.0"], outer["x_prev.0"])
+    # A round that did not step the outer optimizer keeps naming the last state file.
+    log.write(run_record(8, b"\2" * 8, broadcast_tag(record), outer_file=written.outer_file), broadcast(b"y"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([RECORD_FILE, "resume-outer-7.safetensors"])
+    log.write(run_record(9, b"\3" * 8, b"\2" * 8), broadcast(b"z"), {"windows": np.array([4])})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([RECORD_FILE, "resume-outer-9.safetensors"])
+    assert log.last_broadcast().tobytes() == broadcast(b"z").tobytes()
+    log.clear()
+    assert list(tmp_path.iterdir()) == [] and log.load() is None
+
+
+def test_another_sessions_or_worlds_record_is_not_resumed(tmp_path: Path) -> None:
+    ResumeLog(tmp_path, SALT, WORLD).write(run_record(3, b"\1" * 8, None), broadcast(b"a"))
+    assert ResumeLog(tmp_path, SessionSalt(b"another-salt-16b"), WORLD).load() is None
+    assert ResumeLog(tmp_path, SALT, WORLD + 1).load() is None
+    assert ResumeLog(tmp_path, SALT, WORLD).load() is not None
+
+
+def resumption(tmp_path: Path | None, outer: DiLoCoNesterov | None = None) -> Resumption:
+    dead = DeadRanks(WORLD)
+    stats = ControllerStats()
+    whole = ControllerRound(Seats(WORLD, dead), stats, outer_optimizer=outer)
+    return Resumption(tmp_path, lanes=1, salt=SALT, whole=whole, membership=Membership(WORLD, 60.0), dead=dead,
+                      coordinator=Coordinator(WORLD, SALT, dead), stats=stats)
+
+
+async def test_each_round_is_recorded_before_it_goes_out_and_a_new_controller_takes_it_on(tmp_path: Path) -> None:
+    first = resumption(tmp_path)
+    records = [broadcast(bytes([i]) * 64) for i in range(3)]
+    for i, record in enumerate(records):
+        first.stats.rounds = i + 1
+        await first.record(record, None)
+    first.dead.declare_dead(3)
+    first.membership.said_finished(3)
+    await first.record(last := broadcast(b"last" * 16), None)
+
+    second = resumption(tmp_path)
+    second.restore()
+    assert second.stats.rounds == 3 and second.stats.resumed_runs == 1
+    assert second.dead.snapshot() == {3} and 3 in second.membership.finished
+    assert second.tags.latest == broadcast_tag(last) and second.tags.previous == broadcast_tag(records[-1])
+    assert set(second.coordinator.last_seen) == {0, 1, 2}  # their heartbeat clocks run from now
+
+    # Current: nothing owed. One behind: the last Broadcast again, and its resent HostFrame is stale.
+    assert second.answer(1, "relay a", Resume(broadcast_tag(last), awaiting=True, resends=True)) is None
+    assert not second.stale_host_frame(1)
+    again = second.answer(2, "relay b", Resume(broadcast_tag(records[-1]), awaiting=True, resends=True))
+    assert again is not None and again.tobytes() == last.tobytes()
+    assert second.stale_host_frame(2) and not second.stale_host_frame(2)
+    with pytest.raises(DesyncError, match="not one of this controller's last two"):
+        second.answer(3, "relay c", Resume(broadcast_tag(records[0]), awaiting=True))
+    with pytest.raises(DesyncError, match="began to receive"):
+        second.answer(3, "relay c", Resume(broadcast_tag(last), awaiting=True, resends=False))
+
+
+async def test_the_outer_state_comes_back_exactly(tmp_path: Path) -> None:
+    outer = DiLoCoNesterov(lr=0.7, momentum=0.9)
+    for k in range(3):
+        values = np.arange(5, dtype=np.float32) * (k + 1)
+        outer(RoundFrame([TensorPayload(DTYPE_F32, values.shape, values.tobytes())], RoundKind.MODEL, 1.0))
+    first = resumption(tmp_path, outer)
+    first.stats.rounds = 5
+    await first.record(broadcast(b"params"), WindowPart(1, 1))
+    fresh = DiLoCoNesterov(lr=0.7, momentum=0.9)
+    second = resumption(tmp_path, fresh)
+    second.restore()
+    for key, value in outer.state_dict().items():
+        np.testing.assert_array_equal(fresh.state_dict()[key], value)
+
+
+async def test_a_controller_without_a_record_refuses_a_relay_from_a_run_it_never_saw() -> None:
+    fresh = resumption(None)
+    assert fresh.answer(0, "relay a", Resume(NO_BROADCAST)) is None  # before any round: nothing to resume
+    with pytest.raises(DesyncError, match="started without the record"):
+        fresh.answer(0, "relay a", Resume(b"\7" * 8, awaiting=True, resends=True))
+
+
+async def test_a_run_that_cannot_be_resumed_says_why(tmp_path: Path) -> None:
+    ResumeLog(tmp_path, SALT, WORLD).write(
+        run_record(4, b"\1" * 8, b"\2" * 8, not_resumable="it runs delta rounds"), broadcast(b"a")
+    )
+    second = resumption(tmp_path)
+    second.restore()
+    assert second.stats.rounds == 0
+    with pytest.raises(DesyncError, match="cannot take on: it runs delta rounds"):
+        second.answer(0, "relay a", Resume(b"\1" * 8, awaiting=False))
+
+
+def test_the_outage_bound_comes_from_the_environment() -> None:
+    assert controller_outage({}) == 0.0
+    assert controller_outage({"FLODL_CONTROLLER_OUTAGE": "120"}) == 120.0
+    assert NetBounds.from_env({"FLODL_CONTROLLER_OUTAGE": "7.5", "FLODL_NET_TIMEOUT_SCALE": "2"}).controller_outage == 7.5
+    for bad in ("-1", "inf", "soon"):
+        with pytest.raises(Exception, match="FLODL_CONTROLLER_OUTAGE"):
+            controller_outage({"FLODL_CONTROLLER_OUTAGE": bad})
+

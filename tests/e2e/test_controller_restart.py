@@ -1,0 +1,228 @@
+"""A controller that dies and is started again resumes the run: nobody restarts.
+
+Real sockets, real relays and a real controller in one trio run; ranks train
+windows with ``average_window`` and a DiLoCo outer optimizer. The controller
+is stopped (its task cancelled: every connection it held closes, as a killed
+process's do) at a chosen point of a round and started again on the same
+port with the same resume directory; the relays hold their ranks, redial,
+``Resume``, and the run goes on. Each run is compared with the same run
+uninterrupted, in deterministic mode: every rank's params must be
+bit-identical after every window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import torch
+import trio
+
+from flodl_trio import average_window, connect_reduce_client, open_controller, open_relay
+from flodl_trio.controller import ControllerHandle
+from flodl_trio.fold.outer import DiLoCoNesterov
+from flodl_trio.relay import ChannelKind, RelayHandle
+from flodl_trio.testing import DropRecord, FaultProxy, hold_open
+from flodl_trio.testing.local import LOOPBACK
+from flodl_trio.transport.settings import NetBounds
+from flodl_trio.wire.salt import SessionSalt
+
+SALT = SessionSalt(b"restart-test-slt")
+WORLD = 4
+HOSTS = [[0, 1], [2, 3]]
+WINDOWS = 6
+ROUNDS_PER_WINDOW = 3  # the step-count gather, the params, the float buffers
+PAUSE_AT = 3  # the window the interrupted runs stop the controller in
+DEADLINE_S = 60
+PARAM_SHAPES = [(48, 31), (9,)]
+BUFFER_SHAPES = [(5,)]
+BOUNDS = NetBounds(controller_outage=30.0, connect_interval=0.05)
+
+
+def steps_of(rank: int, window: int) -> int:
+    return 1 + (rank + window) % 3
+
+
+def trained(params: list[torch.Tensor], rank: int, window: int) -> None:
+    with torch.no_grad():
+        for index, p in enumerate(params):
+            rng = np.random.default_rng([rank, window, index])
+            p.add_(torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32)))
+
+
+def fresh_model(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    rng = np.random.default_rng([7, rank])
+    params = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in PARAM_SHAPES]
+    buffers = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in BUFFER_SHAPES]
+    return params, buffers
+
+
+class Controller:
+    """A controller a test can stop as a crash would (its connections close) and start
+    again on the same port: a fresh outer optimizer and all, as a new process has."""
+
+    def __init__(self, resume_dir: Path) -> None:
+        self.resume_dir = resume_dir
+        self.port = 0
+        self.handle: ControllerHandle | None = None
+        self._scope: trio.CancelScope | None = None
+        self.finished = trio.Event()
+
+    async def start(self, nursery: trio.Nursery) -> ControllerHandle:
+        self._nursery = nursery
+        self._scope = trio.CancelScope()
+        self.handle = await nursery.start(self._run, self._scope)
+        self.port = self.handle.port
+        return self.handle
+
+    async def restart(self) -> ControllerHandle:
+        """Stop it as a crash would, then start a new one in its place."""
+        self.kill()
+        return await self.start(self._nursery)
+
+    async def _run(self, scope: trio.CancelScope, task_status: trio.TaskStatus[ControllerHandle]) -> None:
+        with scope:
+            async with open_controller(
+                LOOPBACK, self.port, world_size=WORLD, salt=SALT, outer_optimizer=DiLoCoNesterov(lr=0.7, momentum=0.9),
+                deterministic=True, bounds=BOUNDS, resume_dir=self.resume_dir,
+            ) as handle:
+                task_status.started(handle)
+                await handle.wait_finished()
+                self.finished.set()
+
+    def kill(self) -> None:
+        assert self._scope is not None
+        self._scope.cancel()
+
+
+@attrs.define
+class Run:
+    """What every rank held after each window."""
+
+    params: dict[tuple[int, int], list[np.ndarray]] = attrs.field(factory=dict)
+    relays: list[RelayHandle] = attrs.field(factory=list)
+    controller: ControllerHandle = attrs.field(default=None)  # the last one started
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """Until ``condition`` holds (checked as the cluster's tasks run; the test's deadline bounds it)."""
+    while not condition():
+        await trio.sleep(0.005)
+
+
+Interruption = Callable[[Controller, Run, trio.Event], Awaitable[None]]
+
+
+async def run_cluster(
+    tmp_path: Path, interrupt: Interruption | None, *, gated: tuple[int, ...] = (1,),
+    proxy_faults: list[DropRecord] | None = None,
+) -> Run:
+    """Train WINDOWS windows on 2 hosts x 2 ranks; the ranks of the ``gated`` hosts wait
+    before window PAUSE_AT while ``interrupt`` (if any) stops and restarts the controller.
+    ``proxy_faults``: host 1's data relay reaches the controller through a proxy with them."""
+    run = Run()
+    gate = trio.Event()
+    controller = Controller(tmp_path / "ckpt")
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            await controller.start(nursery)
+            upstreams = [(LOOPBACK, controller.port)] * len(HOSTS)
+            if proxy_faults is not None:
+                proxy = FaultProxy((LOOPBACK, controller.port), proxy_faults)
+                await nursery.start(proxy.serve)
+                upstreams[1] = proxy.address
+            for index, ranks in enumerate(HOSTS):
+                relay = await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOPBACK, 0), upstream=upstreams[index], host_name=f"host{index}",
+                    ranks=ranks, world_size=WORLD, salt=SALT, bounds=BOUNDS, deterministic=True,
+                ))
+                run.relays.append(relay)
+
+            async def rank_main(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                relay = run.relays[0 if rank in HOSTS[0] else 1]
+                async with connect_reduce_client((LOOPBACK, relay.port), rank, WORLD, SALT, bounds=BOUNDS) as client:
+                    for window in range(WINDOWS):
+                        if window == PAUSE_AT and any(rank in HOSTS[h] for h in gated):
+                            await gate.wait()
+                        trained(params, rank, window)
+                        await average_window(
+                            client, params, buffers, steps_of(rank, window), rank=rank, world_size=WORLD, in_place=True
+                        )
+                        run.params[rank, window] = [p.numpy().copy() for p in params]
+
+            async with trio.open_nursery() as ranks:
+                for rank in range(WORLD):
+                    ranks.start_soon(rank_main, rank)
+                if interrupt is not None:
+                    await interrupt(controller, run, gate)
+                gate.set()
+            await controller.finished.wait()
+            run.controller = controller.handle
+            nursery.cancel_scope.cancel()
+    return run
+
+
+def assert_same_run(expected: Run, got: Run) -> None:
+    assert set(got.params) == set(expected.params)
+    for key, arrays in expected.params.items():
+        for index, (a, b) in enumerate(zip(arrays, got.params[key])):
+            np.testing.assert_array_equal(b, a, err_msg=f"rank {key[0]} window {key[1]} tensor {index}")
+    for window in range(WINDOWS):  # and one consensus for everyone
+        for rank in range(1, WORLD):
+            for a, b in zip(got.params[0, window], got.params[rank, window]):
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture
+async def reference(tmp_path: Path) -> Run:
+    return await run_cluster(tmp_path / "reference", None)
+
+
+def restart_when(condition: Callable[[Run], bool]) -> Interruption:
+    async def interrupt(controller: Controller, run: Run, gate: trio.Event) -> None:
+        await wait_until(lambda: condition(run))
+        await controller.restart()
+
+    return interrupt
+
+
+FIRST_ROUND_OF_PAUSE = PAUSE_AT * ROUNDS_PER_WINDOW  # rounds finished before window PAUSE_AT
+
+
+async def test_restart_mid_round_with_a_host_frame_in_flight(tmp_path: Path, reference: Run) -> None:
+    """Host 0's HostFrame of window PAUSE_AT's first round went up; host 1's is not sent yet."""
+    got = await run_cluster(tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 1))
+    assert_same_run(reference, got)
+    assert [r.stats.resumed for r in got.relays] == [1, 1]
+    assert got.controller.stats.resumed_runs == 1 and got.controller.stats.stale_host_frames == 0
+
+
+async def test_restart_between_rounds(tmp_path: Path, reference: Run) -> None:
+    """Both hosts have every consensus so far; host 1's ranks have not started the next window."""
+    got = await run_cluster(tmp_path, restart_when(
+        lambda run: run.params.keys() >= {(rank, PAUSE_AT - 1) for rank in range(WORLD)}
+    ), gated=(0, 1))
+    assert_same_run(reference, got)
+    assert [r.stats.resumed for r in got.relays] == [1, 1]
+    assert got.controller.stats.resumed_runs == 1
+
+
+async def test_restart_after_one_host_missed_the_last_consensus(tmp_path: Path, reference: Run) -> None:
+    """The controller sent window PAUSE_AT's first consensus, host 1 never got it (the proxy
+    swallowed it) and host 0 went on to the next round: host 1 resumes one consensus behind,
+    is sent it again, and the HostFrame it sends again is dropped as stale."""
+    # Records down to host 1: HelloAck, then one Broadcast per round.
+    swallowed = DropRecord(index=1 + FIRST_ROUND_OF_PAUSE, direction="down", framing="mux", connection=0)
+
+    def host0_went_on(run: Run) -> bool:
+        return run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 2
+
+    got = await run_cluster(tmp_path, restart_when(host0_went_on), proxy_faults=[swallowed], gated=())
+    assert_same_run(reference, got)
+    assert got.controller.stats.stale_host_frames == 1
+    assert got.controller.stats.relays_resumed == 2
+    assert got.controller.stats.resumed_runs == 1

@@ -1,0 +1,136 @@
+"""The controller daemon SIGKILLed (or SIGSTOPped, then killed) and started again with
+the same command line: no rank or relay restarts, every window completes exact.
+
+Real daemons and rank processes (``rank_worker --windows``), real signals. Relays and
+ranks hold through the outage (``FLODL_CONTROLLER_OUTAGE``); the controller keeps its
+resume record in its ``--checkpoint-dir``. Each window's consensus is checked against
+the float64 reference over its contributors (as ``test_rejoin_processes`` does); with
+DiLoCo in deterministic mode, the interrupted run must end bit-identical to the same
+run uninterrupted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from flodl_trio.testing import open_process_cluster
+from flodl_trio.testing.matrix import diagnose
+from flodl_trio.testing.processes import ProcessCluster
+from flodl_trio.testing.windows import check_final_and_joins, check_windows, windows_of
+
+SALT = b"restart-process1"
+WORLD = 4
+HOSTS = [[0, 1], [2, 3]]
+WINDOWS = 10
+NUMEL = 256
+HOLD = 5  # host 1's ranks hold before this window while the controller is stopped
+OUTAGE = {"FLODL_CONTROLLER_OUTAGE": "60"}
+
+
+def worker_args() -> dict[int, list[str]]:
+    held = ["--pause-before", f"{HOLD}:inf"]
+    return {r: ["--windows", str(WINDOWS), *(held if r in HOSTS[1] else [])] for r in range(WORLD)}
+
+
+async def cluster_run(
+    tmp_path: Path, controller_args: list[str], fault: Any, relay_args: list[str] | None = None
+) -> ProcessCluster:
+    """2 hosts x 2 ranks training WINDOWS windows under daemons; ``fault(cluster)`` runs
+    once host 0's HostFrame of window HOLD's first round is in and host 1's ranks hold."""
+    async with open_process_cluster(
+        world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
+        numel=NUMEL, pause=0.05, worker_args=worker_args(), worker_env={r: OUTAGE for r in range(WORLD)},
+        relay_env={h: OUTAGE for h in range(len(HOSTS))}, relay_args={h: relay_args or [] for h in range(len(HOSTS))},
+        controller_args=["--checkpoint-dir", str(tmp_path / "ckpt"), *controller_args],
+    ) as cluster:
+        with diagnose(cluster):
+            for rank in HOSTS[1]:
+                await cluster.wait_event(rank, "paused", round=HOLD)
+            await until_host0_delivered(cluster)
+            await fault(cluster)
+            for rank in HOSTS[1]:
+                await cluster.resume(rank)
+            for rank in range(WORLD):
+                outcome = await cluster.wait_outcome(rank)
+                assert outcome["event"] == "done", outcome
+            for proc in cluster.processes():
+                if proc not in cluster.past_controllers:
+                    with trio.fail_after(20):
+                        assert await proc.wait() == 0, (proc.name, proc.text[-3000:])
+    return cluster
+
+
+async def until_host0_delivered(cluster: ProcessCluster) -> None:
+    """Until the controller's status page shows host 0's HostFrame in the open round."""
+    while True:
+        relays = (await cluster.status())["relays"]
+        if any(r["host"] == "host0" and r["delivered"] for r in relays):
+            return
+        await trio.sleep(0.02)
+
+
+async def kill_and_restart(cluster: ProcessCluster) -> None:
+    cluster.kill_controller()
+    await cluster.controller.wait()
+    await cluster.restart_controller()
+
+
+async def freeze_kill_and_restart(cluster: ProcessCluster) -> None:
+    """Frozen past every rank's beacon timeout (they hold), then killed and started again."""
+    cluster.freeze_controller()
+    for rank in range(WORLD):
+        await cluster.ranks[rank].wait_log("holding up to")
+    cluster.kill_controller()
+    await cluster.controller.wait()
+    await cluster.restart_controller()
+
+
+def assert_resumed(cluster: ProcessCluster) -> None:
+    assert len(cluster.past_controllers) == 1
+    assert "resuming the run from" in cluster.controller.text
+    for host in cluster.relays:
+        for relay in host:
+            assert relay.text.count("resumed with the controller") == 2, relay.text[-2000:]  # data and control
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(120)
+async def test_a_controller_killed_mid_round_and_restarted_resumes_and_every_window_is_exact(tmp_path: Path) -> None:
+    with trio.fail_after(110):
+        cluster = await cluster_run(tmp_path, [], kill_and_restart)
+    assert_resumed(cluster)
+    contributors = check_windows(cluster, WINDOWS, NUMEL)
+    check_final_and_joins(cluster, WINDOWS, contributors)
+    assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(120)
+async def test_a_controller_frozen_then_killed_and_restarted_resumes_and_every_window_is_exact(tmp_path: Path) -> None:
+    with trio.fail_after(110):
+        cluster = await cluster_run(tmp_path, ["--heartbeat-timeout", "2"], freeze_kill_and_restart)
+    assert_resumed(cluster)
+    contributors = check_windows(cluster, WINDOWS, NUMEL)
+    check_final_and_joins(cluster, WINDOWS, contributors)
+    assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(150)
+async def test_diloco_resumed_after_a_kill_ends_bit_identical_to_the_run_never_interrupted(tmp_path: Path) -> None:
+    diloco = ["--outer", "diloco", "--deterministic"]
+
+    async def nothing(cluster: ProcessCluster) -> None:
+        pass
+
+    with trio.fail_after(140):
+        reference = await cluster_run(tmp_path / "reference", diloco, nothing, ["--deterministic"])
+        resumed = await cluster_run(tmp_path / "resumed", diloco, kill_and_restart, ["--deterministic"])
+    assert_resumed(resumed)
+    for rank in range(WORLD):
+        want, got = windows_of(reference, rank), windows_of(resumed, rank)
+        assert [got[w]["digest"] for w in range(WINDOWS)] == [want[w]["digest"] for w in range(WINDOWS)], rank
