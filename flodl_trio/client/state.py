@@ -13,6 +13,7 @@ direction. See docs/wire.md ("The join exchange").
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -31,7 +32,7 @@ from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
 from ..transport.settings import NetBounds
-from ..transport.stream import MessageStream
+from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN
 from ..wire.fragment import piece_range
 from ..wire.round_frame import RoundFrame, check_payloads, decode_round_frame
@@ -55,6 +56,14 @@ from ..wire.state import (
     state_reply_tail_len,
 )
 
+
+
+log = logging.getLogger("flodl_trio.client")
+
+
+class _StateLost(FlodlError):
+    """The state connection closed or broke before the exchange ended (the relay's pipe
+    to the controller broke: the controller may be coming back)."""
 
 @attrs.frozen
 class ClusterState:
@@ -162,38 +171,67 @@ async def fetch_cluster_state(
     host's barrier (:attr:`ClusterState.entry`). Both waits are a round's
     wait, each bounded by ``reply_timeout`` if given. Raises
     :class:`JoinRefused` with the controller's reason if it may not join.
+    With ``bounds.controller_outage`` above 0, a state connection that breaks
+    before the exchange ends (the controller died) is opened again, for up to
+    that long: a controller that comes back takes the request.
     """
+    give_up_at = trio.current_time() + bounds.controller_outage
+    while True:
+        try:
+            return await _fetch_once(host, port, rank, world_size, salt, bounds, connect, ceiling, reply_timeout)
+        except _StateLost as exc:
+            if trio.current_time() >= give_up_at:
+                raise
+            log.warning("rank %d: %s; asking again (the controller may be coming back)", rank, exc)
+            await trio.sleep(bounds.connect_interval)
+
+
+async def _fetch_once(
+    host: str, port: int, rank: int, world_size: int, salt: SessionSalt, bounds: NetBounds, connect: Connector,
+    ceiling: int, reply_timeout: float | None,
+) -> ClusterState:
+    """One state exchange, from the request to the entry window."""
     where = f"data relay {host}:{port}"
     stream = await connect_with_retry(host, port, f"rank {rank} -> data relay (state)", bounds, connect)
     conn = MessageStream(stream, f"{where} (state)", bounds)
     try:
-        nonce = new_nonce()
-        await conn.send_chunks([encode_state_request(rank, world_size, nonce, salt)])
-        nonces = await _receive_challenge(conn, rank, nonce, salt, where)
-        await conn.send_chunks([encode_state_answer(rank, nonces, salt)])
-        reply = await _receive_reply(conn, rank, nonces, salt, reply_timeout, where)
-        if reply.status is StateStatus.REFUSED:
-            raise JoinRefused(f"rank {rank} may not join: {reply.reason}")
-        started, received = trio.current_time(), conn.bytes_received
-        frames = [
-            await _receive_frame(conn, rank, f"state frame {index}", length, salt, ceiling)
-            for index, length in enumerate(reply.lengths)
-        ]
-        seconds = trio.current_time() - started
-        nbytes = conn.bytes_received - received
-        if not frames:
-            return ClusterState(reply.window, (), nbytes, seconds)
-        await conn.send_chunks([encode_state_receipt(nonces, salt)])
-        entry, status = await _receive_entry(conn, rank, nonces, salt, reply_timeout, where)
-        catch_up: list[RoundFrame] = []
-        if status is EntryStatus.CATCH_UP:
-            # No frame of a window's params round is more than twice its f32 frame (a
-            # code's block scale per element at worst), so that bounds each read.
-            bound = 2 * reply.lengths[0] + 64
-            for window in range(reply.window + 1, entry):
-                catch_up.append(await _receive_frame(conn, rank, f"catch-up frame of window {window}", None, salt, bound))
+        return await _exchange(conn, rank, world_size, salt, ceiling, reply_timeout, where)
+    except CONNECTION_LOST as exc:
+        raise _StateLost(f"rank {rank}: the state connection through {where} broke: {exc}") from exc
     finally:
         await conn.aclose()
+
+
+async def _exchange(
+    conn: MessageStream, rank: int, world_size: int, salt: SessionSalt, ceiling: int, reply_timeout: float | None,
+    where: str,
+) -> ClusterState:
+    """The request, the challenge answered, the state, the receipt, the entry window."""
+    nonce = new_nonce()
+    await conn.send_chunks([encode_state_request(rank, world_size, nonce, salt)])
+    nonces = await _receive_challenge(conn, rank, nonce, salt, where)
+    await conn.send_chunks([encode_state_answer(rank, nonces, salt)])
+    reply = await _receive_reply(conn, rank, nonces, salt, reply_timeout, where)
+    if reply.status is StateStatus.REFUSED:
+        raise JoinRefused(f"rank {rank} may not join: {reply.reason}")
+    started, received = trio.current_time(), conn.bytes_received
+    frames = [
+        await _receive_frame(conn, rank, f"state frame {index}", length, salt, ceiling)
+        for index, length in enumerate(reply.lengths)
+    ]
+    seconds = trio.current_time() - started
+    nbytes = conn.bytes_received - received
+    if not frames:
+        return ClusterState(reply.window, (), nbytes, seconds)
+    await conn.send_chunks([encode_state_receipt(nonces, salt)])
+    entry, status = await _receive_entry(conn, rank, nonces, salt, reply_timeout, where)
+    catch_up: list[RoundFrame] = []
+    if status is EntryStatus.CATCH_UP:
+        # No frame of a window's params round is more than twice its f32 frame (a
+        # code's block scale per element at worst), so that bounds each read.
+        bound = 2 * reply.lengths[0] + 64
+        for window in range(reply.window + 1, entry):
+            catch_up.append(await _receive_frame(conn, rank, f"catch-up frame of window {window}", None, salt, bound))
     return ClusterState(reply.window, tuple(frames), nbytes, seconds, entry, catch_up=tuple(catch_up))
 
 
@@ -203,7 +241,7 @@ async def _receive_challenge(conn: MessageStream, rank: int, nonce: bytes, salt:
         with trio.fail_after(conn.bounds.handshake):
             raw = await conn.receive_exactly(STATE_CHALLENGE_LEN, "the state challenge")
     except PeerClosedMidFrame as exc:
-        raise FlodlError(
+        raise _StateLost(
             f"rank {rank}: no state from the controller through {where}: the request was refused unread "
             "(a different session salt? see the controller's log) or the controller is gone"
         ) from exc
@@ -245,7 +283,7 @@ async def _wait_for(conn: MessageStream, n: int, what: str, rank: int, timeout: 
         with trio.fail_after(math.inf if timeout is None else timeout):
             return await conn.receive_exactly(n, what)
     except PeerClosedMidFrame as exc:
-        raise FlodlError(
+        raise _StateLost(
             f"rank {rank}: the controller closed the state connection through {where} before {what} "
             "(it called the join off, or it is gone; see its log)"
         ) from exc

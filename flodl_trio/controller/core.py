@@ -261,7 +261,8 @@ class _Controller:
         )
         self._consensus_send, self._consensus_receive = trio.open_memory_channel[tuple[int, Consensus]](config.lanes)
         self.resumption = Resumption(
-            resume_dir, lanes=config.lanes, salt=config.salt, whole=self.rounds[0], membership=membership,
+            resume_dir, lanes=config.lanes, salt=config.salt, whole=self.rounds[0], window_store=self.window_store,
+            membership=membership,
             dead=self.dead, coordinator=handle.coordinator, stats=self.stats,
         )
 
@@ -584,15 +585,16 @@ class _Controller:
                 # A delta round's consensus as the ranks got it (joined from its lanes, with lanes).
                 whole = record_payload(record) if out.catch_up is None else await _signed(out.catch_up, self.config.salt)
                 self.window_store.keep_catch_up(part.window, whole)
-            # Durable before any relay has it: a controller started again resumes from it.
-            await self.resumption.record(record, part)
             # Before any joiner is revived (they did not ask), and every relay that delivered.
             targets = self.seats.broadcast_targets(consensus.delivered_by)
-            if (
+            boundary = (
                 part is not None
                 and self.windows.keep_window_state
                 and self.window_store.keep(part, kept or record_payload(record))
-            ):
+            )
+            # Durable before any relay has it or a joiner is let in: a controller started again resumes from it.
+            await self.resumption.record(record, part, self.window_store.latest if boundary else None)
+            if boundary:
                 self.returns.at_boundary()
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
             for seat_id in targets:

@@ -55,6 +55,11 @@ def broadcast_tag(record: EncodedFrame) -> bytes:
     return bytes(head[MUX_HEADER_LEN - MAC_LEN:])
 
 
+def _as_bytes(frame: EncodedFrame) -> np.ndarray:
+    """An encoded frame's bytes as one uint8 array (one copy)."""
+    return np.concatenate([np.frombuffer(memoryview(c).cast("B"), dtype=np.uint8) for c in frame.chunks])
+
+
 @attrs.frozen
 class RunRecord:
     """Where the run stood after round ``rounds`` (all but the arrays)."""
@@ -76,6 +81,11 @@ class RunRecord:
     not_resumable: str | None = None
     # The file beside the record with the outer optimizer's state after the newest params round.
     outer_file: str | None = None
+    # The file with the last finished window's state for joiners, that window, and how
+    # many Model rounds a window has (None: no state kept).
+    window_file: str | None = None
+    state_window: int | None = None
+    model_rounds_per_window: int | None = None
 
     def to_json(self) -> str:
         fields = attrs.asdict(self)
@@ -101,11 +111,13 @@ class RunRecord:
 
 @attrs.frozen
 class Resumed:
-    """A record read back: the run, its last Broadcast record, the outer state."""
+    """A record read back: the run, its last Broadcast record, the outer state, and the
+    frames of the last finished window (what a joiner is sent, in order)."""
 
     run: RunRecord
     broadcast: bytes
     outer: dict[str, np.ndarray]
+    window_frames: list[bytes] = attrs.field(factory=list)
 
 
 class ResumeLog:
@@ -121,11 +133,18 @@ class ResumeLog:
     def fingerprint(self) -> str:
         return self.salt.mac8(_FINGERPRINT_TEXT).hex()
 
-    def write(self, run: RunRecord, broadcast: EncodedFrame, outer: Mapping[str, np.ndarray] | None = None) -> RunRecord:
+    def write(
+        self,
+        run: RunRecord,
+        broadcast: EncodedFrame,
+        outer: Mapping[str, np.ndarray] | None = None,
+        window_frames: list[EncodedFrame] | None = None,
+    ) -> RunRecord:
         """Replace the record with this round's, atomically (blocking: call it in a thread).
-        ``outer``: the outer optimizer's state, when this round stepped it; it goes in a
-        file of its own (written first, so the record never names a missing one) and
-        the record as written, which names it, is returned."""
+        ``outer``: the outer optimizer's state, when this round stepped it;
+        ``window_frames``: a window's state for joiners, when this round finished it.
+        Each goes in a file of its own (written first, so the record never names a
+        missing one), and the record as written, which names them, is returned."""
         directory = self.path.parent
         directory.mkdir(parents=True, exist_ok=True)
         if outer is not None:
@@ -133,17 +152,22 @@ class ResumeLog:
             arrays = [(key, np.ascontiguousarray(a)) for key, a in outer.items()]
             write_safetensors_atomic(directory / name, arrays, self._metadata())
             run = attrs.evolve(run, outer_file=name)
-        raw = np.concatenate([np.frombuffer(memoryview(c).cast("B"), dtype=np.uint8) for c in broadcast.chunks])
-        write_safetensors_atomic(self.path, [(_BROADCAST, raw)], {**self._metadata(), "run": run.to_json()})
-        self._remove_outer_files_but(run.outer_file)
+        if window_frames is not None:
+            name = f"resume-window-{run.rounds}.safetensors"
+            frames = [(f"frame.{i}", _as_bytes(frame)) for i, frame in enumerate(window_frames)]
+            write_safetensors_atomic(directory / name, frames, self._metadata())
+            run = attrs.evolve(run, window_file=name)
+        write_safetensors_atomic(self.path, [(_BROADCAST, _as_bytes(broadcast))], {**self._metadata(), "run": run.to_json()})
+        self._remove_files_but("resume-outer-", run.outer_file)
+        self._remove_files_but("resume-window-", run.window_file)
         self.writes += 1
         return run
 
     def _metadata(self) -> dict[str, str]:
         return {"format": RECORD_FORMAT, "fingerprint": self.fingerprint, "world_size": str(self.world_size)}
 
-    def _remove_outer_files_but(self, keep: str | None) -> None:
-        for old in self.path.parent.glob("resume-outer-*.safetensors"):
+    def _remove_files_but(self, prefix: str, keep: str | None) -> None:
+        for old in self.path.parent.glob(f"{prefix}*.safetensors"):
             if old.name != keep:
                 old.unlink(missing_ok=True)
 
@@ -169,7 +193,11 @@ class ResumeLog:
         outer: dict[str, np.ndarray] = {}
         if run.outer_file is not None:
             outer, _ = read_safetensors(self.path.parent / run.outer_file)
-        return Resumed(run, tensors[_BROADCAST].tobytes(), outer)
+        frames: list[bytes] = []
+        if run.window_file is not None:
+            saved, _ = read_safetensors(self.path.parent / run.window_file)
+            frames = [saved[f"frame.{i}"].tobytes() for i in range(len(saved))]
+        return Resumed(run, tensors[_BROADCAST].tobytes(), outer, frames)
 
     def last_broadcast(self) -> EncodedFrame | None:
         """The newest record's Broadcast, as it went out (None: no record)."""
@@ -185,7 +213,8 @@ class ResumeLog:
     def clear(self) -> None:
         """The run is over: a controller started next starts a new one."""
         self.path.unlink(missing_ok=True)
-        self._remove_outer_files_but(None)
+        self._remove_files_but("resume-outer-", None)
+        self._remove_files_but("resume-window-", None)
 
 
 

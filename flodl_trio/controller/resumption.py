@@ -29,7 +29,7 @@ from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .membership import Membership
 from .resume import BroadcastTags, ResumeLog, RunRecord, broadcast_tag
-from .round import ControllerRound, WindowPart
+from .round import ControllerRound, WindowPart, WindowState, WindowStore
 from .stats import ControllerStats
 
 log = logging.getLogger("flodl_trio.controller")
@@ -45,6 +45,7 @@ class Resumption:
         lanes: int,
         salt: SessionSalt,
         whole: ControllerRound,
+        window_store: WindowStore,
         membership: Membership,
         dead: DeadRanks,
         coordinator: Coordinator,
@@ -57,12 +58,14 @@ class Resumption:
         elif directory is not None:
             self.log = ResumeLog(directory, salt, dead.world_size)
         self.round = whole
+        self.window_store = window_store
         self.membership = membership
         self.dead = dead
         self.coordinator = coordinator
         self.stats = stats
         self.tags = BroadcastTags()
         self._outer_file: str | None = None
+        self._window: tuple[str, int] | None = None  # the window state's file, and its window
         self._stale: set[int] = set()  # relays whose next HostFrame is of a round already finished
         # Why this run cannot be resumed (a record that said so, or a round it cannot carry).
         self.not_resumable: str | None = None
@@ -95,6 +98,12 @@ class Resumption:
                                  f"controller's outer optimizer ({outer!r}) takes none: start it as it was started")
             load(resumed.outer)
             self._outer_file = run.outer_file
+        if resumed.window_frames and run.window_file is not None and run.state_window is not None:
+            frames = [EncodedFrame([raw], len(raw)) for raw in resumed.window_frames]
+            has_buffers = run.model_rounds_per_window == 2
+            params, buffers = (frames[:-1], frames[-1]) if has_buffers else (frames, None)
+            self.window_store.restore(WindowState(run.state_window, tuple(params), buffers), run.model_rounds_per_window)
+            self._window = (run.window_file, run.state_window)
         m = self.membership
         m.formed = run.formed
         m.elastic |= set(run.elastic)
@@ -115,16 +124,18 @@ class Resumption:
 
     # -- every round -------------------------------------------------------------
 
-    async def record(self, broadcast: EncodedFrame, part: WindowPart | None) -> None:
-        """Make the round whose Broadcast this is durable, before anyone is sent it."""
+    async def record(self, broadcast: EncodedFrame, part: WindowPart | None, window: WindowState | None = None) -> None:
+        """Make the round whose Broadcast this is durable, before anyone is sent it;
+        ``window``: the state for joiners, when this round finished a window."""
         tag = broadcast_tag(broadcast)
         if self.log is None:
             self.tags.advance(tag)
             return
-        run = self._run_record(tag, part)
+        run = self._run_record(tag, window)
         outer = self._outer_state(part)
+        frames = None if window is None else window.frames
         try:
-            written = await trio.to_thread.run_sync(self.log.write, run, broadcast, outer)
+            written = await trio.to_thread.run_sync(self.log.write, run, broadcast, outer, frames)
         except CheckpointError as exc:
             # Without a record a restarted controller would resume wrongly: none at all.
             log.error("controller: the resume record could not be written (%s); removed: a controller started "
@@ -133,10 +144,13 @@ class Resumption:
             self.log = None
         else:
             self._outer_file = written.outer_file
+            if window is not None and written.window_file is not None:
+                self._window = (written.window_file, window.window)
         self.tags.advance(tag)
 
-    def _run_record(self, tag: bytes, part: WindowPart | None) -> RunRecord:
+    def _run_record(self, tag: bytes, window: WindowState | None) -> RunRecord:
         counter = self.round.counter
+        state_window = window.window if window is not None else self._window[1] if self._window else None
         m = self.membership
         fragment = counter.fragment
         return RunRecord(
@@ -155,6 +169,9 @@ class Resumption:
             formed=m.formed,
             not_resumable=self._why_not_resumable(),
             outer_file=self._outer_file,
+            window_file=self._window[0] if self._window and window is None else None,
+            state_window=state_window,
+            model_rounds_per_window=self.window_store.model_rounds_per_window,
         )
 
     def _why_not_resumable(self) -> str | None:

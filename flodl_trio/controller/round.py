@@ -243,6 +243,13 @@ class WindowStore:
             return self.latest is not None and self.latest.window == self._window
         return False
 
+    def restore(self, latest: WindowState, model_rounds_per_window: int | None) -> None:
+        """Serve joiners the state a controller that ran before kept (its resume record),
+        and know where windows end as it did (whole-model windows only)."""
+        self.latest = latest
+        if model_rounds_per_window is not None:
+            self._shapes[None] = model_rounds_per_window
+
     def abandon_window(self) -> None:
         """The window in progress will not finish (every rank died): forget its frames,
         and do not learn the window shape from it."""

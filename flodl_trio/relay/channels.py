@@ -97,6 +97,9 @@ class ChannelRole(Protocol):
         """The record whose answer never came, to send again on a new connection;
         FlodlError if one is in flight that cannot be sent again."""
 
+    def asks_again(self) -> list[RelayControlMsg]:
+        """Requests still unanswered, said again on a new connection (after the goodbyes)."""
+
 
 class Channel:
     """A channel's nursery, its ranks joining and leaving, the sole upstream
@@ -385,15 +388,16 @@ class Channel:
 
     async def _resume_on(self, conn: MessageStream, in_flight: EncodedFrame | None) -> None:
         """Tell the controller where we are: the role's Resume, the record it holds in
-        flight, then the goodbyes of the ranks that left (it may not have heard them)."""
+        flight, the goodbyes of the ranks that left (it may not have heard them), and
+        the role's unanswered requests (ranks asking back in)."""
         salt = self.config.salt
         notice = self.role.resume_notice()
         if notice is not None:
             await conn.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(notice), salt).chunks)
         if in_flight is not None:
             await conn.send_chunks(in_flight.chunks)
-        for goodbye in self._goodbyes.values():
-            await conn.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(goodbye), salt).chunks)
+        for msg in [*self._goodbyes.values(), *self.role.asks_again()]:
+            await conn.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), salt).chunks)
 
     @asynccontextmanager
     async def record_buffer(self, header: MuxHeader) -> AsyncIterator[ReceiveBuffer]:

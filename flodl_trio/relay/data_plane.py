@@ -171,6 +171,10 @@ class DataPlane:
     def resume_notice(self) -> RelayControlMsg | None:
         return Resume(self.last_broadcast, awaiting=self.fold.host_frame_up, resends=self._in_flight is not None)
 
+    def asks_again(self) -> list[RelayControlMsg]:
+        """The returns the controller has not answered: one that comes back may not know of them."""
+        return [RankJoin(rank) for rank in sorted(self.fold.joining)]
+
     def in_flight(self) -> EncodedFrame | None:
         if self._in_flight is None:
             return None
@@ -429,6 +433,13 @@ class DataPlane:
         if rank not in self.channel.ranks:
             raise ProtocolError(f"relay {self.config.host_name}: RankAway for rank {rank}, not one of ours")
         self.host.declare_away(rank)
+        if rank in self.fold.entering or rank in self.fold.fresh:
+            # Let back in by a controller that was lost before its record said so: the
+            # one now in charge has it dead, and it will not ask for its state again.
+            return await self.channel.drop(
+                rank, out, "dropped: its return was let in by a controller that was lost before it recorded that; "
+                "start it again to come back", report=False,
+            )
         if rank in self.channel.conns and rank not in self.channel.gone:
             self.fold.mark_dead(rank)  # it has sent nothing: it waits for its state first
             self.fold.rejoin(rank)

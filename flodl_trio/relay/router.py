@@ -74,5 +74,8 @@ class ControlRouter:
     def in_flight(self) -> EncodedFrame | None:
         return None  # a heartbeat lost with the connection is followed by the next
 
+    def asks_again(self) -> list[RelayControlMsg]:
+        return []
+
 
 __all__ = ["CONTROL_BLOB_CEILING", "ControlRouter"]

@@ -12,7 +12,7 @@ from flodl_trio.controller.dead_ranks import DeadRanks
 from flodl_trio.controller.membership import Membership
 from flodl_trio.controller.resume import RECORD_FILE, ResumeLog, RunRecord, broadcast_tag
 from flodl_trio.controller.resumption import Resumption
-from flodl_trio.controller.round import ControllerRound, WindowPart
+from flodl_trio.controller.round import ControllerRound, WindowPart, WindowState, WindowStore
 from flodl_trio.controller.seats import Seats
 from flodl_trio.controller.stats import ControllerStats
 from flodl_trio.errors import DesyncError
@@ -73,8 +73,9 @@ def resumption(tmp_path: Path | None, outer: DiLoCoNesterov | None = None) -> Re
     dead = DeadRanks(WORLD)
     stats = ControllerStats()
     whole = ControllerRound(Seats(WORLD, dead), stats, outer_optimizer=outer)
-    return Resumption(tmp_path, lanes=1, salt=SALT, whole=whole, membership=Membership(WORLD, 60.0), dead=dead,
-                      coordinator=Coordinator(WORLD, SALT, dead), stats=stats)
+    return Resumption(tmp_path, lanes=1, salt=SALT, whole=whole, window_store=WindowStore(),
+                      membership=Membership(WORLD, 60.0), dead=dead, coordinator=Coordinator(WORLD, SALT, dead),
+                      stats=stats)
 
 
 async def test_each_round_is_recorded_before_it_goes_out_and_a_new_controller_takes_it_on(tmp_path: Path) -> None:
@@ -147,3 +148,22 @@ def test_the_outage_bound_comes_from_the_environment() -> None:
         with pytest.raises(Exception, match="FLODL_CONTROLLER_OUTAGE"):
             controller_outage({"FLODL_CONTROLLER_OUTAGE": bad})
 
+
+
+async def test_a_finished_windows_state_for_joiners_comes_back_into_the_window_store(tmp_path: Path) -> None:
+    first = resumption(tmp_path)
+    params, buffers = broadcast(b"p" * 300), broadcast(b"b" * 20)
+    state = WindowState(6, (params,), buffers)
+    first.window_store.restore(state, 2)  # as if windows of 2 Model rounds had been learned
+    first.stats.rounds = 21
+    await first.record(buffers, WindowPart(6, 2), state)
+    first.stats.rounds = 22
+    await first.record(broadcast(b"c"), WindowPart(7, 0))  # the next window's first round keeps naming it
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([RECORD_FILE, "resume-window-21.safetensors"])
+
+    second = resumption(tmp_path)
+    second.restore()
+    latest = second.window_store.latest
+    assert latest is not None and latest.window == 6
+    assert [f.tobytes() for f in latest.frames] == [params.tobytes(), buffers.tobytes()]
+    assert second.window_store.model_rounds_per_window == 2

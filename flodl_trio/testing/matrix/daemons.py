@@ -144,3 +144,4 @@ async def controller_gone() -> Outcome:
             for relay in host:
                 await relay.wait_log("did not come back within the controller outage bound of 2 s")
     return Outcome(f"relays gave up at the 2 s outage bound; every rank raised ({fmt_types(errors)})", seconds)
+

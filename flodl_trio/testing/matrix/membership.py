@@ -10,6 +10,7 @@ asked back in, so how long a process takes to start decides nothing.
 from __future__ import annotations
 
 import re
+import tempfile
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -94,6 +95,42 @@ async def rank_kill_restart() -> Outcome:
     return Outcome(
         f"rank 3 came back at window {start} from the consensus of window {joined['state_window']}; every window "
         "exact; all 4 end bit-identical", first["time"] - t0,
+    )
+
+
+@case("controller-kill-during-join", fault="controller daemon SIGKILLed while a restarted rank waits to enter, "
+      "then started again", leg="controller process", deadline=60)
+async def controller_kill_during_join() -> Outcome:
+    """Rank 3 is killed and started again; once it has its state and waits for the next
+    window boundary, the controller is killed and started again. Its relay asks for it
+    again, its join asks for its state again, the new controller serves it the state it
+    recorded, and it enters when the survivors go on."""
+    env = {"FLODL_CONTROLLER_OUTAGE": "60"}
+    with tempfile.TemporaryDirectory(prefix="flodl-matrix-") as tmp:
+        async with windowed_cluster(
+            extra=held((0, 1, 2)), controller_args=["--checkpoint-dir", tmp],
+            worker_env={r: env for r in range(4)}, relay_env={h: env for h in range(2)},
+        ) as c:
+            with diagnose(c):
+                await c.wait_event(3, "window", window=2)
+                c.kill(3)
+                await c.wait_exit(3)
+                await c.restart(3)
+                await c.wait_returns_primed([3])
+                t0 = mono()
+                c.kill_controller()
+                await c.controller.wait()  # type: ignore[union-attr]
+                await c.restart_controller()
+                await release_once_back(c, [3], (0, 1, 2))
+                joined = await c.wait_event(3, "joined")
+                first = await c.wait_event(3, "window", window=joined["start"])
+                await all_done(c)
+    windows_exact(c, WINDOWS, WINDOW_NUMEL, {3: {3}})
+    if "asking again" not in c.ranks[3].text:
+        raise MatrixFailure("rank 3's join did not ask again after the controller was lost")
+    return Outcome(
+        f"rank 3's join asked again and the new controller served it the recorded state; it entered window "
+        f"{joined['start']}; every window exact, all 4 end bit-identical, no survivor restarted", first["time"] - t0,
     )
 
 

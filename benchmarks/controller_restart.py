@@ -1,0 +1,143 @@
+"""What a controller restart costs: the time from starting it again to the first
+completed round and window, and what the resume record costs each round. Prints a table.
+
+    python benchmarks/controller_restart.py              # 64 MiB model, 4 ranks on 2 hosts, loopback
+    python benchmarks/controller_restart.py --mib 16 --windows 8
+
+Daemons (the controller with ``--outer diloco --checkpoint-dir``, a relay per host)
+and four rank processes (``rank_worker --windows``) holding through a lost
+controller (``FLODL_CONTROLLER_OUTAGE``). Host 1's ranks hold before window
+HOLD; once host 0's HostFrame of that window's first round is in, the controller
+is SIGKILLed, host 1's ranks go on (their frames wait at their relay), and the
+controller is started again with its first command line. Measured from the
+restart: the new controller listening, every relay channel resumed, window
+HOLD's three rounds done (the first of them the step-count gather that was
+open, the second the 64 MiB params round); every rank must end bit-identical.
+Separately, the record's write: one params round's record (the consensus and
+DiLoCo's state) written and fsync'd, timed in this process.
+
+This is a benchmark, not a test: pytest never collects it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flodl_trio.controller.resume import ResumeLog, RunRecord  # noqa: E402
+from flodl_trio.testing import open_process_cluster  # noqa: E402
+from flodl_trio.testing.windows import windows_of  # noqa: E402
+from flodl_trio.wire.mux import NO_BROADCAST, MuxKind, encode_mux_record  # noqa: E402
+from flodl_trio.wire.salt import SessionSalt  # noqa: E402
+
+SALT = b"bench-ctl-restrt"
+HOLD = 4
+
+
+async def until_host0_delivered(cluster) -> None:
+    while not any(r["host"] == "host0" and r["delivered"] for r in (await cluster.status())["relays"]):
+        await trio.sleep(0.02)
+
+
+async def run(mib: int, windows: int, pause: float, checkpoint_dir: Path) -> dict[str, float]:
+    numel = mib * (1 << 20) // 4
+    env = {"FLODL_CONTROLLER_OUTAGE": "120"}
+    held = ["--pause-before", f"{HOLD}:inf"]
+    async with open_process_cluster(
+        world_size=4, hosts=[[0, 1], [2, 3]], salt=SALT, control=True, heartbeat_timeout=60.0, daemons=True,
+        numel=numel, pause=pause, controller_args=["--outer", "diloco", "--checkpoint-dir", str(checkpoint_dir)],
+        worker_args={r: ["--windows", str(windows), *(held if r >= 2 else [])] for r in range(4)},
+        worker_env={r: env for r in range(4)}, relay_env={h: env for h in range(2)},
+    ) as cluster:
+        for rank in (2, 3):
+            await cluster.wait_event(rank, "paused", round=HOLD)
+        await until_host0_delivered(cluster)
+        cluster.kill_controller()
+        await cluster.controller.wait()
+        for rank in (2, 3):
+            await cluster.resume(rank)  # their frames wait at their relay for the new controller
+        restarted = time.monotonic()
+        await cluster.restart_controller()
+        listening = time.monotonic()
+        both_channels = re.compile(r"resumed with the controller(?s:.*)resumed with the controller")
+        for host in cluster.relays:
+            for relay in host:
+                await relay.wait_log(both_channels)
+        resumed = time.monotonic()
+        first = await cluster.wait_event(0, "window", window=HOLD)
+        for rank in range(4):
+            outcome = await cluster.wait_outcome(rank)
+            if outcome["event"] != "done":
+                raise SystemExit(f"rank {rank} did not finish: {outcome}")
+    finals = {windows_of(cluster, r)[windows - 1]["digest"] for r in range(4)}
+    if len(finals) != 1:
+        raise SystemExit("the ranks do not end bit-identical")
+    done = {w: e["time"] for w, e in windows_of(cluster, 0).items()}
+    normal = [done[w] - done[w - 1] for w in done if w - 1 in done and w not in (HOLD, HOLD + 1)]
+    return {
+        "mib": mib,
+        "to_listening_s": listening - restarted,
+        "to_resumed_s": resumed - restarted,
+        "to_window_s": first["time"] - restarted,
+        "normal_window_s": statistics.median(normal),
+    }
+
+
+def record_write_seconds(mib: int, reps: int = 3) -> float:
+    """One params round's record: the consensus record and DiLoCo's x_prev and momentum."""
+    numel = mib * (1 << 20) // 4
+    salt = SessionSalt(SALT)
+    payload = np.ones(numel, dtype=np.float32)
+    broadcast = encode_mux_record(MuxKind.BROADCAST, payload.data.cast("B"), salt)
+    outer = {"windows": np.array([3]), "x_prev.0": payload.copy(), "momentum.0": payload.copy()}
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        log = ResumeLog(tmp, salt, 4)
+        for k in range(reps):
+            run_ = RunRecord(rounds=k + 1, windows=1, model_rounds=1, previous_kind=1, fragment=None,
+                             last_tag=bytes(8), previous_tag=NO_BROADCAST)
+            start = time.perf_counter()
+            log.write(run_, broadcast, outer)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def table(r: dict[str, float], write_s: float) -> str:
+    rows = [
+        ("restart -> new controller listening", f"{r['to_listening_s']:.2f} s", "(python start and imports)"),
+        ("restart -> every relay channel resumed", f"{r['to_resumed_s']:.2f} s", ""),
+        (f"restart -> window {HOLD} done (its 3 rounds)", f"{r['to_window_s']:.2f} s",
+         f"a window takes {r['normal_window_s']:.2f} s uninterrupted"),
+        ("resume record of a params round (write + fsync)", f"{write_s * 1e3:.0f} ms",
+         f"{3 * r['mib']:.0f} MiB: consensus, x_prev, momentum"),
+    ]
+    width = max(len(row[0]) for row in rows)
+    lines = [f"controller restart, {r['mib']:.0f} MiB model, DiLoCo, 4 ranks on 2 hosts (loopback):"]
+    lines += [f"  {name:<{width}}  {value:<10} {note}" for name, value, note in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=64, help="model size in MiB (default 64)")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--pause", type=float, default=0.5, help="each rank's 'training' per window, seconds")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="flodl-restart-") as tmp:
+        result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp))
+    print(table(result, record_write_seconds(args.mib)))
+
+
+if __name__ == "__main__":
+    main()
