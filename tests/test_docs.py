@@ -184,6 +184,10 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
         "a 45 s benchmark of four rank processes with a 64 MiB model whose timings depend on this machine",
         checked_by="test_benchmark_blocks_name_real_flags",
     ),
+    ("docs/performance.md", "benchmarks/controller_restart.py"): NotRun(
+        "a 35 s benchmark of daemons and four rank processes with a 64 MiB model whose timings depend on this machine",
+        checked_by="test_benchmark_blocks_name_real_flags",
+    ),
     ("docs/performance.md", "benchmarks/allreduce.py --quick"): NotRun(
         "benchmarks of one to several minutes each; the two-host workload needs root and tc",
         checked_by="test_benchmark_blocks_name_real_flags",
@@ -1080,6 +1084,7 @@ async def test_benchmark_blocks_name_real_flags():
     blocks = [doc_snippet("docs/wire.md", "benchmarks/codec.py"),
               doc_snippet("docs/performance.md", "benchmarks/allreduce.py --quick"),
               doc_snippet("docs/performance.md", "benchmarks/rejoin.py"),
+              doc_snippet("docs/performance.md", "benchmarks/controller_restart.py"),
               doc_snippet("docs/performance.md", "--deterministic --quick")]
     flags_by_script: dict[str, set[str]] = {}
     for block in blocks:
@@ -1088,7 +1093,9 @@ async def test_benchmark_blocks_name_real_flags():
             assert words[0] == ".venv/bin/python", line
             # flags in the trailing comments count too ("--mib N, --reps N to change ...")
             flags_by_script.setdefault(words[1], set()).update(re.findall(r"(?<![\w-])--[a-z][\w-]*", line))
-    assert flags_by_script.keys() == {"benchmarks/codec.py", "benchmarks/allreduce.py", "benchmarks/rejoin.py"}
+    assert flags_by_script.keys() == {
+        "benchmarks/codec.py", "benchmarks/allreduce.py", "benchmarks/rejoin.py", "benchmarks/controller_restart.py",
+    }
     async with open_processes() as processes:
         for script, flags in flags_by_script.items():
             usage = await processes.run(f"{script} --help", [sys.executable, script, "--help"], env=snippet_env(),
