@@ -60,7 +60,7 @@ class ControlClient:
 
     def __init__(
         self, conn: MessageStream, rank: int, world_size: int, salt: SessionSalt,
-        heartbeat_interval: float, beacon_timeout: float, outage: float = 0.0,
+        heartbeat_interval: float, beacon_timeout: float, outage: float | None = 0.0,
     ) -> None:
         self._conn = conn
         self.rank = rank
@@ -68,8 +68,10 @@ class ControlClient:
         self._salt = salt
         self.heartbeat_interval = heartbeat_interval
         self.beacon_timeout = beacon_timeout
-        # How much longer than beacon_timeout to wait for a controller that may come back.
-        self.outage = outage
+        # How much longer than beacon_timeout to wait for a controller that may come back
+        # (None: as long as its beacons say, 0 until one does).
+        self._outage = outage
+        self._announced_outage = 0.0
         self.outages = 0  # times the beacon stopped for longer than beacon_timeout and came back
         self.heartbeats_sent = 0
         self.last_beacon: Beacon | None = None
@@ -143,6 +145,11 @@ class ControlClient:
             "(coordinator, controller or this host's control relay is gone or frozen)"
         )
 
+    @property
+    def outage(self) -> float:
+        """How long to hold for a lost coordinator past ``beacon_timeout`` (seconds)."""
+        return self._announced_outage if self._outage is None else self._outage
+
     def _follow_coordinator_pace(self, beacon: Beacon) -> None:
         """Beat at least 4x per the coordinator's heartbeat timeout, whatever we were told locally."""
         wanted = beacon.heartbeat_timeout_ms / 4000
@@ -176,6 +183,7 @@ class ControlClient:
             if isinstance(message, Beacon):
                 self._check_world(message)
                 self.last_beacon = message
+                self._announced_outage = message.outage_ms / 1000
                 self._follow_coordinator_pace(message)
 
     def _check_world(self, beacon: Beacon) -> None:
@@ -212,9 +220,10 @@ async def connect_control_client(
     ``client.run_over`` becomes True and both tasks stop: the connection closing
     afterwards ends nothing, and the block goes on. Defaults follow the cluster's:
     ``heartbeat_timeout`` is ``bounds.heartbeat_timeout`` (30 s x
-    FLODL_NET_TIMEOUT_SCALE), beating 4x per timeout. With ``bounds.controller_outage``
-    (``FLODL_CONTROLLER_OUTAGE``) above 0, beacons that stop are waited for that much
-    longer before the coordinator counts as lost: the controller may be restarted.
+    FLODL_NET_TIMEOUT_SCALE), beating 4x per timeout. Beacons that stop are waited
+    for ``bounds.controller_outage`` (``FLODL_CONTROLLER_OUTAGE``) longer before the
+    coordinator counts as lost - or, when that is None, as long as the coordinator's
+    last beacon said (a controller that keeps a resume record says; else 0).
     """
     check_rank(rank, world_size)
     session = SessionSalt.coerce(salt)

@@ -31,7 +31,7 @@ from ..errors import (
 from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import RunningMac
-from ..transport.settings import NetBounds
+from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN
 from ..wire.fragment import piece_range
@@ -171,11 +171,13 @@ async def fetch_cluster_state(
     host's barrier (:attr:`ClusterState.entry`). Both waits are a round's
     wait, each bounded by ``reply_timeout`` if given. Raises
     :class:`JoinRefused` with the controller's reason if it may not join.
-    With ``bounds.controller_outage`` above 0, a state connection that breaks
-    before the exchange ends (the controller died) is opened again, for up to
-    that long: a controller that comes back takes the request.
+    A state connection that breaks after the controller answered the request
+    (the controller died) is opened again, for up to ``bounds.controller_outage``
+    (None: the default a controller with a resume record announces): a
+    controller that comes back takes the request.
     """
-    give_up_at = trio.current_time() + bounds.controller_outage
+    outage = DEFAULT_CONTROLLER_OUTAGE if bounds.controller_outage is None else bounds.controller_outage
+    give_up_at = trio.current_time() + outage
     while True:
         try:
             return await _fetch_once(host, port, rank, world_size, salt, bounds, connect, ceiling, reply_timeout)
@@ -241,7 +243,7 @@ async def _receive_challenge(conn: MessageStream, rank: int, nonce: bytes, salt:
         with trio.fail_after(conn.bounds.handshake):
             raw = await conn.receive_exactly(STATE_CHALLENGE_LEN, "the state challenge")
     except PeerClosedMidFrame as exc:
-        raise _StateLost(
+        raise FlodlError(
             f"rank {rank}: no state from the controller through {where}: the request was refused unread "
             "(a different session salt? see the controller's log) or the controller is gone"
         ) from exc

@@ -44,6 +44,7 @@ from ..wire.mux import (
     Hello,
     HelloAck,
     MuxKind,
+    Outage,
     RankExit,
     decode_control_msg,
     encode_mux_record,
@@ -100,6 +101,8 @@ class Coordinator:
         self._ignored_logged: set[tuple[int, str]] = set()
         # Whether a dead rank may still come back (the controller's membership says).
         self.may_return: Callable[[int], bool] = lambda rank: False
+        # What this controller tells relays and ranks to hold for it if it is lost (ms; 0: nothing).
+        self.outage_ms = 0
         # Ranks that said they finished their training: dead to the rounds, but nobody
         # cut them off, so their control connection is left to them (or to the run's end).
         self.finished: set[int] = set()
@@ -135,7 +138,8 @@ class Coordinator:
         while True:
             self._beacon_seq += 1
             frame = beacon_frame(
-                self._beacon_seq, self.world_size, self.dead.dead_count(), int(self.heartbeat_timeout * 1000)
+                self._beacon_seq, self.world_size, self.dead.dead_count(), int(self.heartbeat_timeout * 1000),
+                self.outage_ms,
             )
             for rank, link in list(self.owner.items()):
                 if not link.closed and not self.dead.is_dead(rank):
@@ -229,6 +233,8 @@ class Coordinator:
             return None
         link = RelayLink.accept(hello, conn, 4 * len(hello.ranks) + 16)
         link.queue_control(HelloAck(), self.salt)
+        if self.outage_ms > 0:  # this controller keeps a resume record: hold for it
+            link.queue_control(Outage(self.outage_ms), self.salt)
         mismatch = self._signature_mismatch(hello)
         if mismatch is not None:
             await self._refuse_ranks(link, mismatch)

@@ -67,6 +67,7 @@ from ..wire.mux import (
     Lanes,
     MuxHeader,
     MuxKind,
+    Outage,
     RankAway,
     RankExit,
     RankFinished,
@@ -265,6 +266,7 @@ class _Controller:
             membership=membership,
             dead=self.dead, coordinator=handle.coordinator, stats=self.stats,
         )
+        handle.coordinator.outage_ms = self.resumption.announced_outage_ms(config.bounds)
 
     async def run(self) -> None:
         self.resumption.restore()
@@ -366,6 +368,8 @@ class _Controller:
         link.queue_control(HelloAck(), self.config.salt)
         if self.config.lanes > 1:  # the lanes extension: a flodl cluster gets flodl's bytes
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
+        if self.handle.coordinator.outage_ms > 0:  # it keeps a resume record: hold for it if it is lost
+            link.queue_control(Outage(self.handle.coordinator.outage_ms), self.config.salt)
         now = trio.current_time()
         for rank in link.ranks:
             if self.dead.is_dead(rank):

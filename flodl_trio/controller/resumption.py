@@ -21,6 +21,7 @@ import numpy as np
 import trio
 
 from ..errors import DesyncError, FlodlError
+from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, NetBounds
 from ..wire.checkpoint import CheckpointError
 from ..wire.mux import Resume
 from ..wire.round_frame import EncodedFrame, RoundKind
@@ -69,6 +70,14 @@ class Resumption:
         self._stale: set[int] = set()  # relays whose next HostFrame is of a round already finished
         # Why this run cannot be resumed (a record that said so, or a round it cannot carry).
         self.not_resumable: str | None = None
+
+    def announced_outage_ms(self, bounds: NetBounds) -> int:
+        """What relays and ranks are told to hold for this controller if it is lost (ms):
+        with a record, its bound (default DEFAULT_CONTROLLER_OUTAGE); without, nothing."""
+        if self.log is None:
+            return 0
+        outage = DEFAULT_CONTROLLER_OUTAGE if bounds.controller_outage is None else bounds.controller_outage
+        return min(round(outage * 1000), 0xFFFFFFFF)  # a u32 on the wire: 49 days at most
 
     # -- at start --------------------------------------------------------------
 

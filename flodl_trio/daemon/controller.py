@@ -15,7 +15,7 @@ from ..controller.config import check_lanes, membership_policy
 from ..controller.core import OuterOptimizer, open_controller
 from ..errors import ConfigError
 from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
-from ..transport.settings import NetBounds, load_salt
+from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .common import (
     add_common_flags,
@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "[env FLODL_FORMATION_TIMEOUT; default: wait for every rank]")
     parser.add_argument("--keep-serving", action="store_true", default=env_default("FLODL_KEEP_SERVING") == "1",
                         help="keep running after every rank has finished [env FLODL_KEEP_SERVING=1; default: exit 0]")
+    parser.add_argument("--controller-outage", type=float, default=None, metavar="SECONDS",
+                        help="with --checkpoint-dir: how long relays and ranks hold for this controller if it is "
+                        "lost, to be started again and resume (they are told; their own setting wins) "
+                        f"[env {OUTAGE_ENV}; default {DEFAULT_CONTROLLER_OUTAGE:g}]")
     add_common_flags(parser)
     return parser
 
@@ -136,11 +140,17 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
     outer = make_outer(args.outer, args.outer_lr, args.outer_momentum)
     check_lanes(lanes, outer_optimizer=outer)
-    return ControllerDaemonSettings(
+    settings = ControllerDaemonSettings(
         args.host, args.port, world, load_salt(args.salt_file), timeout, outer,
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
         bool(args.deterministic), lanes,
     )
+    if args.controller_outage is not None:
+        outage = float(args.controller_outage)
+        if not (math.isfinite(outage) and outage >= 0):
+            raise ConfigError(f"--controller-outage must be a finite number of seconds >= 0, got {args.controller_outage}")
+        settings = attrs.evolve(settings, bounds=attrs.evolve(settings.bounds, controller_outage=outage))
+    return settings
 
 
 async def serve_controller_daemon(

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--controller-outage", type=float, default=None, metavar="SECONDS",
         help="hold the ranks this long for a controller that was lost (killed, restarted, its link cut) to "
-        f"come back; 0 = give up at once [env {OUTAGE_ENV}; default 0]",
+        f"come back; 0 = give up at once [env {OUTAGE_ENV}; default: as long as the controller says, which "
+        "is 300 s for one with --checkpoint-dir and 0 without]",
     )
     add_common_flags(parser)
     return parser

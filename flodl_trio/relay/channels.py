@@ -39,6 +39,7 @@ from ..wire.mux import (
     DeclareDead,
     MuxHeader,
     MuxKind,
+    Outage,
     RankExit,
     RankFinished,
     RankJoin,
@@ -143,12 +144,20 @@ class Channel:
         self._reconnected = ChangeSignal()
         self._write_lock = trio.Lock()  # the writer's per item, the reconnect's while it lasts
         self._goodbyes: dict[int, RankExit | RankFinished] = {}  # told again to a controller that comes back
+        self.announced_outage = 0.0  # what the controller said it may be away for (Outage)
         self.role = role(self)
+
+    @property
+    def outage(self) -> float:
+        """How long a lost controller is waited for: this relay's bound, else what the
+        controller said (``Outage``), else 0."""
+        configured = self.config.bounds.controller_outage
+        return self.announced_outage if configured is None else configured
 
     @property
     def holds(self) -> bool:
         """Whether a lost controller is waited for, up to the outage bound (docs/liveness.md)."""
-        return self._redial is not None and self.config.bounds.controller_outage > 0
+        return self._redial is not None and self.outage > 0
 
     @property
     def live(self) -> set[int]:
@@ -341,7 +350,7 @@ class Channel:
 
     async def _reconnect(self, why: BaseException) -> None:
         """Dial the controller until it answers and takes our resumption, within the outage bound."""
-        outage = self.config.bounds.controller_outage
+        outage = self.outage
         host, port = self.config.upstream
         self.stats.outages += 1
         log.warning(
@@ -424,7 +433,11 @@ class Channel:
         )
 
     async def on_control(self, msg: RelayControlMsg, out: Outbox) -> None:
-        """The control messages every channel takes: a rank declared dead."""
+        """The control messages every channel takes: a rank declared dead, how long the
+        controller may be away."""
+        if isinstance(msg, Outage):
+            self.announced_outage = msg.millis / 1000
+            return
         if isinstance(msg, DeclareDead):
             if msg.rank in self.ranks:
                 # Joined or not: a rank that never connected leaves the barrier too.

@@ -26,6 +26,8 @@ log = logging.getLogger("flodl_trio.net")
 
 TIMEOUT_SCALE_ENV = "FLODL_NET_TIMEOUT_SCALE"
 OUTAGE_ENV = "FLODL_CONTROLLER_OUTAGE"
+# How long a controller that keeps a resume record tells relays and ranks to hold for it.
+DEFAULT_CONTROLLER_OUTAGE = 300.0
 MIN_TIMEOUT_SCALE = 0.1
 SALT_HEX_ENV = "FLODL_SALT_HEX"
 SALT_FILE_ENV = "FLODL_SALT_FILE"
@@ -38,9 +40,9 @@ def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None
         raise ConfigError(f"NetBounds.{attr.name} must be a finite number > 0, got {value!r}")
 
 
-def _non_negative(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"NetBounds.{attr.name} must be a finite number >= 0, got {value!r}")
+def _non_negative_or_none(_inst: object, attr: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"NetBounds.{attr.name} must be None or a finite number >= 0, got {value!r}")
 
 
 def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -74,8 +76,10 @@ class NetBounds:
     heartbeat_timeout: float = attrs.field(default=30.0, validator=_positive)
     #: how long relays and ranks hold through a lost controller (its connection broke,
     #: its beacon stopped) for it to come back before giving up; 0: they give up at once
-    #: (flodl's behaviour). Not scaled: an operator's restart takes what it takes.
-    controller_outage: float = attrs.field(default=0.0, validator=_non_negative)
+    #: (flodl's behaviour); None: as long as the controller said it may be away (it says
+    #: so only when it keeps a resume record; else 0). Not scaled: an operator's
+    #: restart takes what it takes.
+    controller_outage: float | None = attrs.field(default=None, validator=_non_negative_or_none)
 
     @classmethod
     def scaled(cls, scale: float) -> NetBounds:
@@ -93,7 +97,8 @@ class NetBounds:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> NetBounds:
         """The defaults scaled by ``FLODL_NET_TIMEOUT_SCALE`` (finite, >= 0.1; default 1),
-        with ``FLODL_CONTROLLER_OUTAGE`` seconds of controller outage (default 0)."""
+        with ``FLODL_CONTROLLER_OUTAGE`` seconds of controller outage (unset: None,
+        as long as the controller says)."""
         env = os.environ if environ is None else environ
         return attrs.evolve(cls.scaled(timeout_scale(env)), controller_outage=controller_outage(env))
 
@@ -115,11 +120,11 @@ def timeout_scale(environ: Mapping[str, str]) -> float:
     return 1.0
 
 
-def controller_outage(environ: Mapping[str, str]) -> float:
-    """``FLODL_CONTROLLER_OUTAGE`` (seconds, finite, >= 0; unset: 0) from ``environ``."""
+def controller_outage(environ: Mapping[str, str]) -> float | None:
+    """``FLODL_CONTROLLER_OUTAGE`` (seconds, finite, >= 0; unset: None) from ``environ``."""
     raw = environ.get(OUTAGE_ENV, "").strip()
     if not raw:
-        return 0.0
+        return None
     try:
         value = float(raw)
     except ValueError:
@@ -153,4 +158,4 @@ def load_salt(salt_file: str | os.PathLike[str] | None = None, environ: Mapping[
     )
 
 
-__all__ = ["OUTAGE_ENV", "SALT_FILE_ENV", "SALT_HEX_ENV", "TIMEOUT_SCALE_ENV", "NetBounds", "controller_outage", "load_salt", "timeout_scale"]
+__all__ = ["DEFAULT_CONTROLLER_OUTAGE", "OUTAGE_ENV", "SALT_FILE_ENV", "SALT_HEX_ENV", "TIMEOUT_SCALE_ENV", "NetBounds", "controller_outage", "load_salt", "timeout_scale"]

@@ -6,7 +6,9 @@ All three ride in ControlFrames on the control channel, little-endian:
 * Beacon (coordinator -> rank), msg_kind 5:
   ``b"BC01" | u64 seq | u32 world_size | u32 dead_count | u32 heartbeat_timeout_ms``
   (the rank paces its heartbeats from the coordinator's timeout, so the two
-  sides cannot be configured into a false death)
+  sides cannot be configured into a false death); from a controller that keeps
+  a resume record, ``b"BC02"``, the same fields then ``u32 outage_ms``: how long
+  the rank should hold for it if it is lost (docs/liveness.md, "A lost controller")
 * Notice (coordinator -> rank), msg_kind 1: ``b"NT01" | UTF-8 reason`` - why the rank
   is being cut off (declared dead, refused at formation) just before its
   connection is closed, so the rank can raise that reason instead of "EOF".
@@ -26,8 +28,10 @@ from .control_frame import ControlFrame, ControlKind
 
 _HEARTBEAT = struct.Struct("<4sIQ")
 _BEACON = struct.Struct("<4sQIII")
+_BEACON_V2 = struct.Struct("<4sQIIII")
 HEARTBEAT_TAG = b"HB01"
 BEACON_TAG = b"BC01"
+BEACON_V2_TAG = b"BC02"
 NOTICE_TAG = b"NT01"
 RUN_OVER_TAG = b"FN01"
 
@@ -44,6 +48,7 @@ class Beacon:
     world_size: int
     dead_count: int
     heartbeat_timeout_ms: int
+    outage_ms: int = 0  # BC02: how long to hold for a lost controller (0: BC01, nothing said)
 
 
 @attrs.frozen
@@ -63,8 +68,12 @@ def heartbeat_frame(rank: int, seq: int) -> ControlFrame:
     return ControlFrame(ControlKind.HEARTBEAT, _HEARTBEAT.pack(HEARTBEAT_TAG, rank, seq))
 
 
-def beacon_frame(seq: int, world_size: int, dead_count: int, heartbeat_timeout_ms: int) -> ControlFrame:
-    return ControlFrame(ControlKind.HEARTBEAT, _BEACON.pack(BEACON_TAG, seq, world_size, dead_count, heartbeat_timeout_ms))
+def beacon_frame(seq: int, world_size: int, dead_count: int, heartbeat_timeout_ms: int, outage_ms: int = 0) -> ControlFrame:
+    if outage_ms > 0:
+        payload = _BEACON_V2.pack(BEACON_V2_TAG, seq, world_size, dead_count, heartbeat_timeout_ms, outage_ms)
+    else:
+        payload = _BEACON.pack(BEACON_TAG, seq, world_size, dead_count, heartbeat_timeout_ms)
+    return ControlFrame(ControlKind.HEARTBEAT, payload)
 
 
 def notice_frame(reason: str) -> ControlFrame:
@@ -85,6 +94,9 @@ def decode_liveness(frame: ControlFrame) -> LivenessMessage | None:
         if frame.msg_kind == ControlKind.HEARTBEAT and tag == BEACON_TAG:
             _, seq, world, dead, timeout_ms = _BEACON.unpack(frame.payload)
             return Beacon(seq, world, dead, timeout_ms)
+        if frame.msg_kind == ControlKind.HEARTBEAT and tag == BEACON_V2_TAG:
+            _, seq, world, dead, timeout_ms, outage_ms = _BEACON_V2.unpack(frame.payload)
+            return Beacon(seq, world, dead, timeout_ms, outage_ms)
         if frame.msg_kind == ControlKind.CONTROL and tag == NOTICE_TAG:
             return Notice(frame.payload[4:].decode("utf-8", errors="replace"))
         if frame.msg_kind == ControlKind.CONTROL and frame.payload == RUN_OVER_TAG:

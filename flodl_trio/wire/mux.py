@@ -143,13 +143,25 @@ class Resume:
             raise ConfigError("Resume: a relay that resends its HostFrame awaits its consensus")
 
 
+@attrs.frozen
+class Outage:
+    """flodl_trio extension (variant 205), controller -> relay, right after HelloAck (and
+    ``Lanes``): this controller keeps a resume record; should its connection break, hold
+    your ranks and dial it again for up to ``millis`` ms (unless told otherwise locally).
+    Sent only by a controller that keeps a record. See docs/wire.md, "Resuming"."""
+
+    millis: int
+
+
 NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
 
-RelayControlMsg = Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume
+RelayControlMsg = (
+    Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
+)
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
-    Resume: 204,
+    Resume: 204, Outage: 205,
 }
 
 
@@ -185,6 +197,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             out += _varint(r)
         case Lanes(count=count, min_bytes=min_bytes):
             out += _varint(count) + _varint(min_bytes)
+        case Outage(millis=millis):
+            out += _varint(millis)
         case Resume(last_broadcast=last, awaiting=awaiting, resends=resends):
             out += last + _varint(int(awaiting)) + _varint(int(resends))
         case HelloAck():
@@ -264,6 +278,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = RankAway(reader.varint("RankAway rank"))
     elif variant == 203:
         msg = Lanes(reader.varint("Lanes count"), reader.varint("Lanes min_bytes"))
+    elif variant == 205:
+        msg = Outage(reader.varint("Outage millis"))
     elif variant == 204:
         last = reader._take(MAC_LEN, "Resume last_broadcast")
         awaiting = bool(reader.varint("Resume awaiting", limit=1))

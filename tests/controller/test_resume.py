@@ -141,7 +141,8 @@ async def test_a_run_that_cannot_be_resumed_says_why(tmp_path: Path) -> None:
 
 
 def test_the_outage_bound_comes_from_the_environment() -> None:
-    assert controller_outage({}) == 0.0
+    assert controller_outage({}) is None  # as long as the controller says
+    assert NetBounds().controller_outage is None
     assert controller_outage({"FLODL_CONTROLLER_OUTAGE": "120"}) == 120.0
     assert NetBounds.from_env({"FLODL_CONTROLLER_OUTAGE": "7.5", "FLODL_NET_TIMEOUT_SCALE": "2"}).controller_outage == 7.5
     for bad in ("-1", "inf", "soon"):
@@ -167,3 +168,10 @@ async def test_a_finished_windows_state_for_joiners_comes_back_into_the_window_s
     assert latest is not None and latest.window == 6
     assert [f.tobytes() for f in latest.frames] == [params.tobytes(), buffers.tobytes()]
     assert second.window_store.model_rounds_per_window == 2
+
+
+async def test_only_a_controller_that_keeps_a_record_tells_relays_and_ranks_to_hold(tmp_path: Path) -> None:
+    assert resumption(None).announced_outage_ms(NetBounds()) == 0
+    assert resumption(tmp_path).announced_outage_ms(NetBounds()) == 300_000
+    assert resumption(tmp_path).announced_outage_ms(NetBounds(controller_outage=12.5)) == 12_500
+    assert resumption(tmp_path).announced_outage_ms(NetBounds(controller_outage=0)) == 0

@@ -37,14 +37,15 @@ def worker_args() -> dict[int, list[str]]:
 
 
 async def cluster_run(
-    tmp_path: Path, controller_args: list[str], fault: Any, relay_args: list[str] | None = None
+    tmp_path: Path, controller_args: list[str], fault: Any, relay_args: list[str] | None = None,
+    env: dict[str, str] = OUTAGE,
 ) -> ProcessCluster:
     """2 hosts x 2 ranks training WINDOWS windows under daemons; ``fault(cluster)`` runs
     once host 0's HostFrame of window HOLD's first round is in and host 1's ranks hold."""
     async with open_process_cluster(
         world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
-        numel=NUMEL, pause=0.05, worker_args=worker_args(), worker_env={r: OUTAGE for r in range(WORLD)},
-        relay_env={h: OUTAGE for h in range(len(HOSTS))}, relay_args={h: relay_args or [] for h in range(len(HOSTS))},
+        numel=NUMEL, pause=0.05, worker_args=worker_args(), worker_env={r: env for r in range(WORLD)},
+        relay_env={h: env for h in range(len(HOSTS))}, relay_args={h: relay_args or [] for h in range(len(HOSTS))},
         controller_args=["--checkpoint-dir", str(tmp_path / "ckpt"), *controller_args],
     ) as cluster:
         with diagnose(cluster):
@@ -134,3 +135,20 @@ async def test_diloco_resumed_after_a_kill_ends_bit_identical_to_the_run_never_i
     for rank in range(WORLD):
         want, got = windows_of(reference, rank), windows_of(resumed, rank)
         assert [got[w]["digest"] for w in range(WINDOWS)] == [want[w]["digest"] for w in range(WINDOWS)], rank
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(120)
+async def test_relays_and_ranks_hold_as_long_as_a_controller_with_a_record_says_without_being_told(
+    tmp_path: Path,
+) -> None:
+    """Nothing set on the hosts: the controller (it has --checkpoint-dir) tells relays
+    (Outage) and ranks (its beacons) to hold for it, and a restart resumes the run."""
+    with trio.fail_after(110):
+        cluster = await cluster_run(tmp_path, [], kill_and_restart, env={"FLODL_CONTROLLER_OUTAGE": ""})
+    assert_resumed(cluster)
+    for host in cluster.relays:
+        for relay in host:
+            assert "redialing for up to 300 s" in relay.text, relay.text[-2000:]
+    contributors = check_windows(cluster, WINDOWS, NUMEL)
+    assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))

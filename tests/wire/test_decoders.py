@@ -36,6 +36,7 @@ from flodl_trio.wire import (
     Hello,
     HelloAck,
     MuxKind,
+    Outage,
     RankExit,
     Resume,
     RoundFrame,
@@ -60,6 +61,7 @@ from flodl_trio.wire import (
     encode_mux_record,
     encode_round_frame,
 )
+from flodl_trio.wire.liveness import Beacon, beacon_frame, decode_liveness
 from flodl_trio.wire.mux import NO_BROADCAST
 
 SALT = SessionSalt(b"\x42" * 16)
@@ -743,3 +745,20 @@ def test_resume_decode_errors(payload, match):
 def test_resume_refuses_a_tag_of_the_wrong_length():
     with pytest.raises(ConfigError, match="8 bytes, got 7"):
         Resume(b"\0" * 7)
+
+
+def test_outage_round_trips_as_docs_wire_md_lays_it_out():
+    assert encode_control_msg(Outage(300_000)).hex() == "cd" + "fc" + (300_000).to_bytes(4, "little").hex()
+    assert decode_control_msg(bytes.fromhex("cd00")) == Outage(0)
+    with pytest.raises(FramingError, match="ended inside Outage millis"):
+        decode_control_msg(b"\xcd")
+
+
+def test_a_beacon_says_how_long_to_hold_only_when_it_has_something_to_say():
+    plain = beacon_frame(7, 4, 1, 30_000)
+    assert plain.payload[:4] == b"BC01" and decode_liveness(plain) == Beacon(7, 4, 1, 30_000, 0)
+    holding = beacon_frame(7, 4, 1, 30_000, outage_ms=300_000)
+    assert holding.payload[:4] == b"BC02" and len(holding.payload) == len(plain.payload) + 4
+    assert decode_liveness(holding) == Beacon(7, 4, 1, 30_000, 300_000)
+    with pytest.raises(FramingError, match="not its fixed size"):
+        decode_liveness(ControlFrame(holding.msg_kind, holding.payload[:-1]))
