@@ -118,7 +118,7 @@ Interruption = Callable[[Controller, Run, trio.Event], Awaitable[None]]
 
 async def run_cluster(
     tmp_path: Path, interrupt: Interruption | None, *, gated: tuple[int, ...] = (1,),
-    proxy_faults: list[DropRecord] | None = None,
+    proxy_faults: list[DropRecord] | None = None, bf16: bool = False,
 ) -> Run:
     """Train WINDOWS windows on 2 hosts x 2 ranks; the ranks of the ``gated`` hosts wait
     before window PAUSE_AT while ``interrupt`` (if any) stops and restarts the controller.
@@ -145,6 +145,7 @@ async def run_cluster(
                 params, buffers = fresh_model(rank)
                 relay = run.relays[0 if rank in HOSTS[0] else 1]
                 async with connect_reduce_client((LOOPBACK, relay.port), rank, WORLD, SALT, bounds=BOUNDS) as client:
+                    client.bf16_wire = bf16
                     for window in range(WINDOWS):
                         if window == PAUSE_AT and any(rank in HOSTS[h] for h in gated):
                             await gate.wait()
@@ -215,8 +216,8 @@ async def test_restart_after_one_host_missed_the_last_consensus(tmp_path: Path, 
     """The controller sent window PAUSE_AT's first consensus, host 1 never got it (the proxy
     swallowed it) and host 0 went on to the next round: host 1 resumes one consensus behind,
     is sent it again, and the HostFrame it sends again is dropped as stale."""
-    # Records down to host 1: HelloAck, then one Broadcast per round.
-    swallowed = DropRecord(index=1 + FIRST_ROUND_OF_PAUSE, direction="down", framing="mux", connection=0)
+    # Records down to host 1: HelloAck, Outage (this controller keeps a record), then one Broadcast per round.
+    swallowed = DropRecord(index=2 + FIRST_ROUND_OF_PAUSE, direction="down", framing="mux", connection=0)
 
     def host0_went_on(run: Run) -> bool:
         return run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 2
@@ -225,4 +226,15 @@ async def test_restart_after_one_host_missed_the_last_consensus(tmp_path: Path, 
     assert_same_run(reference, got)
     assert got.controller.stats.stale_host_frames == 1
     assert got.controller.stats.relays_resumed == 2
+    assert got.controller.stats.resumed_runs == 1
+
+
+async def test_restart_mid_round_on_a_bf16_wire(tmp_path: Path) -> None:
+    """The same on a bf16 wire: the consensus the ranks get is bf16, the controller's
+    DiLoCo state f32 - both come back from the record exactly."""
+    reference = await run_cluster(tmp_path / "reference", None, bf16=True)
+    got = await run_cluster(
+        tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 1), bf16=True
+    )
+    assert_same_run(reference, got)
     assert got.controller.stats.resumed_runs == 1

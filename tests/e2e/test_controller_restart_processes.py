@@ -152,3 +152,38 @@ async def test_relays_and_ranks_hold_as_long_as_a_controller_with_a_record_says_
             assert "redialing for up to 300 s" in relay.text, relay.text[-2000:]
     contributors = check_windows(cluster, WINDOWS, NUMEL)
     assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(120)
+async def test_overlapped_window_trainers_hold_through_a_kill_wherever_it_lands_and_finish_on_one_consensus(
+    tmp_path: Path,
+) -> None:
+    """Window trainers overlapping each round with the next window's steps (DiLoCo): the
+    controller is SIGKILLed wherever the run is once rank 0 finished window 2 (every point
+    must resume) and started again; every rank merges every window and ends on the same
+    bytes. (An overlapped run's masses depend on timing, so there is no bit-exact
+    uninterrupted twin to compare with; the windows' exactness is the tests' above.)"""
+    windows = 8
+    args = ["--train-windows", str(windows), "--sync-every", "4", "--overlap", "1", "--step-time", "0.01"]
+    with trio.fail_after(110):
+        async with open_process_cluster(
+            world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
+            numel=NUMEL, worker_args={r: args for r in range(WORLD)},
+            controller_args=["--checkpoint-dir", str(tmp_path / "ckpt"), "--outer", "diloco"],
+        ) as cluster:
+            with diagnose(cluster):
+                await cluster.wait_event(0, "window", window=2)
+                await kill_and_restart(cluster)
+                trained = []
+                for rank in range(WORLD):
+                    outcome = await cluster.wait_outcome(rank)
+                    assert outcome["event"] == "done", outcome
+                    trained.append(next(e for e in cluster.ranks[rank].events if e["event"] == "trained"))
+                for proc in cluster.processes():
+                    if proc not in cluster.past_controllers:
+                        with trio.fail_after(20):
+                            assert await proc.wait() == 0, (proc.name, proc.text[-3000:])
+    assert_resumed(cluster)
+    assert all(t["windows"] == windows for t in trained), trained
+    assert len({t["digest"] for t in trained}) == 1, trained
