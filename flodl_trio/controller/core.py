@@ -596,10 +596,12 @@ class _Controller:
                 and self.windows.keep_window_state
                 and self.window_store.keep(part, kept or record_payload(record))
             )
-            # Durable before any relay has it or a joiner is let in: a controller started again resumes from it.
+            # Returns let in are live in the record, and told only once it is durable, as the
+            # consensus goes out only then: a controller started again resumes from it.
+            tell_returns = self.returns.at_boundary() if boundary else None
             await self.resumption.record(record, part, self.window_store.latest if boundary else None)
-            if boundary:
-                self.returns.at_boundary()
+            if tell_returns is not None:
+                tell_returns()
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
             for seat_id in targets:
                 self.links[seat_id].queue(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import attrs
 import trio
@@ -50,6 +51,19 @@ from .membership import Membership
 from .round import WindowState, WindowStore
 from .stats import ControllerStats
 from .windows import Windows
+
+def _nothing() -> None:
+    pass
+
+
+def _now(call: Callable[[], None]) -> None:
+    call()
+
+
+def _call_each(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -121,14 +135,19 @@ class Returns:
     asks: dict[int, int] = attrs.field(factory=dict)  # rank -> how many times its relay asked it back (names each ask)
     nursery: trio.Nursery | None = None  # where the handshake-bound watches run
 
-    def at_boundary(self) -> None:
+    def at_boundary(self) -> Callable[[], None]:
         """A window just finished (its state is kept): returns that have their state
-        enter the next window; those waiting for a first finished window get this one."""
+        enter the next window (live from now on; they and their relays are told when
+        the returned function is called: after the round is recorded, so no relay
+        hears of a return a controller started again would not know); those waiting
+        for a first finished window get this one."""
         latest = self.window_store.latest
         if latest is None:
-            return
-        self._let_joiners_in(latest.window + 1)
+            return _nothing
+        told: list[Callable[[], None]] = []
+        self._let_joiners_in(latest.window + 1, told.append)
         self._send_states_due()
+        return partial(_call_each, told)
 
     async def serve(self, conn: MessageStream, magic: bytes) -> None:
         """A rank asks (through its relay) for the state to start from: at once for a
@@ -303,6 +322,11 @@ class Returns:
         if joiner is not None:
             joiner.refuse(reason)
 
+    def _tell_entry(self, link: RelayLink, rank: int, joiner: Joiner, window: int) -> None:
+        """The relay lets the rank into its host's fold; the rank hears which window it enters."""
+        link.queue_control(RankJoin(rank), self.config.salt)
+        joiner.enter(window)
+
     def _send_states_due(self) -> None:
         """Each return whose both halves are in gets the newest finished window now,
         while it is in no barrier (the others train on); one whose cluster has no
@@ -336,10 +360,11 @@ class Returns:
         log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
         self._let_joiners_in(next_window)
 
-    def _let_joiners_in(self, window: int) -> None:
+    def _let_joiners_in(self, window: int, tell: Callable[[Callable[[], None]], None] | None = None) -> None:
         """A window boundary: every return that has its state becomes live, and its
         relay hears so before the window's last consensus (it enters the next round,
-        the start of ``window``); the rank is told it enters ``window``."""
+        the start of ``window``); the rank is told it enters ``window``. ``tell``:
+        hold the telling (relay and rank) for the caller to do (default: now)."""
         now = trio.current_time()
         for rank, seat in self.membership.entering():
             link = self.links.get(seat)
@@ -354,11 +379,10 @@ class Returns:
                 self.refuse(rank, link, f"it is more than {self.window_store.catch_up_limit} windows behind "
                                         "in a delta run (it may ask again)")
                 continue
-            link.queue_control(RankJoin(rank), self.config.salt)
             self.membership.rejoined(rank)
             self.revive(rank)
             self.stats.rejoins, self.stats.late_joins = self.membership.rejoins, self.membership.late_joins
-            joiner.enter(window)
+            (tell or _now)(partial(self._tell_entry, link, rank, joiner, window))
             behind = ""
             if catch_up:
                 behind = f" (the {len(catch_up)} delta consensus frame(s) since go with its entry)"

@@ -113,6 +113,8 @@ class Resumption:
             params, buffers = (frames[:-1], frames[-1]) if has_buffers else (frames, None)
             self.window_store.restore(WindowState(run.state_window, tuple(params), buffers), run.model_rounds_per_window)
             self._window = (run.window_file, run.state_window)
+            # It kept each window's state for joiners (a rank called join()): so does this one, from the start.
+            self.round.keep_window_state = True
         m = self.membership
         m.formed = run.formed
         m.elastic |= set(run.elastic)

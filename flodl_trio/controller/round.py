@@ -233,6 +233,8 @@ class WindowStore:
                 self._complete()  # a no-op if the window ended at its boundary already
             self._window, self._fragment, self._model_rounds = part.window, part.fragment, 0
             return False
+        if self._window < 0:
+            return False  # a window whose first round it did not see (kept from mid-window on): not one to keep
         self._model_rounds += 1
         if part.index == 1:
             self._params = frame

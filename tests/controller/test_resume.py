@@ -175,3 +175,28 @@ async def test_only_a_controller_that_keeps_a_record_tells_relays_and_ranks_to_h
     assert resumption(tmp_path).announced_outage_ms(NetBounds()) == 300_000
     assert resumption(tmp_path).announced_outage_ms(NetBounds(controller_outage=12.5)) == 12_500
     assert resumption(tmp_path).announced_outage_ms(NetBounds(controller_outage=0)) == 0
+
+
+def test_a_window_whose_start_the_store_did_not_see_is_not_kept() -> None:
+    """A controller started again mid-window knows the last window's state, not the
+    open one's first rounds: the rest of that window must not pass for a window
+    (it would be window -1, and a joiner would enter window 0)."""
+    store = WindowStore()
+    frame = broadcast(b"f")
+    store.restore(WindowState(6, (frame,), frame), 2)
+    assert not store.keep(WindowPart(7, 1), frame) and not store.keep(WindowPart(7, 2), frame)
+    assert store.latest is not None and store.latest.window == 6
+    assert not store.keep(WindowPart(8, 0), frame) and not store.keep(WindowPart(8, 1), frame)
+    assert store.keep(WindowPart(8, 2), frame) and store.latest.window == 8
+
+
+async def test_a_controller_that_kept_joiners_state_keeps_it_again_from_the_start(tmp_path: Path) -> None:
+    first = resumption(tmp_path)
+    state = WindowState(3, (broadcast(b"p"),), broadcast(b"b"))
+    first.window_store.restore(state, 2)
+    first.stats.rounds = 12
+    await first.record(broadcast(b"b"), WindowPart(3, 2), state)
+    second = resumption(tmp_path)
+    assert not second.round.keep_window_state
+    second.restore()
+    assert second.round.keep_window_state

@@ -101,8 +101,9 @@ async def rank_kill_restart() -> Outcome:
 @case("controller-kill-during-join", fault="controller daemon SIGKILLed while a restarted rank waits to enter, "
       "then started again", leg="controller process", deadline=60)
 async def controller_kill_during_join() -> Outcome:
-    """Rank 3 is killed and started again; once it has its state and waits for the next
-    window boundary, the controller is killed and started again. Its relay asks for it
+    """Rank 3 is killed and started again once the survivors hold before window HOLD; once
+    it has its state and waits for the next window boundary (which cannot come while
+    they hold), the controller is killed and started again. Its relay asks for it
     again, its join asks for its state again, the new controller serves it the state it
     recorded, and it enters when the survivors go on."""
     env = {"FLODL_CONTROLLER_OUTAGE": "60"}
@@ -115,8 +116,10 @@ async def controller_kill_during_join() -> Outcome:
                 await c.wait_event(3, "window", window=2)
                 c.kill(3)
                 await c.wait_exit(3)
+                for rank in (0, 1, 2):  # the last boundary before the hold has passed: no window can end now
+                    await c.wait_event(rank, "paused", round=HOLD)
                 await c.restart(3)
-                await c.wait_returns_primed([3])
+                await c.wait_returns_primed([3])  # it has its state and waits for a boundary that cannot come
                 t0 = mono()
                 c.kill_controller()
                 await c.controller.wait()  # type: ignore[union-attr]
