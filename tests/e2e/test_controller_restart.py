@@ -18,7 +18,6 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
-import torch
 import trio
 
 from flodl_trio import average_window, connect_reduce_client, open_controller, open_relay
@@ -29,6 +28,7 @@ from flodl_trio.testing import DropRecord, FaultProxy, hold_open
 from flodl_trio.testing.local import LOOPBACK
 from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire.salt import SessionSalt
+from tests.e2e.test_rejoin import fresh_model, steps_of, trained
 
 SALT = SessionSalt(b"restart-test-slt")
 WORLD = 4
@@ -37,27 +37,7 @@ WINDOWS = 6
 ROUNDS_PER_WINDOW = 3  # the step-count gather, the params, the float buffers
 PAUSE_AT = 3  # the window the interrupted runs stop the controller in
 DEADLINE_S = 60
-PARAM_SHAPES = [(48, 31), (9,)]
-BUFFER_SHAPES = [(5,)]
 BOUNDS = NetBounds(controller_outage=30.0, connect_interval=0.05)
-
-
-def steps_of(rank: int, window: int) -> int:
-    return 1 + (rank + window) % 3
-
-
-def trained(params: list[torch.Tensor], rank: int, window: int) -> None:
-    with torch.no_grad():
-        for index, p in enumerate(params):
-            rng = np.random.default_rng([rank, window, index])
-            p.add_(torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32)))
-
-
-def fresh_model(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    rng = np.random.default_rng([7, rank])
-    params = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in PARAM_SHAPES]
-    buffers = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in BUFFER_SHAPES]
-    return params, buffers
 
 
 class Controller:

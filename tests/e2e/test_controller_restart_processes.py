@@ -98,15 +98,20 @@ def assert_resumed(cluster: ProcessCluster) -> None:
             assert relay.text.count("resumed with the controller") == 2, relay.text[-2000:]  # data and control
 
 
+def assert_resumed_and_exact(cluster: ProcessCluster) -> None:
+    """It resumed, every window is the exact mean over all four ranks, all end identical."""
+    assert_resumed(cluster)
+    contributors = check_windows(cluster, WINDOWS, NUMEL)
+    check_final_and_joins(cluster, WINDOWS, contributors)
+    assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))
+
+
 @pytest.mark.trio
 @pytest.mark.deadline(120)
 async def test_a_controller_killed_mid_round_and_restarted_resumes_and_every_window_is_exact(tmp_path: Path) -> None:
     with trio.fail_after(110):
         cluster = await cluster_run(tmp_path, [], kill_and_restart)
-    assert_resumed(cluster)
-    contributors = check_windows(cluster, WINDOWS, NUMEL)
-    check_final_and_joins(cluster, WINDOWS, contributors)
-    assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))
+    assert_resumed_and_exact(cluster)
 
 
 @pytest.mark.trio
@@ -114,10 +119,7 @@ async def test_a_controller_killed_mid_round_and_restarted_resumes_and_every_win
 async def test_a_controller_frozen_then_killed_and_restarted_resumes_and_every_window_is_exact(tmp_path: Path) -> None:
     with trio.fail_after(110):
         cluster = await cluster_run(tmp_path, ["--heartbeat-timeout", "2"], freeze_kill_and_restart)
-    assert_resumed(cluster)
-    contributors = check_windows(cluster, WINDOWS, NUMEL)
-    check_final_and_joins(cluster, WINDOWS, contributors)
-    assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))
+    assert_resumed_and_exact(cluster)
 
 
 @pytest.mark.trio
