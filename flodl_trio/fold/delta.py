@@ -384,12 +384,23 @@ class DeltaLineage:
         """A contribution (a whole frame, or a delta round's last lane: the one with the
         digest) must be against this lineage's base (SchemaError naming ``source``)."""
         digest = lane_digest_of(frame)
+        if digest == self.digest and digest != NO_BASE and read_lane_tag(frame) is None:
+            self._check_shapes(frame, source)
         if digest is None or digest == self.digest or (digest == NO_BASE and not carries_codes(frame)):
             return
         raise SchemaError(
             f"{source}'s delta is against base {digest.hex()}, the controller's is {self.digest.hex()} "
             "(it missed a consensus, or started from other params)"
         )
+
+    def _check_shapes(self, frame: RoundFrame, source: str) -> None:
+        """A whole delta frame against this base holds one tensor per param, of its shape
+        (whatever its relay says, it could not be added to ``x`` otherwise)."""
+        shapes = [tuple(t.shape) for t in frame.tensors[:-1]]
+        if self._shapes and shapes != self._shapes:
+            raise SchemaError(
+                f"{source}'s delta has tensors of shapes {shapes}; the params its base is of have {self._shapes}"
+            )
 
     def averaged(self, consensus: RoundFrame) -> RoundFrame:
         """The round's mean (f32 tensors, then the digest) as the params the outer step

@@ -152,3 +152,22 @@ def test_a_relay_coding_lane_by_lane_sends_the_bytes_and_keeps_the_residual_of_w
         for w, g in zip(want, got):
             assert [(t.dtype, tuple(t.shape), bytes(t.data)) for t in w.tensors] == \
                    [(t.dtype, tuple(t.shape), bytes(t.data)) for t in g.tensors]
+
+
+def test_a_delta_against_the_right_base_but_of_other_shapes_is_its_relays_fault_not_the_controllers():
+    """Relays that all send deltas of other shapes than the lineage's params, under the
+    right digest (no honest rank can), are refused at the deposit, naming the relay:
+    the mean of such deltas could not be added to the params (it used to stop the controller)."""
+    from flodl_trio.fold.delta import DeltaLineage
+    from flodl_trio.wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
+    from flodl_trio.wire.round_frame import RoundFrame, RoundKind, TensorPayload
+
+    lineage = DeltaLineage()
+    lineage.downlink_frame(RoundFrame([TensorPayload(0, (8,), np.arange(8, dtype=np.float32))], RoundKind.MODEL, 1.0), None)
+    codec = DeltaCodec.parse("int8:256")
+    digest = TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), lineage.digest)
+    same = RoundFrame([TensorPayload(codec.tag, (8,), b""), digest], RoundKind.MODEL, 1.0)
+    lineage.check_base(same, "relay a")  # the lineage's shapes: fine
+    other = RoundFrame([TensorPayload(codec.tag, (9,), b""), digest], RoundKind.MODEL, 1.0)
+    with pytest.raises(SchemaError, match=r"relay b's delta has tensors of shapes \[\(9,\)\]; .* \[\(8,\)\]"):
+        lineage.check_base(other, "relay b")
