@@ -384,8 +384,13 @@ class DeltaLineage:
         """A contribution (a whole frame, or a delta round's last lane: the one with the
         digest) must be against this lineage's base (SchemaError naming ``source``)."""
         digest = lane_digest_of(frame)
-        if digest == self.digest and digest != NO_BASE and read_lane_tag(frame) is None:
-            self._check_shapes(frame, source)
+        tag = read_lane_tag(frame)
+        if digest == self.digest and digest != NO_BASE and tag is None:
+            self._check_shapes([tuple(t.shape) for t in frame.tensors[:-1]], source)
+        elif tag is not None and tag.index == 0 and self.downlink is not None:
+            schema = LaneLayout.declared_by(frame).schema  # what its lanes say the round's tensors are
+            if is_delta_schema(schema) and DeltaCodec.of_tag(schema[0][0]) is not None:
+                self._check_shapes([shape for _, shape in schema[:-1]], source)
         if digest is None or digest == self.digest or (digest == NO_BASE and not carries_codes(frame)):
             return
         raise SchemaError(
@@ -393,10 +398,9 @@ class DeltaLineage:
             "(it missed a consensus, or started from other params)"
         )
 
-    def _check_shapes(self, frame: RoundFrame, source: str) -> None:
-        """A whole delta frame against this base holds one tensor per param, of its shape
-        (whatever its relay says, it could not be added to ``x`` otherwise)."""
-        shapes = [tuple(t.shape) for t in frame.tensors[:-1]]
+    def _check_shapes(self, shapes: list[tuple[int, ...]], source: str) -> None:
+        """A delta against this base (a whole frame, or the schema a lane 0 declares) holds
+        one tensor per param, of its shape (it could not be added to ``x`` otherwise)."""
         if self._shapes and shapes != self._shapes:
             raise SchemaError(
                 f"{source}'s delta has tensors of shapes {shapes}; the params its base is of have {self._shapes}"

@@ -171,3 +171,24 @@ def test_a_delta_against_the_right_base_but_of_other_shapes_is_its_relays_fault_
     other = RoundFrame([TensorPayload(codec.tag, (9,), b""), digest], RoundKind.MODEL, 1.0)
     with pytest.raises(SchemaError, match=r"relay b's delta has tensors of shapes \[\(9,\)\]; .* \[\(8,\)\]"):
         lineage.check_base(other, "relay b")
+
+
+def test_a_lane_zero_declaring_other_shapes_than_the_lineages_is_its_relays_fault():
+    from flodl_trio.fold.delta import DeltaLineage
+    from flodl_trio.wire.lanes import LaneLayout
+    from flodl_trio.wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
+    from flodl_trio.wire.round_frame import RoundFrame, RoundKind, TensorPayload
+
+    lineage = DeltaLineage()
+    lineage.downlink_frame(RoundFrame([TensorPayload(0, (512,), np.zeros(512, np.float32))], RoundKind.MODEL, 1.0), None)
+    codec = DeltaCodec.parse("int8:256")
+    digest = TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), lineage.digest)
+
+    def lane0(n: int) -> RoundFrame:
+        coded = TensorPayload(codec.tag, (n,), bytes(TensorPayload(codec.tag, (n,)).expected_nbytes()))
+        frame = RoundFrame([coded, digest], RoundKind.MODEL, 1.0)
+        return LaneLayout.of(frame, 2, 0).split(frame)[0]
+
+    lineage.check_base(lane0(512), "relay a")
+    with pytest.raises(SchemaError, match=r"relay b's delta has tensors of shapes \[\(600,\)\]"):
+        lineage.check_base(lane0(600), "relay b")
