@@ -23,7 +23,7 @@ import trio
 
 from ..errors import MacError, ProtocolError
 from ..transport.stream import CONNECTION_LOST, MessageStream
-from ..transport.tasks import ChangeSignal
+from ..transport.tasks import ChangeSignal, nothing
 from ..wire.mux import DeclareDead, RankJoin
 from ..wire.salt import Buffer
 from ..wire.state import (
@@ -51,10 +51,6 @@ from .membership import Membership
 from .round import WindowState, WindowStore
 from .stats import ControllerStats
 from .windows import Windows
-
-def _nothing() -> None:
-    pass
-
 
 def _now(call: Callable[[], None]) -> None:
     call()
@@ -143,7 +139,7 @@ class Returns:
         for a first finished window get this one."""
         latest = self.window_store.latest
         if latest is None:
-            return _nothing
+            return nothing
         told: list[Callable[[], None]] = []
         self._let_joiners_in(latest.window + 1, told.append)
         self._send_states_due()
@@ -360,7 +356,7 @@ class Returns:
         log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
         self._let_joiners_in(next_window)
 
-    def _let_joiners_in(self, window: int, tell: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def _let_joiners_in(self, window: int, tell: Callable[[Callable[[], None]], None] = _now) -> None:
         """A window boundary: every return that has its state becomes live, and its
         relay hears so before the window's last consensus (it enters the next round,
         the start of ``window``); the rank is told it enters ``window``. ``tell``:
@@ -382,7 +378,7 @@ class Returns:
             self.membership.rejoined(rank)
             self.revive(rank)
             self.stats.rejoins, self.stats.late_joins = self.membership.rejoins, self.membership.late_joins
-            (tell or _now)(partial(self._tell_entry, link, rank, joiner, window))
+            tell(partial(self._tell_entry, link, rank, joiner, window))
             behind = ""
             if catch_up:
                 behind = f" (the {len(catch_up)} delta consensus frame(s) since go with its entry)"

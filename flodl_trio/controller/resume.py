@@ -111,11 +111,11 @@ class RunRecord:
 
 @attrs.frozen
 class Resumed:
-    """A record read back: the run, its last Broadcast record, the outer state, and the
-    frames of the last finished window (what a joiner is sent, in order)."""
+    """A record read back: the run, the outer state, and the frames of the last finished
+    window (what a joiner is sent, in order). Its Broadcast is read when a relay needs
+    it again (:meth:`ResumeLog.last_broadcast`): the record's newest, not this one's."""
 
     run: RunRecord
-    broadcast: bytes
     outer: dict[str, np.ndarray]
     window_frames: list[bytes] = attrs.field(factory=list)
 
@@ -197,7 +197,7 @@ class ResumeLog:
         if run.window_file is not None:
             saved, _ = read_safetensors(self.path.parent / run.window_file)
             frames = [saved[f"frame.{i}"].tobytes() for i in range(len(saved))]
-        return Resumed(run, tensors[_BROADCAST].tobytes(), outer, frames)
+        return Resumed(run, outer, frames)
 
     def last_broadcast(self) -> EncodedFrame | None:
         """The newest record's Broadcast, as it went out (None: no record)."""

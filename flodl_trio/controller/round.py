@@ -32,6 +32,7 @@ from ..fold.delta import DeltaLineages, is_delta_schema
 from ..fold.schemas import AgreedSchemas, schema_of, why_taken_out
 from ..fold.speculative import SpeculativeFrame
 from ..transport.buffers import ReceiveBuffer
+from ..transport.tasks import nothing
 from ..wire.fragment import FragmentTag, fragment_of
 from ..wire.mux import MuxKind
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
@@ -276,10 +277,6 @@ class WindowStore:
             self.latest = WindowState(self._window, tuple(newest), self._newest_buffers)
 
 
-def _nothing() -> None:
-    pass
-
-
 class ControllerRound:
     """The round in progress, computed over the relays of ``seats``.
 
@@ -299,7 +296,7 @@ class ControllerRound:
         *,
         outer_optimizer: OuterOptimizer | None = None,
         checkpoint: CheckpointSink | None = None,
-        on_change: Callable[[], None] = _nothing,
+        on_change: Callable[[], None] = nothing,
         keep_window_state: bool = False,
         computes_ahead: bool = True,
     ) -> None:

@@ -28,13 +28,12 @@ import attrs
 import trio
 
 from ..errors import FlodlError, ProtocolError
-from ..fold.delta import PendingHostDelta
 from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.hashing import RunningMac, encode_enveloped_frame, hash_as_it_lands
+from ..transport.hashing import RunningMac, hash_as_it_lands
 from ..transport.stream import MessageStream
-from ..transport.tasks import ChangeSignal
+from ..transport.tasks import ChangeSignal, nothing
 from ..wire.constants import FINISHED_LENGTH, MAC_LEN, MUX_HEADER_LEN
 from ..wire.mux import (
     NO_BROADCAST,
@@ -55,7 +54,7 @@ from ..wire.round_frame import EncodedFrame, RoundFrame, check_payloads, decode_
 from .channels import Channel
 from .cut_through import stream_consensus
 from .host_fold import FoldedHostFrame, HostFold
-from .lanes import frames_for
+from .lanes import LaneFrames, frames_for
 from .outbound import DataRecord, Outbound, Outbox, RankNotice, RawHostFrame, SealedHostFrame
 
 log = logging.getLogger("flodl_trio.relay")
@@ -66,10 +65,6 @@ MiB = 1 << 20
 RELAY_BASELINE = 48 * MiB
 
 
-def _nothing() -> None:
-    pass
-
-
 @attrs.define
 class InFlight:
     """The HostFrame record written last whose consensus has not begun to come back,
@@ -77,7 +72,7 @@ class InFlight:
     None: it went up in lanes and cannot (yet) be sent again."""
 
     record: EncodedFrame | None
-    release: Callable[[], None] = _nothing
+    release: Callable[[], None] = nothing
 
 
 class DataPlane:
@@ -131,36 +126,30 @@ class DataPlane:
         if isinstance(item, DataRecord | RankNotice):
             raise TypeError(f"the data channel cannot send {type(item).__name__}")
         self.fold.host_frame_sent()  # before the write: the answer may beat our resumption
-        if isinstance(item, FoldedHostFrame) and not self.frames.whole:
-            self._hold(InFlight(None))
-            sent = await self.frames.send(item.frame, self.channel.upstream)
-            self.fold.images.give(item.images)  # written: nothing reads them now
-            return self._count_round(sent)
+        self._let_go_in_flight()
+        frames = self.frames
         if isinstance(item, FoldedHostFrame):
-            frame = item.frame.whole() if isinstance(item.frame, PendingHostDelta) else item.frame
-            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, frame, self.config.salt)
+            if isinstance(frames, LaneFrames):
+                self._in_flight = InFlight(None)  # (lane records are not kept)
+                sent = await frames.send(item.frame, self.channel.upstream)
+                self.fold.images.give(item.images)  # written: nothing reads them now
+                return self._count_round(sent)
+            record = await frames.record(item.frame)
             release = partial(self.fold.images.give, item.images)
         else:
             record = item.record if isinstance(item, SealedHostFrame) else encode_mux_record(
                 MuxKind.HOST_FRAME, item.body, self.config.salt
             )
             release = partial(self.pool.release, item.buffer)  # the item owned it until written
-        if not self.channel.holds:
-            try:
-                await self.channel.upstream.send_chunks(record.chunks)
-            finally:
-                release()
-            return self._count_round(record.nbytes)
-        self._hold(InFlight(record, release))  # before the write: a broken one is sent again
-        await self.channel.upstream.send_chunks(record.chunks)
+        # Kept until written; while the channel holds, until its consensus begins to come
+        # (a connection that breaks first has it sent again).
+        self._in_flight = InFlight(record, release)
+        try:
+            await self.channel.upstream.send_chunks(record.chunks)
+        finally:
+            if not self.channel.holds:
+                self._let_go_in_flight()
         self._count_round(record.nbytes)
-
-    def _hold(self, in_flight: InFlight) -> None:
-        self._let_go_in_flight()
-        if self.channel.holds:
-            self._in_flight = in_flight
-        else:
-            in_flight.release()
 
     def _let_go_in_flight(self) -> None:
         """The HostFrame's consensus is coming: nothing will send it again."""

@@ -19,6 +19,7 @@ from ..errors import DesyncError, SchemaError
 from ..fold.accumulator import FoldAccumulator, ImageCache
 from ..fold.delta import NO_BASE, HostDeltaUplink, PendingHostDelta, digest_of, is_delta_schema
 from ..fold.schemas import AgreedSchemas, Schema, schema_of, why_taken_out
+from ..transport.tasks import nothing
 from ..wire.constants import MAC_LEN
 from ..wire.fragment import fragment_of
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST
@@ -37,10 +38,6 @@ class FoldedHostFrame:
 _DIGEST_HEAD = struct.Struct("<BBIQ")  # the digest tensor's dtype, ndim, dim, byte count
 
 
-def _nothing() -> None:
-    pass
-
-
 class HostFold:
     """The host's fold barrier: every live local rank deposits, then one frame ships.
 
@@ -54,7 +51,7 @@ class HostFold:
     moves (a task speculating on the last frame waits for that).
     """
 
-    def __init__(self, host: str, ranks: Sequence[int], *, on_change: Callable[[], None] = _nothing) -> None:
+    def __init__(self, host: str, ranks: Sequence[int], *, on_change: Callable[[], None] = nothing) -> None:
         self.host = host
         self.ranks = frozenset(ranks)
         self.dead: set[int] = set()

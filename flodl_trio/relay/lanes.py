@@ -29,7 +29,7 @@ from ..transport.hashing import encode_enveloped_frame
 from ..transport.stream import MessageStream
 from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
 from ..wire.mux import MuxKind
-from ..wire.round_frame import RoundFrame, decode_round_frame
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .config import RelayConfig
 
@@ -55,12 +55,12 @@ class WholeFrames:
         """Model-sized memory besides the pool and the fold: none (the consensus lands in a pool buffer)."""
         return 0
 
-    async def send(self, frame: RoundFrame | PendingHostDelta, upstream: MessageStream) -> int:
+    async def record(self, frame: RoundFrame | PendingHostDelta) -> EncodedFrame:
+        """The HostFrame as its one signed record (the data plane writes it, and keeps it
+        to write again should the controller be lost before it answers)."""
         if isinstance(frame, PendingHostDelta):
             frame = frame.whole()
-        record = await encode_enveloped_frame(MuxKind.HOST_FRAME, frame, self._config.salt)
-        await upstream.send_chunks(record.chunks)
-        return record.nbytes
+        return await encode_enveloped_frame(MuxKind.HOST_FRAME, frame, self._config.salt)
 
     def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
         return None  # a pool buffer, the channel's

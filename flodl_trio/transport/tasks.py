@@ -80,6 +80,10 @@ async def service_nursery() -> AsyncIterator[trio.Nursery]:
                 nursery.cancel_scope.cancel()
 
 
+def nothing() -> None:
+    """A callback that does nothing: the default where a caller may pass one."""
+
+
 class ChangeSignal:
     """Wakes every task waiting for the next change: an Event that is set, then renewed.
 
