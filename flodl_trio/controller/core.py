@@ -189,7 +189,7 @@ async def open_controller(
     ``resume_dir``: keep the run's resume record there (written each round before
     its consensus goes out), and take the run on from it if one is there: relays
     and ranks holding through a controller outage then carry on where they were
-    (docs/liveness.md, "A lost controller"; lanes 1 only for now).
+    (docs/liveness.md, "A lost controller").
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
@@ -262,9 +262,8 @@ class _Controller:
         )
         self._consensus_send, self._consensus_receive = trio.open_memory_channel[tuple[int, Consensus]](config.lanes)
         self.resumption = Resumption(
-            resume_dir, lanes=config.lanes, salt=config.salt, whole=self.rounds[0], window_store=self.window_store,
-            membership=membership,
-            dead=self.dead, coordinator=handle.coordinator, stats=self.stats,
+            resume_dir, salt=config.salt, windows=self.windows, lane0=self.rounds[0], window_store=self.window_store,
+            membership=membership, dead=self.dead, coordinator=handle.coordinator, stats=self.stats,
         )
         handle.coordinator.outage_ms = self.resumption.announced_outage_ms(config.bounds)
 
@@ -485,9 +484,10 @@ class _Controller:
         )
         lane = self._lane_of(link, frame)
         lane_round = self.rounds[lane]
-        if self.resumption.stale_host_frame(link.id):
+        if self.resumption.stale_host_frame(link.id, last_lane=self._next_lane[link.id] == 0):
             self.stats.stale_host_frames += 1
-            log.info("controller: dropped %s's HostFrame sent again for a round already finished", link.name)
+            log.info("controller: dropped %s's HostFrame (lane %d) sent again for a round already finished",
+                     link.name, lane)
             return False
         if not lane_round.accepts_host_frame(link.id):
             log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
@@ -599,7 +599,10 @@ class _Controller:
             # Returns let in are live in the record, and told only once it is durable, as the
             # consensus goes out only then: a controller started again resumes from it.
             tell_returns = self.returns.at_boundary() if boundary else None
-            await self.resumption.record(record, part, self.window_store.latest if boundary else None)
+            await self.resumption.record(
+                record, part, self.window_store.latest if boundary else None,
+                opens_round=out.opens_round, ends_round=out.ends_round,
+            )
             if tell_returns is not None:
                 tell_returns()
             written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)

@@ -45,12 +45,15 @@ class LaneOut:
     """One lane's consensus to send, and - with a round's last lane - the round's place
     in the windows and, if the joiners keep it, the whole frame (unsigned); for a
     delta round, the whole coded consensus as the ranks get it (``catch_up``, unsigned:
-    what brings a joiner from an older state up to the base)."""
+    what brings a joiner from an older state up to the base). ``opens_round`` and
+    ``ends_round``: whether it is its round's first lane, its last (a whole frame is both)."""
 
     consensus: Consensus
     part: WindowPart | None = None
     kept: memoryview | None = None
     catch_up: memoryview | None = None
+    opens_round: bool = True
+    ends_round: bool = True
 
 
 @attrs.frozen
@@ -113,7 +116,7 @@ class LaneWindows:
             # A lane of a round that was abandoned (every rank died and the cluster
             # started again from the last window): nothing of a window to do with it.
             log.warning("controller: lane %d's consensus finished outside the round in progress; sent as it is", lane)
-            return LaneOut(attrs.evolve(consensus, part=None))
+            return LaneOut(attrs.evolve(consensus, part=None), opens_round=False, ends_round=False)
         part = self._part
         if self._delta is not None:
             frame = self._delta_lane(frame, layout, lane, part)
@@ -125,8 +128,8 @@ class LaneWindows:
         out = attrs.evolve(consensus, outgoing=frame, part=None)
         self._next_lane = lane + 1
         if self._next_lane < layout.count:
-            return LaneOut(out)
-        return self._end_round(out, part)
+            return LaneOut(out, opens_round=lane == 0, ends_round=False)
+        return attrs.evolve(self._end_round(out, part), opens_round=lane == 0)
 
     # -- internals -------------------------------------------------------------
 

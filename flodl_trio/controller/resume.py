@@ -11,7 +11,9 @@ record's Broadcast, byte for byte. What it keeps:
   "Resuming");
 - who is in it: dead, finished, elastic, plain and absent ranks;
 - the outer optimizer's state (x_prev and momentum for SlowMo / DiLoCo);
-- the last Broadcast record, header and payload.
+- the last round's Broadcast records, header and payload (one per lane: with
+  lanes, the record is written as the last lane goes out, and the round's MAC
+  is its last lane's).
 
 The params themselves are in that Broadcast and on every rank, which is why
 nothing else model-sized is kept: the ranks hold the consensus they trained
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -40,7 +42,7 @@ log = logging.getLogger("flodl_trio.controller")
 
 RECORD_FILE = "resume.safetensors"
 RECORD_FORMAT = "flodl_trio-resume-1"
-_BROADCAST = "broadcast"
+_BROADCAST = "broadcast"  # a whole round's record; with lanes, "broadcast.0", "broadcast.1", ...
 # Signed with the salt: a record of another session (another salt) is not this run's.
 _FINGERPRINT_TEXT = b"flodl_trio resume record"
 
@@ -55,16 +57,23 @@ def broadcast_tag(record: EncodedFrame) -> bytes:
     return bytes(head[MUX_HEADER_LEN - MAC_LEN:])
 
 
-def _as_bytes(frame: EncodedFrame) -> np.ndarray:
-    """An encoded frame's bytes as one uint8 array (one copy)."""
+def record_bytes(frame: EncodedFrame) -> np.ndarray:
+    """An encoded frame's bytes as one uint8 array of its own (one copy)."""
     return np.concatenate([np.frombuffer(memoryview(c).cast("B"), dtype=np.uint8) for c in frame.chunks])
+
+
+def _broadcast_pieces(tensors: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """A record's Broadcast records, in lane order."""
+    if _BROADCAST in tensors:
+        return [tensors[_BROADCAST]]
+    return [tensors[f"{_BROADCAST}.{i}"] for i in range(len(tensors)) if f"{_BROADCAST}.{i}" in tensors]
 
 
 @attrs.frozen
 class RunRecord:
     """Where the run stood after round ``rounds`` (all but the arrays)."""
 
-    rounds: int
+    rounds: int  # rounds finished, as the stats count them (with lanes, one per lane)
     windows: int
     model_rounds: int  # Model rounds finished in the current window
     previous_kind: int | None  # the last round's kind (RoundKind value)
@@ -86,6 +95,8 @@ class RunRecord:
     window_file: str | None = None
     state_window: int | None = None
     model_rounds_per_window: int | None = None
+    # Whole rounds finished (None: as many as ``rounds``, a run without lanes).
+    whole_rounds: int | None = None
 
     def to_json(self) -> str:
         fields = attrs.asdict(self)
@@ -136,12 +147,12 @@ class ResumeLog:
     def write(
         self,
         run: RunRecord,
-        broadcast: EncodedFrame,
+        broadcast: EncodedFrame | Sequence[EncodedFrame | np.ndarray],
         outer: Mapping[str, np.ndarray] | None = None,
         window_frames: list[EncodedFrame] | None = None,
     ) -> RunRecord:
         """Replace the record with this round's, atomically (blocking: call it in a thread).
-        ``outer``: the outer optimizer's state, when this round stepped it;
+        ``broadcast``: the round's Broadcast record, or its lanes' in order; ``outer``: the outer optimizer's state, when this round stepped it;
         ``window_frames``: a window's state for joiners, when this round finished it.
         Each goes in a file of its own (written first, so the record never names a
         missing one), and the record as written, which names them, is returned."""
@@ -154,10 +165,12 @@ class ResumeLog:
             run = attrs.evolve(run, outer_file=name)
         if window_frames is not None:
             name = f"resume-window-{run.rounds}.safetensors"
-            frames = [(f"frame.{i}", _as_bytes(frame)) for i, frame in enumerate(window_frames)]
+            frames = [(f"frame.{i}", record_bytes(frame)) for i, frame in enumerate(window_frames)]
             write_safetensors_atomic(directory / name, frames, self._metadata())
             run = attrs.evolve(run, window_file=name)
-        write_safetensors_atomic(self.path, [(_BROADCAST, _as_bytes(broadcast))], {**self._metadata(), "run": run.to_json()})
+        pieces = [broadcast] if isinstance(broadcast, EncodedFrame) else list(broadcast)
+        arrays = [(f"{_BROADCAST}.{i}", p if isinstance(p, np.ndarray) else record_bytes(p)) for i, p in enumerate(pieces)]
+        write_safetensors_atomic(self.path, arrays, {**self._metadata(), "run": run.to_json()})
         self._remove_files_but("resume-outer-", run.outer_file)
         self._remove_files_but("resume-window-", run.window_file)
         self.writes += 1
@@ -187,7 +200,7 @@ class ResumeLog:
             log.warning("controller: %s is the record of a run of world_size %s, this one has %d; starting a new run",
                         self.path, metadata.get("world_size"), self.world_size)
             return None
-        if _BROADCAST not in tensors:
+        if not _broadcast_pieces(tensors):
             raise CheckpointError(f"{self.path}: the resume record has no Broadcast")
         run = RunRecord.from_json(metadata.get("run", ""), self.path)
         outer: dict[str, np.ndarray] = {}
@@ -200,15 +213,15 @@ class ResumeLog:
         return Resumed(run, outer, frames)
 
     def last_broadcast(self) -> EncodedFrame | None:
-        """The newest record's Broadcast, as it went out (None: no record)."""
+        """The newest record's Broadcast, as it went out: its lanes' records back to back
+        (None: no record)."""
         if not self.path.exists():
             return None
         tensors, _ = read_safetensors(self.path)
-        raw = tensors.get(_BROADCAST)
-        if raw is None:
+        pieces: list[bytes | bytearray | memoryview] = [p.tobytes() for p in _broadcast_pieces(tensors)]
+        if not pieces:
             return None
-        data = raw.tobytes()
-        return EncodedFrame([data], len(data))
+        return EncodedFrame(pieces, sum(len(p) for p in pieces))
 
     def clear(self) -> None:
         """The run is over: a controller started next starts a new one."""
@@ -230,4 +243,6 @@ class BroadcastTags:
         self.latest, self.previous = tag, self.latest
 
 
-__all__ = ["NO_BROADCAST", "RECORD_FILE", "BroadcastTags", "ResumeLog", "Resumed", "RunRecord", "broadcast_tag"]
+__all__ = [
+    "NO_BROADCAST", "RECORD_FILE", "BroadcastTags", "ResumeLog", "Resumed", "RunRecord", "broadcast_tag", "record_bytes",
+]

@@ -9,6 +9,13 @@ relay's ``Resume`` arrives, :meth:`Resumption.answer` says what it is owed: noth
 (it has every consensus), or the last Broadcast again (it is one round behind, and
 the HostFrame it sends again is stale: :meth:`Resumption.stale_host_frame` drops
 it). No socket I/O.
+
+With lanes a round's consensus goes out as one Broadcast record per lane, and the
+record is written as its last lane goes: every lane's record is in it (a relay one
+round behind is sent all of them again), and the round's place is its last lane's
+MAC. Lanes that went out before a controller was lost, in a round it had not
+recorded, are void: the relays drop what they had of them and send every lane of
+their HostFrame again (docs/wire.md, "Resuming").
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ from ..wire.salt import SessionSalt
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .membership import Membership
-from .resume import BroadcastTags, ResumeLog, RunRecord, broadcast_tag
+from .resume import BroadcastTags, ResumeLog, RunRecord, broadcast_tag, record_bytes
 from .round import ControllerRound, WindowPart, WindowState, WindowStore
 from .stats import ControllerStats
+from .windows import Windows
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -43,22 +51,18 @@ class Resumption:
         self,
         directory: str | os.PathLike[str] | None,
         *,
-        lanes: int,
         salt: SessionSalt,
-        whole: ControllerRound,
+        windows: Windows,
+        lane0: ControllerRound,
         window_store: WindowStore,
         membership: Membership,
         dead: DeadRanks,
         coordinator: Coordinator,
         stats: ControllerStats,
     ) -> None:
-        self.log: ResumeLog | None = None
-        if directory is not None and lanes > 1:
-            log.warning("controller: no resume record with lanes=%d: resuming a run needs lanes 1 for now; "
-                        "a controller started again starts a new run", lanes)
-        elif directory is not None:
-            self.log = ResumeLog(directory, salt, dead.world_size)
-        self.round = whole
+        self.log = ResumeLog(directory, salt, dead.world_size) if directory is not None else None
+        self.windows = windows
+        self.lane0 = lane0  # the round of a whole frame, or of every round's lane 0
         self.window_store = window_store
         self.membership = membership
         self.dead = dead
@@ -67,7 +71,8 @@ class Resumption:
         self.tags = BroadcastTags()
         self._outer_file: str | None = None
         self._window: tuple[str, int] | None = None  # the window state's file, and its window
-        self._stale: set[int] = set()  # relays whose next HostFrame is of a round already finished
+        self._stale: set[int] = set()  # relays whose next HostFrame (every lane) is of a round already finished
+        self._lanes_out: list[np.ndarray] = []  # the bytes of the round's lanes gone out so far
         # Why this run cannot be resumed (a record that said so, or a round it cannot carry).
         self.not_resumable: str | None = None
 
@@ -96,10 +101,11 @@ class Resumption:
             return
         now = trio.current_time()
         self.stats.rounds = run.rounds
-        self.round.counter.restore(
+        self.windows.rounds = run.rounds if run.whole_rounds is None else run.whole_rounds
+        self.windows.counter.restore(
             run.windows, run.model_rounds, None if run.previous_kind is None else RoundKind(run.previous_kind)
         )
-        outer = self.round.outer_optimizer
+        outer = self.windows.outer_optimizer
         if resumed.outer:
             load = getattr(outer, "load_state_dict", None)
             if not callable(load):
@@ -114,7 +120,7 @@ class Resumption:
             self.window_store.restore(WindowState(run.state_window, tuple(params), buffers), run.model_rounds_per_window)
             self._window = (run.window_file, run.state_window)
             # It kept each window's state for joiners (a rank called join()): so does this one, from the start.
-            self.round.keep_window_state = True
+            self.windows.keep_window_state = True
         m = self.membership
         m.formed = run.formed
         m.elastic |= set(run.elastic)
@@ -135,10 +141,23 @@ class Resumption:
 
     # -- every round -------------------------------------------------------------
 
-    async def record(self, broadcast: EncodedFrame, part: WindowPart | None, window: WindowState | None = None) -> None:
+    async def record(
+        self, broadcast: EncodedFrame, part: WindowPart | None, window: WindowState | None = None, *,
+        opens_round: bool = True, ends_round: bool = True,
+    ) -> None:
         """Make the round whose Broadcast this is durable, before anyone is sent it;
-        ``window``: the state for joiners, when this round finished a window."""
+        ``window``: the state for joiners, when this round finished a window. With
+        lanes, one call per lane, in order: a lane before the last is kept (a copy of
+        its bytes) for the record that the round's last lane writes."""
+        if opens_round:
+            self._lanes_out = []
+        if not ends_round:
+            if self.log is not None:
+                self._lanes_out.append(await trio.to_thread.run_sync(record_bytes, broadcast))
+            return
         tag = broadcast_tag(broadcast)
+        lanes: list[EncodedFrame | np.ndarray] = [*self._lanes_out]
+        self._lanes_out = []
         if self.log is None:
             self.tags.advance(tag)
             return
@@ -146,7 +165,7 @@ class Resumption:
         outer = self._outer_state(part)
         frames = None if window is None else window.frames
         try:
-            written = await trio.to_thread.run_sync(self.log.write, run, broadcast, outer, frames)
+            written = await trio.to_thread.run_sync(self.log.write, run, [*lanes, broadcast], outer, frames)
         except CheckpointError as exc:
             # Without a record a restarted controller would resume wrongly: none at all.
             log.error("controller: the resume record could not be written (%s); removed: a controller started "
@@ -160,12 +179,13 @@ class Resumption:
         self.tags.advance(tag)
 
     def _run_record(self, tag: bytes, window: WindowState | None) -> RunRecord:
-        counter = self.round.counter
+        counter = self.windows.counter
         state_window = window.window if window is not None else self._window[1] if self._window else None
         m = self.membership
         fragment = counter.fragment
         return RunRecord(
             rounds=self.stats.rounds,
+            whole_rounds=self.windows.rounds,
             windows=counter.windows,
             model_rounds=counter.model_rounds,
             previous_kind=None if counter.previous_kind is None else int(counter.previous_kind),
@@ -186,9 +206,9 @@ class Resumption:
         )
 
     def _why_not_resumable(self) -> str | None:
-        if self.round.last_was_delta:
+        if self.lane0.last_was_delta:
             return "it runs delta rounds (--codec), which a restarted controller cannot resume yet"
-        if self.round.counter.fragment is not None:
+        if self.windows.counter.fragment is not None:
             return "it streams fragments (--fragments), which a restarted controller cannot resume yet"
         return None
 
@@ -196,14 +216,14 @@ class Resumption:
         """The outer optimizer's state, if this round stepped it (else the record keeps the last file)."""
         if part is None or not part.is_params:
             return None
-        state_dict = getattr(self.round.outer_optimizer, "state_dict", None)
+        state_dict = getattr(self.windows.outer_optimizer, "state_dict", None)
         return state_dict() if callable(state_dict) else None
 
     # -- a relay that resumes ---------------------------------------------------
 
     def answer(self, seat_id: int, name: str, msg: Resume) -> EncodedFrame | None:
         """What ``msg`` from the relay of ``seat_id`` is owed: None (it is current), or
-        the last Broadcast record again. DesyncError (the relay is dropped) when the
+        the last Broadcast again (with lanes, every lane's record). DesyncError (the relay is dropped) when the
         relay is somewhere this controller never was."""
         if self.not_resumable is not None and msg.last_broadcast != self.tags.latest:
             raise DesyncError(f"resumed a run this controller cannot take on: {self.not_resumable}")
@@ -232,11 +252,13 @@ class Resumption:
             "without the record of this one (give it the same checkpoint directory)"
         )
 
-    def stale_host_frame(self, seat_id: int) -> bool:
-        """Whether this HostFrame is one a resuming relay sent again for a round already
-        finished (dropped: its consensus went out again instead)."""
+    def stale_host_frame(self, seat_id: int, *, last_lane: bool = True) -> bool:
+        """Whether this HostFrame (or lane of one: ``last_lane`` says if it is the
+        last) is one a resuming relay sent again for a round already finished
+        (dropped: its consensus went out again instead)."""
         if seat_id in self._stale:
-            self._stale.discard(seat_id)
+            if last_lane:
+                self._stale.discard(seat_id)
             return True
         return False
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from ..wire.salt import SessionSalt
 from .lane_windows import LaneOut, LaneWindows
-from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer
+from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer, WindowCounter
 from .seats import Seats
 from .stats import ControllerStats
 
@@ -26,6 +26,14 @@ class Windows(Protocol):
     """Who counts the windows and does their work (outer step, checkpoint, joiners' state)."""
 
     keep_window_state: bool
+    # Whole rounds finished (with lanes the stats count each lane's round).
+    rounds: int
+
+    @property
+    def counter(self) -> WindowCounter: ...
+
+    @property
+    def outer_optimizer(self) -> OuterOptimizer | None: ...
 
     @property
     def windows(self) -> int: ...
@@ -49,6 +57,22 @@ class WholeFrameWindows:
     @keep_window_state.setter
     def keep_window_state(self, keep: bool) -> None:
         self._round.keep_window_state = keep
+
+    @property
+    def rounds(self) -> int:
+        return self._round.stats.rounds
+
+    @rounds.setter
+    def rounds(self, rounds: int) -> None:
+        self._round.stats.rounds = rounds
+
+    @property
+    def counter(self) -> WindowCounter:
+        return self._round.counter
+
+    @property
+    def outer_optimizer(self) -> OuterOptimizer | None:
+        return self._round.outer_optimizer
 
     @property
     def windows(self) -> int:

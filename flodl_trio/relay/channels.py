@@ -94,9 +94,13 @@ class ChannelRole(Protocol):
     def resume_notice(self) -> RelayControlMsg | None:
         """What opens a connection that replaces a lost one (after HelloAck), if anything."""
 
-    def in_flight(self) -> EncodedFrame | None:
-        """The record whose answer never came, to send again on a new connection;
+    async def in_flight(self) -> EncodedFrame | None:
+        """The records whose answer never came, to send again on a new connection;
         FlodlError if one is in flight that cannot be sent again."""
+
+    def upstream_replaced(self) -> None:
+        """A new connection replaced a lost one: forget whatever came half in on the old
+        (called by the upstream reader before it reads the new connection)."""
 
     def asks_again(self) -> list[RelayControlMsg]:
         """Requests still unanswered, said again on a new connection (after the goodbyes)."""
@@ -322,6 +326,7 @@ class Channel:
                             return self._stop_after_shutdown("the controller closed the upstream connection")
                     except CONNECTION_LOST as exc:
                         await self._upstream_lost(epoch, exc)
+                        self.role.upstream_replaced()
 
     async def _read_upstream(self, out: Outbox) -> bool:
         """Act on the controller's records until EOF: False, or - when a lost controller
@@ -379,7 +384,7 @@ class Channel:
         assert self._redial is not None
         delay = self.config.bounds.connect_interval
         while True:
-            in_flight = self.role.in_flight()  # FlodlError: nothing we could resume
+            in_flight = await self.role.in_flight()  # FlodlError: nothing we could resume
             try:
                 conn = await self._redial()
             except (*CONNECTION_LOST, ConnectFailed, HandshakeError, trio.TooSlowError) as exc:

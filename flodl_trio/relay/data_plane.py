@@ -27,7 +27,7 @@ from functools import partial
 import attrs
 import trio
 
-from ..errors import FlodlError, ProtocolError
+from ..errors import ProtocolError
 from ..fold.speculative import Speculation, SpeculativeFrame, receive_speculating
 from ..transport.arrival import ArrivalWatch, receive_with_followers
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
@@ -54,7 +54,7 @@ from ..wire.round_frame import EncodedFrame, RoundFrame, check_payloads, decode_
 from .channels import Channel
 from .cut_through import stream_consensus
 from .host_fold import FoldedHostFrame, HostFold
-from .lanes import LaneFrames, frames_for
+from .lanes import LaneFrames, LaneUplink, frames_for
 from .outbound import DataRecord, Outbound, Outbox, RankNotice, RawHostFrame, SealedHostFrame
 
 log = logging.getLogger("flodl_trio.relay")
@@ -67,11 +67,12 @@ RELAY_BASELINE = 48 * MiB
 
 @attrs.define
 class InFlight:
-    """The HostFrame record written last whose consensus has not begun to come back,
-    kept (with what owns its memory) so a new connection can carry it again; ``record``
-    None: it went up in lanes and cannot (yet) be sent again."""
+    """The HostFrame written last whose consensus has not come back, kept (with what
+    owns its memory) so a new connection can carry it again: its one record, or its
+    lanes (kept until the consensus's last lane is in: a lane's consensus may come
+    down while the next lane still goes up)."""
 
-    record: EncodedFrame | None
+    record: EncodedFrame | LaneUplink
     release: Callable[[], None] = nothing
 
 
@@ -130,10 +131,7 @@ class DataPlane:
         frames = self.frames
         if isinstance(item, FoldedHostFrame):
             if isinstance(frames, LaneFrames):
-                self._in_flight = InFlight(None)  # (lane records are not kept)
-                sent = await frames.send(item.frame, self.channel.upstream)
-                self.fold.images.give(item.images)  # written: nothing reads them now
-                return self._count_round(sent)
+                return await self._write_lanes(frames, item)
             record = await frames.record(item.frame)
             release = partial(self.fold.images.give, item.images)
         else:
@@ -151,6 +149,18 @@ class DataPlane:
                 self._let_go_in_flight()
         self._count_round(record.nbytes)
 
+    async def _write_lanes(self, frames: LaneFrames, item: FoldedHostFrame) -> None:
+        """The HostFrame as its lanes; the fold images they are cut from are free once
+        written, or - while the channel holds - once the whole consensus is in."""
+        uplink = await frames.uplink(item.frame)
+        self._in_flight = InFlight(uplink, partial(self.fold.images.give, item.images))
+        try:
+            sent = await frames.send(uplink, self.channel.upstream)
+        finally:
+            if not self.channel.holds:
+                self._let_go_in_flight()
+        self._count_round(sent)
+
     def _let_go_in_flight(self) -> None:
         """The HostFrame's consensus is coming: nothing will send it again."""
         held, self._in_flight = self._in_flight, None
@@ -164,22 +174,25 @@ class DataPlane:
         """The returns the controller has not answered: one that comes back may not know of them."""
         return [RankJoin(rank) for rank in sorted(self.fold.joining)]
 
-    def in_flight(self) -> EncodedFrame | None:
-        if self._in_flight is None:
+    async def in_flight(self) -> EncodedFrame | None:
+        held = self._in_flight
+        if held is None:
             return None
-        if self._in_flight.record is None:
-            raise FlodlError(
-                f"relay {self.config.host_name}: the controller was lost while this host's HostFrame went up in "
-                "lanes, which cannot be sent again yet (resuming needs --lanes 1 for now)"
-            )
-        return self._in_flight.record
+        if isinstance(held.record, LaneUplink):
+            return await held.record.every_record()
+        return held.record
+
+    def upstream_replaced(self) -> None:
+        """Lanes of a consensus that came in on the lost connection are void: a
+        controller that resumes sends all of them again."""
+        self.stats.consensus_lanes_abandoned += self.frames.abandon_partial()
 
     async def on_upstream(self, header: MuxHeader, out: Outbox) -> None:
         """A record from the controller: a consensus (cut through to the ranks as it lands
         when it is large and whole) or a control message."""
         # The kind byte is not authenticated yet: it only picks the path. A record
         # that is not what it claims fails its MAC before any rank sees its end.
-        if header.kind == MuxKind.BROADCAST:
+        if header.kind == MuxKind.BROADCAST and self.frames.whole:
             self._let_go_in_flight()  # (its buffer may be the one this record lands in)
         # Cut through only when the controller's connection is the end of the channel if
         # it breaks: a consensus half fanned out could not be taken back for a resumption.
@@ -397,9 +410,13 @@ class DataPlane:
             return await self._on_control(decode_control_msg(payload), out)
         if kind is not MuxKind.BROADCAST:
             raise self.channel.unexpected_record(kind)
-        self.last_broadcast = header.tag
+        if not self.frames.whole:
+            self.stats.consensus_lanes += 1
         async with self.frames.consensus(payload, self.fold.host_frame_up, self._a_waiting_rank_reads_macs) as consensus:
             if consensus is not None:  # None: more lanes to come
+                # A consensus in lanes is where a resumption starts from once its last lane is in.
+                self.last_broadcast = header.tag
+                self._let_go_in_flight()
                 await self._fan_out(consensus, out)
 
     def _a_waiting_rank_reads_macs(self) -> bool:

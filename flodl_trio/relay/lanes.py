@@ -14,11 +14,14 @@ code path whatever the lane count:
   into one frame in the model's shapes before it is fanned out. That joined
   frame lives in a buffer lent from the channel's pool, which this object owns
   from the round's first consensus lane until the whole frame has gone out.
+  A HostFrame's lanes are a :class:`LaneUplink`: cut and signed one at a time
+  as they go, and kept, so a controller that is lost before the whole
+  consensus came back can be sent every lane again (docs/wire.md, "Resuming").
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 import trio
 
@@ -32,6 +35,35 @@ from ..wire.mux import MuxKind
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .config import RelayConfig
+
+
+class LaneUplink:
+    """One HostFrame's lane records: each cut and signed just before it goes (a delta
+    round's coded then too), and kept, so all of them can be sent again."""
+
+    def __init__(self, parts: Iterator[RoundFrame], salt: SessionSalt) -> None:
+        self._parts = parts
+        self._salt = salt
+        self.records: list[EncodedFrame] = []
+        self._cut_all = False
+
+    async def next_record(self) -> EncodedFrame | None:
+        """The next lane's signed record (None: every lane has been cut)."""
+        part = next(self._parts, None)
+        if part is None:
+            self._cut_all = True
+            return None
+        record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self._salt)
+        self.records.append(record)
+        return record
+
+    async def every_record(self) -> EncodedFrame:
+        """All the HostFrame's lane records back to back, as one (the lanes not cut yet
+        are cut now): what a new connection sends again."""
+        while not self._cut_all:
+            await self.next_record()
+        chunks = [chunk for record in self.records for chunk in record.chunks]
+        return EncodedFrame(chunks, sum(record.nbytes for record in self.records))
 
 
 class WholeFrames:
@@ -64,6 +96,10 @@ class WholeFrames:
 
     def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
         return None  # a pool buffer, the channel's
+
+    def abandon_partial(self) -> int:
+        """Nothing is half received between two records: a whole consensus is one."""
+        return 0
 
     @asynccontextmanager
     async def consensus(
@@ -101,9 +137,8 @@ class LaneFrames:
         frame's schema is checked against the lane limits only when it is cut)."""
         return length // lanes_for(length, self.count, self._min_bytes) + SMALL_MESSAGE
 
-    async def send(self, frame: RoundFrame | PendingHostDelta, upstream: MessageStream) -> int:
-        """The HostFrame as its lane frames, in lane order, each its own signed record (a
-        delta round's coded lane by lane, each just before it goes)."""
+    async def uplink(self, frame: RoundFrame | PendingHostDelta) -> LaneUplink:
+        """The HostFrame's lanes, to be cut as they go (once the controller said it takes lanes)."""
         await self._wait_confirmed()
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
         layout = LaneLayout.of(schema, self.count, self._min_bytes)
@@ -111,10 +146,14 @@ class LaneFrames:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
             self._lane_buffer.reserve(layout.max_frame_bytes)
-        parts = frame.lanes(layout) if isinstance(frame, PendingHostDelta) else layout.split(frame)
+        parts = frame.lanes(layout) if isinstance(frame, PendingHostDelta) else iter(layout.split(frame))
+        return LaneUplink(parts, self._config.salt)
+
+    @staticmethod
+    async def send(uplink: LaneUplink, upstream: MessageStream) -> int:
+        """The HostFrame's lane frames, in lane order, each its own signed record."""
         nbytes = 0
-        for part in parts:
-            record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self._config.salt)
+        while (record := await uplink.next_record()) is not None:
             await upstream.send_chunks(record.chunks)
             nbytes += record.nbytes
         return nbytes
@@ -134,6 +173,19 @@ class LaneFrames:
     def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
         """A large consensus lane lands in the lane buffer: the pool's are for frames and the joined consensus."""
         return self._lane_buffer if length > SMALL_MESSAGE else None
+
+    def abandon_partial(self) -> int:
+        """The controller's connection was lost with some of a consensus's lanes in: a
+        controller that resumes sends every lane of it again (docs/wire.md, "Resuming").
+        How many lanes were let go."""
+        abandoned = 0
+        if self._assembler is not None and self._assembler.begun:
+            abandoned = self._assembler.lanes_in
+            self._assembler.abandon()
+        joined, self._joined_in = self._joined_in, None
+        if joined is not None:
+            self._pool.release(joined)
+        return abandoned
 
     @asynccontextmanager
     async def consensus(
@@ -182,4 +234,4 @@ def frames_for(config: RelayConfig, pool: BufferPool) -> WholeFrames | LaneFrame
     return WholeFrames(config) if config.lanes == 1 else LaneFrames(config, pool)
 
 
-__all__ = ["LaneFrames", "WholeFrames", "frames_for"]
+__all__ = ["LaneFrames", "LaneUplink", "WholeFrames", "frames_for"]

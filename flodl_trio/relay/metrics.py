@@ -49,6 +49,14 @@ class RelayCollector(Collector):
             "flodl_relay_controller_resumed", "Of those, times a new connection to the controller resumed the channel",
             labels=labels,
         )
+        lanes = CounterMetricFamily(
+            "flodl_relay_consensus_lanes", "Consensus lane records taken (the lanes extension)", labels=labels
+        )
+        abandoned = CounterMetricFamily(
+            "flodl_relay_consensus_lanes_abandoned",
+            "Consensus lanes that came in before the controller was lost, void since it sends them all again",
+            labels=labels,
+        )
         for kind, handle in self.handles.items():
             key = [handle.host_name, kind.value]
             s = handle.stats
@@ -66,7 +74,12 @@ class RelayCollector(Collector):
             buffers.add_metric(key, s.receive_buffers)
             outages.add_metric(key, s.outages)
             resumed.add_metric(key, s.resumed)
-        yield from (rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused, local, buffers, outages, resumed)
+            lanes.add_metric(key, s.consensus_lanes)
+            abandoned.add_metric(key, s.consensus_lanes_abandoned)
+        yield from (
+            rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused, local, buffers, outages, resumed,
+            lanes, abandoned,
+        )
 
 
 __all__ = ["RelayCollector"]

@@ -71,8 +71,11 @@ class ControlRouter:
     def resume_notice(self) -> RelayControlMsg | None:
         return None  # the coordinator needs no more than the Hello: heartbeats carry on
 
-    def in_flight(self) -> EncodedFrame | None:
+    async def in_flight(self) -> EncodedFrame | None:
         return None  # a heartbeat lost with the connection is followed by the next
+
+    def upstream_replaced(self) -> None:
+        """Nothing is half received: each record is a whole blob."""
 
     def asks_again(self) -> list[RelayControlMsg]:
         return []

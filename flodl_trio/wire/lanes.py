@@ -392,6 +392,16 @@ class LaneAssembler:
     def complete(self) -> bool:
         return self._lanes == self.layout.count
 
+    @property
+    def lanes_in(self) -> int:
+        """Lanes added to the frame being joined."""
+        return self._lanes
+
+    def abandon(self) -> None:
+        """Forget a frame half joined (its lanes' sender was lost, and sends them all
+        again): the lent buffer is no longer written, and the next lane must be lane 0."""
+        self._buffer, self._lanes, self._kind, self._weight = None, 0, None, float("inf")
+
     def finish(self, salt: SessionSalt | None) -> memoryview:
         """The joined frame (its weight: the smallest lane's), signed with ``salt`` or,
         with None, unsigned (zeros where the MAC goes: only for the local leg), as a

@@ -15,6 +15,8 @@ from flodl_trio.controller.resumption import Resumption
 from flodl_trio.controller.round import ControllerRound, WindowPart, WindowState, WindowStore
 from flodl_trio.controller.seats import Seats
 from flodl_trio.controller.stats import ControllerStats
+from flodl_trio.controller.lane_windows import LaneWindows
+from flodl_trio.controller.windows import WholeFrameWindows
 from flodl_trio.errors import DesyncError
 from flodl_trio.fold.outer import DiLoCoNesterov
 from flodl_trio.transport.settings import NetBounds, controller_outage
@@ -73,7 +75,7 @@ def resumption(tmp_path: Path | None, outer: DiLoCoNesterov | None = None) -> Re
     dead = DeadRanks(WORLD)
     stats = ControllerStats()
     whole = ControllerRound(Seats(WORLD, dead), stats, outer_optimizer=outer)
-    return Resumption(tmp_path, lanes=1, salt=SALT, whole=whole, window_store=WindowStore(),
+    return Resumption(tmp_path, salt=SALT, windows=WholeFrameWindows(whole), lane0=whole, window_store=WindowStore(),
                       membership=Membership(WORLD, 60.0), dead=dead, coordinator=Coordinator(WORLD, SALT, dead),
                       stats=stats)
 
@@ -197,6 +199,61 @@ async def test_a_controller_that_kept_joiners_state_keeps_it_again_from_the_star
     first.stats.rounds = 12
     await first.record(broadcast(b"b"), WindowPart(3, 2), state)
     second = resumption(tmp_path)
-    assert not second.round.keep_window_state
+    assert not second.windows.keep_window_state
     second.restore()
-    assert second.round.keep_window_state
+    assert second.windows.keep_window_state
+
+
+async def test_a_round_in_lanes_is_recorded_whole_as_its_last_lane_goes(tmp_path: Path) -> None:
+    """The lanes before the last are kept, not written; the last lane writes the record with
+    every lane in it, the round's place is its last lane's MAC, and a relay one round behind
+    is sent all the lanes again and has each lane of its resent HostFrame dropped."""
+    first = resumption(tmp_path)
+    before = broadcast(b"earlier round")
+    await first.record(before, None)
+    lanes = [broadcast(bytes([i]) * 100) for i in range(3)]
+    await first.record(lanes[0], None, opens_round=True, ends_round=False)
+    await first.record(lanes[1], None, opens_round=False, ends_round=False)
+    assert first.tags.latest == broadcast_tag(before)  # a round half out is not a place to resume from
+    assert first.log is not None and first.log.last_broadcast().tobytes() == before.tobytes()
+    await first.record(lanes[2], None, opens_round=False, ends_round=True)
+    assert first.tags.latest == broadcast_tag(lanes[2]) and first.tags.previous == broadcast_tag(before)
+    assert first.log.last_broadcast().tobytes() == b"".join(lane.tobytes() for lane in lanes)
+
+    second = resumption(tmp_path)
+    second.restore()
+    again = second.answer(1, "relay b", Resume(broadcast_tag(before), awaiting=True, resends=True))
+    assert again is not None and again.tobytes() == b"".join(lane.tobytes() for lane in lanes)
+    assert second.stale_host_frame(1, last_lane=False) and second.stale_host_frame(1, last_lane=False)
+    assert second.stale_host_frame(1, last_lane=True) and not second.stale_host_frame(1)
+
+
+async def test_a_lane_round_cut_short_leaves_nothing_in_the_next_rounds_record(tmp_path: Path) -> None:
+    first = resumption(tmp_path)
+    await first.record(broadcast(b"lane 0 of a round abandoned"), None, opens_round=True, ends_round=False)
+    lanes = [broadcast(b"a" * 10), broadcast(b"b" * 10)]
+    await first.record(lanes[0], None, opens_round=True, ends_round=False)
+    await first.record(lanes[1], None, opens_round=False, ends_round=True)
+    assert first.log is not None
+    assert first.log.last_broadcast().tobytes() == lanes[0].tobytes() + lanes[1].tobytes()
+
+
+async def test_with_lanes_the_windows_whole_rounds_come_back_beside_the_lane_rounds(tmp_path: Path) -> None:
+    """The stats count a round per lane; the windows (checkpoints are numbered by them) count
+    whole rounds: both come back as they were."""
+    def in_lanes() -> Resumption:
+        dead = DeadRanks(WORLD)
+        stats = ControllerStats()
+        windows = LaneWindows(SALT, None, None)
+        return Resumption(tmp_path, salt=SALT, windows=windows, lane0=ControllerRound(Seats(WORLD, dead), stats),
+                          window_store=WindowStore(), membership=Membership(WORLD, 60.0), dead=dead,
+                          coordinator=Coordinator(WORLD, SALT, dead), stats=stats)
+
+    first = in_lanes()
+    first.stats.rounds, first.windows.rounds = 12, 4
+    first.windows.counter.restore(1, 2, RoundKind.MODEL)
+    await first.record(broadcast(b"last lane"), WindowPart(0, 2))
+    second = in_lanes()
+    second.restore()
+    assert (second.stats.rounds, second.windows.rounds) == (12, 4)
+    assert (second.windows.counter.windows, second.windows.counter.model_rounds) == (1, 2)

@@ -7,7 +7,9 @@ process's do) at a chosen point of a round and started again on the same
 port with the same resume directory; the relays hold their ranks, redial,
 ``Resume``, and the run goes on. Each run is compared with the same run
 uninterrupted, in deterministic mode: every rank's params must be
-bit-identical after every window.
+bit-identical after every window. The same with lanes: a round's consensus
+then goes out lane by lane, and a controller lost mid-round leaves relays
+holding some lanes of it.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class Controller:
     """A controller a test can stop as a crash would (its connections close) and start
     again on the same port: a fresh outer optimizer and all, as a new process has."""
 
-    def __init__(self, resume_dir: Path) -> None:
+    def __init__(self, resume_dir: Path, lanes: int = 1) -> None:
         self.resume_dir = resume_dir
+        self.lanes = lanes
         self.port = 0
         self.handle: ControllerHandle | None = None
         self._scope: trio.CancelScope | None = None
@@ -67,7 +70,7 @@ class Controller:
         with scope:
             async with open_controller(
                 LOOPBACK, self.port, world_size=WORLD, salt=SALT, outer_optimizer=DiLoCoNesterov(lr=0.7, momentum=0.9),
-                deterministic=True, bounds=BOUNDS, resume_dir=self.resume_dir,
+                deterministic=True, bounds=BOUNDS, resume_dir=self.resume_dir, lanes=self.lanes, lane_min_bytes=0,
             ) as handle:
                 task_status.started(handle)
                 await handle.wait_finished()
@@ -98,14 +101,15 @@ Interruption = Callable[[Controller, Run, trio.Event], Awaitable[None]]
 
 async def run_cluster(
     tmp_path: Path, interrupt: Interruption | None, *, gated: tuple[int, ...] = (1,),
-    proxy_faults: list[DropRecord] | None = None, bf16: bool = False,
+    proxy_faults: list[DropRecord] | None = None, bf16: bool = False, lanes: int = 1,
 ) -> Run:
     """Train WINDOWS windows on 2 hosts x 2 ranks; the ranks of the ``gated`` hosts wait
     before window PAUSE_AT while ``interrupt`` (if any) stops and restarts the controller.
-    ``proxy_faults``: host 1's data relay reaches the controller through a proxy with them."""
+    ``proxy_faults``: host 1's data relay reaches the controller through a proxy with them.
+    ``lanes``: every round in that many lanes (however small its frame)."""
     run = Run()
     gate = trio.Event()
-    controller = Controller(tmp_path / "ckpt")
+    controller = Controller(tmp_path / "ckpt", lanes)
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
             await controller.start(nursery)
@@ -117,7 +121,7 @@ async def run_cluster(
             for index, ranks in enumerate(HOSTS):
                 relay = await nursery.start(hold_open, open_relay(
                     ChannelKind.DATA, listen=(LOOPBACK, 0), upstream=upstreams[index], host_name=f"host{index}",
-                    ranks=ranks, world_size=WORLD, salt=SALT, bounds=BOUNDS, deterministic=True,
+                    ranks=ranks, world_size=WORLD, salt=SALT, bounds=BOUNDS, deterministic=True, lanes=lanes,
                 ))
                 run.relays.append(relay)
 
@@ -218,3 +222,85 @@ async def test_restart_mid_round_on_a_bf16_wire(tmp_path: Path) -> None:
     )
     assert_same_run(reference, got)
     assert got.controller.stats.resumed_runs == 1
+
+
+# -- in lanes ------------------------------------------------------------------
+
+LANES = 3
+# Records a relay's connection carries before its first HostFrame: up, the Hello; down,
+# HelloAck, Lanes and Outage. Then LANES records a round each way.
+RECORDS_BEFORE_ROUNDS_UP = 1
+RECORDS_BEFORE_ROUNDS_DOWN = 3
+
+
+@pytest.fixture
+async def reference_in_lanes(tmp_path: Path) -> Run:
+    return await run_cluster(tmp_path / "reference", None, lanes=LANES)
+
+
+async def test_a_run_in_lanes_is_the_same_run_as_without(tmp_path: Path, reference: Run, reference_in_lanes: Run) -> None:
+    """What the lane tests below compare with is itself exact: lanes change no byte."""
+    assert_same_run(reference, reference_in_lanes)
+
+
+async def test_restart_mid_round_in_lanes_with_a_host_frame_in_flight(tmp_path: Path, reference_in_lanes: Run) -> None:
+    """Host 0's lanes of window PAUSE_AT's first round went up, host 1's are not cut yet:
+    host 0 sends every lane again to the new controller."""
+    got = await run_cluster(
+        tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 1), lanes=LANES
+    )
+    assert_same_run(reference_in_lanes, got)
+    assert [r.stats.resumed for r in got.relays] == [1, 1]
+    assert got.controller.stats.resumed_runs == 1 and got.controller.stats.stale_host_frames == 0
+
+
+async def test_restart_between_rounds_in_lanes(tmp_path: Path, reference_in_lanes: Run) -> None:
+    got = await run_cluster(tmp_path, restart_when(
+        lambda run: run.params.keys() >= {(rank, PAUSE_AT - 1) for rank in range(WORLD)}
+    ), gated=(0, 1), lanes=LANES)
+    assert_same_run(reference_in_lanes, got)
+    assert [r.stats.resumed for r in got.relays] == [1, 1]
+    assert got.controller.stats.resumed_runs == 1
+
+
+async def test_restart_with_some_lanes_of_an_unrecorded_consensus_down(tmp_path: Path, reference_in_lanes: Run) -> None:
+    """Host 1's last lane of window PAUSE_AT's first round never reaches the controller (the
+    proxy swallows it), so that round's first lanes go down to both hosts and the round
+    is never finished nor recorded. The new controller runs the round again: both relays
+    let go of the lanes they had and send every lane of their HostFrame again."""
+    last_lane_up = DropRecord(
+        index=RECORDS_BEFORE_ROUNDS_UP + LANES * FIRST_ROUND_OF_PAUSE + LANES - 1, direction="up", framing="mux",
+        connection=0,
+    )
+    lanes_before = LANES * FIRST_ROUND_OF_PAUSE
+
+    def early_lanes_are_down(run: Run) -> bool:
+        return all(r.stats.consensus_lanes == lanes_before + LANES - 1 for r in run.relays)
+
+    got = await run_cluster(tmp_path, restart_when(early_lanes_are_down), proxy_faults=[last_lane_up], gated=(),
+                            lanes=LANES)
+    assert_same_run(reference_in_lanes, got)
+    assert [r.stats.consensus_lanes_abandoned for r in got.relays] == [LANES - 1, LANES - 1]
+    assert got.controller.stats.resumed_runs == 1 and got.controller.stats.stale_host_frames == 0
+
+
+async def test_restart_after_one_host_missed_the_last_lane_of_a_recorded_consensus(
+    tmp_path: Path, reference_in_lanes: Run
+) -> None:
+    """The proxy swallows the last lane of window PAUSE_AT's first consensus on its way to
+    host 1, while host 0 gets it and goes on: the round was recorded, host 1 resumes one
+    consensus behind with its first lanes in. It lets them go, is sent every lane again
+    from the record, and every lane of the HostFrame it sends again is dropped as stale."""
+    swallowed = DropRecord(
+        index=RECORDS_BEFORE_ROUNDS_DOWN + LANES * FIRST_ROUND_OF_PAUSE + LANES - 1, direction="down",
+        framing="mux", connection=0,
+    )
+
+    def host0_went_on(run: Run) -> bool:
+        return run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 2
+
+    got = await run_cluster(tmp_path, restart_when(host0_went_on), proxy_faults=[swallowed], gated=(), lanes=LANES)
+    assert_same_run(reference_in_lanes, got)
+    assert got.relays[1].stats.consensus_lanes_abandoned == LANES - 1
+    assert got.controller.stats.stale_host_frames == LANES
+    assert got.controller.stats.relays_resumed == 2 and got.controller.stats.resumed_runs == 1

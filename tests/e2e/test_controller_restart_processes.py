@@ -11,6 +11,7 @@ run uninterrupted.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from flodl_trio.testing import open_process_cluster
 from flodl_trio.testing.matrix import diagnose
 from flodl_trio.testing.processes import ProcessCluster
 from flodl_trio.testing.windows import check_final_and_joins, check_windows, windows_of
+from flodl_trio.wire.lanes import DEFAULT_LANE_MIN_BYTES
 
 SALT = b"restart-process1"
 WORLD = 4
@@ -38,13 +40,13 @@ def worker_args() -> dict[int, list[str]]:
 
 async def cluster_run(
     tmp_path: Path, controller_args: list[str], fault: Any, relay_args: list[str] | None = None,
-    env: dict[str, str] = OUTAGE,
+    env: dict[str, str] = OUTAGE, numel: int = NUMEL,
 ) -> ProcessCluster:
     """2 hosts x 2 ranks training WINDOWS windows under daemons; ``fault(cluster)`` runs
     once host 0's HostFrame of window HOLD's first round is in and host 1's ranks hold."""
     async with open_process_cluster(
         world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
-        numel=NUMEL, pause=0.05, worker_args=worker_args(), worker_env={r: env for r in range(WORLD)},
+        numel=numel, pause=0.05, worker_args=worker_args(), worker_env={r: env for r in range(WORLD)},
         relay_env={h: env for h in range(len(HOSTS))}, relay_args={h: relay_args or [] for h in range(len(HOSTS))},
         controller_args=["--checkpoint-dir", str(tmp_path / "ckpt"), *controller_args],
     ) as cluster:
@@ -137,6 +139,33 @@ async def test_diloco_resumed_after_a_kill_ends_bit_identical_to_the_run_never_i
     for rank in range(WORLD):
         want, got = windows_of(reference, rank), windows_of(resumed, rank)
         assert [got[w]["digest"] for w in range(WINDOWS)] == [want[w]["digest"] for w in range(WINDOWS)], rank
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(150)
+async def test_diloco_in_lanes_resumed_after_a_kill_ends_bit_identical_to_the_run_never_interrupted(
+    tmp_path: Path,
+) -> None:
+    """The same with ``--lanes 4`` on the controller and relays, and a model of four lanes'
+    worth (1 MiB): host 0's lanes of the interrupted round are sent again whole."""
+    lanes = ["--lanes", "4"]
+    diloco = ["--outer", "diloco", "--deterministic", *lanes]
+    relay = ["--deterministic", *lanes]
+    numel = 4 * DEFAULT_LANE_MIN_BYTES // 4  # f32: one lane per DEFAULT_LANE_MIN_BYTES of payload
+
+    async def nothing(cluster: ProcessCluster) -> None:
+        pass
+
+    with trio.fail_after(140):
+        reference = await cluster_run(tmp_path / "reference", diloco, nothing, relay, numel=numel)
+        resumed = await cluster_run(tmp_path / "resumed", diloco, kill_and_restart, relay, numel=numel)
+    assert_resumed(resumed)
+    for rank in range(WORLD):
+        want, got = windows_of(reference, rank), windows_of(resumed, rank)
+        assert [got[w]["digest"] for w in range(WINDOWS)] == [want[w]["digest"] for w in range(WINDOWS)], rank
+    # Each Model round went in 4 lanes (the controller counts a round per lane): 3 rounds a window otherwise.
+    finished = re.search(r"controller finished: (\d+) rounds", reference.controller.text)
+    assert finished is not None and int(finished[1]) > 3 * WINDOWS, reference.controller.text[-2000:]
 
 
 @pytest.mark.trio
