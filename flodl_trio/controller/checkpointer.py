@@ -261,6 +261,15 @@ class ConsensusCheckpointer:
         except Exception as exc:  # a checkpoint problem must never stop training
             self._record_failure(f"could not record round {round_index}", exc)
 
+    def reopen_window(self, model_rounds: int, fragment: FragmentTag | None) -> None:
+        """A controller started again on its resume record goes on inside the window that
+        was open (``model_rounds`` of its Model rounds done, syncing ``fragment``): its
+        later rounds are that window's. What the lost controller had recorded of the
+        window's earlier rounds is gone, so a window whose params round was done
+        before the restart is not saved."""
+        self._on_control(fragment)
+        self._model_rounds = model_rounds
+
     def _on_control(self, fragment: FragmentTag | None) -> None:
         if self._current is not None:
             # The previous window had no buffers round (a model without float buffers).

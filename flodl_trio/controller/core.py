@@ -262,7 +262,7 @@ class _Controller:
         )
         self._consensus_send, self._consensus_receive = trio.open_memory_channel[tuple[int, Consensus]](config.lanes)
         self.resumption = Resumption(
-            resume_dir, salt=config.salt, windows=self.windows, lane0=self.rounds[0], window_store=self.window_store,
+            resume_dir, salt=config.salt, windows=self.windows, window_store=self.window_store, checkpoint=checkpoint,
             membership=membership, dead=self.dead, coordinator=handle.coordinator, stats=self.stats,
         )
         handle.coordinator.outage_ms = self.resumption.announced_outage_ms(config.bounds)

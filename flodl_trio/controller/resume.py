@@ -11,6 +11,9 @@ record's Broadcast, byte for byte. What it keeps:
   "Resuming");
 - who is in it: dead, finished, elastic, plain and absent ranks;
 - the outer optimizer's state (x_prev and momentum for SlowMo / DiLoCo);
+- in a run with delta rounds, each params set's lineage (the exact consensus
+  ``x`` and the base every rank holds, which the next round's deltas are
+  against);
 - the last round's Broadcast records, header and payload (one per lane: with
   lanes, the record is written as the last lane goes out, and the round's MAC
   is its last lane's).
@@ -97,6 +100,15 @@ class RunRecord:
     model_rounds_per_window: int | None = None
     # Whole rounds finished (None: as many as ``rounds``, a run without lanes).
     whole_rounds: int | None = None
+    # How many of the window state's frames are params (one, or one per fragment; the
+    # rest: buffers), and the Model rounds a window has, learned per fragment:
+    # (index, count, rounds), index -1 and count 0 for the whole model.
+    window_params: int | None = None
+    window_shapes: tuple[tuple[int, int, int], ...] = ()
+    # The file with the delta lineages' state after the newest delta round (None: none ran).
+    delta_file: str | None = None
+    # The model's parameter shapes the current window's fragment tag carries.
+    fragment_shapes: tuple[tuple[int, ...], ...] = ()
 
     def to_json(self) -> str:
         fields = attrs.asdict(self)
@@ -115,6 +127,8 @@ class RunRecord:
                 fields[name] = tuple(int(r) for r in fields[name])
             if fields["fragment"] is not None:
                 fields["fragment"] = tuple(fields["fragment"])
+            fields["window_shapes"] = tuple(tuple(int(v) for v in shape) for shape in fields.get("window_shapes", ()))
+            fields["fragment_shapes"] = tuple(tuple(int(d) for d in s) for s in fields.get("fragment_shapes", ()))
             return cls(**fields)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{where}: the resume record is not readable: {exc}") from exc
@@ -129,6 +143,7 @@ class Resumed:
     run: RunRecord
     outer: dict[str, np.ndarray]
     window_frames: list[bytes] = attrs.field(factory=list)
+    delta: dict[str, np.ndarray] = attrs.field(factory=dict)
 
 
 class ResumeLog:
@@ -150,10 +165,12 @@ class ResumeLog:
         broadcast: EncodedFrame | Sequence[EncodedFrame | np.ndarray],
         outer: Mapping[str, np.ndarray] | None = None,
         window_frames: list[EncodedFrame] | None = None,
+        delta: Mapping[str, np.ndarray] | None = None,
     ) -> RunRecord:
         """Replace the record with this round's, atomically (blocking: call it in a thread).
         ``broadcast``: the round's Broadcast record, or its lanes' in order; ``outer``: the outer optimizer's state, when this round stepped it;
-        ``window_frames``: a window's state for joiners, when this round finished it.
+        ``window_frames``: a window's state for joiners, when this round finished it;
+        ``delta``: the delta lineages' state, when this round moved it.
         Each goes in a file of its own (written first, so the record never names a
         missing one), and the record as written, which names them, is returned."""
         directory = self.path.parent
@@ -168,11 +185,16 @@ class ResumeLog:
             frames = [(f"frame.{i}", record_bytes(frame)) for i, frame in enumerate(window_frames)]
             write_safetensors_atomic(directory / name, frames, self._metadata())
             run = attrs.evolve(run, window_file=name)
+        if delta is not None:
+            name = f"resume-delta-{run.rounds}.safetensors"
+            write_safetensors_atomic(directory / name, list(delta.items()), self._metadata())
+            run = attrs.evolve(run, delta_file=name)
         pieces = [broadcast] if isinstance(broadcast, EncodedFrame) else list(broadcast)
         arrays = [(f"{_BROADCAST}.{i}", p if isinstance(p, np.ndarray) else record_bytes(p)) for i, p in enumerate(pieces)]
         write_safetensors_atomic(self.path, arrays, {**self._metadata(), "run": run.to_json()})
         self._remove_files_but("resume-outer-", run.outer_file)
         self._remove_files_but("resume-window-", run.window_file)
+        self._remove_files_but("resume-delta-", run.delta_file)
         self.writes += 1
         return run
 
@@ -210,7 +232,10 @@ class ResumeLog:
         if run.window_file is not None:
             saved, _ = read_safetensors(self.path.parent / run.window_file)
             frames = [saved[f"frame.{i}"].tobytes() for i in range(len(saved))]
-        return Resumed(run, outer, frames)
+        delta: dict[str, np.ndarray] = {}
+        if run.delta_file is not None:
+            delta, _ = read_safetensors(self.path.parent / run.delta_file)
+        return Resumed(run, outer, frames, delta)
 
     def last_broadcast(self) -> EncodedFrame | None:
         """The newest record's Broadcast, as it went out: its lanes' records back to back
@@ -228,6 +253,7 @@ class ResumeLog:
         self.path.unlink(missing_ok=True)
         self._remove_files_but("resume-outer-", None)
         self._remove_files_but("resume-window-", None)
+        self._remove_files_but("resume-delta-", None)
 
 
 

@@ -30,14 +30,15 @@ import trio
 from ..errors import DesyncError, FlodlError
 from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, NetBounds
 from ..wire.checkpoint import CheckpointError
+from ..wire.fragment import FragmentTag
 from ..wire.mux import Resume
 from ..wire.round_frame import EncodedFrame, RoundKind
 from ..wire.salt import SessionSalt
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .membership import Membership
-from .resume import BroadcastTags, ResumeLog, RunRecord, broadcast_tag, record_bytes
-from .round import ControllerRound, WindowPart, WindowState, WindowStore
+from .resume import BroadcastTags, Resumed, ResumeLog, RunRecord, broadcast_tag, record_bytes
+from .round import CheckpointSink, WindowPart, WindowState, WindowStore
 from .stats import ControllerStats
 from .windows import Windows
 
@@ -53,8 +54,8 @@ class Resumption:
         *,
         salt: SessionSalt,
         windows: Windows,
-        lane0: ControllerRound,
         window_store: WindowStore,
+        checkpoint: CheckpointSink | None,
         membership: Membership,
         dead: DeadRanks,
         coordinator: Coordinator,
@@ -62,7 +63,7 @@ class Resumption:
     ) -> None:
         self.log = ResumeLog(directory, salt, dead.world_size) if directory is not None else None
         self.windows = windows
-        self.lane0 = lane0  # the round of a whole frame, or of every round's lane 0
+        self.checkpoint = checkpoint
         self.window_store = window_store
         self.membership = membership
         self.dead = dead
@@ -70,7 +71,10 @@ class Resumption:
         self.stats = stats
         self.tags = BroadcastTags()
         self._outer_file: str | None = None
-        self._window: tuple[str, int] | None = None  # the window state's file, and its window
+        self._delta_file: str | None = None
+        self._delta_rounds = 0  # the lineages' rounds when their state was last written
+        # The window state's file, its window, and how many of its frames are params.
+        self._window: tuple[str, int, int] | None = None
         self._stale: set[int] = set()  # relays whose next HostFrame (every lane) is of a round already finished
         self._lanes_out: list[np.ndarray] = []  # the bytes of the round's lanes gone out so far
         # Why this run cannot be resumed (a record that said so, or a round it cannot carry).
@@ -102,9 +106,11 @@ class Resumption:
         now = trio.current_time()
         self.stats.rounds = run.rounds
         self.windows.rounds = run.rounds if run.whole_rounds is None else run.whole_rounds
+        fragment = None if run.fragment is None else FragmentTag(*run.fragment, run.fragment_shapes)
         self.windows.counter.restore(
-            run.windows, run.model_rounds, None if run.previous_kind is None else RoundKind(run.previous_kind)
+            run.windows, run.model_rounds, None if run.previous_kind is None else RoundKind(run.previous_kind), fragment
         )
+        self._restore_lineages(resumed.delta, run.delta_file, fragment)
         outer = self.windows.outer_optimizer
         if resumed.outer:
             load = getattr(outer, "load_state_dict", None)
@@ -113,14 +119,8 @@ class Resumption:
                                  f"controller's outer optimizer ({outer!r}) takes none: start it as it was started")
             load(resumed.outer)
             self._outer_file = run.outer_file
-        if resumed.window_frames and run.window_file is not None and run.state_window is not None:
-            frames = [EncodedFrame([raw], len(raw)) for raw in resumed.window_frames]
-            has_buffers = run.model_rounds_per_window == 2
-            params, buffers = (frames[:-1], frames[-1]) if has_buffers else (frames, None)
-            self.window_store.restore(WindowState(run.state_window, tuple(params), buffers), run.model_rounds_per_window)
-            self._window = (run.window_file, run.state_window)
-            # It kept each window's state for joiners (a rank called join()): so does this one, from the start.
-            self.windows.keep_window_state = True
+        self._restore_window_store(resumed, fragment)
+        self._reopen_checkpoint_window(run, fragment)
         m = self.membership
         m.formed = run.formed
         m.elastic |= set(run.elastic)
@@ -138,6 +138,42 @@ class Resumption:
         self.stats.resumed_runs += 1
         log.info("controller: resuming the run from %s: %d rounds done (window %d), dead ranks %s",
                  self.log.path, run.rounds, run.windows, sorted(run.dead))
+
+    def _restore_lineages(self, state: Mapping[str, np.ndarray], file: str | None, fragment: FragmentTag | None) -> None:
+        """A delta run's lineages as the record left them, the open window's set current."""
+        lineages = self.windows.lineages
+        lineages.window_fragment = None if fragment is None else fragment.index
+        if not state or file is None:
+            return
+        lineages.load_state_dict(state, str(self.log.path.parent / file) if self.log is not None else file)
+        self._delta_file, self._delta_rounds = file, lineages.rounds
+
+    def _reopen_checkpoint_window(self, run: RunRecord, fragment: FragmentTag | None) -> None:
+        """A checkpoint sink that can (:class:`~.checkpointer.ConsensusCheckpointer`) is told
+        the window open when the controller stopped, so its rounds after the restart count."""
+        reopen = getattr(self.checkpoint, "reopen_window", None)
+        if callable(reopen) and run.windows > 0:
+            reopen(run.model_rounds, fragment)
+
+    def _restore_window_store(self, resumed: Resumed, fragment: FragmentTag | None) -> None:
+        """Where windows end, per fragment, and the last finished window's state for joiners."""
+        run = resumed.run
+        shapes: dict[FragmentTag | None, int] = {
+            (None if count == 0 else FragmentTag(index, count)): rounds for index, count, rounds in run.window_shapes
+        }
+        if not shapes and run.model_rounds_per_window is not None:  # a record of a whole-model run
+            shapes[None] = run.model_rounds_per_window
+        latest = None
+        if resumed.window_frames and run.window_file is not None and run.state_window is not None:
+            frames = [EncodedFrame([raw], len(raw)) for raw in resumed.window_frames]
+            count = run.window_params
+            if count is None:  # a whole-model run's: the params, then the buffers if a window has two rounds
+                count = len(frames) - 1 if run.model_rounds_per_window == 2 else len(frames)
+            latest = WindowState(run.state_window, tuple(frames[:count]), frames[count] if len(frames) > count else None)
+            self._window = (run.window_file, run.state_window, count)
+            # It kept each window's state for joiners (a rank called join()): so does this one, from the start.
+            self.windows.keep_window_state = True
+        self.window_store.restore(latest, shapes, None if fragment is None else fragment.count)
 
     # -- every round -------------------------------------------------------------
 
@@ -163,9 +199,10 @@ class Resumption:
             return
         run = self._run_record(tag, window)
         outer = self._outer_state(part)
+        delta = self._delta_state()
         frames = None if window is None else window.frames
         try:
-            written = await trio.to_thread.run_sync(self.log.write, run, [*lanes, broadcast], outer, frames)
+            written = await trio.to_thread.run_sync(self.log.write, run, [*lanes, broadcast], outer, frames, delta)
         except CheckpointError as exc:
             # Without a record a restarted controller would resume wrongly: none at all.
             log.error("controller: the resume record could not be written (%s); removed: a controller started "
@@ -173,9 +210,11 @@ class Resumption:
             self.log.clear()
             self.log = None
         else:
-            self._outer_file = written.outer_file
+            self._outer_file, self._delta_file = written.outer_file, written.delta_file
+            if delta is not None:
+                self._delta_rounds = self.windows.lineages.rounds
             if window is not None and written.window_file is not None:
-                self._window = (written.window_file, window.window)
+                self._window = (written.window_file, window.window, len(window.params))
         self.tags.advance(tag)
 
     def _run_record(self, tag: bytes, window: WindowState | None) -> RunRecord:
@@ -190,6 +229,7 @@ class Resumption:
             model_rounds=counter.model_rounds,
             previous_kind=None if counter.previous_kind is None else int(counter.previous_kind),
             fragment=None if fragment is None else (fragment.index, fragment.count),
+            fragment_shapes=() if fragment is None else fragment.shapes,
             last_tag=tag,
             previous_tag=self.tags.latest,
             dead=tuple(sorted(self.dead.snapshot())),
@@ -198,19 +238,22 @@ class Resumption:
             plain=tuple(sorted(m.plain)),
             absent=tuple(sorted(m.absent)),
             formed=m.formed,
-            not_resumable=self._why_not_resumable(),
             outer_file=self._outer_file,
             window_file=self._window[0] if self._window and window is None else None,
             state_window=state_window,
             model_rounds_per_window=self.window_store.model_rounds_per_window,
+            window_params=len(window.params) if window is not None else self._window[2] if self._window else None,
+            window_shapes=tuple(
+                (-1, 0, rounds) if shape is None else (shape.index, shape.count, rounds)
+                for shape, rounds in self.window_store.window_shapes.items()
+            ),
+            delta_file=self._delta_file,
         )
 
-    def _why_not_resumable(self) -> str | None:
-        if self.lane0.last_was_delta:
-            return "it runs delta rounds (--codec), which a restarted controller cannot resume yet"
-        if self.windows.counter.fragment is not None:
-            return "it streams fragments (--fragments), which a restarted controller cannot resume yet"
-        return None
+    def _delta_state(self) -> Mapping[str, np.ndarray] | None:
+        """The delta lineages' state, if a round moved it since it was last written."""
+        lineages = self.windows.lineages
+        return lineages.state_dict() if lineages.rounds != self._delta_rounds else None
 
     def _outer_state(self, part: WindowPart | None) -> Mapping[str, np.ndarray] | None:
         """The outer optimizer's state, if this round stepped it (else the record keeps the last file)."""

@@ -15,7 +15,7 @@ moment it is declared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Protocol
 
@@ -128,11 +128,15 @@ class WindowCounter:
         """The fragment the window now open syncs (None: the whole model)."""
         return self._fragment
 
-    def restore(self, windows: int, model_rounds: int, previous_kind: RoundKind | None) -> None:
-        """Carry on counting where a controller that ran before stopped (its resume record)."""
+    def restore(
+        self, windows: int, model_rounds: int, previous_kind: RoundKind | None, fragment: FragmentTag | None = None
+    ) -> None:
+        """Carry on counting where a controller that ran before stopped (its resume record),
+        in the window of ``fragment`` (None: the whole model's)."""
         self.windows = windows
         self._model_rounds = model_rounds
         self.previous_kind = previous_kind
+        self._fragment = fragment
 
 
 @attrs.frozen
@@ -246,12 +250,21 @@ class WindowStore:
             return self.latest is not None and self.latest.window == self._window
         return False
 
-    def restore(self, latest: WindowState, model_rounds_per_window: int | None) -> None:
+    @property
+    def window_shapes(self) -> dict[FragmentTag | None, int]:
+        """Model rounds per window, as learned for each fragment (None: the whole model)."""
+        return dict(self._shapes)
+
+    def restore(
+        self, latest: WindowState | None, shapes: Mapping[FragmentTag | None, int], fragments: int | None = None
+    ) -> None:
         """Serve joiners the state a controller that ran before kept (its resume record),
-        and know where windows end as it did (whole-model windows only)."""
+        and know where windows end as it did. ``fragments``: the run syncs that many
+        fragments, whose newest params ``latest`` holds in fragment order."""
         self.latest = latest
-        if model_rounds_per_window is not None:
-            self._shapes[None] = model_rounds_per_window
+        self._shapes.update(shapes)
+        if latest is not None and fragments is not None and len(latest.params) == fragments:
+            self._newest, self._newest_buffers = list(latest.params), latest.buffers
 
     def abandon_window(self) -> None:
         """The window in progress will not finish (every rank died): forget its frames,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from ..fold.delta import DeltaLineages
 from ..wire.salt import SessionSalt
 from .lane_windows import LaneOut, LaneWindows
 from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer, WindowCounter
@@ -34,6 +35,9 @@ class Windows(Protocol):
 
     @property
     def outer_optimizer(self) -> OuterOptimizer | None: ...
+
+    @property
+    def lineages(self) -> DeltaLineages: ...
 
     @property
     def windows(self) -> int: ...
@@ -73,6 +77,10 @@ class WholeFrameWindows:
     @property
     def outer_optimizer(self) -> OuterOptimizer | None:
         return self._round.outer_optimizer
+
+    @property
+    def lineages(self) -> DeltaLineages:
+        return self._round.lineages
 
     @property
     def windows(self) -> int:

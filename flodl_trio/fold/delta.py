@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -58,6 +58,7 @@ from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
 from .schemas import Schema
 
 Payload = bytearray | memoryview
+_CODES = list(Code)  # a code's index in a lineage's saved state
 
 
 def _check_shapes(what: str, arrays: Sequence[F32Array], sizes: Sequence[int]) -> None:
@@ -370,6 +371,7 @@ class DeltaLineage:
         self.x: list[F32Array] | None = None
         self.downlink: DeltaDownlink | None = None
         self.digest = NO_BASE
+        self.rounds = 0  # rounds finished (each changes x and the base)
         self._shapes: list[tuple[int, ...]] = []
         self._first_in_lanes = False  # a lineage's first round, going out lane by lane
         self._lane_codec: DeltaCodec | None = None  # the code of the round going out lane by lane
@@ -431,6 +433,7 @@ class DeltaLineage:
         if codec is None or self.downlink is None:
             self.downlink = DeltaDownlink(codec.code if codec else Code.INT8, codec.block if codec else 1024, x)
             self.digest = base_digest(self.downlink.base)
+            self.rounds += 1
             out = [*params.tensors, TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self.digest)]
             return RoundFrame(out, RoundKind.MODEL, params.weight)
         downlink = self.downlink
@@ -441,6 +444,7 @@ class DeltaLineage:
         """The digest of the base as the downlink just advanced it (kept for the next round's checks)."""
         assert self.downlink is not None
         self.digest = base_digest(self.downlink.base)
+        self.rounds += 1
         return self.digest
 
     # -- a delta round that goes out lane by lane (docs/wire.md, "In lanes") --------
@@ -493,7 +497,49 @@ class DeltaLineage:
             self.downlink = DeltaDownlink(Code.INT8, 1024, self.x)
             self._first_in_lanes = False
         self.digest = self._lane_hash.digest()
+        self.rounds += 1
         return self.digest
+
+    # -- a controller's resume record (docs/wire.md, "Resuming") ------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """What a controller started again needs to go on with this lineage: ``x``, the
+        base and their shapes, the downlink's code and the base's digest. The arrays
+        are views: both move in place with the next round, so the caller saves them
+        before it (the controller writes its record before the consensus goes out,
+        and no next round comes before that). Empty before the lineage's first round."""
+        if self.x is None or self.downlink is None:
+            return {}
+        state: dict[str, np.ndarray] = {
+            "digest": np.frombuffer(self.digest, dtype=np.uint8).copy(),
+            "code": np.array([_CODES.index(self.downlink.code), self.downlink.block], dtype=np.int64),
+        }
+        for i, (shape, x, base) in enumerate(zip(self._shapes, self.x, self.downlink.base)):
+            state[f"shape.{i}"] = np.array(shape, dtype=np.int64)
+            state[f"x.{i}"] = x
+            state[f"base.{i}"] = base
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, np.ndarray], where: str) -> DeltaLineage:
+        """A lineage as :meth:`state_dict` left it (SchemaError naming ``where`` if the
+        state is not one)."""
+        lineage = cls()
+        try:
+            count = sum(1 for key in state if key.startswith("shape."))
+            shapes = [tuple(int(d) for d in state[f"shape.{i}"]) for i in range(count)]
+            xs = [np.ascontiguousarray(state[f"x.{i}"], dtype=F32) for i in range(count)]
+            bases = [state[f"base.{i}"] for i in range(count)]
+            code, block = (int(v) for v in state["code"])
+            digest = bytes(np.asarray(state["digest"], dtype=np.uint8))
+            sizes_agree = all(x.size == b.size == int(np.prod(s, dtype=np.int64)) for x, b, s in zip(xs, bases, shapes))
+            if not sizes_agree or len(digest) != DIGEST_LEN or not 0 <= code < len(_CODES):
+                raise ValueError("its arrays, code or digest do not agree")
+        except (KeyError, ValueError, TypeError) as exc:
+            raise SchemaError(f"{where}: not a delta lineage's state ({exc})") from exc
+        lineage.x, lineage._shapes, lineage.digest = xs, shapes, digest
+        lineage.downlink = DeltaDownlink(_CODES[code], block, bases)
+        return lineage
 
     def params_frame(self, weight: float) -> RoundFrame:
         """``x`` in f32 in its shapes (copies), as the hooks see a whole delta round's params."""
@@ -521,6 +567,34 @@ class DeltaLineages:
     def __init__(self) -> None:
         self._lineages: dict[int | None, DeltaLineage] = {}
         self.window_fragment: int | None = None
+
+    @property
+    def rounds(self) -> int:
+        """Delta rounds finished over every lineage: it moves whenever their state does."""
+        return sum(lineage.rounds for lineage in self._lineages.values())
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every lineage's :meth:`DeltaLineage.state_dict`, under ``model.`` (the whole
+        model's) or ``fragment.<index>.``."""
+        state: dict[str, np.ndarray] = {}
+        for key, lineage in self._lineages.items():
+            prefix = "model." if key is None else f"fragment.{key}."
+            state.update({prefix + name: array for name, array in lineage.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray], where: str) -> None:
+        """Take on the lineages a controller that ran before had (its resume record)."""
+        grouped: dict[int | None, dict[str, np.ndarray]] = {}
+        for name, array in state.items():
+            head, _, rest = name.partition(".")
+            if head == "model":
+                grouped.setdefault(None, {})[rest] = array
+            elif head == "fragment" and rest.partition(".")[0].isdigit():
+                index, _, field = rest.partition(".")
+                grouped.setdefault(int(index), {})[field] = array
+            else:
+                raise SchemaError(f"{where}: {name!r} is not a key of delta lineages' state")
+        self._lineages = {key: DeltaLineage.from_state(fields, where) for key, fields in grouped.items()}
 
     @property
     def current(self) -> DeltaLineage:

@@ -259,6 +259,10 @@ class ProcessCluster:
     control_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
     upstream_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
     controller_port: int = 0
+    # Where the controller daemon listens and relays reach it, and what its command is
+    # run under (``["ip", "netns", "exec", NAME]``: on another simulated machine).
+    controller_host: str = LOOPBACK
+    controller_wrap: tuple[str, ...] = ()
     data_ports: list[int] = attrs.field(factory=list)
     control_ports: list[int | None] = attrs.field(factory=list)
     # Earlier lives of restarted ranks, oldest first; how each rank was started (to start it again).
@@ -281,7 +285,7 @@ class ProcessCluster:
 
     @property
     def controller_address(self) -> tuple[str, int]:
-        return (LOOPBACK, self.controller_port)
+        return (self.controller_host, self.controller_port)
 
     def host_of(self, rank: int) -> int:
         for index, ranks in enumerate(self.hosts):
@@ -442,9 +446,11 @@ class ProcessCluster:
     def kill_controller(self) -> None:
         self._controller().kill()
 
-    async def restart_controller(self) -> DaemonProcess:
+    async def restart_controller(self, wrap: Sequence[str] | None = None) -> DaemonProcess:
         """Start the controller daemon again with its first command line, on the same port,
-        as an operator restarts one that died (kill it first); returns it once it listens."""
+        as an operator restarts one that died (kill it first); returns it once it listens.
+        ``wrap``: run it under this instead (another machine: another network namespace
+        that now has the controller's address)."""
         old = self._controller()
         if old.process.returncode is None:
             raise RuntimeError("the controller is still running: kill it before restarting it")
@@ -452,8 +458,10 @@ class ProcessCluster:
         self.past_controllers.append(old)
         argv, env = self._controller_launch
         argv = [str(self.controller_port) if i and argv[i - 1] == "--port" else a for i, a in enumerate(argv)]
+        if wrap is not None:
+            self.controller_wrap = tuple(wrap)
         self.controller = await _start_daemon(self._nursery, "controller", "flodl_trio.controller", argv, env,
-                                              self._started, self.log_path("controller"))
+                                              self._started, self.log_path("controller"), self.controller_wrap)
         await self.controller.wait_log(re.compile(r"controller started: listening on \S+:(\d+)"))
         return self.controller
 
@@ -530,10 +538,10 @@ async def _launch_rank(
 
 async def _start_daemon(
     nursery: trio.Nursery, name: str, module: str, args: Sequence[str], env: Mapping[str, str], started: list[ChildProcess],
-    log_path: Path | None = None,
+    log_path: Path | None = None, wrap: Sequence[str] = (),
 ) -> DaemonProcess:
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        [*wrap, sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, env=dict(env),
     )
     daemon = DaemonProcess(name, process, log_path=log_path)
@@ -566,12 +574,14 @@ async def _start_daemons(
 ) -> None:
     """Controller daemon, then every relay daemon; ports are read from their start lines."""
     # INFO at least: the harness reads the bound ports from the start lines.
-    args = ["--host", LOOPBACK, "--port", "0", "--world-size", str(cluster.world_size), "--log-level", "INFO"]
+    host = cluster.controller_host
+    args = ["--host", host, "--port", "0", "--world-size", str(cluster.world_size), "--log-level", "INFO"]
     if heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(heartbeat_timeout)]
     cluster._controller_launch = ([*args, *controller_args], {**base_env, **controller_env})
     cluster.controller = await _start_daemon(
         nursery, "controller", "flodl_trio.controller", *cluster._controller_launch, started, cluster.log_path("controller"),
+        cluster.controller_wrap,
     )
     match = await cluster.controller.wait_log(re.compile(r"controller started: listening on \S+:(\d+)"))
     cluster.controller_port = int(match.group(1))
@@ -644,6 +654,8 @@ async def open_process_cluster(
     controller_args: Sequence[str] = (),
     relay_args: Mapping[int, Sequence[str]] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
+    controller_host: str = LOOPBACK,
+    controller_wrap: Sequence[str] = (),
     **cluster_options: Any,
 ) -> AsyncIterator[ProcessCluster]:
     """Start the cluster and one worker process per rank; reap every process on exit.
@@ -657,6 +669,9 @@ async def open_process_cluster(
       proxies on a rank's data or control leg, or a host's data uplink.
     - ``worker_args`` / ``worker_env``: extra flags and environment per rank.
     - ``log_dir``: an existing folder; every process's stderr also goes to a file there.
+    - ``controller_host`` / ``controller_wrap`` (daemons only): the controller daemon
+      listens on that address and runs under that command prefix (``ip netns exec
+      NAME``: on a simulated machine of its own).
     - ``cluster_options``: passed to :func:`open_local_cluster` (in-process only).
     """
     session = SessionSalt.coerce(salt)
@@ -668,7 +683,8 @@ async def open_process_cluster(
         raise TypeError(f"daemons=True takes controller_args/relay_args, not {sorted(cluster_options)}")
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(service_nursery())
-        cluster = ProcessCluster(world_size, host_lists, session, {}, log_dir=None if log_dir is None else Path(log_dir))
+        cluster = ProcessCluster(world_size, host_lists, session, {}, log_dir=None if log_dir is None else Path(log_dir),
+                                 controller_host=controller_host, controller_wrap=tuple(controller_wrap))
         cluster._base_env, cluster._nursery, cluster._started = base_env, nursery, started
         try:
             if daemons:

@@ -298,6 +298,10 @@ async def run(args: argparse.Namespace) -> None:
                 )
             )
             client.bf16_wire = args.bf16
+            if args.codec:
+                from flodl_trio.wire.quant import DeltaCodec
+
+                client.delta_codec = DeltaCodec.parse(args.codec)
             emit("ready", rank=args.rank)
             loop = _trainer if args.train_windows is not None else _windows if args.windows is not None else _rounds
             await loop(args, client, go)
@@ -354,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, default=None)
     parser.add_argument("--model-signature", help="64 hex chars (default: a fixed signature)")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--codec", help="params rounds as coded deltas (int8:1024, fp4:256, ...)")
     parser.add_argument("--backend", choices=("torch", "numpy"), default="torch",
                         help="build frames with torch (default) or numpy (starts faster)")
     parser.add_argument("--train-windows", type=int, default=None,

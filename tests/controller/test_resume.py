@@ -75,7 +75,7 @@ def resumption(tmp_path: Path | None, outer: DiLoCoNesterov | None = None) -> Re
     dead = DeadRanks(WORLD)
     stats = ControllerStats()
     whole = ControllerRound(Seats(WORLD, dead), stats, outer_optimizer=outer)
-    return Resumption(tmp_path, salt=SALT, windows=WholeFrameWindows(whole), lane0=whole, window_store=WindowStore(),
+    return Resumption(tmp_path, salt=SALT, windows=WholeFrameWindows(whole), window_store=WindowStore(), checkpoint=None,
                       membership=Membership(WORLD, 60.0), dead=dead, coordinator=Coordinator(WORLD, SALT, dead),
                       stats=stats)
 
@@ -157,7 +157,7 @@ async def test_a_finished_windows_state_for_joiners_comes_back_into_the_window_s
     first = resumption(tmp_path)
     params, buffers = broadcast(b"p" * 300), broadcast(b"b" * 20)
     state = WindowState(6, (params,), buffers)
-    first.window_store.restore(state, 2)  # as if windows of 2 Model rounds had been learned
+    first.window_store.restore(state, {None: 2})  # as if windows of 2 Model rounds had been learned
     first.stats.rounds = 21
     await first.record(buffers, WindowPart(6, 2), state)
     first.stats.rounds = 22
@@ -185,7 +185,7 @@ def test_a_window_whose_start_the_store_did_not_see_is_not_kept() -> None:
     (it would be window -1, and a joiner would enter window 0)."""
     store = WindowStore()
     frame = broadcast(b"f")
-    store.restore(WindowState(6, (frame,), frame), 2)
+    store.restore(WindowState(6, (frame,), frame), {None: 2})
     assert not store.keep(WindowPart(7, 1), frame) and not store.keep(WindowPart(7, 2), frame)
     assert store.latest is not None and store.latest.window == 6
     assert not store.keep(WindowPart(8, 0), frame) and not store.keep(WindowPart(8, 1), frame)
@@ -195,7 +195,7 @@ def test_a_window_whose_start_the_store_did_not_see_is_not_kept() -> None:
 async def test_a_controller_that_kept_joiners_state_keeps_it_again_from_the_start(tmp_path: Path) -> None:
     first = resumption(tmp_path)
     state = WindowState(3, (broadcast(b"p"),), broadcast(b"b"))
-    first.window_store.restore(state, 2)
+    first.window_store.restore(state, {None: 2})
     first.stats.rounds = 12
     await first.record(broadcast(b"b"), WindowPart(3, 2), state)
     second = resumption(tmp_path)
@@ -245,8 +245,7 @@ async def test_with_lanes_the_windows_whole_rounds_come_back_beside_the_lane_rou
         dead = DeadRanks(WORLD)
         stats = ControllerStats()
         windows = LaneWindows(SALT, None, None)
-        return Resumption(tmp_path, salt=SALT, windows=windows, lane0=ControllerRound(Seats(WORLD, dead), stats),
-                          window_store=WindowStore(), membership=Membership(WORLD, 60.0), dead=dead,
+        return Resumption(tmp_path, salt=SALT, windows=windows, window_store=WindowStore(), checkpoint=None, membership=Membership(WORLD, 60.0), dead=dead,
                           coordinator=Coordinator(WORLD, SALT, dead), stats=stats)
 
     first = in_lanes()
@@ -257,3 +256,62 @@ async def test_with_lanes_the_windows_whole_rounds_come_back_beside_the_lane_rou
     second.restore()
     assert (second.stats.rounds, second.windows.rounds) == (12, 4)
     assert (second.windows.counter.windows, second.windows.counter.model_rounds) == (1, 2)
+
+
+def test_a_delta_lineage_comes_back_from_its_state_bit_for_bit() -> None:
+    """x, the base (which trails x by what the downlink's code dropped), the code and the digest."""
+    from flodl_trio.fold.delta import DeltaLineage, DeltaLineages
+    from flodl_trio.wire.quant import DTYPE_BASE_DIGEST, DeltaCodec
+
+    rng = np.random.default_rng(5)
+    codec = DeltaCodec.parse("int8:256")
+    lineages = DeltaLineages()
+    lineages.window_fragment = 1
+    lineage = lineages.current
+    shapes = [(40, 13), (7,)]
+
+    def params(scale: float) -> RoundFrame:
+        return RoundFrame([TensorPayload(DTYPE_F32, s, (scale * rng.standard_normal(s)).astype(np.float32)) for s in shapes],
+                          RoundKind.MODEL, 1.0)
+
+    lineage.downlink_frame(params(1.0), None)  # the lineage's first round: f32
+    lineage.downlink_frame(params(1.1), codec)  # a coded one: the base now trails x
+    assert lineages.rounds == 2
+    back = DeltaLineages()
+    back.load_state_dict(lineages.state_dict(), "test")
+    back.window_fragment = 1
+    again = back.current
+    assert again.digest == lineage.digest and again.downlink is not None and lineage.downlink is not None
+    for a, b in zip(again.x, lineage.x):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(again.downlink.base, lineage.downlink.base):
+        np.testing.assert_array_equal(a, b)
+    # The next round codes the same bytes from either.
+    step = params(1.2)
+    out_a, out_b = lineage.downlink_frame(step, codec), again.downlink_frame(step, codec)
+    assert [bytes(t.data) for t in out_a.tensors] == [bytes(t.data) for t in out_b.tensors]
+    assert out_a.tensors[-1].dtype == DTYPE_BASE_DIGEST
+    with pytest.raises(Exception, match="not a delta lineage's state"):
+        DeltaLineage.from_state({"shape.0": np.array([3])}, "a bad record")
+
+
+async def test_a_fragmented_window_comes_back_with_its_fragment_and_each_fragments_window_shape(tmp_path: Path) -> None:
+    from flodl_trio.wire.fragment import FragmentTag
+
+    first = resumption(tmp_path)
+    tag = FragmentTag(1, 2, ((4, 3), (5,)))
+    first.windows.counter.restore(9, 0, RoundKind.CONTROL, tag)
+    frames = (broadcast(b"fragment 0"), broadcast(b"fragment 1"))
+    state = WindowState(8, frames, broadcast(b"buffers"))
+    first.window_store.restore(state, {FragmentTag(0, 2): 1, FragmentTag(1, 2): 2}, 2)
+    first.stats.rounds = 30
+    await first.record(broadcast(b"window 9's step counts"), WindowPart(8, 0, tag), state)
+
+    second = resumption(tmp_path)
+    second.restore()
+    fragment = second.windows.counter.fragment
+    assert fragment == tag and fragment is not None and fragment.shapes == tag.shapes
+    assert second.window_store.window_shapes == {FragmentTag(0, 2): 1, FragmentTag(1, 2): 2}
+    latest = second.window_store.latest
+    assert latest is not None and [f.tobytes() for f in latest.params] == [f.tobytes() for f in frames]
+    assert latest.buffers is not None and latest.buffers.tobytes() == broadcast(b"buffers").tobytes()

@@ -9,7 +9,9 @@ port with the same resume directory; the relays hold their ranks, redial,
 uninterrupted, in deterministic mode: every rank's params must be
 bit-identical after every window. The same with lanes: a round's consensus
 then goes out lane by lane, and a controller lost mid-round leaves relays
-holding some lanes of it.
+holding some lanes of it; with delta rounds (a codec), whose lineage - the
+exact consensus and the base every rank holds - comes back from the record;
+and with fragments, each window syncing one fragment of the model.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from flodl_trio.fold.outer import DiLoCoNesterov
 from flodl_trio.relay import ChannelKind, RelayHandle
 from flodl_trio.testing import DropRecord, FaultProxy, hold_open
 from flodl_trio.testing.local import LOOPBACK
+from flodl_trio.client.tensors import fragment_pieces
 from flodl_trio.transport.settings import NetBounds
+from flodl_trio.wire.fragment import FragmentTag
+from flodl_trio.wire.quant import DeltaCodec
 from flodl_trio.wire.salt import SessionSalt
 from tests.e2e.test_rejoin import fresh_model, steps_of, trained
 
@@ -101,12 +106,15 @@ Interruption = Callable[[Controller, Run, trio.Event], Awaitable[None]]
 
 async def run_cluster(
     tmp_path: Path, interrupt: Interruption | None, *, gated: tuple[int, ...] = (1,),
-    proxy_faults: list[DropRecord] | None = None, bf16: bool = False, lanes: int = 1,
+    proxy_faults: list[DropRecord] | None = None, bf16: bool = False, lanes: int = 1, codec: str | None = None,
+    fragments: int = 1,
 ) -> Run:
     """Train WINDOWS windows on 2 hosts x 2 ranks; the ranks of the ``gated`` hosts wait
     before window PAUSE_AT while ``interrupt`` (if any) stops and restarts the controller.
     ``proxy_faults``: host 1's data relay reaches the controller through a proxy with them.
-    ``lanes``: every round in that many lanes (however small its frame)."""
+    ``lanes``: every round in that many lanes (however small its frame). ``codec``: the
+    params go as coded deltas. ``fragments``: window ``w`` syncs fragment ``w % fragments``
+    of the params (and no buffers)."""
     run = Run()
     gate = trio.Event()
     controller = Controller(tmp_path / "ckpt", lanes)
@@ -128,14 +136,19 @@ async def run_cluster(
             async def rank_main(rank: int) -> None:
                 params, buffers = fresh_model(rank)
                 relay = run.relays[0 if rank in HOSTS[0] else 1]
+                pieces = fragment_pieces(params, fragments) if fragments > 1 else [params]
+                shapes = tuple(tuple(p.shape) for p in params)
                 async with connect_reduce_client((LOOPBACK, relay.port), rank, WORLD, SALT, bounds=BOUNDS) as client:
                     client.bf16_wire = bf16
+                    client.delta_codec = None if codec is None else DeltaCodec.parse(codec)
                     for window in range(WINDOWS):
                         if window == PAUSE_AT and any(rank in HOSTS[h] for h in gated):
                             await gate.wait()
                         trained(params, rank, window)
+                        tag = FragmentTag(window % fragments, fragments, shapes) if fragments > 1 else None
                         await average_window(
-                            client, params, buffers, steps_of(rank, window), rank=rank, world_size=WORLD, in_place=True
+                            client, pieces[window % fragments], buffers if tag is None else [], steps_of(rank, window),
+                            rank=rank, world_size=WORLD, in_place=True, fragment=tag,
                         )
                         run.params[rank, window] = [p.numpy().copy() for p in params]
 
@@ -151,11 +164,15 @@ async def run_cluster(
     return run
 
 
-def assert_same_run(expected: Run, got: Run) -> None:
+def assert_same_run(expected: Run, got: Run, *, fragmented: bool = False) -> None:
+    """Every rank's params after every window are the expected run's, bit for bit, and
+    (unless ``fragmented``: then only the window's fragment is synced) the same on every rank."""
     assert set(got.params) == set(expected.params)
     for key, arrays in expected.params.items():
         for index, (a, b) in enumerate(zip(arrays, got.params[key])):
             np.testing.assert_array_equal(b, a, err_msg=f"rank {key[0]} window {key[1]} tensor {index}")
+    if fragmented:
+        return
     for window in range(WINDOWS):  # and one consensus for everyone
         for rank in range(1, WORLD):
             for a, b in zip(got.params[0, window], got.params[rank, window]):
@@ -304,3 +321,63 @@ async def test_restart_after_one_host_missed_the_last_lane_of_a_recorded_consens
     assert got.relays[1].stats.consensus_lanes_abandoned == LANES - 1
     assert got.controller.stats.stale_host_frames == LANES
     assert got.controller.stats.relays_resumed == 2 and got.controller.stats.resumed_runs == 1
+
+
+# -- delta rounds and fragments -------------------------------------------------
+
+@pytest.mark.parametrize("lanes", [1, LANES])
+@pytest.mark.parametrize("codec", ["int8:256", "fp4:256"])
+async def test_restart_mid_round_of_a_delta_run(tmp_path: Path, codec: str, lanes: int) -> None:
+    """A delta run's lineage (the exact consensus, the base every rank holds) comes back from
+    the record: the interrupted run's coded rounds are the same bytes as the uninterrupted one's."""
+    reference = await run_cluster(tmp_path / "reference", None, codec=codec, lanes=lanes)
+    got = await run_cluster(
+        tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 1), codec=codec,
+        lanes=lanes,
+    )
+    assert_same_run(reference, got)
+    assert got.controller.stats.resumed_runs == 1 and got.controller.stats.resumptions_refused == 0
+
+
+async def test_restart_after_one_host_missed_a_delta_consensus(tmp_path: Path) -> None:
+    """Host 1 misses the coded consensus of window PAUSE_AT's first round and is sent it again
+    from the record: its base moves as everyone's did."""
+    codec = "int8:256"
+    reference = await run_cluster(tmp_path / "reference", None, codec=codec)
+    swallowed = DropRecord(index=2 + FIRST_ROUND_OF_PAUSE, direction="down", framing="mux", connection=0)
+    got = await run_cluster(
+        tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 2),
+        proxy_faults=[swallowed], gated=(), codec=codec,
+    )
+    assert_same_run(reference, got)
+    assert got.controller.stats.stale_host_frames == 1 and got.controller.stats.resumed_runs == 1
+
+
+@pytest.mark.parametrize("lanes", [1, LANES])
+@pytest.mark.parametrize("codec", [None, "int8:256"])
+@pytest.mark.parametrize("fragments", [1, 2])
+async def test_restart_with_the_params_round_of_a_window_half_in(
+    tmp_path: Path, fragments: int, codec: str | None, lanes: int
+) -> None:
+    """Window PAUSE_AT's step counts are in (a Control round: it says which fragment the
+    window syncs) and both hosts sent their params, but host 1's never reach the controller
+    (the proxy swallows it, its last lane with lanes): the controller is restarted with the
+    params round open. The window's place and fragment, the outer state and, in a delta run,
+    the lineage come back from the record, and host 1 sends its params again."""
+    per_window = 2 if fragments > 1 else ROUNDS_PER_WINDOW
+    params_round = PAUSE_AT * per_window + 1  # rounds before it
+    dropped = DropRecord(
+        index=RECORDS_BEFORE_ROUNDS_UP + lanes * params_round + lanes - 1, direction="up", framing="mux", connection=0,
+    )
+    options = {"codec": codec, "lanes": lanes, "fragments": fragments}
+    reference = await run_cluster(tmp_path / "reference", None, **options)  # type: ignore[arg-type]
+
+    def both_params_went_up(run: Run) -> bool:
+        return all(r.stats.rounds == params_round + 1 for r in run.relays)
+
+    got = await run_cluster(
+        tmp_path, restart_when(both_params_went_up), proxy_faults=[dropped], gated=(), **options,  # type: ignore[arg-type]
+    )
+    assert_same_run(reference, got, fragmented=fragments > 1)
+    assert got.controller.stats.resumed_runs == 1 and got.controller.stats.resumptions_refused == 0
+    assert got.controller.stats.stale_host_frames == 0

@@ -11,7 +11,10 @@ run uninterrupted.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +43,16 @@ def worker_args() -> dict[int, list[str]]:
 
 async def cluster_run(
     tmp_path: Path, controller_args: list[str], fault: Any, relay_args: list[str] | None = None,
-    env: dict[str, str] = OUTAGE, numel: int = NUMEL,
+    env: dict[str, str] = OUTAGE, numel: int = NUMEL, **where: Any,
 ) -> ProcessCluster:
     """2 hosts x 2 ranks training WINDOWS windows under daemons; ``fault(cluster)`` runs
-    once host 0's HostFrame of window HOLD's first round is in and host 1's ranks hold."""
+    once host 0's HostFrame of window HOLD's first round is in and host 1's ranks hold.
+    ``where``: the controller's ``controller_host`` and ``controller_wrap``."""
     async with open_process_cluster(
         world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
         numel=numel, pause=0.05, worker_args=worker_args(), worker_env={r: env for r in range(WORLD)},
         relay_env={h: env for h in range(len(HOSTS))}, relay_args={h: relay_args or [] for h in range(len(HOSTS))},
-        controller_args=["--checkpoint-dir", str(tmp_path / "ckpt"), *controller_args],
+        controller_args=["--checkpoint-dir", str(tmp_path / "ckpt"), *controller_args], **where,
     ) as cluster:
         with diagnose(cluster):
             for rank in HOSTS[1]:
@@ -218,3 +222,147 @@ async def test_overlapped_window_trainers_hold_through_a_kill_wherever_it_lands_
     assert_resumed(cluster)
     assert all(t["windows"] == windows for t in trained), trained
     assert len({t["digest"] for t in trained}) == 1, trained
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(150)
+async def test_a_delta_run_in_fragments_killed_anywhere_resumes_bit_identical_to_the_run_never_interrupted(
+    tmp_path: Path,
+) -> None:
+    """Window trainers syncing 2 fragments as int8 deltas, DiLoCo, deterministic: the
+    controller is SIGKILLed wherever the run is once rank 0 finished window 3 and started
+    again; every rank ends on the bytes of the same run never interrupted (each
+    fragment's lineage and outer state came back from the record)."""
+    windows = 8
+    args = ["--train-windows", str(windows), "--sync-every", "3", "--step-time", "0.005", "--fragments", "2",
+            "--codec", "int8:256"]
+
+    async def run(where: Path, interrupt: bool) -> list[dict[str, Any]]:
+        async with open_process_cluster(
+            world_size=WORLD, hosts=HOSTS, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
+            numel=NUMEL, worker_args={r: args for r in range(WORLD)}, worker_env={r: OUTAGE for r in range(WORLD)},
+            relay_env={h: OUTAGE for h in range(len(HOSTS))},
+            relay_args={h: ["--deterministic"] for h in range(len(HOSTS))},
+            controller_args=["--checkpoint-dir", str(where / "ckpt"), "--outer", "diloco", "--deterministic"],
+        ) as cluster:
+            with diagnose(cluster):
+                if interrupt:
+                    await cluster.wait_event(0, "window", window=3)
+                    await kill_and_restart(cluster)
+                trained = []
+                for rank in range(WORLD):
+                    outcome = await cluster.wait_outcome(rank)
+                    assert outcome["event"] == "done", outcome
+                    trained.append(next(e for e in cluster.ranks[rank].events if e["event"] == "trained"))
+                for proc in cluster.processes():
+                    if proc not in cluster.past_controllers:
+                        with trio.fail_after(20):
+                            assert await proc.wait() == 0, (proc.name, proc.text[-3000:])
+            if interrupt:
+                assert_resumed(cluster)
+        return trained
+
+    with trio.fail_after(140):
+        reference = await run(tmp_path / "reference", False)
+        resumed = await run(tmp_path / "resumed", True)
+    assert [t["windows"] for t in resumed] == [t["windows"] for t in reference], resumed
+    assert [t["digest"] for t in resumed] == [t["digest"] for t in reference]
+    assert len({t["last_fragment"] for t in resumed}) == 1
+
+
+
+class TwoMachines:
+    """Two simulated machines for the controller: network namespaces on one bridge with
+    this namespace (where the relays and ranks run), and one service address that is
+    on the first machine, until :meth:`move_address` gives it to the second (as a
+    floating IP or a DNS name that an operator points at a replacement machine)."""
+
+    SUBNET = "10.231.9"
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 10000
+        self.bridge = f"fts{tag}"
+        self.names = (f"ftsa{tag}", f"ftsb{tag}")
+        self.address = f"{self.SUBNET}.100"
+        self._made: list[list[str]] = []
+
+    def wrap(self, machine: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[machine]]
+
+    def _ip(self, *args: str, undo: list[str] | None = None) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+        if undo is not None:
+            self._made.append(undo)
+
+    def build(self) -> None:
+        self._ip("link", "add", self.bridge, "type", "bridge", undo=["link", "del", self.bridge])
+        self._ip("addr", "add", f"{self.SUBNET}.1/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for index, name in enumerate(self.names):
+            self._ip("netns", "add", name, undo=["netns", "del", name])
+            outside, inside = f"{name}o", f"{name}i"
+            self._ip("link", "add", outside, "type", "veth", "peer", "name", inside, undo=["link", "del", outside])
+            self._ip("link", "set", inside, "netns", name)
+            self._ip("link", "set", outside, "master", self.bridge, "up")
+            self._ip("-n", name, "addr", "add", f"{self.SUBNET}.{10 + index}/24", "dev", inside)
+            self._ip("-n", name, "link", "set", inside, "up")
+            self._ip("-n", name, "link", "set", "lo", "up")
+        self._ip("-n", self.names[0], "addr", "add", f"{self.address}/24", "dev", f"{self.names[0]}i")
+
+    def move_address(self) -> None:
+        """The service address leaves the first machine for the second; this namespace
+        forgets where it was (what the new machine's gratuitous ARP does on a LAN)."""
+        self._ip("-n", self.names[0], "addr", "del", f"{self.address}/24", "dev", f"{self.names[0]}i")
+        self._ip("-n", self.names[1], "addr", "add", f"{self.address}/24", "dev", f"{self.names[1]}i")
+        subprocess.run(["ip", "neigh", "flush", "to", self.address], capture_output=True)
+
+    def machine_of(self, pid: int) -> str:
+        """The namespace a process runs in, as ``ip netns identify`` names it."""
+        return subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True).stdout.strip()
+
+    def tear_down(self) -> None:
+        for undo in reversed(self._made):
+            subprocess.run(["ip", *undo], capture_output=True)
+
+
+@pytest.fixture
+def two_machines() -> Iterator[TwoMachines]:
+    machines = TwoMachines()
+    try:
+        machines.build()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        machines.tear_down()
+        pytest.fail(f"this test builds network namespaces (root and iproute2 needed): {exc}")
+    try:
+        yield machines
+    finally:
+        machines.tear_down()
+
+
+@pytest.mark.trio
+@pytest.mark.deadline(120)
+async def test_a_controller_killed_and_started_again_on_another_machine_under_its_address_resumes_exact(
+    tmp_path: Path, two_machines: TwoMachines,
+) -> None:
+    """The controller runs on one simulated machine (its own network namespace) at a
+    service address. It is SIGKILLed mid-round; the address moves to a second machine,
+    where the same command line (the same checkpoint directory: shared storage) starts
+    it again. Relays and ranks redial the address, resume, and every window is exact."""
+
+    machines_used = []
+
+    async def kill_and_restart_elsewhere(cluster: ProcessCluster) -> None:
+        machines_used.append(two_machines.machine_of(cluster.controller.process.pid))
+        cluster.kill_controller()
+        await cluster.controller.wait()
+        two_machines.move_address()
+        await cluster.restart_controller(wrap=two_machines.wrap(1))
+        machines_used.append(two_machines.machine_of(cluster.controller.process.pid))
+
+    with trio.fail_after(110):
+        cluster = await cluster_run(
+            tmp_path, [], kill_and_restart_elsewhere, controller_host=two_machines.address,
+            controller_wrap=two_machines.wrap(0),
+        )
+    assert_resumed_and_exact(cluster)
+    assert machines_used == list(two_machines.names)
