@@ -3,6 +3,8 @@ completed round and window, and what the resume record costs each round. Prints 
 
     python benchmarks/controller_restart.py              # 64 MiB model, 4 ranks on 2 hosts, loopback
     python benchmarks/controller_restart.py --mib 16 --windows 8
+    python benchmarks/controller_restart.py --lanes 8    # every daemon with --lanes 8
+    python benchmarks/controller_restart.py --codec int8:1024   # params rounds as int8 deltas
 
 Daemons (the controller with ``--outer diloco --checkpoint-dir``, a relay per host)
 and four rank processes (``rank_worker --windows``) holding through a lost
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import trio
@@ -50,14 +53,19 @@ async def until_host0_delivered(cluster) -> None:
         await trio.sleep(0.02)
 
 
-async def run(mib: int, windows: int, pause: float, checkpoint_dir: Path) -> dict[str, float]:
+async def run(
+    mib: int, windows: int, pause: float, checkpoint_dir: Path, lanes: int = 1, codec: str | None = None,
+) -> dict[str, float]:
     numel = mib * (1 << 20) // 4
     env = {"FLODL_CONTROLLER_OUTAGE": "120"}
     held = ["--pause-before", f"{HOLD}:inf"]
+    coded = ["--codec", codec] if codec else []
     async with open_process_cluster(
         world_size=4, hosts=[[0, 1], [2, 3]], salt=SALT, control=True, heartbeat_timeout=60.0, daemons=True,
-        numel=numel, pause=pause, controller_args=["--outer", "diloco", "--checkpoint-dir", str(checkpoint_dir)],
-        worker_args={r: ["--windows", str(windows), *(held if r >= 2 else [])] for r in range(4)},
+        numel=numel, pause=pause,
+        controller_args=["--outer", "diloco", "--checkpoint-dir", str(checkpoint_dir), "--lanes", str(lanes)],
+        relay_args={h: ["--lanes", str(lanes)] for h in range(2)},
+        worker_args={r: ["--windows", str(windows), *coded, *(held if r >= 2 else [])] for r in range(4)},
         worker_env={r: env for r in range(4)}, relay_env={h: env for h in range(2)},
     ) as cluster:
         for rank in (2, 3):
@@ -87,6 +95,8 @@ async def run(mib: int, windows: int, pause: float, checkpoint_dir: Path) -> dic
     normal = [done[w] - done[w - 1] for w in done if w - 1 in done and w not in (HOLD, HOLD + 1)]
     return {
         "mib": mib,
+        "lanes": lanes,
+        "codec": codec or "f32",
         "to_listening_s": listening - restarted,
         "to_resumed_s": resumed - restarted,
         "to_window_s": first["time"] - restarted,
@@ -113,7 +123,7 @@ def record_write_seconds(mib: int, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def table(r: dict[str, float], write_s: float) -> str:
+def table(r: dict[str, Any], write_s: float) -> str:
     rows = [
         ("restart -> new controller listening", f"{r['to_listening_s']:.2f} s", "(python start and imports)"),
         ("restart -> every relay channel resumed", f"{r['to_resumed_s']:.2f} s", ""),
@@ -123,7 +133,8 @@ def table(r: dict[str, float], write_s: float) -> str:
          f"{3 * r['mib']:.0f} MiB: consensus, x_prev, momentum"),
     ]
     width = max(len(row[0]) for row in rows)
-    lines = [f"controller restart, {r['mib']:.0f} MiB model, DiLoCo, 4 ranks on 2 hosts (loopback):"]
+    lines = [f"controller restart, {r['mib']:.0f} MiB model, DiLoCo, {r['codec']} params, lanes {r['lanes']}, "
+             "4 ranks on 2 hosts (loopback):"]
     lines += [f"  {name:<{width}}  {value:<10} {note}" for name, value, note in rows]
     return "\n".join(lines)
 
@@ -133,9 +144,11 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="model size in MiB (default 64)")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--pause", type=float, default=0.5, help="each rank's 'training' per window, seconds")
+    parser.add_argument("--lanes", type=int, default=1, help="--lanes of the controller and relays (default 1)")
+    parser.add_argument("--codec", default=None, help="the ranks' params rounds as coded deltas (int8:1024, fp4:256)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flodl-restart-") as tmp:
-        result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp))
+        result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp), args.lanes, args.codec)
     print(table(result, record_write_seconds(args.mib)))
 
 

@@ -45,6 +45,11 @@ ROUNDS_PER_WINDOW = 3  # the step-count gather, the params, the float buffers
 PAUSE_AT = 3  # the window the interrupted runs stop the controller in
 DEADLINE_S = 60
 BOUNDS = NetBounds(controller_outage=30.0, connect_interval=0.05)
+LANES = 3
+# Records a relay's connection carries before its first HostFrame: up, the Hello; down,
+# HelloAck, Lanes and Outage. Then LANES records a round each way.
+RECORDS_BEFORE_ROUNDS_UP = 1
+RECORDS_BEFORE_ROUNDS_DOWN = 3
 
 
 class Controller:
@@ -195,19 +200,26 @@ def restart_when(condition: Callable[[Run], bool]) -> Interruption:
 FIRST_ROUND_OF_PAUSE = PAUSE_AT * ROUNDS_PER_WINDOW  # rounds finished before window PAUSE_AT
 
 
-async def test_restart_mid_round_with_a_host_frame_in_flight(tmp_path: Path, reference: Run) -> None:
-    """Host 0's HostFrame of window PAUSE_AT's first round went up; host 1's is not sent yet."""
-    got = await run_cluster(tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 1))
+@pytest.mark.parametrize("lanes", [1, LANES])
+async def test_restart_mid_round_with_a_host_frame_in_flight(tmp_path: Path, lanes: int) -> None:
+    """Host 0's HostFrame of window PAUSE_AT's first round went up (in lanes: every lane of
+    it, sent again whole to the new controller); host 1's is not sent yet."""
+    reference = await run_cluster(tmp_path / "reference", None, lanes=lanes)
+    got = await run_cluster(
+        tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 1), lanes=lanes
+    )
     assert_same_run(reference, got)
     assert [r.stats.resumed for r in got.relays] == [1, 1]
     assert got.controller.stats.resumed_runs == 1 and got.controller.stats.stale_host_frames == 0
 
 
-async def test_restart_between_rounds(tmp_path: Path, reference: Run) -> None:
+@pytest.mark.parametrize("lanes", [1, LANES])
+async def test_restart_between_rounds(tmp_path: Path, lanes: int) -> None:
     """Both hosts have every consensus so far; host 1's ranks have not started the next window."""
+    reference = await run_cluster(tmp_path / "reference", None, lanes=lanes)
     got = await run_cluster(tmp_path, restart_when(
         lambda run: run.params.keys() >= {(rank, PAUSE_AT - 1) for rank in range(WORLD)}
-    ), gated=(0, 1))
+    ), gated=(0, 1), lanes=lanes)
     assert_same_run(reference, got)
     assert [r.stats.resumed for r in got.relays] == [1, 1]
     assert got.controller.stats.resumed_runs == 1
@@ -243,11 +255,6 @@ async def test_restart_mid_round_on_a_bf16_wire(tmp_path: Path) -> None:
 
 # -- in lanes ------------------------------------------------------------------
 
-LANES = 3
-# Records a relay's connection carries before its first HostFrame: up, the Hello; down,
-# HelloAck, Lanes and Outage. Then LANES records a round each way.
-RECORDS_BEFORE_ROUNDS_UP = 1
-RECORDS_BEFORE_ROUNDS_DOWN = 3
 
 
 @pytest.fixture
@@ -258,26 +265,6 @@ async def reference_in_lanes(tmp_path: Path) -> Run:
 async def test_a_run_in_lanes_is_the_same_run_as_without(tmp_path: Path, reference: Run, reference_in_lanes: Run) -> None:
     """What the lane tests below compare with is itself exact: lanes change no byte."""
     assert_same_run(reference, reference_in_lanes)
-
-
-async def test_restart_mid_round_in_lanes_with_a_host_frame_in_flight(tmp_path: Path, reference_in_lanes: Run) -> None:
-    """Host 0's lanes of window PAUSE_AT's first round went up, host 1's are not cut yet:
-    host 0 sends every lane again to the new controller."""
-    got = await run_cluster(
-        tmp_path, restart_when(lambda run: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE + 1), lanes=LANES
-    )
-    assert_same_run(reference_in_lanes, got)
-    assert [r.stats.resumed for r in got.relays] == [1, 1]
-    assert got.controller.stats.resumed_runs == 1 and got.controller.stats.stale_host_frames == 0
-
-
-async def test_restart_between_rounds_in_lanes(tmp_path: Path, reference_in_lanes: Run) -> None:
-    got = await run_cluster(tmp_path, restart_when(
-        lambda run: run.params.keys() >= {(rank, PAUSE_AT - 1) for rank in range(WORLD)}
-    ), gated=(0, 1), lanes=LANES)
-    assert_same_run(reference_in_lanes, got)
-    assert [r.stats.resumed for r in got.relays] == [1, 1]
-    assert got.controller.stats.resumed_runs == 1
 
 
 async def test_restart_with_some_lanes_of_an_unrecorded_consensus_down(tmp_path: Path, reference_in_lanes: Run) -> None:

@@ -189,6 +189,21 @@ async def test_relays_and_ranks_hold_as_long_as_a_controller_with_a_record_says_
     assert all(contributors[w] == set(range(WORLD)) for w in range(WINDOWS))
 
 
+async def every_rank_trained(cluster: ProcessCluster) -> list[dict[str, Any]]:
+    """Each window trainer's ``trained`` event, once every rank is done and every live
+    process exited cleanly."""
+    trained = []
+    for rank in range(WORLD):
+        outcome = await cluster.wait_outcome(rank)
+        assert outcome["event"] == "done", outcome
+        trained.append(next(e for e in cluster.ranks[rank].events if e["event"] == "trained"))
+    for proc in cluster.processes():
+        if proc not in cluster.past_controllers:
+            with trio.fail_after(20):
+                assert await proc.wait() == 0, (proc.name, proc.text[-3000:])
+    return trained
+
+
 @pytest.mark.trio
 @pytest.mark.deadline(120)
 async def test_overlapped_window_trainers_hold_through_a_kill_wherever_it_lands_and_finish_on_one_consensus(
@@ -210,15 +225,7 @@ async def test_overlapped_window_trainers_hold_through_a_kill_wherever_it_lands_
             with diagnose(cluster):
                 await cluster.wait_event(0, "window", window=2)
                 await kill_and_restart(cluster)
-                trained = []
-                for rank in range(WORLD):
-                    outcome = await cluster.wait_outcome(rank)
-                    assert outcome["event"] == "done", outcome
-                    trained.append(next(e for e in cluster.ranks[rank].events if e["event"] == "trained"))
-                for proc in cluster.processes():
-                    if proc not in cluster.past_controllers:
-                        with trio.fail_after(20):
-                            assert await proc.wait() == 0, (proc.name, proc.text[-3000:])
+                trained = await every_rank_trained(cluster)
     assert_resumed(cluster)
     assert all(t["windows"] == windows for t in trained), trained
     assert len({t["digest"] for t in trained}) == 1, trained
@@ -249,15 +256,7 @@ async def test_a_delta_run_in_fragments_killed_anywhere_resumes_bit_identical_to
                 if interrupt:
                     await cluster.wait_event(0, "window", window=3)
                     await kill_and_restart(cluster)
-                trained = []
-                for rank in range(WORLD):
-                    outcome = await cluster.wait_outcome(rank)
-                    assert outcome["event"] == "done", outcome
-                    trained.append(next(e for e in cluster.ranks[rank].events if e["event"] == "trained"))
-                for proc in cluster.processes():
-                    if proc not in cluster.past_controllers:
-                        with trio.fail_after(20):
-                            assert await proc.wait() == 0, (proc.name, proc.text[-3000:])
+                trained = await every_rank_trained(cluster)
             if interrupt:
                 assert_resumed(cluster)
         return trained
