@@ -104,13 +104,15 @@ async def run(
     }
 
 
-def record_write_seconds(mib: int, reps: int = 3) -> float:
-    """One params round's record: the consensus record and DiLoCo's x_prev and momentum."""
+def record_write_seconds(mib: int, reps: int = 3, delta: bool = False) -> float:
+    """One params round's record: the consensus record and DiLoCo's x_prev and momentum
+    (``delta``: and the delta lineage, the exact consensus and the ranks' base)."""
     numel = mib * (1 << 20) // 4
     salt = SessionSalt(SALT)
     payload = np.ones(numel, dtype=np.float32)
     broadcast = encode_mux_record(MuxKind.BROADCAST, payload.data.cast("B"), salt)
     outer = {"windows": np.array([3]), "x_prev.0": payload.copy(), "momentum.0": payload.copy()}
+    lineage = {"model.x.0": payload.copy(), "model.base.0": payload.copy()} if delta else None
     times = []
     with tempfile.TemporaryDirectory() as tmp:
         log = ResumeLog(tmp, salt, 4)
@@ -118,19 +120,21 @@ def record_write_seconds(mib: int, reps: int = 3) -> float:
             run_ = RunRecord(rounds=k + 1, windows=1, model_rounds=1, previous_kind=1, fragment=None,
                              last_tag=bytes(8), previous_tag=NO_BROADCAST)
             start = time.perf_counter()
-            log.write(run_, broadcast, outer)
+            log.write(run_, broadcast, outer, None, lineage)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def table(r: dict[str, Any], write_s: float) -> str:
+    parts = "consensus, x_prev, momentum" + (", x and base of the delta lineage" if r["codec"] != "f32" else "")
+    record_mib = (5 if r["codec"] != "f32" else 3) * r["mib"]
     rows = [
         ("restart -> new controller listening", f"{r['to_listening_s']:.2f} s", "(python start and imports)"),
         ("restart -> every relay channel resumed", f"{r['to_resumed_s']:.2f} s", ""),
         (f"restart -> window {HOLD} done (its 3 rounds)", f"{r['to_window_s']:.2f} s",
          f"a window takes {r['normal_window_s']:.2f} s uninterrupted"),
         ("resume record of a params round (write + fsync)", f"{write_s * 1e3:.0f} ms",
-         f"{3 * r['mib']:.0f} MiB: consensus, x_prev, momentum"),
+         f"{record_mib:.0f} MiB: {parts}"),
     ]
     width = max(len(row[0]) for row in rows)
     lines = [f"controller restart, {r['mib']:.0f} MiB model, DiLoCo, {r['codec']} params, lanes {r['lanes']}, "
@@ -149,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flodl-restart-") as tmp:
         result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp), args.lanes, args.codec)
-    print(table(result, record_write_seconds(args.mib)))
+    print(table(result, record_write_seconds(args.mib, delta=args.codec is not None)))
 
 
 if __name__ == "__main__":
