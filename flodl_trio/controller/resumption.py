@@ -77,7 +77,7 @@ class Resumption:
         self._window: tuple[str, int, int] | None = None
         self._stale: set[int] = set()  # relays whose next HostFrame (every lane) is of a round already finished
         self._lanes_out: list[np.ndarray] = []  # the bytes of the round's lanes gone out so far
-        # Why this run cannot be resumed (a record that said so, or a round it cannot carry).
+        # Why this run cannot be resumed (a record that says so: one written by an older version).
         self.not_resumable: str | None = None
 
     def announced_outage_ms(self, bounds: NetBounds) -> int:

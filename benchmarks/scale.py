@@ -1,0 +1,169 @@
+"""Round time as hosts are added: flodl_trio next to torch.distributed gloo on H simulated hosts.
+
+Run from the repository root, as root (it builds network namespaces)::
+
+    python benchmarks/scale.py                            # H = 2, 4, 8; 200 Mbit/s links; ~3 minutes
+    python benchmarks/scale.py --hosts 2,4 --rate 1gbit --ranks-per-host 2
+    python benchmarks/scale.py --lanes 1                  # every daemon without lanes
+
+Each host is a network namespace with one veth to a bridge in this namespace;
+every host's link is shaped both ways with ``tc tbf`` (its egress in the
+namespace, its ingress on the bridge side), so a host sends and receives at
+``--rate`` at most, as a host on a switch does. The controller runs on host 0
+(as docs/operations.md allows), one data relay per host, ``--ranks-per-host``
+rank processes per host; gloo runs one process per rank, its ring over the
+same links. Both systems reduce ``--mib`` (default 8 MiB for H <= 4, 4 MiB
+beyond) of f32 in place; the rank workers, their timing and the table's
+round time (the slowest rank's, median over the timed rounds) are
+benchmarks/allreduce.py's.
+
+Beside each pair the table prints two link floors for that round:
+
+* the star's: host 0's link carries the frame of each of the H - 1 other
+  hosts in and the consensus out to each of them, (H - 1) x frame / rate (the
+  two directions overlap; flodl_trio's lanes overlap them within a round);
+* the ring's: each link carries 2 (H - 1) / H x frame each way.
+
+The star's floor grows with H and the ring's does not: that is the gap a
+sharded reduction closes (issue 26). This is a benchmark, not a test: pytest
+never collects it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _floor import parse_rate  # this script's folder is on sys.path
+from allreduce import Bench, Host, RunResult
+
+MiB = 1 << 20
+SUBNET = "10.231.8"
+
+
+class NetnsSwitch:
+    """H namespaces on one bridge, every host's veth shaped to ``rate`` both ways."""
+
+    def __init__(self, count: int, rate: str) -> None:
+        tag = f"{os.getpid() % 10000}{secrets.token_hex(1)}"
+        self.bridge = f"flsw{tag}"[:15]
+        self.ns = [f"flscale-{tag}-{i}" for i in range(count)]
+        self.inside = [f"fls{tag}i{i}"[:15] for i in range(count)]
+        self.outside = [f"fls{tag}o{i}"[:15] for i in range(count)]
+        self.ip = [f"{SUBNET}.{10 + i}" for i in range(count)]
+        self.rate = rate
+        self._undo: list[list[str]] = []
+
+    @staticmethod
+    def _run(*argv: str) -> None:
+        r = subprocess.run(list(argv), capture_output=True, text=True)
+        if r.returncode != 0:
+            raise PermissionError(f"`{' '.join(argv)}` failed: {r.stderr.strip()}")
+
+    def _shape(self, *where: str) -> None:
+        self._run("tc", *where, "root", "tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms")
+
+    def __enter__(self) -> NetnsSwitch:
+        try:
+            self._run("ip", "link", "add", self.bridge, "type", "bridge")
+            self._undo.append(["ip", "link", "del", self.bridge])
+            self._run("ip", "link", "set", self.bridge, "up")
+            for ns, inside, outside, ip in zip(self.ns, self.inside, self.outside, self.ip):
+                self._run("ip", "netns", "add", ns)
+                self._undo.append(["ip", "netns", "del", ns])
+                self._run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
+                self._undo.append(["ip", "link", "del", outside])
+                self._run("ip", "link", "set", inside, "netns", ns)
+                self._run("ip", "link", "set", outside, "master", self.bridge, "up")
+                self._run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", inside)
+                self._run("ip", "-n", ns, "link", "set", inside, "up")
+                self._run("ip", "-n", ns, "link", "set", "lo", "up")
+                self._shape("qdisc", "add", "dev", outside)  # what the host receives
+                self._shape("-n", ns, "qdisc", "add", "dev", inside)  # what it sends
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for argv in reversed(self._undo):
+            subprocess.run(argv, capture_output=True)
+        self._undo.clear()
+
+    def hosts(self, ranks_per_host: int) -> list[Host]:
+        return [
+            Host(f"host{i}", list(range(i * ranks_per_host, (i + 1) * ranks_per_host)), ns, ip, dev)
+            for i, (ns, ip, dev) in enumerate(zip(self.ns, self.ip, self.inside))
+        ]
+
+
+def frame_bytes(mib: float) -> float:
+    return mib * MiB  # f32 payload; the headers and MACs are noise at this size
+
+
+def star_floor_ms(hosts: int, mib: float, rate_bps: float) -> float:
+    return 1e3 * (hosts - 1) * frame_bytes(mib) * 8 / rate_bps
+
+
+def ring_floor_ms(hosts: int, mib: float, rate_bps: float) -> float:
+    return 1e3 * 2 * (hosts - 1) / hosts * frame_bytes(mib) * 8 / rate_bps
+
+
+def bench_args(args: argparse.Namespace) -> argparse.Namespace:
+    """What benchmarks/allreduce.py's Bench reads of its command line."""
+    return argparse.Namespace(
+        profile=None, timing=False, deterministic=False, lanes=args.lanes, no_unix=False,
+        rank_threads=1,
+    )
+
+
+def measure(bench: Bench, hosts: list[Host], mib: float, warmup: int, rounds: int) -> tuple[RunResult, RunResult]:
+    numel = int(mib * MiB) // 4
+    flodl = bench.run_flodl(hosts, numel, "f32", warmup, rounds, f"scale-{len(hosts)}")
+    gloo = bench.run_gloo(hosts, numel, "f32", warmup, rounds)
+    return flodl, gloo
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", default="2,4,8", help="host counts, comma-separated (default 2,4,8)")
+    parser.add_argument("--rate", default="200mbit", help="every host link's rate, each way (tc syntax)")
+    parser.add_argument("--ranks-per-host", type=int, default=1)
+    parser.add_argument("--mib", type=float, default=None,
+                        help="model size in MiB (default: 8 up to 4 hosts, 4 beyond)")
+    parser.add_argument("--lanes", type=int, default=8, help="--lanes of the controller and relays (default 8)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("scale.py builds network namespaces: run it as root", file=sys.stderr)
+        return 2
+    rate_bps = parse_rate(args.rate)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="flodl-scale-") as tmp:
+        bench = Bench(bench_args(args), Path(tmp))
+        for count in (int(h) for h in args.hosts.split(",")):
+            mib = args.mib if args.mib is not None else (8.0 if count <= 4 else 4.0)
+            with NetnsSwitch(count, args.rate) as switch:
+                flodl, gloo = measure(bench, switch.hosts(args.ranks_per_host), mib, args.warmup, args.rounds)
+            rows.append((count, mib, flodl, gloo))
+            print(f"  {count} hosts: flodl_trio {flodl.median_ms:.0f} ms, gloo {gloo.median_ms:.0f} ms", flush=True)
+    print(f"\n{args.ranks_per_host} rank(s) per host, every host link {args.rate} each way (tbf), "
+          f"controller on host 0, --lanes {args.lanes}, f32 both sides, median of {args.rounds} rounds:\n")
+    print("| hosts | model | flodl_trio | gloo | ratio | star floor | ring floor | CPU floor (flodl_trio) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for count, mib, flodl, gloo in rows:
+        cpu_floor = flodl.cpu_ms_per_round / (os.cpu_count() or 1)
+        print(f"| {count} | {mib:g} MiB | {flodl.median_ms:.0f} ms | {gloo.median_ms:.0f} ms | "
+              f"{flodl.median_ms / gloo.median_ms:.2f}x | {star_floor_ms(count, mib, rate_bps):.0f} ms | "
+              f"{ring_floor_ms(count, mib, rate_bps):.0f} ms | {cpu_floor:.0f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
