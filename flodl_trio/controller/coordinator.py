@@ -103,9 +103,28 @@ class Coordinator:
         self.may_return: Callable[[int], bool] = lambda rank: False
         # What this controller tells relays and ranks to hold for it if it is lost (ms; 0: nothing).
         self.outage_ms = 0
+        # Hosts whose data relay takes flodl_trio's control messages: their control relay
+        # is told the outage bound too (a control Hello's signatures are the ranks').
+        self._extension_hosts: set[str] = set()
+        self._told_outage: set[int] = set()  # control links sent Outage
         # Ranks that said they finished their training: dead to the rounds, but nobody
         # cut them off, so their control connection is left to them (or to the run's end).
         self.finished: set[int] = set()
+
+    def host_takes_extensions(self, host: str) -> None:
+        """The data relay of ``host`` said it takes flodl_trio's control messages: so does
+        its control relay (the same daemon), now or when it connects."""
+        self._extension_hosts.add(host)
+        for link in self.links.values():
+            if link.host == host and not link.closed:
+                self._tell_outage(link)
+
+    def _tell_outage(self, link: RelayLink) -> None:
+        """How long to hold for this controller if it is lost, once per control link (only
+        a controller that keeps a resume record says it)."""
+        if self.outage_ms > 0 and link.id not in self._told_outage:
+            self._told_outage.add(link.id)
+            link.queue_control(Outage(self.outage_ms), self.salt)
 
     def expect(self, ranks: list[int], now: float) -> None:
         """Start the heartbeat clock of ``ranks`` now (a resumed run's live ranks): one
@@ -233,8 +252,8 @@ class Coordinator:
             return None
         link = RelayLink.accept(hello, conn, 4 * len(hello.ranks) + 16)
         link.queue_control(HelloAck(), self.salt)
-        if self.outage_ms > 0:  # this controller keeps a resume record: hold for it
-            link.queue_control(Outage(self.outage_ms), self.salt)
+        if hello.host in self._extension_hosts:
+            self._tell_outage(link)
         mismatch = self._signature_mismatch(hello)
         if mismatch is not None:
             await self._refuse_ranks(link, mismatch)

@@ -32,7 +32,7 @@ from functools import partial
 import attrs
 import trio
 
-from ..errors import ConfigError, DesyncError, FlodlError, MacError, ProtocolError
+from ..errors import ConfigError, DesyncError, FlodlError, HandshakeError, MacError, ProtocolError
 from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
@@ -352,6 +352,12 @@ class _Controller:
         try:
             hello = await receive_hello(conn, self.config.salt, self.config.bounds)
             self.seats.check_hello(hello)
+            if self.config.lanes > 1 and not hello.takes_extensions:
+                raise HandshakeError(
+                    f"the relay of host {hello.host!r} does not say it takes flodl_trio's extensions (a flodl relay?), "
+                    f"and this controller reduces in {self.config.lanes} lanes: start it with --lanes 1, or use "
+                    "flodl_trio relays"
+                )
         except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             if isinstance(exc, MacError):
                 self.stats.mac_failures += 1
@@ -365,14 +371,18 @@ class _Controller:
         self._next_lane[link.id] = 0
         self.stats.relays += 1
         link.queue_control(HelloAck(), self.config.salt)
-        if self.config.lanes > 1:  # the lanes extension: a flodl cluster gets flodl's bytes
+        # Extensions go only to a relay that said it takes them: a flodl relay gets flodl's bytes.
+        if self.config.lanes > 1:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
-        if self.handle.coordinator.outage_ms > 0:  # it keeps a resume record: hold for it if it is lost
-            link.queue_control(Outage(self.handle.coordinator.outage_ms), self.config.salt)
+        if link.takes_extensions:
+            self.handle.coordinator.host_takes_extensions(link.host)
+            if self.handle.coordinator.outage_ms > 0:  # it keeps a resume record: hold for it if it is lost
+                link.queue_control(Outage(self.handle.coordinator.outage_ms), self.config.salt)
         now = trio.current_time()
         for rank in link.ranks:
             if self.dead.is_dead(rank):
-                away = self.membership.may_return(rank, now)  # a restarted host: it may come back
+                # A restarted host whose rank may come back (flodl's relays know only DeclareDead).
+                away = link.takes_extensions and self.membership.may_return(rank, now)
                 link.queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
         log.info("controller: accepted %s", link.name)
         return link
@@ -632,8 +642,9 @@ class _Controller:
             self.membership.died(rank, now)
             seat_id = self.seats.seat_of(rank)
             if seat_id is not None and rank not in self._exited:
-                away = rank in self.membership.absent  # the cluster formed without it: it may come
-                self.links[seat_id].queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
+                link = self.links[seat_id]
+                away = link.takes_extensions and rank in self.membership.absent  # formed without it: it may come
+                link.queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
         self.membership_changed.notify()
         for lane, lane_round in enumerate(self.rounds):  # in lane order: the relays take them so
             consensus = lane_round.rank_died(now)

@@ -19,6 +19,7 @@ from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.mux import (
+    EXTENSIONS_MARK,
     Hello,
     MuxKind,
     RelayControlMsg,
@@ -83,6 +84,12 @@ class RelayLink:
     @property
     def name(self) -> str:
         return f"relay {self.host} (ranks {list(self.ranks)})"
+
+    @property
+    def takes_extensions(self) -> bool:
+        """Whether this data relay said it takes flodl_trio's control messages (a flodl
+        relay closes on one it does not know: it is sent flodl's alone)."""
+        return self.model_sigs == (EXTENSIONS_MARK,)
 
     def queue(
         self,

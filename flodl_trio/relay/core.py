@@ -58,6 +58,7 @@ from ..wire.handshake import (
     encode_local_ack,
 )
 from ..wire.mux import (
+    EXTENSIONS_MARK,
     Hello,
     HelloAck,
     MuxKind,
@@ -450,7 +451,10 @@ class _Relay:
         stream = await connect_with_retry(host, port, f"relay {self.config.host_name} upstream", bounds, self.connect)
         upstream = MessageStream(stream, f"controller {host}:{port}", bounds)
         salt = self.config.salt
-        sigs = [self._announced_signature(r) for r in ranks] if self.config.kind is ChannelKind.CONTROL else []
+        if self.config.kind is ChannelKind.CONTROL:
+            sigs = [self._announced_signature(r) for r in ranks]
+        else:  # flodl's data Hello carries none: this relay's says it takes flodl_trio's control messages
+            sigs = [EXTENSIONS_MARK]
         hello = Hello(self.config.host_name, ranks, sigs)
         magic = self.config.kind.magic.to_bytes(4, "little")
         await upstream.send_chunks([magic, *encode_mux_record(MuxKind.CONTROL, encode_control_msg(hello), salt).chunks])

@@ -32,6 +32,7 @@ from .handshake import (
     encode_data_handshake,
 )
 from .mux import (
+    EXTENSIONS_MARK,
     DeclareDead,
     Hello,
     HelloAck,
@@ -74,6 +75,7 @@ __all__ = [
     "DTYPE_F32",
     "ControlFrame",
     "ControlKind",
+    "EXTENSIONS_MARK",
     "DeclareDead",
     "EncodedFrame",
     "Hello",

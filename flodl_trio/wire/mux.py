@@ -61,6 +61,20 @@ class Hello:
     ranks: tuple[int, ...] = attrs.field(converter=_ints)
     model_sigs: tuple[bytes, ...] = attrs.field(converter=_sigs, default=())
 
+    @property
+    def takes_extensions(self) -> bool:
+        """Whether a data relay's Hello says it takes flodl_trio's control messages
+        (:data:`EXTENSIONS_MARK`: docs/wire.md, "Which relays take extensions")."""
+        return self.model_sigs == (EXTENSIONS_MARK,)
+
+
+# The one "model signature" a flodl_trio data relay's Hello carries. flodl's data
+# channel has none, and flodl's controller ignores what a data Hello carries there,
+# so it costs nothing with flodl; to a flodl_trio controller it says: this relay
+# takes the control messages flodl's relays do not know (a flodl relay closes on an
+# unknown variant), so they may be sent to it.
+EXTENSIONS_MARK = b"flodl_trio relay extensions v1".ljust(32, b"\0")
+
 
 @attrs.frozen
 class HelloAck:

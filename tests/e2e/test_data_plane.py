@@ -39,9 +39,13 @@ from flodl_trio.wire import (
 from flodl_trio.wire.round_frame import schema_frame_len
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, DTYPE_BF16, MUX_HEADER_LEN
 from flodl_trio.wire.mux import (
+    EXTENSIONS_MARK,
+    DeclareDead,
     Hello,
     HelloAck,
     MuxKind,
+    Outage,
+    decode_control_msg,
     encode_control_record,
     encode_mux_record,
 )
@@ -223,10 +227,15 @@ async def test_relay_refuses_bad_ranks_with_distinct_reasons(salt):
         assert any("duplicate rank 0" in r for r in reasons), reasons
 
 
-async def _fake_relay(port: int, salt: SessionSalt, host: str, ranks: list[int], *, magic: int = CHANNEL_MAGIC_DATA) -> MessageStream:
+async def _fake_relay(
+    port: int, salt: SessionSalt, host: str, ranks: list[int], *, magic: int = CHANNEL_MAGIC_DATA,
+    extensions: bool = False,
+) -> MessageStream:
+    """A raw relay connection: flodl's Hello, or with ``extensions`` a flodl_trio relay's (the mark)."""
     stream = await trio.open_tcp_stream(LOOP, port)
     conn = MessageStream(stream, "controller")
-    await conn.send_chunks([magic.to_bytes(4, "little"), encode_control_record(Hello(host, ranks), salt)])
+    hello = Hello(host, ranks, [EXTENSIONS_MARK] if extensions else [])
+    await conn.send_chunks([magic.to_bytes(4, "little"), encode_control_record(hello, salt)])
     return conn
 
 
@@ -459,3 +468,50 @@ async def test_steady_rounds_reuse_fold_memory(salt, hosts, bf16):
         assert cluster.controller.stats.fold_images_reused == rounds - 1
         for relay in cluster.relays:
             assert relay.stats.fold_images_reused == rounds - 1
+
+
+async def _records_until_broadcast(conn: MessageStream, salt: SessionSalt) -> list[object]:
+    """What the controller sends a relay up to and including its first Broadcast: control
+    messages decoded, the Broadcast as its kind."""
+    seen: list[object] = []
+    while True:
+        header = await conn.receive_mux_header()
+        assert header is not None
+        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+        if kind is MuxKind.BROADCAST:
+            return [*seen, kind]
+        seen.append(decode_control_msg(payload))
+
+
+async def test_a_flodl_relay_gets_flodls_bytes_from_a_controller_that_keeps_a_record(salt, tmp_path):
+    """A relay whose data Hello carries no extensions mark (flodl's, which closes on a
+    control message it does not know) is sent HelloAck then the Broadcast, nothing more,
+    even by a controller that tells flodl_trio relays to hold for it (Outage); a
+    flodl_trio relay's Hello (the mark) gets the Outage. A rank dead at its Hello is a
+    plain DeclareDead for the flodl relay, never the RankAway of a rank that may return."""
+    with trio.fail_after(20):
+        async with open_controller(LOOP, 0, world_size=3, salt=salt, resume_dir=tmp_path, rejoin_timeout=60.0) as ctl:
+            ctl.dead_ranks.declare_dead(2)
+            flodl = await _fake_relay(ctl.port, salt, "h-flodl", [0, 2])
+            trio_conn = await _fake_relay(ctl.port, salt, "h-trio", [1], extensions=True)
+            for conn, rank in ((flodl, 0), (trio_conn, 1)):
+                frame = _one_tensor_frame(2.0 + rank, salt)
+                await conn.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, frame, salt).chunks)
+            to_flodl = await _records_until_broadcast(flodl, salt)
+            to_trio = await _records_until_broadcast(trio_conn, salt)
+            await flodl.aclose()
+            await trio_conn.aclose()
+    assert to_flodl == [HelloAck(), DeclareDead(2), MuxKind.BROADCAST]
+    assert to_trio[0] == HelloAck() and any(isinstance(m, Outage) for m in to_trio), to_trio
+
+
+async def test_a_controller_in_lanes_refuses_a_flodl_relay_saying_why_and_keeps_serving(salt, caplog):
+    caplog.set_level(logging.WARNING, logger="flodl_trio.controller")
+    with trio.fail_after(20):
+        async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=4) as ctl:
+            await _expect_closed(await _fake_relay(ctl.port, salt, "h-flodl", [0]))
+            conn = await _fake_relay(ctl.port, salt, "h-trio", [0], extensions=True)
+            await _expect_ack(conn, salt)
+            await conn.aclose()
+    refused = [r for r in ctl.rejections if "h-flodl" in r]
+    assert refused and "does not say it takes flodl_trio's extensions" in refused[0] and "4 lanes" in refused[0]

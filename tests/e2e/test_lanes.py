@@ -21,7 +21,7 @@ from flodl_trio.controller import open_controller
 from flodl_trio.fold.outer import SlowMo
 from flodl_trio.relay import ChannelKind, open_relay
 from flodl_trio.testing import CutAt, open_local_cluster
-from flodl_trio.wire import DTYPE_F32, Hello, RoundFrame, TensorPayload
+from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
 from flodl_trio.wire.constants import MUX_HEADER_LEN
 from flodl_trio.wire.lanes import LaneLayout
 from flodl_trio.wire.mux import encode_control_msg
@@ -91,7 +91,7 @@ async def test_a_host_lost_between_two_lanes_counts_in_the_first_and_not_the_sec
     values = [[np.full(s, 10.0 * (r + 1) + i, dtype=np.float32) for i, s in enumerate(shapes)] for r in range(3)]
     schema = RoundFrame([TensorPayload(DTYPE_F32, s, np.zeros(s, "<f4").reshape(-1)) for s in shapes])
     layout = LaneLayout.of(schema, 2)
-    hello = MUX_HEADER_LEN + len(encode_control_msg(Hello("host1", [2], [])))
+    hello = MUX_HEADER_LEN + len(encode_control_msg(Hello("host1", [2], [EXTENSIONS_MARK])))
     lane0 = MUX_HEADER_LEN + round_frame_len(layout.split(schema)[0].tensors)  # its tag included
     got: dict[int, object] = {}
     cut = CutAt(at_byte=4 + hello + lane0)
@@ -206,7 +206,7 @@ async def test_a_relay_whose_lanes_do_not_match_the_schema_it_sent_is_dropped_al
     async with open_controller("127.0.0.1", 0, world_size=2, salt=salt, lanes=2, lane_min_bytes=0) as controller:
         async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
                               host_name="h0", ranks=[0], world_size=2, salt=salt, lanes=2) as relay:
-            liar = await _fake_relay(controller.port, salt, "liar", [1])
+            liar = await _fake_relay(controller.port, salt, "liar", [1], extensions=True)
             await _expect_ack(liar, salt)  # HelloAck
             await _expect_ack(liar, salt)  # Lanes
             for lane in (lane0, lane1):

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...wire.constants import DTYPE_F32, MUX_HEADER_LEN, SALT_LEN
 from ...wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
-from ...wire.mux import MUX_SIGNED_HEADER_LEN, Hello, HelloAck, MuxKind, RelayControlMsg, encode_control_record, mux_signed_header
+from ...wire.mux import EXTENSIONS_MARK, MUX_SIGNED_HEADER_LEN, Hello, HelloAck, MuxKind, RelayControlMsg, encode_control_record, mux_signed_header
 from ...wire.round_frame import RoundFrame, TensorPayload, frame_body_chunks, schema_frame_len
 from ...wire.salt import SessionSalt
 
@@ -111,8 +111,9 @@ HELLO_ACK_RECORD_LEN: Final = control_record_len(HelloAck())
 
 
 def uplink_first_record(host: str, ranks: Sequence[int]) -> int:
-    """Offset of the first record after the Hello on a data relay's uplink."""
-    return CHANNEL_MAGIC_LEN + hello_record_len(host, ranks)
+    """Offset of the first record after the Hello on a data relay's uplink (a flodl_trio
+    relay's Hello carries the extensions mark)."""
+    return CHANNEL_MAGIC_LEN + hello_record_len(host, ranks, (EXTENSIONS_MARK,))
 
 
 def host_frame_record_len(numel: int) -> int:
