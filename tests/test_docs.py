@@ -188,6 +188,10 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
         "a 35 s benchmark of daemons and four rank processes with a 64 MiB model whose timings depend on this machine",
         checked_by="test_benchmark_blocks_name_real_flags",
     ),
+    ("docs/performance.md", "benchmarks/scale.py"): NotRun(
+        "a three-minute benchmark of up to 8 network namespaces (root and tc) whose timings depend on this machine",
+        checked_by="test_benchmark_blocks_name_real_flags",
+    ),
     ("docs/performance.md", "benchmarks/allreduce.py --quick"): NotRun(
         "benchmarks of one to several minutes each; the two-host workload needs root and tc",
         checked_by="test_benchmark_blocks_name_real_flags",
@@ -1085,6 +1089,7 @@ async def test_benchmark_blocks_name_real_flags():
               doc_snippet("docs/performance.md", "benchmarks/allreduce.py --quick"),
               doc_snippet("docs/performance.md", "benchmarks/rejoin.py"),
               doc_snippet("docs/performance.md", "benchmarks/controller_restart.py"),
+              doc_snippet("docs/performance.md", "benchmarks/scale.py"),
               doc_snippet("docs/performance.md", "--deterministic --quick")]
     flags_by_script: dict[str, set[str]] = {}
     for block in blocks:
@@ -1095,6 +1100,7 @@ async def test_benchmark_blocks_name_real_flags():
             flags_by_script.setdefault(words[1], set()).update(re.findall(r"(?<![\w-])--[a-z][\w-]*", line))
     assert flags_by_script.keys() == {
         "benchmarks/codec.py", "benchmarks/allreduce.py", "benchmarks/rejoin.py", "benchmarks/controller_restart.py",
+        "benchmarks/scale.py",
     }
     async with open_processes() as processes:
         for script, flags in flags_by_script.items():

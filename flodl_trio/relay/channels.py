@@ -98,6 +98,10 @@ class ChannelRole(Protocol):
         """The records whose answer never came, to send again on a new connection;
         FlodlError if one is in flight that cannot be sent again."""
 
+    def upstream_lost(self) -> None:
+        """The connection broke: a task of the role waiting on it (not reading or writing
+        it) stops, so the channel's writer lets the connection go."""
+
     def upstream_replaced(self) -> None:
         """A new connection replaced a lost one: forget whatever came half in on the old
         (called by the upstream reader before it reads the new connection)."""
@@ -363,6 +367,7 @@ class Channel:
             self.config.host_name, host, port, why, self.config.kind.value, outage,
         )
         await self.upstream.aclose()
+        self.role.upstream_lost()  # before the writer's lock is waited for: a writer waiting on the role lets go
         started = trio.current_time()
         with trio.move_on_after(outage):
             async with self._write_lock:  # nothing else goes up until the new connection has resumed

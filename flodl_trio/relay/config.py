@@ -50,6 +50,7 @@ class RelayStats:
     receive_buffers: int = 1  # model-sized receive buffers (a second only within the memory budget)
     outages: int = 0  # times the controller's connection was lost and held through
     resumed: int = 0  # of those, the times a new connection to it resumed the channel
+    lanes_up: int = 0  # HostFrame lane records sent (lanes extension)
     consensus_lanes: int = 0  # consensus lane records taken (lanes extension)
     consensus_lanes_abandoned: int = 0  # of those, lanes of a consensus the lost controller sends again
 

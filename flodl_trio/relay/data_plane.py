@@ -155,11 +155,15 @@ class DataPlane:
         uplink = await frames.uplink(item.frame)
         self._in_flight = InFlight(uplink, partial(self.fold.images.give, item.images))
         try:
-            sent = await frames.send(uplink, self.channel.upstream)
+            await frames.send(uplink, self.channel.upstream, self._count_lane)
         finally:
             if not self.channel.holds:
                 self._let_go_in_flight()
-        self._count_round(sent)
+        self._count_round(0)
+
+    def _count_lane(self, nbytes: int) -> None:
+        self.stats.lanes_up += 1
+        self.stats.bytes_up += nbytes
 
     def _let_go_in_flight(self) -> None:
         """The HostFrame's consensus is coming: nothing will send it again."""
@@ -181,6 +185,10 @@ class DataPlane:
         if isinstance(held.record, LaneUplink):
             return await held.record.every_record()
         return held.record
+
+    def upstream_lost(self) -> None:
+        """The writer stops waiting for consensus lanes on the lost connection."""
+        self.frames.connection_lost()
 
     def upstream_replaced(self) -> None:
         """Lanes of a consensus that came in on the lost connection are void: a

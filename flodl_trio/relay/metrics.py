@@ -49,6 +49,9 @@ class RelayCollector(Collector):
             "flodl_relay_controller_resumed", "Of those, times a new connection to the controller resumed the channel",
             labels=labels,
         )
+        lanes_up = CounterMetricFamily(
+            "flodl_relay_lanes_up", "HostFrame lane records sent (the lanes extension)", labels=labels
+        )
         lanes = CounterMetricFamily(
             "flodl_relay_consensus_lanes", "Consensus lane records taken (the lanes extension)", labels=labels
         )
@@ -74,11 +77,12 @@ class RelayCollector(Collector):
             buffers.add_metric(key, s.receive_buffers)
             outages.add_metric(key, s.outages)
             resumed.add_metric(key, s.resumed)
+            lanes_up.add_metric(key, s.lanes_up)
             lanes.add_metric(key, s.consensus_lanes)
             abandoned.add_metric(key, s.consensus_lanes_abandoned)
         yield from (
             rounds, traffic, live, rejected, ratio, macs, ahead, streamed, reused, local, buffers, outages, resumed,
-            lanes, abandoned,
+            lanes_up, lanes, abandoned,
         )
 
 

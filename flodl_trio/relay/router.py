@@ -74,6 +74,9 @@ class ControlRouter:
     async def in_flight(self) -> EncodedFrame | None:
         return None  # a heartbeat lost with the connection is followed by the next
 
+    def upstream_lost(self) -> None:
+        """Nothing waits on the connection: the writer's blobs go when they come."""
+
     def upstream_replaced(self) -> None:
         """Nothing is half received: each record is a whole blob."""
 

@@ -28,6 +28,7 @@ from flodl_trio import average_window, connect_reduce_client, open_controller, o
 from flodl_trio.controller import ControllerHandle
 from flodl_trio.fold.outer import DiLoCoNesterov
 from flodl_trio.relay import ChannelKind, RelayHandle
+from flodl_trio.relay.lanes import LANES_AHEAD
 from flodl_trio.testing import DropRecord, FaultProxy, hold_open
 from flodl_trio.testing.local import LOOPBACK
 from flodl_trio.client.tensors import fragment_pieces
@@ -265,6 +266,22 @@ async def reference_in_lanes(tmp_path: Path) -> Run:
 async def test_a_run_in_lanes_is_the_same_run_as_without(tmp_path: Path, reference: Run, reference_in_lanes: Run) -> None:
     """What the lane tests below compare with is itself exact: lanes change no byte."""
     assert_same_run(reference, reference_in_lanes)
+
+
+async def test_restart_while_a_relay_holds_its_next_lanes_back(tmp_path: Path) -> None:
+    """In more lanes than a relay sends ahead of the consensus, host 0 sent LANES_AHEAD lanes
+    of window PAUSE_AT's first round and waits for consensus lanes that cannot come (host 1
+    holds). The controller is restarted: the waiting writer lets the lost connection go,
+    and every lane goes up to the new controller."""
+    lanes = LANES_AHEAD + 2
+    reference = await run_cluster(tmp_path / "reference", None, lanes=lanes)
+
+    def host0_holds_back(run: Run) -> bool:
+        return run.relays[0].stats.lanes_up >= lanes * FIRST_ROUND_OF_PAUSE + LANES_AHEAD
+
+    got = await run_cluster(tmp_path, restart_when(host0_holds_back), lanes=lanes)
+    assert_same_run(reference, got)
+    assert [r.stats.resumed for r in got.relays] == [1, 1]
 
 
 async def test_restart_with_some_lanes_of_an_unrecorded_consensus_down(tmp_path: Path, reference_in_lanes: Run) -> None:
