@@ -25,13 +25,16 @@ Beside each pair the table prints two link floors for that round:
 * the ring's: each link carries 2 (H - 1) / H x frame each way.
 
 The star's floor grows with H and the ring's does not: that is the gap a
-sharded reduction closes (issue 26). This is a benchmark, not a test: pytest
+sharded reduction closes (issue 26). The last two columns are measured: the
+bytes host 0 and the busiest other host received per round (the bridge-side
+veth's tx counter, warm-up rounds included). This is a benchmark, not a test: pytest
 never collects it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import subprocess
@@ -95,6 +98,14 @@ class NetnsSwitch:
             subprocess.run(argv, capture_output=True)
         self._undo.clear()
 
+    def received(self) -> list[int]:
+        """Bytes each host has received so far: what its bridge-side veth sent it."""
+        out = []
+        for dev in self.outside:
+            r = subprocess.run(["ip", "-s", "-j", "link", "show", "dev", dev], capture_output=True, text=True)
+            out.append(int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"]))
+        return out
+
     def hosts(self, ranks_per_host: int) -> list[Host]:
         return [
             Host(f"host{i}", list(range(i * ranks_per_host, (i + 1) * ranks_per_host)), ns, ip, dev)
@@ -114,6 +125,11 @@ def ring_floor_ms(hosts: int, mib: float, rate_bps: float) -> float:
     return 1e3 * 2 * (hosts - 1) / hosts * frame_bytes(mib) * 8 / rate_bps
 
 
+def received(result: RunResult) -> str:
+    """What host 0 and the busiest other host received per round, in MiB."""
+    return " / ".join(f"{v / MiB:.1f}" for v in result.link_bytes.values()) + " MiB"
+
+
 def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """What benchmarks/allreduce.py's Bench reads of its command line."""
     return argparse.Namespace(
@@ -122,11 +138,22 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     )
 
 
-def measure(bench: Bench, hosts: list[Host], mib: float, warmup: int, rounds: int) -> tuple[RunResult, RunResult]:
+def measure(
+    bench: Bench, switch: NetnsSwitch, ranks_per_host: int, mib: float, warmup: int, rounds: int,
+) -> tuple[RunResult, RunResult]:
+    """Both systems on the switch's hosts; each result's ``link_bytes`` holds what host 0
+    and the busiest other host received per round (warm-up rounds included)."""
     numel = int(mib * MiB) // 4
-    flodl = bench.run_flodl(hosts, numel, "f32", warmup, rounds, f"scale-{len(hosts)}")
-    gloo = bench.run_gloo(hosts, numel, "f32", warmup, rounds)
-    return flodl, gloo
+    hosts = switch.hosts(ranks_per_host)
+    results = []
+    for run in (lambda: bench.run_flodl(hosts, numel, "f32", warmup, rounds, f"scale-{len(hosts)}"),
+                lambda: bench.run_gloo(hosts, numel, "f32", warmup, rounds)):
+        before = switch.received()
+        result = run()
+        per_round = [(b - a) / (warmup + rounds) for a, b in zip(before, switch.received())]
+        result.link_bytes = {"host 0": per_round[0], "others (max)": max(per_round[1:])}
+        results.append(result)
+    return results[0], results[1]
 
 
 def main() -> int:
@@ -150,18 +177,20 @@ def main() -> int:
         for count in (int(h) for h in args.hosts.split(",")):
             mib = args.mib if args.mib is not None else (8.0 if count <= 4 else 4.0)
             with NetnsSwitch(count, args.rate) as switch:
-                flodl, gloo = measure(bench, switch.hosts(args.ranks_per_host), mib, args.warmup, args.rounds)
+                flodl, gloo = measure(bench, switch, args.ranks_per_host, mib, args.warmup, args.rounds)
             rows.append((count, mib, flodl, gloo))
             print(f"  {count} hosts: flodl_trio {flodl.median_ms:.0f} ms, gloo {gloo.median_ms:.0f} ms", flush=True)
     print(f"\n{args.ranks_per_host} rank(s) per host, every host link {args.rate} each way (tbf), "
           f"controller on host 0, --lanes {args.lanes}, f32 both sides, median of {args.rounds} rounds:\n")
-    print("| hosts | model | flodl_trio | gloo | ratio | star floor | ring floor | CPU floor (flodl_trio) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| hosts | model | flodl_trio | gloo | ratio | star floor | ring floor | CPU floor (flodl_trio) "
+          "| received per round, host 0 / busiest other: flodl_trio | gloo |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count, mib, flodl, gloo in rows:
         cpu_floor = flodl.cpu_ms_per_round / (os.cpu_count() or 1)
         print(f"| {count} | {mib:g} MiB | {flodl.median_ms:.0f} ms | {gloo.median_ms:.0f} ms | "
               f"{flodl.median_ms / gloo.median_ms:.2f}x | {star_floor_ms(count, mib, rate_bps):.0f} ms | "
-              f"{ring_floor_ms(count, mib, rate_bps):.0f} ms | {cpu_floor:.0f} ms |")
+              f"{ring_floor_ms(count, mib, rate_bps):.0f} ms | {cpu_floor:.0f} ms | "
+              f"{received(flodl)} | {received(gloo)} |")
     return 0
 
 
