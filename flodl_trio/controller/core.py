@@ -370,10 +370,11 @@ class _Controller:
         self.seats.seat(link.id, hello, link.name)
         self._next_lane[link.id] = 0
         self.stats.relays += 1
-        link.queue_control(HelloAck(), self.config.salt)
         # Extensions go only to a relay that said it takes them: a flodl relay gets flodl's bytes.
+        # The lanes come before HelloAck, so the relay knows how it sends before it sends anything.
         if self.config.lanes > 1:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
+        link.queue_control(HelloAck(), self.config.salt)
         if link.takes_extensions:
             self.handle.coordinator.host_takes_extensions(link.host)
             if self.handle.coordinator.outage_ms > 0:  # it keeps a resume record: hold for it if it is lost

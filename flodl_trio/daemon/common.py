@@ -54,9 +54,10 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "[env FLODL_DETERMINISTIC=1; default off]",
     )
     parser.add_argument(
-        "--lanes", type=int, default=int(env_default("FLODL_LANES", 1)),
-        help="reduce each round in this many lanes, so one lane's consensus comes down while the next goes up; "
-        "give the controller and every data relay the same count [env FLODL_LANES; default 1]",
+        "--lanes", type=int, default=None if env_default("FLODL_LANES") is None else int(env_default("FLODL_LANES")),
+        help="reduce each round in this many lanes, so one lane's consensus comes down while the next goes up: "
+        "set it on the controller; a data relay takes the controller's count, or checks it against its own "
+        "[env FLODL_LANES; default: the controller 1, a relay the controller's]",
     )
     parser.add_argument(
         "--log-level", default=env_default("FLODL_LOG_LEVEL", "INFO"),

@@ -131,7 +131,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
         raise ConfigError(f"--heartbeat-timeout must be > 0, got {timeout}")
     if args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 1")
-    lanes = int(args.lanes)
+    lanes = 1 if args.lanes is None else int(args.lanes)
     rejoin = float(args.rejoin_timeout)
     if not (math.isfinite(rejoin) and rejoin >= 0):
         raise ConfigError(f"--rejoin-timeout must be a finite number of seconds >= 0, got {args.rejoin_timeout}")

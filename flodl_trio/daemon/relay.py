@@ -112,7 +112,7 @@ class RelayDaemonSettings:
     local_leg: bool = True
     unix_dir: str | None = None
     memory_budget: int | None = None  # bytes
-    lanes: int = 1
+    lanes: int | None = None  # None: the controller's
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -135,7 +135,8 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     settings = RelayDaemonSettings(
         controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file),
         bool(args.deterministic), not args.no_unix, args.unix_dir,
-        None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)), int(args.lanes),
+        None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)),
+        None if args.lanes is None else int(args.lanes),
     )
     if args.controller_outage is not None:
         settings = attrs.evolve(
@@ -161,7 +162,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                     salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, host=host,
                     deterministic=settings.deterministic, local_leg=settings.local_leg, unix_dir=settings.unix_dir,
                     memory_budget=settings.memory_budget,
-                    lanes=settings.lanes if kind is ChannelKind.DATA else 1,
+                    lanes=settings.lanes if kind is ChannelKind.DATA else None,
                 )
             )
         if metrics is not None:

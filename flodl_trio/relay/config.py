@@ -77,8 +77,24 @@ class RelayConfig:
     # Resident bytes the data relay may grow to by taking a second receive buffer
     # (None: 2 x the model's frame + DEFAULT_BUDGET_HEADROOM, see memory_budget_for).
     memory_budget: int | None = None
-    # The controller reduces each round in this many lanes (it says so after HelloAck).
-    lanes: int = 1
+    # How many lanes the controller reduces each round in: as it says before HelloAck
+    # (None), or this many, which it must say (a ConfigError names both counts).
+    lanes: int | None = None
+    # With lanes: a round goes in one lane per this many payload bytes (the controller's).
+    lane_min_bytes: int = 0
+
+    def with_controllers_lanes(self, said: tuple[int, int] | None) -> RelayConfig:
+        """This config with the lane count the controller said before HelloAck (``said``:
+        count and min_bytes; None: it said nothing, one lane), which must be this relay's
+        own if it was given one."""
+        count, min_bytes = said if said is not None else (1, 0)
+        if self.lanes is not None and self.lanes != count:
+            raise ConfigError(
+                f"relay {self.host_name}: the controller reduces each round in {count} lane(s), this relay was "
+                f"started with lanes={self.lanes} (start it without --lanes to take the controller's, or give "
+                "both the same)"
+            )
+        return attrs.evolve(self, lanes=count, lane_min_bytes=min_bytes)
 
     def memory_budget_for(self, frame_bytes: int) -> int:
         """The budget for a model of ``frame_bytes`` (what docs/operations.md promises)."""
@@ -94,7 +110,7 @@ class RelayConfig:
             raise ConfigError(f"relay {self.host_name}: the host's rank set is empty")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ConfigError(f"relay {self.host_name}: memory budget must be > 0 bytes, got {self.memory_budget}")
-        if not 1 <= self.lanes <= MAX_LANES:
+        if self.lanes is not None and not 1 <= self.lanes <= MAX_LANES:
             raise ConfigError(f"relay {self.host_name}: lanes must be 1..{MAX_LANES}, got {self.lanes}")
         if len(set(self.ranks)) != len(self.ranks):
             raise ConfigError(f"relay {self.host_name}: duplicate ranks in {list(self.ranks)}")

@@ -61,6 +61,7 @@ from ..wire.mux import (
     EXTENSIONS_MARK,
     Hello,
     HelloAck,
+    Lanes,
     MuxKind,
     decode_control_msg,
     encode_control_msg,
@@ -135,7 +136,7 @@ async def open_relay(
     local_leg: bool | None = None,
     unix_dir: str | os.PathLike[str] | None = None,
     memory_budget: int | None = None,
-    lanes: int = 1,
+    lanes: int | None = None,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
@@ -155,8 +156,10 @@ async def open_relay(
     ``/tmp/flodl_trio-<uid>``); ``handle.unix_path`` is the socket.
     ``memory_budget`` (bytes; default 2 x the model's frame + 150 MiB): a data
     relay takes its second model-sized receive buffer only if it stays within it.
-    ``lanes``: the controller's lane count (its ``lanes``); the data relay ships
-    each HostFrame as that many lane frames (docs/wire.md, "Lanes").
+    ``lanes``: None (the default) takes the controller's lane count, which it says
+    before HelloAck; a count must be the controller's (ConfigError naming both). The
+    data relay then ships each HostFrame as that many lane frames (docs/wire.md,
+    "Lanes").
     Leaving the block shuts the relay down; an error it hit that nobody
     awaited through ``wait_finished()`` is raised on exit.
     """
@@ -217,10 +220,11 @@ class _Relay:
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, self._serve_rank_connection, self.listeners)
                 if self.config.kind is ChannelKind.DATA:
-                    upstream = await self._dial_controller(self.config.ranks)
+                    upstream, lanes = await self._dial_controller(self.config.ranks)
+                    config = self.config.with_controllers_lanes(lanes)
                     self.channel = Channel(
-                        self.config, upstream, self.handle.stats, self.host, self._released, DataPlane,
-                        redial=partial(self._dial_controller, self.config.ranks),
+                        config, upstream, self.handle.stats, self.host, self._released, DataPlane,
+                        redial=partial(self._redial_data, config),
                     )
                 else:
                     ranks, away = await self._control_formation()
@@ -228,10 +232,10 @@ class _Relay:
                         log.info("relay %s: every rank of the host was declared dead before it connected",
                                  self.config.host_name)
                         return
-                    upstream = await self._dial_controller(ranks)
+                    upstream, _ = await self._dial_controller(ranks)
                     self.channel = Channel(
                         self.config, upstream, self.handle.stats, self.host, self._released, ControlRouter, ranks, away,
-                        redial=partial(self._dial_controller, ranks),
+                        redial=partial(self._redial_control, ranks),
                     )
                 waiting, self.waiting = self.waiting, {}
                 for rank, conn in waiting.items():
@@ -443,9 +447,27 @@ class _Relay:
         self.handle.rejections.add(message)
         self.handle.stats.rejected += 1
 
-    async def _dial_controller(self, ranks: tuple[int, ...]) -> MessageStream:
+    async def _redial_data(self, config: RelayConfig) -> MessageStream:
+        """The data channel's new connection to a controller that came back: it must
+        reduce in the lanes the channel does (ConfigError otherwise: the channel ends)."""
+        upstream, lanes = await self._dial_controller(self.config.ranks)
+        if config.with_controllers_lanes(lanes) != config:
+            await upstream.aclose()
+            raise ConfigError(
+                f"relay {self.config.host_name}: the controller came back reducing in {lanes[0] if lanes else 1} "
+                f"lane(s) of {lanes[1] if lanes else 0} bytes, the channel in {config.lanes} of "
+                f"{config.lane_min_bytes}: start it as it was started"
+            )
+        return upstream
+
+    async def _redial_control(self, ranks: tuple[int, ...]) -> MessageStream:
+        upstream, _ = await self._dial_controller(ranks)
+        return upstream
+
+    async def _dial_controller(self, ranks: tuple[int, ...]) -> tuple[MessageStream, tuple[int, int] | None]:
         """Connect upstream and announce ``ranks`` (with their model signatures on the
-        control channel); return once the controller acknowledged."""
+        control channel); return once the controller acknowledged, with the lane count
+        and bytes a data relay was told before HelloAck (None: none, one lane)."""
         host, port = self.config.upstream
         bounds = self.config.bounds
         stream = await connect_with_retry(host, port, f"relay {self.config.host_name} upstream", bounds, self.connect)
@@ -458,16 +480,24 @@ class _Relay:
         hello = Hello(self.config.host_name, ranks, sigs)
         magic = self.config.kind.magic.to_bytes(4, "little")
         await upstream.send_chunks([magic, *encode_mux_record(MuxKind.CONTROL, encode_control_msg(hello), salt).chunks])
+        lanes: tuple[int, int] | None = None
         with trio.fail_after(bounds.handshake):
-            header = await upstream.receive_mux_header(SMALL_MESSAGE)
-            if header is None:
-                raise HandshakeError(f"relay {self.config.host_name}: controller {host}:{port} closed before HelloAck")
-            kind, payload = await upstream.receive_mux_payload(header, ReceiveBuffer(), salt)
-        reply = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
-        if not isinstance(reply, HelloAck):
-            raise HandshakeError(f"relay {self.config.host_name}: expected HelloAck from controller, got {kind.name} {reply}")
-        log.info("relay %s: joined controller %s:%d with ranks %s", self.config.host_name, host, port, list(ranks))
-        return upstream
+            while True:
+                header = await upstream.receive_mux_header(SMALL_MESSAGE)
+                if header is None:
+                    raise HandshakeError(f"relay {self.config.host_name}: controller {host}:{port} closed before HelloAck")
+                kind, payload = await upstream.receive_mux_payload(header, ReceiveBuffer(), salt)
+                reply = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
+                if isinstance(reply, HelloAck):
+                    break
+                if not (isinstance(reply, Lanes) and self.config.kind is ChannelKind.DATA and lanes is None):
+                    raise HandshakeError(
+                        f"relay {self.config.host_name}: expected HelloAck from controller, got {kind.name} {reply}"
+                    )
+                lanes = (reply.count, reply.min_bytes)  # the lanes extension: said before HelloAck
+        log.info("relay %s: joined controller %s:%d with ranks %s%s", self.config.host_name, host, port, list(ranks),
+                 f" in {lanes[0]} lanes" if lanes else "")
+        return upstream, lanes
 
     def _announced_signature(self, rank: int) -> bytes:
         """A rank's model signature for the control Hello: its own, or - for a rank away

@@ -37,7 +37,6 @@ from ..transport.tasks import ChangeSignal, nothing
 from ..wire.constants import FINISHED_LENGTH, MAC_LEN, MUX_HEADER_LEN
 from ..wire.mux import (
     NO_BROADCAST,
-    Lanes,
     MuxHeader,
     MuxKind,
     RankAway,
@@ -382,8 +381,6 @@ class DataPlane:
     # -- records from the controller -------------------------------------------
 
     async def _on_control(self, msg: RelayControlMsg, out: Outbox) -> None:
-        if isinstance(msg, Lanes):
-            return self.frames.confirm(msg.count, msg.min_bytes)
         if isinstance(msg, RankAway):
             return await self._on_away(msg.rank, out)
         if not isinstance(msg, RankJoin):

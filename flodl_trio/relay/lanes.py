@@ -9,8 +9,8 @@ code path whatever the lane count:
   signed while its last rank frame lands, and the consensus can be cut
   through to the ranks while it arrives.
 - :class:`LaneFrames` (the lanes extension, docs/wire.md): the HostFrame goes
-  up as its lane frames, each its own signed record, only once the controller
-  has said it reduces in that many lanes; the consensus lanes are joined back
+  up as its lane frames, each its own signed record, in as many lanes as the
+  controller said before its HelloAck; the consensus lanes are joined back
   into one frame in the model's shapes before it is fanned out. That joined
   frame lives in a buffer lent from the channel's pool, which this object owns
   from the round's first consensus lane until the whole frame has gone out.
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 import trio
 
-from ..errors import ConfigError, DesyncError
+from ..errors import DesyncError
 from ..fold.delta import PendingHostDelta
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
@@ -84,15 +84,6 @@ class WholeFrames:
     def __init__(self, config: RelayConfig) -> None:
         self._config = config
 
-    def confirm(self, count: int, min_bytes: int) -> None:
-        """A controller that reduces in lanes and a relay started without them disagree."""
-        if count == 1:
-            return
-        raise ConfigError(
-            f"relay {self._config.host_name}: the controller reduces each round in {count} lanes, this relay "
-            "was started with lanes=1 (start both with the same --lanes)"
-        )
-
     def extra_bytes(self, length: int) -> int:
         """Model-sized memory besides the pool and the fold: none (the consensus lands in a pool buffer)."""
         return 0
@@ -129,23 +120,14 @@ class LaneFrames:
     def __init__(self, config: RelayConfig, pool: BufferPool) -> None:
         self._config = config
         self._pool = pool
+        assert config.lanes is not None and config.lanes > 1, "the channel's config says the controller's lanes"
         self.count = config.lanes
-        self._confirmed = trio.Event()  # the controller's Lanes message, after HelloAck
-        self._min_bytes = 0  # the controller's: every relay cuts a frame the same way
+        self._min_bytes = config.lane_min_bytes  # the controller's: every relay cuts a frame the same way
         self._assembler: LaneAssembler | None = None  # joins the consensus lanes (its layout is the round's)
         self._lane_buffer = ReceiveBuffer()  # a consensus lane lands here: a slice of the frame
         self._joined_in: ReceiveBuffer | None = None  # the pool buffer this round's consensus is joined in
         self._lane_down = ChangeSignal()  # a consensus lane came in, or the connection was lost
         self._lost = False  # the connection broke; until the next one is up
-
-    def confirm(self, count: int, min_bytes: int) -> None:
-        if count != self.count:
-            raise ConfigError(
-                f"relay {self._config.host_name}: the controller reduces each round in {count} lanes, this relay "
-                f"was started with lanes={self.count} (start both with the same --lanes)"
-            )
-        self._min_bytes = min_bytes
-        self._confirmed.set()
 
     def extra_bytes(self, length: int) -> int:
         """About the largest consensus lane a frame of ``length`` bytes comes down in (the
@@ -153,8 +135,7 @@ class LaneFrames:
         return length // lanes_for(length, self.count, self._min_bytes) + SMALL_MESSAGE
 
     async def uplink(self, frame: RoundFrame | PendingHostDelta) -> LaneUplink:
-        """The HostFrame's lanes, to be cut as they go (once the controller said it takes lanes)."""
-        await self._wait_confirmed()
+        """The HostFrame's lanes, to be cut as they go."""
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
         layout = LaneLayout.of(schema, self.count, self._min_bytes)
         if self._assembler is None or self._assembler.layout != layout:
@@ -191,18 +172,6 @@ class LaneFrames:
         """The controller's connection broke: a writer waiting for consensus lanes stops."""
         self._lost = True
         self._lane_down.notify()
-
-    async def _wait_confirmed(self) -> None:
-        """Lane frames go only to a controller that said it takes them."""
-        bound = self._config.bounds.handshake
-        try:
-            with trio.fail_after(bound):
-                await self._confirmed.wait()
-        except trio.TooSlowError:
-            raise ConfigError(
-                f"relay {self._config.host_name}: started with lanes={self.count}, but the controller did not say it "
-                f"reduces in lanes within {bound:g} s (start both with the same --lanes)"
-            ) from None
 
     def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
         """A large consensus lane lands in the lane buffer: the pool's are for frames and the joined consensus."""
@@ -266,8 +235,9 @@ class LaneFrames:
 
 
 def frames_for(config: RelayConfig, pool: BufferPool) -> WholeFrames | LaneFrames:
-    """The channel's way of moving frames, from its lane count."""
-    return WholeFrames(config) if config.lanes == 1 else LaneFrames(config, pool)
+    """The channel's way of moving frames, from the controller's lane count (the channel's
+    config has it: :meth:`RelayConfig.with_controllers_lanes`)."""
+    return LaneFrames(config, pool) if config.lanes is not None and config.lanes > 1 else WholeFrames(config)
 
 
 __all__ = ["LaneFrames", "LaneUplink", "WholeFrames", "frames_for"]

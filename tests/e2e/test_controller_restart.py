@@ -48,7 +48,7 @@ DEADLINE_S = 60
 BOUNDS = NetBounds(controller_outage=30.0, connect_interval=0.05)
 LANES = 3
 # Records a relay's connection carries before its first HostFrame: up, the Hello; down,
-# HelloAck, Lanes and Outage. Then LANES records a round each way.
+# Lanes, HelloAck and Outage. Then LANES records a round each way.
 RECORDS_BEFORE_ROUNDS_UP = 1
 RECORDS_BEFORE_ROUNDS_DOWN = 3
 

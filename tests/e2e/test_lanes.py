@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-import attrs
 import numpy as np
 import pytest
 import torch
@@ -20,7 +19,7 @@ from flodl_trio import ConfigError, FlodlError, RoundKind, connect_reduce_client
 from flodl_trio.controller import open_controller
 from flodl_trio.fold.outer import SlowMo
 from flodl_trio.relay import ChannelKind, open_relay
-from flodl_trio.testing import CutAt, open_local_cluster
+from flodl_trio.testing import CutAt, hold_open, open_local_cluster
 from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
 from flodl_trio.wire.constants import MUX_HEADER_LEN
 from flodl_trio.wire.lanes import LaneLayout
@@ -144,7 +143,9 @@ async def relay_stops_on_a_lane_mismatch(salt, controller_lanes: int, relay_lane
 
 async def test_a_relay_with_another_lane_count_fails_naming_both(salt):
     """The controller says it reduces in 2 lanes; a relay started with 1 stops, saying so."""
-    await relay_stops_on_a_lane_mismatch(salt, 2, 1, "reduces each round in 2 lanes, this relay was started with lanes=1")
+    await relay_stops_on_a_lane_mismatch(
+        salt, 2, 1, r"reduces each round in 2 lane\(s\), this relay was started with lanes=1"
+    )
 
 
 async def test_an_outer_optimizer_that_cannot_step_a_lane_is_refused_up_front(salt):
@@ -164,10 +165,36 @@ async def test_an_outer_optimizer_that_cannot_step_a_lane_is_refused_up_front(sa
 
 
 async def test_a_relay_with_lanes_facing_a_controller_without_them_stops_before_sending(salt):
-    from flodl_trio.transport.settings import NetBounds
+    """The controller said no lanes before its HelloAck: the relay knows at once."""
+    await relay_stops_on_a_lane_mismatch(
+        salt, 1, 3, r"reduces each round in 1 lane\(s\), this relay was started with lanes=3"
+    )
 
-    await relay_stops_on_a_lane_mismatch(salt, 1, 3, "started with lanes=3, but the controller did not say",
-                                         bounds=attrs.evolve(NetBounds(), handshake=0.5))
+
+async def test_a_relay_started_without_lanes_takes_the_controllers(salt):
+    """Lanes are set in one place: a relay given no count reduces in the controller's, which
+    it is told before HelloAck (docs/wire.md, "Lanes")."""
+    with trio.fail_after(20):
+        async with open_controller("127.0.0.1", 0, world_size=2, salt=salt, lanes=4, lane_min_bytes=0) as controller:
+            relays = []
+            async with trio.open_nursery() as nursery:
+                for rank in range(2):
+                    relays.append(await nursery.start(hold_open, open_relay(
+                        ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
+                        host_name=f"h{rank}", ranks=[rank], world_size=2, salt=salt,
+                    )))
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client(("127.0.0.1", relays[rank].port), rank, 2, salt) as client:
+                        out = await client.all_reduce_tensors([torch.full((1000,), float(rank))])
+                        assert bool((out[0] == 0.5).all())
+
+                async with trio.open_nursery() as ranks:
+                    for rank in range(2):
+                        ranks.start_soon(rank_main, rank)
+                nursery.cancel_scope.cancel()
+    assert [relay.stats.lanes_up for relay in relays] == [4, 4]
+    assert [relay.stats.consensus_lanes for relay in relays] == [4, 4]
 
 
 async def test_small_rounds_go_in_one_lane_and_large_ones_in_all(salt):
@@ -207,8 +234,8 @@ async def test_a_relay_whose_lanes_do_not_match_the_schema_it_sent_is_dropped_al
         async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", controller.port),
                               host_name="h0", ranks=[0], world_size=2, salt=salt, lanes=2) as relay:
             liar = await _fake_relay(controller.port, salt, "liar", [1], extensions=True)
-            await _expect_ack(liar, salt)  # HelloAck
             await _expect_ack(liar, salt)  # Lanes
+            await _expect_ack(liar, salt)  # HelloAck
             for lane in (lane0, lane1):
                 await liar.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(lane, salt), salt).chunks)
             async with connect_reduce_client(("127.0.0.1", relay.port), 0, 2, salt) as client:

@@ -32,9 +32,8 @@ def frame(value: float) -> RoundFrame:
 
 
 async def test_a_relay_has_at_most_lanes_ahead_lanes_up_beyond_the_consensus() -> None:
-    config = RelayConfig(ChannelKind.DATA, ("h", 1), "h", (0,), 1, SALT, lanes=LANES)
+    config = RelayConfig(ChannelKind.DATA, ("h", 1), "h", (0,), 1, SALT, lanes=LANES, lane_min_bytes=0)
     frames = LaneFrames(config, BufferPool(1))
-    frames.confirm(LANES, 0)
     sent: list[int] = []
     upstream_end, far_end = trio.testing.memory_stream_pair()
     layout = LaneLayout.of(frame(0.0), LANES)
@@ -55,9 +54,8 @@ async def test_a_relay_has_at_most_lanes_ahead_lanes_up_beyond_the_consensus() -
 
 
 async def test_a_writer_waiting_for_consensus_lanes_stops_when_the_connection_is_lost() -> None:
-    config = RelayConfig(ChannelKind.DATA, ("h", 1), "h", (0,), 1, SALT, lanes=LANES)
+    config = RelayConfig(ChannelKind.DATA, ("h", 1), "h", (0,), 1, SALT, lanes=LANES, lane_min_bytes=0)
     frames = LaneFrames(config, BufferPool(1))
-    frames.confirm(LANES, 0)
     upstream_end, far_end = trio.testing.memory_stream_pair()
     sent: list[int] = []
     with trio.fail_after(10):
