@@ -29,7 +29,8 @@ REQUIRED = {
     "rank-kill-before-frame", "rank-kill-mid-frame", "rank-kill-after-frame", "rank-freeze-thaw",
     "relay-kill", "uplink-write-stall",
     # a controller that dies comes back and the run goes on; one that never does costs a clear error
-    "controller-kill-restart", "controller-freeze-kill-restart", "controller-gone", "controller-kill-during-join",
+    "controller-kill-restart", "controller-kill-restart-lanes", "controller-freeze-kill-restart", "controller-gone",
+    "controller-kill-during-join",
     "slowloris-controller", "slowloris-relay-data", "slowloris-relay-control",
     "rank-leg-huge-length", "controller-huge-record-after-hello",
     "rank-leg-flip-payload", "rank-leg-flip-header", "rank-leg-flip-mac",

@@ -56,7 +56,7 @@ RESTART_HOLD = 5  # host 1's ranks hold before this window while the controller 
 
 
 @asynccontextmanager
-async def held_run(outage: float, *controller_args: str) -> AsyncIterator[ProcessCluster]:
+async def held_run(outage: float, *controller_args: str, numel: int = RESTART_NUMEL) -> AsyncIterator[ProcessCluster]:
     """Local SGD trainers on 2 hosts x 2 ranks, every process holding ``outage`` seconds
     for a lost controller; host 1's ranks wait before window RESTART_HOLD until resumed,
     and the block opens once host 0's HostFrame of that window's first round is in."""
@@ -64,7 +64,7 @@ async def held_run(outage: float, *controller_args: str) -> AsyncIterator[Proces
     held = ["--pause-before", f"{RESTART_HOLD}:inf"]
     with tempfile.TemporaryDirectory(prefix="flodl-matrix-") as tmp:
         async with daemon_cluster(
-            world_size=4, hosts=[[0, 1], [2, 3]], backend="torch", numel=RESTART_NUMEL, pause=0.05,
+            world_size=4, hosts=[[0, 1], [2, 3]], backend="torch", numel=numel, pause=0.05,
             heartbeat_timeout=10.0, controller_args=["--checkpoint-dir", tmp, *controller_args],
             worker_args={r: ["--windows", str(RESTART_WINDOWS), *(held if r >= 2 else [])] for r in range(4)},
             worker_env={r: env for r in range(4)}, relay_env={h: env for h in range(2)},
@@ -77,7 +77,7 @@ async def held_run(outage: float, *controller_args: str) -> AsyncIterator[Proces
                 yield c
 
 
-async def _resumed_after(c: ProcessCluster, t0: float) -> float:
+async def _resumed_after(c: ProcessCluster, t0: float, numel: int = RESTART_NUMEL) -> float:
     """Host 1 goes on; every rank finishes every window, each exact; the seconds from
     ``t0`` to the first window finished after the restart."""
     for rank in (2, 3):
@@ -86,7 +86,7 @@ async def _resumed_after(c: ProcessCluster, t0: float) -> float:
     await all_done(c)
     if "resuming the run from" not in c.controller.text:  # type: ignore[union-attr]
         raise MatrixFailure("the restarted controller did not take the run on from its record")
-    contributors = windows_exact(c, RESTART_WINDOWS, RESTART_NUMEL, {})
+    contributors = windows_exact(c, RESTART_WINDOWS, numel, {})
     if any(contributors[w] != set(range(4)) for w in range(RESTART_WINDOWS)):
         raise MatrixFailure(f"a window lost a contributor over the restart: {contributors}")
     return first["time"] - t0
@@ -104,6 +104,27 @@ async def controller_kill_restart() -> Outcome:
     return Outcome(
         f"relays and ranks held; the new controller resumed from its record and ran window {RESTART_HOLD}'s round "
         "again; every window exact over all 4 ranks, all end bit-identical, nothing else restarted", seconds,
+    )
+
+
+# Four lanes of the default 256 KiB each: a model of 1 MiB of f32.
+LANES_NUMEL = 4 * (256 << 10) // 4
+
+
+@case("controller-kill-restart-lanes", fault="controller daemon (--lanes 4, a 1 MiB model) SIGKILLed mid-round, "
+      "started again with the same command", leg="controller process", deadline=60)
+async def controller_kill_restart_lanes() -> Outcome:
+    async with held_run(60, "--lanes", "4", numel=LANES_NUMEL) as c:
+        t0 = mono()
+        c.kill_controller()
+        await c.controller.wait()  # type: ignore[union-attr]
+        await c.restart_controller()
+        seconds = await _resumed_after(c, t0, LANES_NUMEL)
+    if "in 4 lanes" not in c.relays[0][0].text:
+        raise MatrixFailure("the relays did not take the controller's 4 lanes")
+    return Outcome(
+        "relays (given no lane count) took the controller's 4 lanes, held, and sent every lane of their HostFrame "
+        "again; every window exact over all 4 ranks, all end bit-identical", seconds,
     )
 
 
