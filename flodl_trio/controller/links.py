@@ -19,7 +19,6 @@ from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.mux import (
-    EXTENSIONS_MARK,
     Hello,
     MuxKind,
     RelayControlMsg,
@@ -67,11 +66,15 @@ class RelayLink:
     closed: bool = False
     small: ReceiveBuffer = attrs.field(factory=ReceiveBuffer)
     dropped_for: str | None = None  # why another task's round cut this relay off (see ``expel``)
+    # Whether its Hello said it takes flodl_trio's control messages (a flodl relay closes
+    # on one it does not know: it is sent flodl's alone).
+    takes_extensions: bool = False
 
     @classmethod
     def accept(cls, hello: Hello, conn: MessageStream, depth: int) -> RelayLink:
         outbox, inbox = trio.open_memory_channel[Outgoing](depth)
-        link = cls(hello.host, hello.ranks, conn, outbox, inbox, hello.model_sigs)
+        link = cls(hello.host, hello.ranks, conn, outbox, inbox, hello.model_sigs,
+                   takes_extensions=hello.takes_extensions)
         conn.peer = link.name
         return link
 
@@ -85,11 +88,7 @@ class RelayLink:
     def name(self) -> str:
         return f"relay {self.host} (ranks {list(self.ranks)})"
 
-    @property
-    def takes_extensions(self) -> bool:
-        """Whether this data relay said it takes flodl_trio's control messages (a flodl
-        relay closes on one it does not know: it is sent flodl's alone)."""
-        return self.model_sigs == (EXTENSIONS_MARK,)
+
 
     def queue(
         self,

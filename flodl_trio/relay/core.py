@@ -450,13 +450,13 @@ class _Relay:
     async def _redial_data(self, config: RelayConfig) -> MessageStream:
         """The data channel's new connection to a controller that came back: it must
         reduce in the lanes the channel does (ConfigError otherwise: the channel ends)."""
-        upstream, lanes = await self._dial_controller(self.config.ranks)
-        if config.with_controllers_lanes(lanes) != config:
+        upstream, said = await self._dial_controller(self.config.ranks)
+        count, min_bytes = said if said is not None else (1, 0)
+        if (count, min_bytes) != (config.lanes, config.lane_min_bytes):
             await upstream.aclose()
             raise ConfigError(
-                f"relay {self.config.host_name}: the controller came back reducing in {lanes[0] if lanes else 1} "
-                f"lane(s) of {lanes[1] if lanes else 0} bytes, the channel in {config.lanes} of "
-                f"{config.lane_min_bytes}: start it as it was started"
+                f"relay {self.config.host_name}: the controller came back reducing in {count} lane(s) of "
+                f"{min_bytes} bytes, the channel in {config.lanes} of {config.lane_min_bytes}: start it as it was started"
             )
         return upstream
 
