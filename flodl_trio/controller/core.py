@@ -75,14 +75,22 @@ from ..wire.mux import (
     RelayControlMsg,
     Resume,
     decode_control_msg,
+    encode_mux_record,
     record_payload,
 )
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, encode_round_frame_chunks
+from ..wire.round_frame import (
+    EncodedFrame,
+    RoundFrame,
+    check_payloads,
+    decode_round_frame,
+    encode_round_frame_chunks,
+)
 from ..wire.salt import SessionSalt
-from .config import ControllerConfig, check_lanes, membership_policy
+from .config import ControllerConfig, check_lanes, lanes_or_default, membership_policy
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .joins import Returns
+from .lane_windows import LaneOut
 from .links import AfterAllWrites, RelayLink, receive_hello
 from .membership import Membership
 from .resumption import Resumption
@@ -119,13 +127,24 @@ async def _encoded(frame: RoundFrame, salt: SessionSalt) -> EncodedFrame:
 
 
 async def _signed(frame: memoryview, salt: SessionSalt) -> EncodedFrame:
-    """A frame joined from lanes, its MAC (the last 8 bytes) written in off the event loop."""
+    """A frame joined from lanes, its MAC (the last 8 bytes) written in (off the event
+    loop unless it is small)."""
 
     def sign() -> None:
         frame[-MAC_LEN:] = salt.mac8(frame[:-MAC_LEN])
 
-    await trio.to_thread.run_sync(sign)
+    if len(frame) <= SMALL_MESSAGE:
+        sign()
+    else:
+        await trio.to_thread.run_sync(sign)
     return EncodedFrame([frame], len(frame))
+
+
+async def _enveloped(kind: MuxKind, frame: EncodedFrame, salt: SessionSalt) -> EncodedFrame:
+    """A signed frame wrapped in a MuxRecord (its record MAC off the event loop unless it is small)."""
+    if frame.nbytes <= SMALL_MESSAGE:
+        return encode_mux_record(kind, frame, salt)
+    return await trio.to_thread.run_sync(encode_mux_record, kind, frame, salt)
 
 
 class ControllerHandle:
@@ -163,7 +182,7 @@ async def open_controller(
     min_ranks: int | None = None,
     formation_timeout: float | None = None,
     deterministic: bool = False,
-    lanes: int = 1,
+    lanes: int | None = None,
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES,
     resume_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[ControllerHandle]:
@@ -181,11 +200,14 @@ async def open_controller(
     present once its trainer called ``join``). ``deterministic``: add the hosts'
     frames in a fixed order (by each relay's lowest rank) whatever order they
     arrive in; with deterministic relays, the same frames give the same bytes.
-    ``lanes``: reduce each round in this many lanes (every data relay must be
-    started with the same count): a lane's consensus goes down while the next
-    lane is still coming up (an outer optimizer steps each lane as it finishes).
-    A round goes in one lane per ``lane_min_bytes`` of its frame's payload (0:
-    always ``lanes``), so small rounds stay one record each way.
+    ``lanes``: reduce each round in up to this many lanes (default
+    :data:`~.config.DEFAULT_LANES`, or 1 with an outer optimizer that has no
+    ``step_lane``; 1: flodl's whole frames): a lane's consensus goes down while
+    the next lane is still coming up (an outer optimizer steps each lane as it
+    finishes). Data relays take this count (a flodl relay, which takes no
+    extensions, sends and gets whole frames, cut and joined here). A round goes
+    in one lane per ``lane_min_bytes`` of its frame's payload (0: always
+    ``lanes``), so small rounds stay one record each way.
     ``resume_dir``: keep the run's resume record there (written each round before
     its consensus goes out), and take the run on from it if one is there: relays
     and ranks holding through a controller outage then carry on where they were
@@ -193,6 +215,7 @@ async def open_controller(
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
+    lanes = lanes_or_default(lanes, outer_optimizer=outer_optimizer)
     check_lanes(lanes, outer_optimizer=outer_optimizer)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
@@ -352,12 +375,6 @@ class _Controller:
         try:
             hello = await receive_hello(conn, self.config.salt, self.config.bounds)
             self.seats.check_hello(hello)
-            if self.config.lanes > 1 and not hello.takes_extensions:
-                raise HandshakeError(
-                    f"the relay of host {hello.host!r} does not say it takes flodl_trio's extensions (a flodl relay?), "
-                    f"and this controller reduces in {self.config.lanes} lanes: start it with --lanes 1, or use "
-                    "flodl_trio relays"
-                )
         except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             if isinstance(exc, MacError):
                 self.stats.mac_failures += 1
@@ -366,13 +383,18 @@ class _Controller:
             await conn.aclose()
             return None
         link = RelayLink.accept(hello, conn, self.config.world_size + 8)
+        if self.config.lanes > 1 and not link.takes_extensions:
+            # A flodl relay: it sends whole frames and is sent whole ones, and the cluster
+            # still reduces in lanes (its frames are cut here, its consensus joined).
+            link.whole = True
+            log.info("controller: %s sends whole frames (no extensions mark); cut into lanes here", link.name)
         self.links[link.id] = link
         self.seats.seat(link.id, hello, link.name)
         self._next_lane[link.id] = 0
         self.stats.relays += 1
         # Extensions go only to a relay that said it takes them: a flodl relay gets flodl's bytes.
         # The lanes come before HelloAck, so the relay knows how it sends before it sends anything.
-        if self.config.lanes > 1:
+        if self.config.lanes > 1 and link.takes_extensions:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
         link.queue_control(HelloAck(), self.config.salt)
         if link.takes_extensions:
@@ -417,19 +439,29 @@ class _Controller:
                 return await self._drop_link(link, f"read failed: {exc}")
             if header is None:
                 return await self._drop_link(link, "closed by the relay")
-            if self.config.deterministic and header.kind == MuxKind.HOST_FRAME:
+            if self.config.deterministic and header.kind == MuxKind.HOST_FRAME and not link.whole:
                 await self._wait_for_turn(link)  # its payload waits in the socket meanwhile
             big = header.length > SMALL_MESSAGE
-            buf = await self.pool.acquire() if big else link.small
+            pooled = big and not (link.whole and self.config.deterministic)
+            buf = await self.pool.acquire() if pooled else self._own_buffer(link, big)
             try:
                 if not await self._read_record(link, header, buf):
                     return
             finally:
-                if big:
+                if pooled:
                     self.pool.release(buf)
             if big and self.pool.size < self.pool.limit and len(self.links) > 1:
                 # Let two relays' frames arrive at once, now that a verified record proved the size.
                 self.pool.add(ReceiveBuffer(header.length))
+
+    def _own_buffer(self, link: RelayLink, big: bool) -> ReceiveBuffer:
+        """A link's own buffer: its small one, or (a whole relay's large frame in
+        deterministic mode, which waits in it for its turn lane by lane) a model-sized one."""
+        if not big:
+            return link.small
+        if link.own is None:
+            link.own = ReceiveBuffer()
+        return link.own
 
     async def _wait_for_turn(self, link: RelayLink) -> None:
         """Deterministic mode: fold this relay's HostFrame only after those of the
@@ -456,7 +488,14 @@ class _Controller:
                 raise
             self.stats.bytes_in += MUX_HEADER_LEN + header.length
             if kind is MuxKind.HOST_FRAME:
-                used = self._on_host_frame(link, payload, speculation)
+                # The record's MAC (same key, verified as the bytes arrived) covers every byte of the frame.
+                frame = decode_round_frame(
+                    payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, authenticated=True
+                )
+                if self._goes_whole(link, frame):
+                    await self._on_whole_host_frame(link, frame)
+                else:
+                    used = self._on_host_frame(link, frame, speculation)
             elif kind is MuxKind.CONTROL:
                 self._on_relay_control(link, decode_control_msg(payload))
             else:
@@ -485,21 +524,59 @@ class _Controller:
         )
         return kind, payload, speculation
 
-    def _on_host_frame(self, link: RelayLink, payload: memoryview, speculation: Speculation) -> bool:
+    def _goes_whole(self, link: RelayLink, frame: RoundFrame) -> bool:
+        """Whether a HostFrame came whole while the cluster reduces in lanes: always from
+        a flodl relay, and from a flodl_trio relay when its round goes in one lane (it
+        sends that untagged, as flodl does, where its lane 0 is due)."""
+        if self.config.lanes == 1:
+            return False
+        return link.whole or (self._next_lane[link.id] == 0 and read_lane_tag(frame) is None)
+
+    def _on_host_frame(self, link: RelayLink, frame: RoundFrame, speculation: Speculation) -> bool:
         """Fold a relay's HostFrame (with lanes: one of its lanes) into its lane's round,
         whose consensus goes down once every live relay delivered; whether the
         speculation became the round's consensus."""
-        # The record's MAC (same key, verified as the bytes arrived) covers every byte of the frame.
-        frame = decode_round_frame(
-            payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, authenticated=True
-        )
         lane = self._lane_of(link, frame)
-        lane_round = self.rounds[lane]
+        link.sent_whole = False
         if self.resumption.stale_host_frame(link.id, last_lane=self._next_lane[link.id] == 0):
             self.stats.stale_host_frames += 1
             log.info("controller: dropped %s's HostFrame (lane %d) sent again for a round already finished",
                      link.name, lane)
             return False
+        return self._deposit(link, lane, frame, speculation)
+
+    async def _on_whole_host_frame(self, link: RelayLink, frame: RoundFrame) -> None:
+        """A whole HostFrame while the cluster reduces in lanes: cut here as a relay would
+        cut it (views of the payload) and folded lane by lane - in deterministic mode each
+        lane when its turn comes, so the relays before it can finish their lanes
+        meanwhile. Its relay is sent the round's consensus whole."""
+        check_payloads(frame, f"HostFrame from {link.name}")  # named as the fold names them, before any cut
+        layout = LaneLayout.of(frame, self.config.lanes, self.config.lane_min_bytes)
+        if not link.whole:
+            # A flodl_trio relay sends a frame whole only when it goes in one lane (so it
+            # never holds a buffer here waiting for a later lane's turn).
+            if layout.count > 1:
+                raise DesyncError(
+                    f"sent a whole HostFrame that goes in {layout.count} lanes (a relay sends only a frame of one "
+                    "lane whole)"
+                )
+            if self.resumption.stale_host_frame(link.id):
+                self.stats.stale_host_frames += 1
+                log.info("controller: dropped %s's HostFrame sent again for a round already finished", link.name)
+                return
+        link.sent_whole = True
+        for lane, part in enumerate(layout.split(frame)):
+            if self.config.deterministic:
+                while not self.rounds[lane].may_fold_now(link.id):
+                    await self.round_changed.wait()
+                if link.closed:
+                    return
+            self._deposit(link, lane, part, Speculation())
+
+    def _deposit(self, link: RelayLink, lane: int, frame: RoundFrame, speculation: Speculation) -> bool:
+        """Fold one lane's frame (the whole round's, without lanes); whether the
+        speculation became the round's consensus."""
+        lane_round = self.rounds[lane]
         if not lane_round.accepts_host_frame(link.id):
             log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
             return False
@@ -587,6 +664,10 @@ class _Controller:
         async for lane, consensus in inbox:
             lane_round = self.rounds[lane]
             self.membership.formed = True
+            # Relays that sent this round whole are sent it whole, joined from its lanes.
+            self.windows.join_whole = any(
+                self.links[sid].sent_whole for sid in consensus.delivered_by if sid in self.links
+            )
             out = self.windows.take(lane, consensus)  # the outer step and checkpoint, if due
             consensus, part = out.consensus, out.part
             kept = None if out.kept is None else await _signed(out.kept, self.config.salt)
@@ -610,21 +691,49 @@ class _Controller:
             # Returns let in are live in the record, and told only once it is durable, as the
             # consensus goes out only then: a controller started again resumes from it.
             tell_returns = self.returns.at_boundary() if boundary else None
+            whole_targets = [sid for sid in targets if self.links[sid].sent_whole]
+            lane_targets = [sid for sid in targets if not self.links[sid].sent_whole]
+            whole_record = None if out.whole is None or not whole_targets else await self._whole_record(out, kept)
+            # A flodl_trio relay sent a round whole resumes from that round's whole record.
+            resumes_from = (
+                record if whole_record is None or all(self.links[sid].whole for sid in whole_targets) else whole_record
+            )
             await self.resumption.record(
-                record, part, self.window_store.latest if boundary else None,
+                resumes_from, part, self.window_store.latest if boundary else None,
                 opens_round=out.opens_round, ends_round=out.ends_round,
             )
             if tell_returns is not None:
                 tell_returns()
-            written = None if consensus.after_write is None else AfterAllWrites(len(targets), consensus.after_write)
-            for seat_id in targets:
+            if whole_record is not None:
+                for seat_id in whole_targets:
+                    self.links[seat_id].queue(whole_record, before_write=partial(self._whole_going_out, seat_id))
+            written = None
+            if consensus.after_write is not None:
+                if lane_targets:
+                    written = AfterAllWrites(len(lane_targets), consensus.after_write)
+                else:
+                    consensus.after_write()
+            for seat_id in lane_targets:
                 self.links[seat_id].queue(
                     record,
                     before_write=partial(lane_round.broadcast_going_out, seat_id),
                     on_written=None if written is None else written.one,
                 )
             # Only the link outboxes may keep this round's consensus alive (until written).
-            del consensus, record, written, out
+            del consensus, record, written, out, whole_record, resumes_from
+
+    async def _whole_record(self, out: LaneOut, kept: EncodedFrame | None) -> EncodedFrame:
+        """A round's consensus joined from its lanes as one Broadcast, for the relays that
+        sent it whole: the bytes a controller without lanes sends them."""
+        assert out.whole is not None
+        if kept is not None and out.whole is out.kept:
+            return await _enveloped(MuxKind.BROADCAST, kept, self.config.salt)
+        return await _enveloped(MuxKind.BROADCAST, await _signed(out.whole, self.config.salt), self.config.salt)
+
+    def _whole_going_out(self, seat_id: int) -> None:
+        """A whole relay is being written its consensus: every lane's round may take its next frame."""
+        for lane_round in self.rounds:
+            lane_round.broadcast_going_out(seat_id)
 
     def _revive(self, rank: int) -> None:
         """A return let in: the rank is live again, and a later death is news."""

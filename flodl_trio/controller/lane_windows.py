@@ -54,6 +54,8 @@ class LaneOut:
     catch_up: memoryview | None = None
     opens_round: bool = True
     ends_round: bool = True
+    # The round's consensus joined whole (unsigned), for relays that send whole frames.
+    whole: memoryview | None = None
 
 
 @attrs.frozen
@@ -88,6 +90,8 @@ class LaneWindows:
         self.checkpoint = checkpoint
         self.counter = WindowCounter()
         self.keep_window_state = False  # whether params and buffers rounds are kept for joiners
+        self.join_whole = False  # whether the round about to open is joined whole (relays sent it so)
+        self._joins_whole = False  # the round in progress's
         self.rounds = 0  # whole rounds finished (each counts once, whatever its lanes)
         self._layout: LaneLayout | None = None
         self._part: WindowPart | None = None
@@ -151,12 +155,15 @@ class LaneWindows:
         part = self._part = self.counter.place(lane0.kind, fragment_of(whole))
         if lane0.kind == RoundKind.CONTROL:  # a window opens: its params round is this set's
             self.lineages.window_fragment = part.fragment.index if part is not None and part.fragment else None
+        self._joins_whole = self.join_whole
         if self._delta is not None:
             self._delta.lineage.begin_lanes([shape for _, shape in schema], DeltaCodec.of_tag(layout.schema[0][0]))
             # The coded consensus joined for the joiners' catch-up; the checkpoint gets x.
-            joined = self.keep_window_state and part is not None
+            joined = self._joins_whole or (self.keep_window_state and part is not None)
         else:
-            joined = self.checkpoint is not None or (self.keep_window_state and part is not None and part.kept)
+            joined = self._joins_whole or self.checkpoint is not None or (
+                self.keep_window_state and part is not None and part.kept
+            )
         self._assembler = LaneAssembler(layout) if joined else None
         if self._assembler is not None:
             self._assembler.begin()  # a frame of its own: a hook or the joiners may keep it
@@ -203,7 +210,7 @@ class LaneWindows:
         if self.checkpoint is not None:
             self.checkpoint(self.rounds, decode_round_frame(joined, self.salt, authenticated=True))
         kept = self.keep_window_state and part is not None and part.kept
-        return LaneOut(out, part, joined if kept else None)
+        return LaneOut(out, part, joined if kept else None, whole=joined if self._joins_whole else None)
 
     def _end_delta_round(self, out: Consensus, part: WindowPart | None) -> LaneOut:
         """The hooks see the exact consensus ``x``; a joiner starts from the base in f32
@@ -216,7 +223,8 @@ class LaneWindows:
             self.checkpoint(self.rounds, lineage.params_frame(weight))
         for_joiners = lineage.joiner_frame(weight) if self.keep_window_state else None
         catch_up = assembler.finish(None) if assembler is not None else None
-        return LaneOut(attrs.evolve(out, for_joiners=for_joiners, after_write=None), part, None, catch_up)
+        return LaneOut(attrs.evolve(out, for_joiners=for_joiners, after_write=None), part, None, catch_up,
+                       whole=catch_up if self._joins_whole else None)
 
 
 __all__ = ["LaneOut", "LaneWindows"]

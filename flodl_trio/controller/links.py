@@ -69,6 +69,15 @@ class RelayLink:
     # Whether its Hello said it takes flodl_trio's control messages (a flodl relay closes
     # on one it does not know: it is sent flodl's alone).
     takes_extensions: bool = False
+    # Whether it sends each HostFrame whole and is sent each consensus whole, while the
+    # controller reduces in lanes (a relay that does not take extensions: flodl's bytes).
+    whole: bool = False
+    # Whether its HostFrame of the round in progress came whole (a flodl relay's always; a
+    # flodl_trio relay's when the round goes in one lane): its consensus goes back whole.
+    sent_whole: bool = False
+    # A whole relay's own receive buffer, in deterministic mode only: its frame waits in
+    # it lane by lane for its turn, leaving the shared pool to the relays before it.
+    own: ReceiveBuffer | None = None
 
     @classmethod
     def accept(cls, hello: Hello, conn: MessageStream, depth: int) -> RelayLink:
@@ -87,8 +96,6 @@ class RelayLink:
     @property
     def name(self) -> str:
         return f"relay {self.host} (ranks {list(self.ranks)})"
-
-
 
     def queue(
         self,

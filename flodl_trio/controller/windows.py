@@ -27,6 +27,8 @@ class Windows(Protocol):
     """Who counts the windows and does their work (outer step, checkpoint, joiners' state)."""
 
     keep_window_state: bool
+    # Whether relays that send whole frames are seated (with lanes: each round is joined for them).
+    join_whole: bool
     # Whole rounds finished (with lanes the stats count each lane's round).
     rounds: int
 
@@ -50,6 +52,8 @@ class Windows(Protocol):
 class WholeFrameWindows:
     """Without lanes: the one round already placed its consensus in the windows and
     applied the hooks; this only hands it on."""
+
+    join_whole = False  # every relay sends and gets whole frames: nothing to join
 
     def __init__(self, round_: ControllerRound) -> None:
         self._round = round_

@@ -57,7 +57,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--lanes", type=int, default=None if env_default("FLODL_LANES") is None else int(env_default("FLODL_LANES")),
         help="reduce each round in this many lanes, so one lane's consensus comes down while the next goes up: "
         "set it on the controller; a data relay takes the controller's count, or checks it against its own "
-        "[env FLODL_LANES; default: the controller 1, a relay the controller's]",
+        "[env FLODL_LANES; default: the controller 8 (1 lane per 256 KiB of a frame, so small frames go whole), "
+        "a relay the controller's; 1 on the controller: flodl's whole frames]",
     )
     parser.add_argument(
         "--log-level", default=env_default("FLODL_LOG_LEVEL", "INFO"),

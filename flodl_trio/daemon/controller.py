@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from ..controller.checkpointer import ConsensusCheckpointer
-from ..controller.config import check_lanes, membership_policy
+from ..controller.config import check_lanes, lanes_or_default, membership_policy
 from ..controller.core import OuterOptimizer, open_controller
 from ..errors import ConfigError
 from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
@@ -104,7 +104,7 @@ class ControllerDaemonSettings:
     min_ranks: int | None = None
     formation_timeout: float | None = None
     deterministic: bool = False
-    lanes: int = 1
+    lanes: int | None = None  # None: the controller's default
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -131,7 +131,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
         raise ConfigError(f"--heartbeat-timeout must be > 0, got {timeout}")
     if args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 1")
-    lanes = 1 if args.lanes is None else int(args.lanes)
+    lanes = None if args.lanes is None else int(args.lanes)
     rejoin = float(args.rejoin_timeout)
     if not (math.isfinite(rejoin) and rejoin >= 0):
         raise ConfigError(f"--rejoin-timeout must be a finite number of seconds >= 0, got {args.rejoin_timeout}")
@@ -139,7 +139,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     formation = None if args.formation_timeout is None else float(args.formation_timeout)
     membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
     outer = make_outer(args.outer, args.outer_lr, args.outer_momentum)
-    check_lanes(lanes, outer_optimizer=outer)
+    check_lanes(lanes_or_default(lanes, outer_optimizer=outer), outer_optimizer=outer)
     settings = ControllerDaemonSettings(
         args.host, args.port, world, load_salt(args.salt_file), timeout, outer,
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,

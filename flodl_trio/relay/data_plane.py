@@ -89,7 +89,7 @@ class DataPlane:
         # Whole records each way, or lanes (:mod:`.lanes`): chosen once, here.
         self.frames = frames_for(self.config, channel.pool)
         # A single rank's frame goes up as it is, unless it must be cut into lanes.
-        self.single = len(self.config.ranks) == 1 and self.frames.whole
+        self.single_rank = len(self.config.ranks) == 1
         self._budget_refused = False
         # What a new connection to a controller that came back needs (Channel.holds only).
         self._in_flight: InFlight | None = None
@@ -129,11 +129,14 @@ class DataPlane:
         self._let_go_in_flight()
         frames = self.frames
         if isinstance(item, FoldedHostFrame):
-            if isinstance(frames, LaneFrames):
+            if frames.goes_in_lanes(item.frame):
+                assert isinstance(frames, LaneFrames)
                 return await self._write_lanes(frames, item)
             record = await frames.record(item.frame)
             release = partial(self.fold.images.give, item.images)
         else:
+            if isinstance(frames, LaneFrames):
+                frames.going_whole()
             record = item.record if isinstance(item, SealedHostFrame) else encode_mux_record(
                 MuxKind.HOST_FRAME, item.body, self.config.salt
             )
@@ -230,12 +233,13 @@ class DataPlane:
                 f"relay {self.config.host_name}: rank {rank} came back and sent a frame without calling join() "
                 "first (a restarted trainer must call client.join(params, buffers) before its first window)"
             )
-        if self.config.deterministic and not self.single:
+        single = self._forwards(length)
+        if self.config.deterministic and not single:
             await self._wait_for_turn(rank)
         with contextlib.ExitStack() as owned:
             buf = await self.pool.acquire()
             owned.callback(self.pool.release, buf)
-            if self.single and not self.fold.waiting_to_enter(rank):
+            if single and not self.fold.waiting_to_enter(rank):
                 item = await self._receive_single(rank, buf, length)
                 self.fold.forward(rank)
                 self._count_frame(length)
@@ -258,6 +262,11 @@ class DataPlane:
                 await out.send(folded)
             await self._drop_expelled(out)
 
+    def _forwards(self, length: int) -> bool:
+        """Whether a frame of ``length`` bytes goes up as it is: a single rank's, unless it
+        may have to be cut into lanes."""
+        return self.single_rank and self.frames.small(length)
+
     async def _wait_for_turn(self, rank: int) -> None:
         """Deterministic mode: leave the frame in its socket until the ranks before
         ``rank`` are folded (or gone), so the host's sum is taken in rank order."""
@@ -268,7 +277,7 @@ class DataPlane:
         self.stats.bytes_local += length + 4
         # Once a verified frame proved the model's size, let frames arrive two at a
         # time (a single rank has nothing to overlap), if memory allows.
-        if frame is not None and self.pool.size < self.pool.limit and not self.single and not self._budget_refused:
+        if frame is not None and self.pool.size < self.pool.limit and not self._forwards(length) and not self._budget_refused:
             self._lend_second_buffer(length, frame)
 
     def _lend_second_buffer(self, length: int, frame: RoundFrame) -> None:
@@ -332,7 +341,7 @@ class DataPlane:
         """Receive and verify ``rank``'s frame; a large one that is the last the host
         waits for has its HostFrame computed and signed beside it (not with lanes:
         the HostFrame goes up as lane frames, signed as they are cut)."""
-        if length <= SMALL_MESSAGE or not self.frames.whole:
+        if length <= SMALL_MESSAGE or not self.frames.small(length):
             return (await self._receive_verified(rank, buf, length))[1], Speculation()
         watch = ArrivalWatch(length)
 

@@ -84,6 +84,13 @@ class WholeFrames:
     def __init__(self, config: RelayConfig) -> None:
         self._config = config
 
+    def small(self, length: int) -> bool:
+        """Whether a frame of ``length`` bytes surely goes whole: every frame does."""
+        return True
+
+    def goes_in_lanes(self, frame: RoundFrame | PendingHostDelta) -> bool:
+        return False
+
     def extra_bytes(self, length: int) -> int:
         """Model-sized memory besides the pool and the fold: none (the consensus lands in a pool buffer)."""
         return 0
@@ -113,9 +120,9 @@ class WholeFrames:
 
 
 class LaneFrames:
-    """The lanes extension on the relay's side (see the module docstring)."""
-
-    whole = False
+    """The lanes extension on the relay's side (see the module docstring). A frame that
+    goes in one lane goes whole, as flodl sends it, and its consensus comes back whole:
+    :attr:`whole` says how the last HostFrame went."""
 
     def __init__(self, config: RelayConfig, pool: BufferPool) -> None:
         self._config = config
@@ -128,6 +135,30 @@ class LaneFrames:
         self._joined_in: ReceiveBuffer | None = None  # the pool buffer this round's consensus is joined in
         self._lane_down = ChangeSignal()  # a consensus lane came in, or the connection was lost
         self._lost = False  # the connection broke; until the next one is up
+        self.whole = False  # whether the last HostFrame went whole (its consensus comes so)
+
+    def small(self, length: int) -> bool:
+        """Whether a frame of ``length`` bytes surely goes whole (its payload, which is
+        less, is under two lanes' worth), so a single rank's may be forwarded as it is."""
+        return length < 2 * self._min_bytes
+
+    def goes_in_lanes(self, frame: RoundFrame | PendingHostDelta) -> bool:
+        """Whether the HostFrame goes up in lanes (else whole: one lane's worth or less);
+        the consensus then comes back the same way."""
+        schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
+        self.whole = LaneLayout.of(schema, self.count, self._min_bytes).count == 1
+        return not self.whole
+
+    def going_whole(self) -> None:
+        """A HostFrame goes up whole (forwarded, or finished ahead: a small one)."""
+        self.whole = True
+
+    async def record(self, frame: RoundFrame | PendingHostDelta) -> EncodedFrame:
+        """A HostFrame that goes whole, as its one signed record."""
+        self.whole = True
+        if isinstance(frame, PendingHostDelta):
+            frame = frame.whole()
+        return await encode_enveloped_frame(MuxKind.HOST_FRAME, frame, self._config.salt)
 
     def extra_bytes(self, length: int) -> int:
         """About the largest consensus lane a frame of ``length`` bytes comes down in (the
@@ -204,6 +235,9 @@ class LaneFrames:
         already and their next ones come only after it has gone out, so the relay
         holds no model-sized buffer of its own for it (a rank's early frame waits
         for the buffer in its socket meanwhile)."""
+        if self.whole:  # the HostFrame went whole: so does its consensus
+            yield payload
+            return
         assembler = self._assembler
         if assembler is None or not host_frame_up:
             raise DesyncError(f"relay {self._config.host_name}: a consensus lane came down with no HostFrame up")

@@ -169,7 +169,7 @@ async def open_local_cluster(
     bounds: NetBounds | None = None,
     deterministic: bool = False,
     local_leg: bool | None = None,
-    lanes: int = 1,
+    lanes: int | None = None,
     **controller_options: Any,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
@@ -182,7 +182,8 @@ async def open_local_cluster(
     on a :class:`~flodl_trio.testing.MemoryNetwork` instead of TCP (for
     tests in virtual time; no fault proxies there). ``bounds`` and
     ``deterministic`` go to every role (default: each reads the environment;
-    arrival-order folding); ``lanes`` to the controller and the data relays;
+    arrival-order folding); ``lanes`` to the controller (None: its default) and the
+    data relays (None: they take the controller's);
     ``local_leg`` to the data relays (default: on
     unless ``FLODL_NO_UNIX`` is set).
     """

@@ -36,6 +36,7 @@ from flodl_trio.wire import (
     encode_data_handshake,
     encode_round_frame,
 )
+from flodl_trio.wire.lanes import DEFAULT_LANE_MIN_BYTES
 from flodl_trio.wire.round_frame import schema_frame_len
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, DTYPE_BF16, MUX_HEADER_LEN
 from flodl_trio.wire.mux import (
@@ -43,6 +44,7 @@ from flodl_trio.wire.mux import (
     DeclareDead,
     Hello,
     HelloAck,
+    Lanes,
     MuxKind,
     Outage,
     decode_control_msg,
@@ -502,16 +504,89 @@ async def test_a_flodl_relay_gets_flodls_bytes_from_a_controller_that_keeps_a_re
             await flodl.aclose()
             await trio_conn.aclose()
     assert to_flodl == [HelloAck(), DeclareDead(2), MuxKind.BROADCAST]
-    assert to_trio[0] == HelloAck() and any(isinstance(m, Outage) for m in to_trio), to_trio
+    # The flodl_trio relay is told the controller's lanes first, then HelloAck.
+    assert to_trio[:2] == [Lanes(8, DEFAULT_LANE_MIN_BYTES), HelloAck()], to_trio
+    assert any(isinstance(m, Outage) for m in to_trio), to_trio
 
 
-async def test_a_controller_in_lanes_refuses_a_flodl_relay_saying_why_and_keeps_serving(salt, caplog):
-    caplog.set_level(logging.WARNING, logger="flodl_trio.controller")
-    with trio.fail_after(20):
-        async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=4) as ctl:
-            await _expect_closed(await _fake_relay(ctl.port, salt, "h-flodl", [0]))
-            conn = await _fake_relay(ctl.port, salt, "h-trio", [0], extensions=True)
-            await _expect_ack(conn, salt)
-            await conn.aclose()
-    refused = [r for r in ctl.rejections if "h-flodl" in r]
-    assert refused and "does not say it takes flodl_trio's extensions" in refused[0] and "4 lanes" in refused[0]
+_MIXED_SHAPES = [(50_000,), (7, 3), (1_000,)]
+
+
+def _mixed_values(rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 + rank)
+    return [rng.standard_normal(shape).astype(np.float32) for shape in _MIXED_SHAPES]
+
+
+async def _flodl_relay_beside_trio_relays(salt: SessionSalt, lanes: int, deterministic: bool) -> tuple[list[object], bytes, dict]:
+    """World 3: ranks 0 and 1 behind a flodl_trio relay, rank 2 behind a raw flodl relay
+    (no extensions mark: whole frames). Returns what the raw relay was sent (control
+    messages, then the Broadcast's payload bytes) and the ranks' (tensors, mass)."""
+    weights = [1.0, 3.0, 2.0]
+    got: dict[int, object] = {}
+    with trio.fail_after(30):
+        async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
+                                   deterministic=deterministic) as ctl:
+            async with open_relay(ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h-trio",
+                                  ranks=[0, 1], world_size=3, salt=salt, deterministic=deterministic) as relay:
+                flodl = await _fake_relay(ctl.port, salt, "h-flodl", [2])
+                assert await _next_control(flodl, salt) == HelloAck()
+                frame = RoundFrame([TensorPayload(DTYPE_F32, v.shape, (v * weights[2]).reshape(-1))
+                                    for v in _mixed_values(2)], weight=weights[2])
+                record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(frame, salt), salt)
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
+                        tensors = [torch.from_numpy(v * weights[rank]) for v in _mixed_values(rank)]
+                        got[rank] = await client.all_reduce_weighted(tensors, RoundKind.MODEL, weights[rank])
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(flodl.send_chunks, record.chunks)  # it may wait for its turn
+                    for rank in (0, 1):
+                        nursery.start_soon(rank_main, rank)
+                sent: list[object] = []
+                while True:
+                    header = await flodl.receive_mux_header()
+                    assert header is not None
+                    kind, payload = await flodl.receive_mux_payload(header, ReceiveBuffer(), salt)
+                    if kind is MuxKind.BROADCAST:
+                        sent.append(bytes(payload))
+                        break
+                    sent.append(decode_control_msg(payload))
+                await flodl.aclose()
+    return sent, got, weights
+
+
+async def _next_control(conn: MessageStream, salt: SessionSalt) -> object:
+    header = await conn.receive_mux_header()
+    assert header is not None
+    kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+    assert kind is MuxKind.CONTROL
+    return decode_control_msg(payload)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["arrival-order", "deterministic"])
+async def test_a_flodl_relay_in_a_cluster_reducing_in_lanes_sends_and_gets_whole_frames(salt, deterministic):
+    """The controller reduces in 4 lanes; a relay without the extensions mark (flodl's) is
+    seated all the same: it is sent no extension message, its whole HostFrame is cut into
+    lanes at the controller (in deterministic mode each lane waits for the relays before
+    it) and it gets one whole Broadcast, the consensus every rank gets. In deterministic
+    mode its bytes are exactly what a controller without lanes sends it."""
+    sent, got, weights = await _flodl_relay_beside_trio_relays(salt, 4, deterministic)
+    assert sent[:-1] == [], sent  # HelloAck was read before; nothing else came before the Broadcast
+    broadcast = decode_round_frame(sent[-1], salt)
+    mass = sum(weights)
+    want = [sum(weights[r] * _mixed_values(r)[i] for r in range(3)) / mass for i in range(len(_MIXED_SHAPES))]
+    assert broadcast.weight == mass
+    for i, tensor in enumerate(broadcast.tensors):
+        assert tuple(tensor.shape) == _MIXED_SHAPES[i]
+        values = np.frombuffer(memoryview(tensor.data).cast("B"), "<f4").reshape(_MIXED_SHAPES[i])
+        np.testing.assert_allclose(values, want[i], rtol=1e-5, atol=1e-6)
+        for rank in (0, 1):
+            tensors, got_mass = got[rank]
+            assert got_mass == mass
+            assert np.array_equal(tensors[i].numpy(), values)
+    if deterministic:
+        whole_sent, whole_got, _ = await _flodl_relay_beside_trio_relays(salt, 1, deterministic)
+        assert whole_sent[-1] == sent[-1]
+
+

@@ -8,6 +8,7 @@ count); a host lost between two lanes of a round; settings that cannot work.
 from __future__ import annotations
 
 import functools
+import logging
 import inspect
 
 import numpy as np
@@ -245,3 +246,38 @@ async def test_a_relay_whose_lanes_do_not_match_the_schema_it_sent_is_dropped_al
             want = [2.0] * 5 + [1.0] * 5 if lie == "lane-1-piece" else [1.0] * 10
             assert tensors[0].tolist() == want
             await liar.aclose()
+
+
+async def test_a_round_of_one_lane_goes_whole_and_a_larger_whole_frame_from_a_trio_relay_is_dropped(salt, caplog):
+    """A round under two lanes' worth goes as flodl sends it: one untagged HostFrame up
+    (a single rank's forwarded byte for byte), one whole Broadcast down. A relay with the
+    extensions mark that sends a frame of several lanes whole breaks the protocol and is
+    dropped alone; the other relay's round completes without it."""
+    from tests.e2e.test_data_plane import _expect_ack, _fake_relay
+
+    from flodl_trio.wire.mux import MuxKind, encode_mux_record
+    from flodl_trio.wire.round_frame import encode_round_frame, schema_frame_len
+
+    caplog.set_level(logging.WARNING, logger="flodl_trio.controller")
+    min_bytes = 64 << 10
+    big = RoundFrame([TensorPayload(DTYPE_F32, (4 * min_bytes // 4,), np.full(min_bytes, 3.0, "<f4"))])
+    with trio.fail_after(20):
+        async with open_controller("127.0.0.1", 0, world_size=2, salt=salt, lanes=4, lane_min_bytes=min_bytes) as ctl:
+            async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", ctl.port),
+                                  host_name="h0", ranks=[0], world_size=2, salt=salt) as relay:
+                liar = await _fake_relay(ctl.port, salt, "liar", [1], extensions=True)
+                await _expect_ack(liar, salt)  # Lanes
+                await _expect_ack(liar, salt)  # HelloAck
+                await liar.send_chunks(encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(big, salt), salt).chunks)
+                async with connect_reduce_client(("127.0.0.1", relay.port), 0, 2, salt) as client:
+                    small = await client.all_reduce_tensors([torch.full((100,), 5.0)])
+                    assert small[0].tolist() == [5.0] * 100  # rank 1's relay was dropped: rank 0 alone
+                    whole_up = relay.stats.bytes_up
+                    large = await client.all_reduce_tensors([torch.full((min_bytes,), 2.0)])  # 4 lanes
+                    assert bool((large[0] == 2.0).all())
+                await liar.aclose()
+    assert ctl.stats.relays_dropped == 1 and ctl.dead_ranks.is_dead(1)
+    assert any("liar" in r.getMessage() and "goes in 4 lanes" in r.getMessage() for r in caplog.records)
+    # The small round: flodl's bytes, the rank's own frame forwarded; the large one in lanes.
+    assert whole_up == MUX_HEADER_LEN + schema_frame_len([(DTYPE_F32, (100,))])
+    assert relay.stats.lanes_up == 4 and relay.stats.consensus_lanes == 4

@@ -5,6 +5,7 @@ arrives, and releases each frame's last 8 bytes only once the record's MAC
 verified. Finishing ahead: the relay's HostFrame and the controller's consensus
 are computed while the round's last frame arrives, and used only if it verifies.
 
+Both are paths of whole frames (flodl's bytes): these clusters run with one lane.
 Expected values are computed independently with numpy.
 """
 
@@ -109,7 +110,7 @@ async def test_large_consensus_is_exact_through_cut_through(salt):
     world, hosts = 3, [[0, 1], [2]]
     got: dict[tuple[int, int], list[np.ndarray]] = {}
     thin = {1: [BandwidthCap(1_500_000, direction="up")]}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=thin) as cluster:
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, lanes=1, upstream_faults=thin) as cluster:
         async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up")]) as slow:
 
             async def rank_main(rank: int, client: ReduceClient) -> None:
@@ -135,7 +136,7 @@ async def test_ranks_receive_the_consensus_while_it_is_still_arriving(salt):
     half = FRAME_LEN // 2
     stall = Stall(at_byte=BROADCAST_PAYLOAD_AT + half, seconds=1.0, direction="down")
     got: dict[int, list[np.ndarray]] = {}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults={0: [stall]}) as cluster:
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, lanes=1, upstream_faults={0: [stall]}) as cluster:
 
         async def rank_main(rank: int, client: ReduceClient) -> None:
             got[rank] = arrays_of(await client.all_reduce(frame_of(values(rank, 0))))
@@ -164,7 +165,7 @@ async def test_a_broadcast_failing_its_record_mac_never_completes_at_a_rank(salt
     stall = Stall(at_byte=BROADCAST_PAYLOAD_AT + FRAME_LEN - 4, seconds=0.6, direction="down")
     errors: dict[int, BaseException] = {}
     upstream_faults = {0: [flip, stall]}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=upstream_faults) as cluster:
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, lanes=1, upstream_faults=upstream_faults) as cluster:
 
         async def rank_main(rank: int, client: ReduceClient) -> None:
             with pytest.raises(FlodlError) as info:
@@ -196,7 +197,7 @@ async def test_a_params_round_goes_through_the_outer_step_not_ahead(salt):
     thin = {1: [BandwidthCap(4_000_000, direction="up")]}
     got: dict[tuple[int, str], list[np.ndarray]] = {}
     async with open_local_cluster(
-        world_size=world, hosts=hosts, salt=salt, upstream_faults=thin, outer_optimizer=doubled
+        world_size=world, hosts=hosts, salt=salt, lanes=1, upstream_faults=thin, outer_optimizer=doubled
     ) as cluster:
 
         async def rank_main(rank: int, client: ReduceClient) -> None:
@@ -222,7 +223,7 @@ async def test_a_last_frame_failing_its_mac_while_finished_ahead_costs_only_its_
     flip = FlipBit(at_byte=uplink_first_record("host1", [2]) + MUX_HEADER_LEN + FRAME_LEN // 2, bit=2, direction="up")
     faults = {1: [BandwidthCap(4_000_000, direction="up"), flip]}
     outcomes: dict[int, BaseException | list[np.ndarray]] = {}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, lanes=1, upstream_faults=faults) as cluster:
 
         async def rank_main(rank: int, client: ReduceClient) -> None:
             try:
@@ -270,7 +271,7 @@ async def test_a_last_rank_frame_that_fails_midway_is_dropped_and_the_host_carri
     at = DATA_HANDSHAKE_LEN + LENGTH_PREFIX + FRAME_LEN // 2
     broken = FlipBit(at_byte=at, bit=6, direction="up") if fault == "flip" else CutAt(at_byte=at, direction="up")
     got: dict[tuple[int, int], list[np.ndarray]] = {}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, lanes=1) as cluster:
         async with open_fault_proxy(cluster.relay_address(1), [BandwidthCap(4_000_000, direction="up"), broken]) as slow:
             await run_with_a_victim(cluster, victim=1, rounds=2, got=got, addresses={1: slow.address})
             assert slow.fired(broken)
@@ -290,7 +291,7 @@ async def test_a_relay_cut_mid_frame_while_finished_ahead_leaves_the_other_host_
     cut = CutAt(at_byte=uplink_first_record("host1", [2]) + MUX_HEADER_LEN + FRAME_LEN // 2, direction="up")
     faults = {1: [BandwidthCap(4_000_000, direction="up"), cut]}
     got: dict[tuple[int, int], list[np.ndarray]] = {}
-    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, upstream_faults=faults) as cluster:
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=salt, lanes=1, upstream_faults=faults) as cluster:
         await run_with_a_victim(cluster, victim=2, rounds=2, got=got)
         assert cluster.upstream_proxies[1].fired(cut)
         assert cluster.controller.stats.rounds_finished_ahead == 0
