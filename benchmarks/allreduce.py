@@ -117,6 +117,8 @@ from _machine import cpu_model
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from flodl_trio.controller.config import DEFAULT_LANES  # noqa: E402  (the repository root, just added)
+
 MiB = 1 << 20
 KiB = 1 << 10
 SALT_ENV = "FLODL_SALT_HEX"
@@ -609,7 +611,7 @@ class Bench:
         self.env.pop("FLODL_SALT_FILE", None)
         if args.deterministic:  # the controller and every relay add contributions in a fixed order
             self.env["FLODL_DETERMINISTIC"] = "1"
-        if args.lanes > 1:  # the controller and every data relay reduce each round in lanes
+        if args.lanes is not None:  # else the daemons' default (the controller's 8, taken by the relays)
             self.env["FLODL_LANES"] = str(args.lanes)
         # Ranks reach their relay over the Unix-socket local leg (no MACs) unless turned off.
         self.local_leg = not args.no_unix
@@ -984,7 +986,7 @@ class Suite:
         if self.costs is None:
             return None
         return two_host_floor(self.costs, frame_len(TWOHOST_NUMEL, dtype), rate, per_host, self.bench.local_leg,
-                              self.bench.args.lanes)
+                              DEFAULT_LANES if self.bench.args.lanes is None else self.bench.args.lanes)
 
     def _twohost_at(
         self, rate: str, suffix: str, per_host: int = TWOHOST_RANKS_PER_HOST
@@ -1303,8 +1305,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="flodl_trio ranks reach their relay over TCP with MACs, not the Unix-socket local leg")
     ap.add_argument("--deterministic", action="store_true",
                     help="run flodl_trio's daemons with --deterministic (a fixed order of addition)")
-    ap.add_argument("--lanes", type=int, default=1,
-                    help="run flodl_trio's daemons with --lanes N (each round reduced in N lanes)")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="run flodl_trio's daemons with --lanes N (each round reduced in up to N lanes; "
+                    "1: whole frames; default: the daemons' own, 8)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "allreduce.png"), help="chart path (PNG)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--link-rate", default="1gbit", help="tc rate of the two-host veth (default 1gbit)")

@@ -253,8 +253,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
     workdir = Path(tempfile.mkdtemp(prefix="flodl-overlap-"))
     launcher = ar.Launcher(workdir, None)
     env = {**os.environ, "FLODL_SALT_HEX": secrets.token_hex(16), "PYTHONUNBUFFERED": "1"}
-    if args.lanes > 1:  # the controller and both relays reduce each round in lanes
-        env["FLODL_LANES"] = str(args.lanes)
+    env["FLODL_LANES"] = str(args.lanes)  # the controller's, which both relays take (1: whole frames)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for rate in args.rates.split(","):
         results[rate] = {}
