@@ -673,7 +673,14 @@ class _Controller:
             kept = None if out.kept is None else await _signed(out.kept, self.config.salt)
             if consensus.for_joiners is not None and self.windows.keep_window_state:
                 kept = await _encoded(consensus.for_joiners, self.config.salt)
-            if isinstance(consensus.outgoing, EncodedFrame):
+            # Before any joiner is revived (they did not ask), and every relay that delivered.
+            targets = self.seats.broadcast_targets(consensus.delivered_by)
+            whole_targets = [sid for sid in targets if self.links[sid].sent_whole]
+            lane_targets = [sid for sid in targets if not self.links[sid].sent_whole]
+            whole_record = None if out.whole is None or not whole_targets else await self._whole_record(out, kept)
+            if whole_record is not None and not lane_targets:
+                record = whole_record  # every relay sent the round whole: no lane record to sign
+            elif isinstance(consensus.outgoing, EncodedFrame):
                 record = consensus.outgoing
             else:
                 record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus.outgoing, self.config.salt)
@@ -681,8 +688,6 @@ class _Controller:
                 # A delta round's consensus as the ranks got it (joined from its lanes, with lanes).
                 whole = record_payload(record) if out.catch_up is None else await _signed(out.catch_up, self.config.salt)
                 self.window_store.keep_catch_up(part.window, whole)
-            # Before any joiner is revived (they did not ask), and every relay that delivered.
-            targets = self.seats.broadcast_targets(consensus.delivered_by)
             boundary = (
                 part is not None
                 and self.windows.keep_window_state
@@ -691,15 +696,10 @@ class _Controller:
             # Returns let in are live in the record, and told only once it is durable, as the
             # consensus goes out only then: a controller started again resumes from it.
             tell_returns = self.returns.at_boundary() if boundary else None
-            whole_targets = [sid for sid in targets if self.links[sid].sent_whole]
-            lane_targets = [sid for sid in targets if not self.links[sid].sent_whole]
-            whole_record = None if out.whole is None or not whole_targets else await self._whole_record(out, kept)
-            # A flodl_trio relay sent a round whole resumes from that round's whole record.
-            resumes_from = (
-                record if whole_record is None or all(self.links[sid].whole for sid in whole_targets) else whole_record
-            )
+            # A relay resumes from what it was sent: the lane record, or (no relay took
+            # lanes) the whole one; flodl relays never resume.
             await self.resumption.record(
-                resumes_from, part, self.window_store.latest if boundary else None,
+                record, part, self.window_store.latest if boundary else None,
                 opens_round=out.opens_round, ends_round=out.ends_round,
             )
             if tell_returns is not None:
@@ -720,7 +720,7 @@ class _Controller:
                     on_written=None if written is None else written.one,
                 )
             # Only the link outboxes may keep this round's consensus alive (until written).
-            del consensus, record, written, out, whole_record, resumes_from
+            del consensus, record, written, out, whole_record
 
     async def _whole_record(self, out: LaneOut, kept: EncodedFrame | None) -> EncodedFrame:
         """A round's consensus joined from its lanes as one Broadcast, for the relays that

@@ -178,11 +178,10 @@ class LaneLayout:
     def of(cls, frame: RoundFrame, count: int, min_bytes: int = 0) -> LaneLayout:
         """The layout of ``frame``'s schema over ``count`` lanes (fewer for a small
         frame: one per ``min_bytes`` of payload, see :func:`lanes_for`)."""
-        schema = [(t.dtype, tuple(t.shape)) for t in frame.tensors]
+        schema = tuple((t.dtype, tuple(t.shape)) for t in frame.tensors)
         if not 1 <= count <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
-        payload = sum(TensorCut.of(dtype, shape).nbytes for dtype, shape in schema)
-        return cls.for_schema(schema, lanes_for(payload, count, min_bytes))
+        return _layout_for(schema, lanes_for(_payload_bytes(schema), count, min_bytes))
 
     @classmethod
     def for_schema(cls, schema: Sequence[tuple[int, tuple[int, ...]]], count: int) -> LaneLayout:
@@ -414,6 +413,12 @@ class LaneAssembler:
         view[end:] = salt.mac8(view[:end]) if salt is not None else bytes(MAC_LEN)
         self._buffer, self._lanes, self._kind, self._weight = None, 0, None, float("inf")
         return view
+
+
+@functools.lru_cache(maxsize=16)
+def _payload_bytes(schema: tuple[tuple[int, tuple[int, ...]], ...]) -> int:
+    """The payload bytes of a frame of this schema (what :func:`lanes_for` divides)."""
+    return sum(TensorCut.of(dtype, shape).nbytes for dtype, shape in schema)
 
 
 @functools.lru_cache(maxsize=16)
