@@ -472,16 +472,16 @@ async def test_steady_rounds_reuse_fold_memory(salt, hosts, bf16):
             assert relay.stats.fold_images_reused == rounds - 1
 
 
-async def _records_until_broadcast(conn: MessageStream, salt: SessionSalt) -> list[object]:
+async def _records_until_broadcast(conn: MessageStream, salt: SessionSalt, *, payload_bytes: bool = False) -> list[object]:
     """What the controller sends a relay up to and including its first Broadcast: control
-    messages decoded, the Broadcast as its kind."""
+    messages decoded, the Broadcast as its kind (or, with ``payload_bytes``, its payload)."""
     seen: list[object] = []
     while True:
         header = await conn.receive_mux_header()
         assert header is not None
         kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
         if kind is MuxKind.BROADCAST:
-            return [*seen, kind]
+            return [*seen, bytes(payload) if payload_bytes else kind]
         seen.append(decode_control_msg(payload))
 
 
@@ -543,15 +543,7 @@ async def _flodl_relay_beside_trio_relays(salt: SessionSalt, lanes: int, determi
                     nursery.start_soon(flodl.send_chunks, record.chunks)  # it may wait for its turn
                     for rank in (0, 1):
                         nursery.start_soon(rank_main, rank)
-                sent: list[object] = []
-                while True:
-                    header = await flodl.receive_mux_header()
-                    assert header is not None
-                    kind, payload = await flodl.receive_mux_payload(header, ReceiveBuffer(), salt)
-                    if kind is MuxKind.BROADCAST:
-                        sent.append(bytes(payload))
-                        break
-                    sent.append(decode_control_msg(payload))
+                sent = await _records_until_broadcast(flodl, salt, payload_bytes=True)
                 await flodl.aclose()
     return sent, got, weights
 
