@@ -76,7 +76,8 @@ class LaneTag:
 
 def read_lane_tag(frame: RoundFrame) -> LaneTag | None:
     """The tag of a lane frame (its last tensor); None if it carries none, or one
-    that cannot be (an index outside the count, a schema on a lane other than 0,
+    that cannot be (an index outside the count, a schema on a lane other than 0, a
+    lane 0 without one unless its tag is all it carries (a frame of no tensors),
     more schema tensors than the frame has)."""
     if not frame.tensors:
         return None
@@ -87,7 +88,11 @@ def read_lane_tag(frame: RoundFrame) -> LaneTag | None:
     _, _, count, index, schema = shape
     if not 1 <= count <= MAX_LANES or not 0 <= index < count:
         return None
-    if (schema > 0) != (index == 0) or schema > len(frame.tensors) - 2:
+    if schema > 0 and index != 0:
+        return None
+    if schema == 0 and index == 0 and len(frame.tensors) != 1:  # lane 0 of a frame of no tensors: its tag alone
+        return None
+    if schema > 0 and schema > len(frame.tensors) - 2:
         return None
     return LaneTag(index, count, schema)
 
@@ -187,8 +192,8 @@ class LaneLayout:
     def for_schema(cls, schema: Sequence[tuple[int, tuple[int, ...]]], count: int) -> LaneLayout:
         if not 1 <= count <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
-        if not schema:
-            raise SchemaError("a frame with no tensors cannot be cut into lanes")
+        if not schema:  # nothing to cut: one lane, its tag alone
+            return cls((), ((),))
         if 2 * len(schema) + 1 > MAX_TENSORS:
             raise SchemaError(
                 f"a frame of {len(schema)} tensors cannot be cut into lanes: lane 0 would carry up to "

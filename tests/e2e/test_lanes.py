@@ -281,3 +281,20 @@ async def test_a_round_of_one_lane_goes_whole_and_a_larger_whole_frame_from_a_tr
     # The small round: flodl's bytes, the rank's own frame forwarded; the large one in lanes.
     assert whole_up == MUX_HEADER_LEN + schema_frame_len([(DTYPE_F32, (100,))])
     assert relay.stats.lanes_up == 4 and relay.stats.consensus_lanes == 4
+
+
+@pytest.mark.parametrize("lane_min_bytes", [0, None], ids=["always-lanes", "default"])
+async def test_a_round_of_no_tensors_completes_in_a_cluster_with_lanes(salt, lane_min_bytes):
+    """flodl allows a frame of no tensors; with lanes (the default) such a round still completes."""
+    options = {} if lane_min_bytes is None else {"lane_min_bytes": lane_min_bytes}
+    got: dict[int, object] = {}
+    with trio.fail_after(20):
+        async with open_local_cluster(world_size=3, hosts=[[0, 1], [2]], salt=salt, **options) as cluster:
+
+            async def rank_main(rank: int, client) -> None:
+                got[rank] = await client.all_reduce_tensors([])
+                got[rank, "after"] = (await client.all_reduce_tensors([torch.full((3,), float(rank))]))[0].tolist()
+
+            await cluster.run_ranks(rank_main)
+    assert [got[r] for r in range(3)] == [[], [], []]
+    assert all(got[r, "after"] == [1.0, 1.0, 1.0] for r in range(3))

@@ -223,3 +223,24 @@ def test_a_frame_with_too_many_tensors_for_lane_0_is_refused_up_front():
 
     with pytest.raises(SchemaError, match=f"a frame of {MAX_TENSORS // 2} tensors cannot be cut into lanes"):
         LaneLayout.for_schema([(DTYPE_F32, (1,))] * (MAX_TENSORS // 2), 2)
+
+
+def test_a_frame_of_no_tensors_goes_in_one_lane_carrying_its_tag_alone(salt):
+    """flodl's RoundFrame may hold no tensors: its one lane is its tag (schema 0), which
+    reads back, checks, and joins to a frame of no tensors."""
+    from flodl_trio.wire.lanes import LaneAssembler, lane_tag, read_lane_tag
+
+    frame = RoundFrame([], RoundKind.CONTROL, 2.5)
+    layout = LaneLayout.of(frame, 8, 0)
+    assert layout.count == 1 and layout.lanes == ((),)
+    [lane] = layout.split(frame)
+    assert read_lane_tag(lane).schema == 0 and len(lane.tensors) == 1
+    assert LaneLayout.of_lane0(lane) == layout
+    assert layout.join([lane]) == RoundFrame([], RoundKind.CONTROL, 2.5)
+    assembler = LaneAssembler(layout)
+    assembler.begin()
+    assembler.add(lane)
+    joined = decode_round_frame(assembler.finish(salt), salt)
+    assert joined.tensors == [] and joined.kind == RoundKind.CONTROL and joined.weight == 2.5
+    piece = TensorPayload(DTYPE_F32, (2,), np.zeros(2, "<f4"))
+    assert read_lane_tag(RoundFrame([piece, lane_tag(0, 1, 0)])) is None  # pieces but no schema: not a tag
