@@ -667,8 +667,17 @@ class Bench:
         ctl_host = hosts[0]
         ctl_port = free_port() if ctl_host.netns is None else 29400
         L = self.launcher
-        ctl = L.spawn("controller", "controller", self.controller_cmd(ctl_host.ip, ctl_port, world), self.env,
-                      ctl_host.netns, tag)
+        shards = []
+        ctl_cmd = self.controller_cmd(ctl_host.ip, ctl_port, world)
+        if getattr(self.args, "shards", False):  # a reduction shard on every host
+            for h in hosts:
+                shards.append(L.spawn(
+                    f"shard-{h.name}", "shard",
+                    [sys.executable, "-m", "flodl_trio.shard", "--host", h.ip, "--port", "29410", "--log-level", "WARNING"],
+                    self.env, h.netns, tag,
+                ))
+            ctl_cmd += ["--shards", ",".join(f"{h.ip}:29410" for h in hosts), "--rejoin-timeout", "0"]
+        ctl = L.spawn("controller", "controller", ctl_cmd, self.env, ctl_host.netns, tag)
         relays, ranks = [], []
         marks = Path(tempfile.mkdtemp(prefix="marks-", dir=self.launcher.workdir))
         rank_env = {**self.rank_env, MARKS_ENV: str(marks)}
@@ -697,9 +706,9 @@ class Bench:
 
         try:
             L.wait(ranks, PROCESS_TIMEOUT_S, poll=sample_daemons)
-            L.wait([*relays, ctl], 60)
+            L.wait([*relays, ctl, *shards], 60)
         except BaseException:
-            for p in [*ranks, *relays, ctl]:
+            for p in [*ranks, *relays, ctl, *shards]:
                 sys.stderr.write(f"--- {p.name} stderr ---\n{p.stderr_tail(1500)}\n")
             L.kill_all()
             raise

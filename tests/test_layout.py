@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flodl_trio"
-ROLES = ("relay", "controller", "client")
+ROLES = ("relay", "controller", "client", "shard")
 
 
 def module_name(path: Path) -> str:
@@ -110,7 +110,7 @@ LAYERS: dict[str, int] = {
     "wire": 1,
     "transport": 2,
     "fold": 3,
-    "client": 4, "relay": 4, "controller": 4,
+    "client": 4, "relay": 4, "controller": 4, "shard": 4,
     "train": 5,
     "daemon": 6, "testing": 6, "demo": 7,  # the demo runs the daemons and may use the testing toolkit
 }

@@ -62,6 +62,23 @@ def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
         )
 
 
+def check_shards(
+    *, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object, rejoin_timeout: float
+) -> None:
+    """Shards (a prototype) reduce lanes 1.. elsewhere: what needs every lane here is refused."""
+    needs_every_lane = [
+        what for what, given in (
+            ("an outer optimizer", outer_optimizer is not None), ("a checkpoint sink", checkpoint is not None),
+            ("a resume record (resume_dir / --checkpoint-dir)", resume_dir is not None),
+            ("rejoining (rejoin_timeout > 0; the daemon's default is 1800: give --rejoin-timeout 0)", rejoin_timeout > 0),
+        ) if given
+    ]
+    if lanes < 2:
+        raise ConfigError(f"shards reduce lanes 1.. of a round: they need lanes >= 2, got {lanes}")
+    if needs_every_lane:
+        raise ConfigError("shards (a prototype) do not work yet with " + ", ".join(needs_every_lane))
+
+
 def membership_policy(
     world_size: int, rejoin_timeout: float, min_ranks: int | None, formation_timeout: float | None
 ) -> Membership:
@@ -80,4 +97,4 @@ def membership_policy(
     return Membership(world_size, rejoin_timeout, min_ranks=min_ranks, formation_timeout=formation_timeout)
 
 
-__all__ = ["DEFAULT_LANES", "ControllerConfig", "check_lanes", "lanes_or_default", "membership_policy"]
+__all__ = ["DEFAULT_LANES", "ControllerConfig", "check_lanes", "check_shards", "lanes_or_default", "membership_policy"]

@@ -37,6 +37,7 @@ from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.connect import (
+    connect_with_retry,
     listener_port,
     peer_host,
     tune_socket,
@@ -55,6 +56,7 @@ from ..transport.tasks import (
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
+    CHANNEL_MAGIC_SHARD,
     CHANNEL_MAGIC_STATE,
     DEFAULT_FRAME_CEILING,
     MAC_LEN,
@@ -74,7 +76,11 @@ from ..wire.mux import (
     RankJoin,
     RelayControlMsg,
     Resume,
+    ShardSetup,
+    Shards,
+    Decide,
     decode_control_msg,
+    encode_control_msg,
     encode_mux_record,
     record_payload,
 )
@@ -86,7 +92,7 @@ from ..wire.round_frame import (
     encode_round_frame_chunks,
 )
 from ..wire.salt import SessionSalt
-from .config import ControllerConfig, check_lanes, lanes_or_default, membership_policy
+from .config import ControllerConfig, check_lanes, check_shards, lanes_or_default, membership_policy
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .joins import Returns
@@ -185,6 +191,7 @@ async def open_controller(
     lanes: int | None = None,
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES,
     resume_dir: str | os.PathLike[str] | None = None,
+    shards: Sequence[tuple[str, int]] = (),
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -217,6 +224,9 @@ async def open_controller(
         raise ConfigError(f"world_size must be > 0, got {world_size}")
     lanes = lanes_or_default(lanes, outer_optimizer=outer_optimizer)
     check_lanes(lanes, outer_optimizer=outer_optimizer)
+    if shards:
+        check_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir,
+                     rejoin_timeout=rejoin_timeout)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
@@ -235,6 +245,7 @@ async def open_controller(
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
+    controller.shard_addresses = tuple((str(h), int(p)) for h, p in shards)
     async with serving(controller.run, handle.outcome, log, "controller"):
         yield handle
 
@@ -290,7 +301,42 @@ class _Controller:
         )
         handle.coordinator.outage_ms = self.resumption.announced_outage_ms(config.bounds)
 
+    shard_addresses: tuple[tuple[str, int], ...] = ()
+
+    async def _dial_shards(self) -> None:
+        """Tell each reduction shard which it is (docs/wire.md, "Shards")."""
+        self.shards: list[MessageStream] = []
+        for index, (host, port) in enumerate(self.shard_addresses):
+            stream = await connect_with_retry(host, port, f"controller: shard {index}", self.config.bounds)
+            conn = MessageStream(stream, f"shard {index}", self.config.bounds)
+            setup = encode_mux_record(MuxKind.CONTROL, encode_control_msg(ShardSetup(index, len(self.shard_addresses))),
+                                      self.config.salt)
+            await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *setup.chunks])
+            self.shards.append(conn)
+
+    async def _decide(self, consensus: Consensus, targets: Sequence[int]) -> None:
+        """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces."""
+        if not self.shard_addresses or not isinstance(consensus.outgoing, RoundFrame):
+            return
+        tag = read_lane_tag(consensus.outgoing)
+        if tag is None or tag.count < 2:
+            return
+        lowest = lambda sid: min(self.seats.seats[sid].ranks)  # noqa: E731
+        decide = Decide(sorted(lowest(sid) for sid in consensus.delivered_by),
+                        sorted(lowest(sid) for sid in targets))
+        record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(decide), self.config.salt)
+        for conn in self.shards:
+            await conn.send_chunks(record.chunks)
+
     async def run(self) -> None:
+        await self._dial_shards()
+        try:
+            await self._serve()
+        finally:
+            for conn in self.shards:
+                await conn.aclose()  # a shard ends with its controller
+
+    async def _serve(self) -> None:
         self.resumption.restore()
         async with self._consensus_send, trio.open_nursery() as nursery:
             self.returns.nursery = nursery
@@ -396,6 +442,8 @@ class _Controller:
         # The lanes come before HelloAck, so the relay knows how it sends before it sends anything.
         if self.config.lanes > 1 and link.takes_extensions:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
+            if self.shard_addresses:
+                link.queue_control(Shards(self.shard_addresses), self.config.salt)
         link.queue_control(HelloAck(), self.config.salt)
         if link.takes_extensions:
             self.handle.coordinator.host_takes_extensions(link.host)
@@ -609,7 +657,9 @@ class _Controller:
             self._lane_layout[link.id] = LaneLayout.of_lane0(frame)
         else:
             self._lane_layout[link.id].check_lane(tag.index, frame)
-        self._next_lane[link.id] = 0 if tag.index == tag.count - 1 else tag.index + 1
+        # With shards a relay sends the controller lane 0 alone.
+        last = tag.index == tag.count - 1 or bool(self.shard_addresses)
+        self._next_lane[link.id] = 0 if last else tag.index + 1
         return tag.index
 
     def _refuse_resumption(self, link: RelayLink, why: DesyncError) -> None:
@@ -698,6 +748,8 @@ class _Controller:
             tell_returns = self.returns.at_boundary() if boundary else None
             # A relay resumes from what it was sent: the lane record, or (no relay took
             # lanes) the whole one; flodl relays never resume.
+            if lane == 0:
+                await self._decide(consensus, lane_targets)
             await self.resumption.record(
                 record, part, self.window_store.latest if boundary else None,
                 opens_round=out.opens_round, ends_round=out.ends_round,

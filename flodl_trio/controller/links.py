@@ -28,6 +28,7 @@ from ..wire.mux import (
 )
 from ..wire.round_frame import EncodedFrame
 from ..wire.salt import SessionSalt
+from ..transport.hello import receive_hello
 from .dead_ranks import DeadRanks
 
 _ids = itertools.count()
@@ -149,16 +150,3 @@ class RelayLink:
                 del record  # a written consensus must not stay alive while we wait for the next
                 if on_written is not None:
                     on_written()
-
-
-async def receive_hello(conn: MessageStream, salt: SessionSalt, bounds: NetBounds) -> Hello:
-    """The first record of a relay connection, which must be a MAC-valid Control(Hello)."""
-    with trio.fail_after(bounds.handshake):
-        header = await conn.receive_mux_header(SMALL_MESSAGE)
-        if header is None:
-            raise HandshakeError("closed before sending Hello")
-        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
-    hello = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
-    if not isinstance(hello, Hello):
-        raise HandshakeError(f"first record must be Control(Hello), got {kind.name} {hello or ''}")
-    return hello

@@ -18,6 +18,7 @@ from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
 from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .common import (
+    parse_host_port,
     add_common_flags,
     configure_logging,
     env_default,
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="outer learning rate [env FLODL_OUTER_LR; default 1.0 slowmo, 0.7 diloco]")
     parser.add_argument("--outer-momentum", type=float, default=env_default("FLODL_OUTER_MOMENTUM"),
                         help="outer momentum [env FLODL_OUTER_MOMENTUM; default 0.5 slowmo, 0.9 diloco]")
+    parser.add_argument("--shards", default=env_default("FLODL_SHARDS", ""),
+                        help="reduction shards (host:port,...) that reduce lanes 1.. of each round in lanes "
+                        "[env FLODL_SHARDS; default none: the controller reduces every lane]")
     parser.add_argument("--checkpoint-dir", default=env_default("FLODL_CHECKPOINT_DIR"),
                         help="write each window's consensus here as safetensors, and the run's resume record: a controller "
                         "started again with it takes the run on [env FLODL_CHECKPOINT_DIR; default off]")
@@ -106,6 +110,7 @@ class ControllerDaemonSettings:
     deterministic: bool = False
     lanes: int | None = None  # None: the controller's default
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
+    shards: tuple[tuple[str, int], ...] = ()
 
 
 # What --outer names: each is both an OuterOptimizer and checkpointable (StatefulOuter).
@@ -145,6 +150,10 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
         bool(args.deterministic), lanes,
     )
+    if args.shards:
+        settings = attrs.evolve(settings, shards=tuple(
+            parse_host_port(text.strip(), "--shards") for text in args.shards.split(",") if text.strip()
+        ))
     if args.controller_outage is not None:
         outage = float(args.controller_outage)
         if not (math.isfinite(outage) and outage >= 0):
@@ -170,7 +179,7 @@ async def serve_controller_daemon(
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
                 rejoin_timeout=settings.rejoin_timeout, min_ranks=settings.min_ranks,
                 formation_timeout=settings.formation_timeout, deterministic=settings.deterministic,
-                lanes=settings.lanes, resume_dir=settings.checkpoint_dir,
+                lanes=settings.lanes, resume_dir=settings.checkpoint_dir, shards=settings.shards,
             )
         )
         if metrics is not None:

@@ -142,6 +142,7 @@ class Channel:
         self._small = ReceiveBuffer()
         self._upstream_reading = trio.CancelScope()
         self._admitting = trio.CancelScope()
+        self._side_tasks: list[trio.CancelScope] = []  # the role's own tasks (shard readers): end with the channel
         # (rank, whether it is coming back); unbounded, each entry is a rank's connection.
         self._joins_send, self._joins = trio.open_memory_channel[tuple[int, bool]](math.inf)
         self._nursery: trio.Nursery | None = None
@@ -219,6 +220,20 @@ class Channel:
                         await self.role.rank_back(rank, out)
                     nursery.start_soon(self._rank_reader, rank, out.clone())
 
+    def start_side_task(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Run a task of the role's own (a shard connection's reader) beside the channel's,
+        until the channel ends; its error ends the channel."""
+
+        scope = trio.CancelScope()
+        self._side_tasks.append(scope)
+
+        async def side() -> None:
+            with scope:
+                await fn(*args)
+
+        assert self._nursery is not None
+        self._nursery.start_soon(side)
+
     def log_shutdown(self, why: str) -> None:
         log.info("relay %s: shutting down: %s", self.config.host_name, why)
 
@@ -279,6 +294,8 @@ class Channel:
         # The writer then drains the RankExits and returns.
         self._upstream_reading.cancel()
         self._admitting.cancel()
+        for scope in self._side_tasks:
+            scope.cancel()
 
     async def send_to_rank(self, rank: int, chunks: Sequence[Buffer], nbytes: int, out: Outbox) -> None:
         """Deliver one length-framed message; a rank that cannot take it is gone."""

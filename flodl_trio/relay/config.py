@@ -82,6 +82,8 @@ class RelayConfig:
     lanes: int | None = None
     # With lanes: a round goes in one lane per this many payload bytes (the controller's).
     lane_min_bytes: int = 0
+    # The reduction shards the controller said before HelloAck (lanes 1.. of a round go there).
+    shards: tuple[tuple[str, int], ...] = ()
 
     def with_controllers_lanes(self, said: tuple[int, int] | None) -> RelayConfig:
         """This config with the lane count the controller said before HelloAck (``said``:

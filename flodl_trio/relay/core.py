@@ -62,6 +62,7 @@ from ..wire.mux import (
     Hello,
     HelloAck,
     Lanes,
+    Shards,
     MuxKind,
     decode_control_msg,
     encode_control_msg,
@@ -214,6 +215,7 @@ class _Relay:
         self.signatures: dict[int, bytes] = {}
         self.announced: dict[int, bytes] = {}  # signatures the control Hello gave each rank
         self.channel: Channel | None = None
+        self._shards_said: tuple[tuple[str, int], ...] = ()  # the reduction shards the controller named
 
     async def run(self) -> None:
         try:
@@ -221,7 +223,7 @@ class _Relay:
                 await nursery.start(trio.serve_listeners, self._serve_rank_connection, self.listeners)
                 if self.config.kind is ChannelKind.DATA:
                     upstream, lanes = await self._dial_controller(self.config.ranks)
-                    config = self.config.with_controllers_lanes(lanes)
+                    config = attrs.evolve(self.config.with_controllers_lanes(lanes), shards=self._shards_said)
                     self.channel = Channel(
                         config, upstream, self.handle.stats, self.host, self._released, DataPlane,
                         redial=partial(self._redial_data, config),
@@ -490,6 +492,9 @@ class _Relay:
                 reply = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
                 if isinstance(reply, HelloAck):
                     break
+                if isinstance(reply, Shards) and self.config.kind is ChannelKind.DATA and lanes is not None:
+                    self._shards_said = reply.addresses  # the shards extension: said before HelloAck
+                    continue
                 if not (isinstance(reply, Lanes) and self.config.kind is ChannelKind.DATA and lanes is None):
                     raise HandshakeError(
                         f"relay {self.config.host_name}: expected HelloAck from controller, got {kind.name} {reply}"

@@ -87,7 +87,7 @@ class DataPlane:
         self.fold_changed = ChangeSignal()
         self.fold = HostFold(self.config.host_name, self.config.ranks, on_change=self.fold_changed.notify)
         # Whole records each way, or lanes (:mod:`.lanes`): chosen once, here.
-        self.frames = frames_for(self.config, channel.pool)
+        self.frames = frames_for(self.config, channel.pool, channel.start_side_task)
         # A single rank's frame goes up as it is, unless it must be cut into lanes.
         self.single_rank = len(self.config.ranks) == 1
         self._budget_refused = False

@@ -21,18 +21,29 @@ code path whatever the lane count:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 import trio
 
-from ..errors import DesyncError
+from ..errors import DesyncError, ProtocolError
 from ..fold.delta import PendingHostDelta
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
+from ..transport.connect import connect_with_retry
 from ..transport.stream import MessageStream
 from ..transport.tasks import ChangeSignal
-from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
-from ..wire.mux import MuxKind
+from ..wire.constants import CHANNEL_MAGIC_DATA
+from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for, read_lane_tag
+from ..wire.mux import (
+    EXTENSIONS_MARK,
+    Hello,
+    MuxHeader,
+    MuxKind,
+    ShardAck,
+    decode_control_msg,
+    encode_control_msg,
+    encode_mux_record,
+)
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .config import RelayConfig
@@ -119,14 +130,81 @@ class WholeFrames:
         yield payload  # the record is the consensus, signed by the controller
 
 
+class ShardLinks:
+    """A data channel's connections to the reduction shards the controller named
+    (docs/wire.md, "Shards"): lane k >= 1 of a round in lanes goes up on shard
+    (k - 1) mod S's, which acknowledges it and later sends that lane's consensus down."""
+
+    def __init__(self, config: RelayConfig, start_task: Callable[..., None]) -> None:
+        self._config = config
+        self._start_task = start_task
+        self.conns: list[MessageStream] = []
+        self.acked: set[int] = set()
+        self.changed = ChangeSignal()  # an ack or a consensus lane came in
+
+    def owner(self, lane: int) -> MessageStream:
+        return self.conns[(lane - 1) % len(self.conns)]
+
+    async def connect(self, on_lane: Callable[[MuxHeader, MessageStream, ReceiveBuffer], Awaitable[None]]) -> None:
+        """Dial every shard once, with this relay's Hello, and start each one's reader."""
+        if self.conns:
+            return
+        config = self._config
+        hello = encode_mux_record(
+            MuxKind.CONTROL, encode_control_msg(Hello(config.host_name, config.ranks, [EXTENSIONS_MARK])), config.salt
+        )
+        for index, (host, port) in enumerate(config.shards):
+            stream = await connect_with_retry(host, port, f"relay {config.host_name} shard {index}", config.bounds,
+                                              trio.open_tcp_stream)
+            conn = MessageStream(stream, f"shard {index} {host}:{port}", config.bounds)
+            await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), *hello.chunks])
+            self.conns.append(conn)
+            self._start_task(self._read, conn, on_lane)
+
+    async def _read(
+        self, conn: MessageStream, on_lane: Callable[[MuxHeader, MessageStream, ReceiveBuffer], Awaitable[None]]
+    ) -> None:
+        """A shard's acks and consensus lanes, until the channel ends (a shard lost ends it)."""
+        buf = ReceiveBuffer()
+        try:
+            await self._read_records(conn, buf, on_lane)
+        finally:
+            await conn.aclose()
+
+    async def _read_records(
+        self, conn: MessageStream, buf: ReceiveBuffer,
+        on_lane: Callable[[MuxHeader, MessageStream, ReceiveBuffer], Awaitable[None]],
+    ) -> None:
+        while True:
+            header = await conn.receive_mux_header(self._config.ceiling)
+            if header is None:
+                raise ProtocolError(f"relay {self._config.host_name}: {conn.peer} closed its connection")
+            if header.kind != MuxKind.CONTROL:
+                await on_lane(header, conn, buf)
+                continue
+            _, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
+            msg = decode_control_msg(payload)
+            if not isinstance(msg, ShardAck):
+                raise ProtocolError(f"{conn.peer} sent {type(msg).__name__}")
+            self.acked.add(msg.lane)
+            self.changed.notify()
+
+    async def wait_acks(self, lanes: range) -> None:
+        while not set(lanes) <= self.acked:
+            await self.changed.wait()
+
+
 class LaneFrames:
     """The lanes extension on the relay's side (see the module docstring). A frame that
     goes in one lane goes whole, as flodl sends it, and its consensus comes back whole:
     :attr:`whole` says how the last HostFrame went."""
 
-    def __init__(self, config: RelayConfig, pool: BufferPool) -> None:
+    def __init__(self, config: RelayConfig, pool: BufferPool, start_task: Callable[..., None] | None = None) -> None:
         self._config = config
         self._pool = pool
+        # Lanes 1.. of each round to the reduction shards, if the controller named any.
+        self._shards = ShardLinks(config, start_task) if config.shards and start_task is not None else None
+        self._joining = trio.Lock()  # the first consensus lane in (from any connection) begins the frame
         assert config.lanes is not None and config.lanes > 1, "the channel's config says the controller's lanes"
         self.count = config.lanes
         self._min_bytes = config.lane_min_bytes  # the controller's: every relay cuts a frame the same way
@@ -180,6 +258,8 @@ class LaneFrames:
         """The HostFrame's lane frames, in lane order, each its own signed record (``sent``
         told each one's size), at most LANES_AHEAD of them ahead of the consensus lanes
         that came down."""
+        if self._shards is not None:
+            return await self._send_to_shards(uplink, upstream, sent)
         lanes = 0
         while lanes < uplink.count:
             await self._wait_for_consensus_lanes(lanes - LANES_AHEAD + 1)
@@ -189,6 +269,47 @@ class LaneFrames:
             await upstream.send_chunks(record.chunks)
             sent(record.nbytes)
             lanes += 1
+
+    async def _send_to_shards(self, uplink: LaneUplink, upstream: MessageStream, sent: Callable[[int], None]) -> None:
+        """Lanes 1.. to their shards; once every shard has acknowledged them, lane 0 to the
+        controller, which decides the round's contributors from it (docs/wire.md, "Shards")."""
+        assert self._shards is not None
+        records = []
+        while (record := await uplink.next_record()) is not None:
+            records.append(record)
+        await self._shards.connect(self._shard_lane)
+        self._shards.acked.clear()
+        for lane in range(1, len(records)):
+            await self._shards.owner(lane).send_chunks(records[lane].chunks)
+            sent(records[lane].nbytes)
+        await self._shards.wait_acks(range(1, len(records)))
+        await upstream.send_chunks(records[0].chunks)
+        sent(records[0].nbytes)
+
+    async def _shard_lane(self, header: MuxHeader, conn: MessageStream, buf: ReceiveBuffer) -> None:
+        """A consensus lane from a shard, verified and joined into the round's frame."""
+        kind, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
+        if kind is not MuxKind.BROADCAST:
+            raise ProtocolError(f"{conn.peer} sent a {kind.name} record")
+        lane = decode_round_frame(payload, self._config.salt, ceiling=self._config.ceiling, source=conn.peer,
+                                  authenticated=True)
+        await self._join(lane)
+        assert self._shards is not None
+        self._shards.changed.notify()
+
+    async def _join(self, lane: RoundFrame) -> None:
+        """Add a consensus lane to the round's frame (begun by the first lane in)."""
+        assembler = self._assembler
+        if assembler is None:
+            raise DesyncError(f"relay {self._config.host_name}: a consensus lane came down with no HostFrame up")
+        async with self._joining:
+            if not assembler.begun:
+                self._joined_in = await self._pool.acquire()
+                self._joined_in.reserve(assembler.nbytes)
+                assembler.begin(self._joined_in.array(assembler.nbytes))
+        tag = read_lane_tag(lane)
+        assembler.add(lane, None if self._shards is None or tag is None else tag.index)
+        self._lane_down.notify()
 
     async def _wait_for_consensus_lanes(self, count: int) -> None:
         """Until ``count`` of this round's consensus lanes are in; BrokenResourceError
@@ -245,12 +366,10 @@ class LaneFrames:
             payload, self._config.salt, ceiling=self._config.ceiling, source="the controller's consensus lane",
             authenticated=True,
         )
-        if not assembler.begun:
-            self._joined_in = await self._pool.acquire()
-            self._joined_in.reserve(assembler.nbytes)
-            assembler.begin(self._joined_in.array(assembler.nbytes))
-        assembler.add(lane)
-        self._lane_down.notify()
+        await self._join(lane)
+        if self._shards is not None:  # lane 0 came from the controller: the others come from the shards
+            while not assembler.complete:
+                await self._shards.changed.wait()
         if not assembler.complete:
             yield None
             return
@@ -268,10 +387,15 @@ class LaneFrames:
         return await trio.to_thread.run_sync(assembler.finish, salt)  # the MAC, off the event loop
 
 
-def frames_for(config: RelayConfig, pool: BufferPool) -> WholeFrames | LaneFrames:
+def frames_for(
+    config: RelayConfig, pool: BufferPool, start_task: Callable[..., None] | None = None
+) -> WholeFrames | LaneFrames:
     """The channel's way of moving frames, from the controller's lane count (the channel's
-    config has it: :meth:`RelayConfig.with_controllers_lanes`)."""
-    return LaneFrames(config, pool) if config.lanes is not None and config.lanes > 1 else WholeFrames(config)
+    config has it: :meth:`RelayConfig.with_controllers_lanes`); ``start_task`` runs a
+    shard connection's reader beside the channel's tasks."""
+    if config.lanes is not None and config.lanes > 1:
+        return LaneFrames(config, pool, start_task)
+    return WholeFrames(config)
 
 
 __all__ = ["LaneFrames", "LaneUplink", "WholeFrames", "frames_for"]

@@ -22,6 +22,8 @@ CHANNEL_MAGIC_JOIN: Final = 0xF10D17E3
 CHANNEL_MAGIC_STATE: Final = 0xF10D17E8
 STATE_REPLY_MAGIC: Final = 0xF10D17E9
 STATE_CHALLENGE_MAGIC: Final = 0xF10D17EA
+# flodl_trio extension (docs/wire.md, "Shards"): the controller's connection to a reduction shard.
+CHANNEL_MAGIC_SHARD: Final = 0xF10D17EE
 STATE_ANSWER_MAGIC: Final = 0xF10D17EB
 STATE_RECEIPT_MAGIC: Final = 0xF10D17EC
 STATE_ENTRY_MAGIC: Final = 0xF10D17ED

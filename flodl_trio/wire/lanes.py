@@ -353,6 +353,7 @@ class LaneAssembler:
         self.nbytes = at + MAC_LEN  # the whole RoundFrame, its MAC included
         self._buffer: np.ndarray | None = None
         self._lanes = 0
+        self._got: set[int] = set()  # the lanes added
         self._kind: RoundKind | None = None
         self._weight = float("inf")
 
@@ -369,15 +370,20 @@ class LaneAssembler:
         for at, head in self._heads:
             view[at:at + len(head)] = head
         self._lanes, self._kind, self._weight = 0, None, float("inf")
+        self._got = set()
 
     @property
     def begun(self) -> bool:
         """Whether a round's frame is being joined (between :meth:`begin` and :meth:`finish`)."""
         return self._buffer is not None
 
-    def add(self, lane: RoundFrame) -> None:
-        """The next lane's consensus (its pieces must be the layout's)."""
-        index = self._lanes
+    def add(self, lane: RoundFrame, index: int | None = None) -> None:
+        """The next lane's consensus (its pieces must be the layout's), or - with ``index``,
+        when lanes come from several senders - lane ``index``'s, in any order."""
+        if index is None:
+            index = self._lanes
+        elif index in self._got:
+            raise SchemaError(f"lane {index} came down twice")
         if self._buffer is None:
             raise SchemaError(f"lane {index} came down before the round's frame was begun")
         if index >= self.layout.count:
@@ -390,7 +396,8 @@ class LaneAssembler:
             start = self._payload_at[p.tensor]
             target = self._buffer[start:start + self.layout.cuts[p.tensor].nbytes]
             self.layout.place(p, None if t.elided else np.frombuffer(_bytes_of(t.data), dtype=np.uint8), target)
-        self._kind, self._weight, self._lanes = lane.kind, min(self._weight, lane.weight), index + 1
+        self._kind, self._weight, self._lanes = lane.kind, min(self._weight, lane.weight), self._lanes + 1
+        self._got.add(index)
 
     @property
     def complete(self) -> bool:

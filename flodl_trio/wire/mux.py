@@ -167,15 +167,61 @@ class Outage:
     millis: int
 
 
+def _addresses(addresses: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    return tuple((str(host), int(port)) for host, port in addresses)
+
+
+def _ranks(ranks: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(rank) for rank in ranks)
+
+
+@attrs.frozen
+class Shards:
+    """flodl_trio extension (variant 206), controller -> relay, before HelloAck (after
+    ``Lanes``): the reduction shards' addresses. Lane k >= 1 of a round in several lanes
+    goes to shard (k - 1) mod len(addresses), lane 0 to the controller, last, once every
+    shard acknowledged the others (see docs/wire.md, "Shards")."""
+
+    addresses: tuple[tuple[str, int], ...] = attrs.field(converter=_addresses)
+
+
+@attrs.frozen
+class ShardSetup:
+    """flodl_trio extension (variant 207), controller -> shard, the first record on the
+    controller's connection to a shard: it is shard ``index`` of ``count``."""
+
+    index: int
+    count: int
+
+
+@attrs.frozen
+class Decide:
+    """flodl_trio extension (variant 208), controller -> shard: the round whose lane 0 just
+    finished sums the pieces of ``hosts`` (each named by its lowest rank, in host order)
+    and goes to ``targets`` (the same naming)."""
+
+    hosts: tuple[int, ...] = attrs.field(converter=_ranks)
+    targets: tuple[int, ...] = attrs.field(converter=_ranks)
+
+
+@attrs.frozen
+class ShardAck:
+    """flodl_trio extension (variant 209), shard -> relay: lane ``lane`` of the relay's
+    HostFrame is in, verified and kept."""
+
+    lane: int
+
+
 NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
 
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
+    | Shards | ShardSetup | Decide | ShardAck
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
-    Resume: 204, Outage: 205,
+    Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
 }
 
 
@@ -213,6 +259,20 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             out += _varint(count) + _varint(min_bytes)
         case Outage(millis=millis):
             out += _varint(millis)
+        case Shards(addresses=addresses):
+            out += _varint(len(addresses))
+            for host, port in addresses:
+                raw = host.encode("utf-8")
+                out += _varint(len(raw)) + raw + _varint(port)
+        case ShardSetup(index=index, count=count):
+            out += _varint(index) + _varint(count)
+        case Decide(hosts=hosts, targets=targets):
+            for ranks in (hosts, targets):
+                out += _varint(len(ranks))
+                for r in ranks:
+                    out += _varint(r)
+        case ShardAck(lane=lane):
+            out += _varint(lane)
         case Resume(last_broadcast=last, awaiting=awaiting, resends=resends):
             out += last + _varint(int(awaiting)) + _varint(int(resends))
         case HelloAck():
@@ -294,6 +354,23 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = Lanes(reader.varint("Lanes count"), reader.varint("Lanes min_bytes"))
     elif variant == 205:
         msg = Outage(reader.varint("Outage millis"))
+    elif variant == 206:
+        addresses = []
+        for i in range(reader.count("shard count", 2)):
+            raw = reader._take(reader.count(f"shard {i} host length", 1), f"shard {i} host")
+            try:
+                addresses.append((raw.decode("utf-8"), reader.varint(f"shard {i} port", limit=0xFFFF)))
+            except UnicodeDecodeError:
+                raise FramingError(f"RelayControlMsg Shards: shard {i}'s host is not UTF-8: {raw!r}") from None
+        msg = Shards(addresses)
+    elif variant == 207:
+        msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"))
+    elif variant == 208:
+        hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
+        targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
+        msg = Decide(hosts, targets)
+    elif variant == 209:
+        msg = ShardAck(reader.varint("ShardAck lane"))
     elif variant == 204:
         last = reader._take(MAC_LEN, "Resume last_broadcast")
         awaiting = bool(reader.varint("Resume awaiting", limit=1))

@@ -1,0 +1,40 @@
+"""``python -m flodl_trio.shard``: a reduction shard (docs/wire.md, "Shards").
+
+It serves until the controller that set it up closes its connection."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..shard import open_shard
+from ..transport.settings import load_salt
+from .common import add_common_flags, configure_logging, env_default, parse_or_exit, run_daemon
+
+log = logging.getLogger("flodl_trio.shard")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flodl_trio.shard",
+        description="A reduction shard: sums the lanes of each round the controller places on it.",
+    )
+    parser.add_argument("--host", default=env_default("FLODL_SHARD_HOST", "0.0.0.0"),
+                        help="address to listen on [env FLODL_SHARD_HOST; default 0.0.0.0]")
+    parser.add_argument("--port", type=int, default=int(env_default("FLODL_SHARD_PORT", 1338)),
+                        help="port for the controller and the relays [env FLODL_SHARD_PORT; default 1338]")
+    add_common_flags(parser)
+    return parser
+
+
+async def serve_shard_daemon(args: argparse.Namespace) -> None:
+    async with open_shard(args.host, args.port, salt=load_salt(args.salt_file), ceiling=args.frame_ceiling) as shard:
+        log.info("shard started: listening on %s:%d", args.host, shard.port)
+        await shard.outcome.wait()
+        log.info("shard finished: %d rounds, %d pieces of hosts left out dropped", shard.rounds, shard.pieces_dropped)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_or_exit(build_parser(), argv, lambda a: None)
+    configure_logging(args.log_level, args.log_format)
+    return run_daemon("shard", lambda: serve_shard_daemon(args))

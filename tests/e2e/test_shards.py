@@ -1,0 +1,171 @@
+"""Shards: lanes 1.. of a round reduced by shards the controller names, lane 0 by it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from flodl_trio import RoundKind, connect_reduce_client
+from flodl_trio.controller import open_controller
+from flodl_trio.relay import ChannelKind, open_relay
+from flodl_trio.shard import open_shard
+from flodl_trio.testing import hold_open
+
+LOOP = "127.0.0.1"
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+async def test_a_round_through_shards_is_the_weighted_mean(salt, shards):
+    hosts = [[0, 1], [2], [3]]
+    world = 4
+    rng = np.random.default_rng(shards)
+    values = {r: rng.standard_normal(50_000).astype(np.float32) for r in range(world)}
+    weights = {r: float(r + 1) for r in range(world)}
+    got: dict[int, tuple] = {}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            handles = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(shards)]
+            async with open_controller(LOOP, 0, world_size=world, salt=salt, lanes=5, lane_min_bytes=0,
+                                       shards=[(LOOP, h.port) for h in handles]) as ctl:
+                relays = []
+                for index, ranks in enumerate(hosts):
+                    relays.append(await nursery.start(hold_open, open_relay(
+                        ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{index}",
+                        ranks=ranks, world_size=world, salt=salt,
+                    )))
+
+                async def rank_main(rank: int) -> None:
+                    host = next(i for i, ranks in enumerate(hosts) if rank in ranks)
+                    async with connect_reduce_client((LOOP, relays[host].port), rank, world, salt) as client:
+                        for round_ in range(3):
+                            t = torch.from_numpy(values[rank] * weights[rank] * (round_ + 1))
+                            got[rank, round_] = await client.all_reduce_weighted([t], RoundKind.MODEL, weights[rank])
+
+                async with trio.open_nursery() as ranks:
+                    for rank in range(world):
+                        ranks.start_soon(rank_main, rank)
+            nursery.cancel_scope.cancel()
+    mass = sum(weights.values())
+    for round_ in range(3):
+        want = sum(weights[r] * values[r] * (round_ + 1) for r in range(world)) / mass
+        for rank in range(world):
+            tensors, got_mass = got[rank, round_]
+            assert got_mass == mass
+            np.testing.assert_allclose(tensors[0].numpy(), want, rtol=1e-5, atol=1e-6)
+        assert all(np.array_equal(got[r, round_][0][0].numpy(), got[0, round_][0][0].numpy()) for r in range(world))
+    assert all(h.rounds == 3 for h in handles)
+
+
+async def test_a_host_lost_after_its_shard_lanes_and_before_lane_0_counts_nowhere(salt):
+    """A relay sends every shard its pieces (each acknowledged) and is lost before its lane 0
+    reaches the controller: the controller decides the round without it, every shard drops
+    its pieces, and the survivors get the mean of their own frames, exactly."""
+    from flodl_trio.transport.buffers import ReceiveBuffer
+    from flodl_trio.transport.stream import MessageStream
+    from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
+    from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
+    from flodl_trio.wire.lanes import LaneLayout
+    from flodl_trio.wire.mux import HelloAck, MuxKind, ShardAck, Shards, decode_control_msg, encode_control_record, encode_mux_record
+    from flodl_trio.wire.round_frame import encode_round_frame
+
+    numel, lanes = 40_000, 5
+
+    async def raw(port: int, ranks: list[int]) -> MessageStream:
+        conn = MessageStream(await trio.open_tcp_stream(LOOP, port), f"port {port}")
+        hello = encode_control_record(Hello("lost", ranks, [EXTENSIONS_MARK]), salt)
+        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), hello])
+        return conn
+
+    async def control(conn: MessageStream) -> object:
+        header = await conn.receive_mux_header()
+        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+        return decode_control_msg(payload)
+
+    got: dict[int, np.ndarray] = {}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            handles = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
+                                       shards=[(LOOP, h.port) for h in handles]) as ctl:
+                relay = await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h0",
+                    ranks=[0, 1], world_size=3, salt=salt,
+                ))
+                lost = await raw(ctl.port, [2])
+                said = [await control(lost) for _ in range(3)]
+                assert isinstance(said[1], Shards) and said[2] == HelloAck()
+                frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
+                parts = LaneLayout.of(frame, lanes, 0).split(frame)
+                to_shards = [await raw(h.port, [2]) for h in handles]
+                for lane in range(1, lanes):
+                    record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(parts[lane], salt), salt)
+                    await to_shards[(lane - 1) % 2].send_chunks(record.chunks)
+                acks = [await control(to_shards[(lane - 1) % 2]) for lane in range(1, lanes)]
+                assert sorted(a.lane for a in acks if isinstance(a, ShardAck)) == list(range(1, lanes))
+                for conn in (lost, *to_shards):
+                    await conn.aclose()  # lost before its lane 0
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
+                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
+
+                async with trio.open_nursery() as ranks:
+                    for rank in (0, 1):
+                        ranks.start_soon(rank_main, rank)
+                assert ctl.dead_ranks.is_dead(2)
+            nursery.cancel_scope.cancel()
+    for rank in (0, 1):
+        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+    assert sum(h.pieces_dropped for h in handles) == lanes - 1
+
+
+async def _one_round(salt, shards: int, *, deterministic: bool) -> dict[int, bytes]:
+    hosts, world = [[0, 1], [2], [3, 4]], 5
+    rng = np.random.default_rng(7)
+    values = {r: rng.standard_normal(30_000).astype(np.float32) for r in range(world)}
+    got: dict[int, bytes] = {}
+    async with trio.open_nursery() as nursery:
+        handles = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(shards)]
+        async with open_controller(LOOP, 0, world_size=world, salt=salt, lanes=7, lane_min_bytes=0,
+                                   deterministic=deterministic, shards=[(LOOP, h.port) for h in handles]) as ctl:
+            relays = [await nursery.start(hold_open, open_relay(
+                ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{i}", ranks=ranks,
+                world_size=world, salt=salt, deterministic=deterministic,
+            )) for i, ranks in enumerate(hosts)]
+
+            async def rank_main(rank: int) -> None:
+                await trio.sleep(0.01 * ((rank * 3) % world))  # another arrival order than host order
+                host = next(i for i, ranks in enumerate(hosts) if rank in ranks)
+                async with connect_reduce_client((LOOP, relays[host].port), rank, world, salt) as client:
+                    out = await client.all_reduce_weighted([torch.from_numpy(values[rank] * (rank + 1))],
+                                                           RoundKind.MODEL, float(rank + 1))
+                    got[rank] = out[0][0].numpy().tobytes()
+
+            async with trio.open_nursery() as ranks:
+                for rank in range(world):
+                    ranks.start_soon(rank_main, rank)
+        nursery.cancel_scope.cancel()
+    return got
+
+
+async def test_shards_give_the_bytes_of_a_deterministic_controller(salt):
+    """Every shard adds the decided hosts in host order: the consensus is bit for bit what a
+    controller in deterministic mode computes from the same frames, lanes and all."""
+    with trio.fail_after(30):
+        sharded = await _one_round(salt, 3, deterministic=True)
+        single = await _one_round(salt, 0, deterministic=True)
+    assert len(set(sharded.values())) == 1
+    assert set(sharded.values()) == set(single.values())
+
+
+async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt):
+    from flodl_trio import ConfigError
+    from flodl_trio.fold.outer import DiLoCoNesterov
+
+    for options, named in (({"lanes": 1}, "lanes >= 2"), ({"outer_optimizer": DiLoCoNesterov()}, "an outer optimizer"),
+                           ({"rejoin_timeout": 5.0}, "rejoining")):
+        with pytest.raises(ConfigError, match=named):
+            async with open_controller(LOOP, 0, world_size=1, salt=salt, shards=[(LOOP, 1)], **options):
+                pass
