@@ -347,3 +347,42 @@ async def test_unreachable_controller_is_a_clear_failure(tmp_path):
             assert await relay.process.wait() == 1
     assert f"connect to {LOOP}:{ctl_port} failed after 60 attempts" in relay.text
     assert "Traceback" not in relay.text
+
+
+@pytest.mark.deadline(60)
+async def test_shard_daemons_reduce_a_controller_daemons_lanes_and_exit_with_it():
+    """Two ``python -m flodl_trio.shard`` processes named by a controller daemon's --shards:
+    two hosts' rounds of 3 lanes are exact, and the shards exit 0 once the controller
+    closes (every rank finished)."""
+    ctl_port, shard_a, shard_b, data0, data1 = free_ports(5)
+    async with trio.open_nursery() as nursery:
+        shards = [await start_daemon(nursery, "flodl_trio.shard", "--host", LOOP, "--port", str(port),
+                                     "--log-level", "INFO") for port in (shard_a, shard_b)]
+        for shard in shards:
+            await shard.wait_for("shard started")
+        controller = await start_daemon(
+            nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port), "--world-size", "2",
+            "--lanes", "3", "--rejoin-timeout", "0", "--shards", f"{LOOP}:{shard_a},{LOOP}:{shard_b}",
+        )  # 1.2 MB frames: 3 lanes at 256 KiB a lane
+        relays = [await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks",
+                                     str(rank), "--world-size", "2", "--host-name", f"h{rank}", "--channels", "data",
+                                     "--data-port", str(port)) for rank, port in ((0, data0), (1, data1))]
+        got: dict[int, list[float]] = {}
+
+        async def rank_main(rank: int, port: int) -> None:
+            async with connect_reduce_client((LOOP, port), rank, 2, salt_bytes()) as client:
+                for k in range(3):
+                    out = await client.all_reduce_tensors([torch.full((300_000,), float(rank + 10 * k))])
+                    got[rank, k] = sorted(set(out[0].tolist()))
+
+        async with trio.open_nursery() as ranks:
+            ranks.start_soon(rank_main, 0, data0)
+            ranks.start_soon(rank_main, 1, data1)
+        with trio.fail_after(20):
+            for daemon in (controller, *relays, *shards):
+                await daemon.process.wait()
+    assert all(got[rank, k] == [0.5 + 10 * k] for rank in (0, 1) for k in range(3))
+    assert [d.process.returncode for d in (controller, *relays, *shards)] == [0, 0, 0, 0, 0], [
+        d.text[-2000:] for d in (controller, *relays, *shards)
+    ]
+    assert "shard finished: 3 rounds" in shards[0].text
