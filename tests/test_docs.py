@@ -188,8 +188,12 @@ SNIPPETS: dict[tuple[str, str], RunBy | NotRun] = {
         "a 35 s benchmark of daemons and four rank processes with a 64 MiB model whose timings depend on this machine",
         checked_by="test_benchmark_blocks_name_real_flags",
     ),
-    ("docs/performance.md", "benchmarks/scale.py"): NotRun(
+    ("docs/performance.md", "scale.py --hosts 2,4 --ranks-per-host 2"): NotRun(
         "a three-minute benchmark of up to 8 network namespaces (root and tc) whose timings depend on this machine",
+        checked_by="test_benchmark_blocks_name_real_flags",
+    ),
+    ("docs/performance.md", "scale.py --hosts 4 --shards"): NotRun(
+        "the same benchmark with a reduction shard on every namespace",
         checked_by="test_benchmark_blocks_name_real_flags",
     ),
     ("docs/performance.md", "benchmarks/allreduce.py --quick"): NotRun(
@@ -1089,7 +1093,8 @@ async def test_benchmark_blocks_name_real_flags():
               doc_snippet("docs/performance.md", "benchmarks/allreduce.py --quick"),
               doc_snippet("docs/performance.md", "benchmarks/rejoin.py"),
               doc_snippet("docs/performance.md", "benchmarks/controller_restart.py"),
-              doc_snippet("docs/performance.md", "benchmarks/scale.py"),
+              doc_snippet("docs/performance.md", "scale.py --hosts 2,4 --ranks-per-host 2"),
+              doc_snippet("docs/performance.md", "scale.py --hosts 4 --shards"),
               doc_snippet("docs/performance.md", "--deterministic --quick")]
     flags_by_script: dict[str, set[str]] = {}
     for block in blocks:
