@@ -246,6 +246,7 @@ async def open_controller(
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
     controller.shard_addresses = tuple((str(h), int(p)) for h, p in shards)
+    controller.windows.lane0_empty = bool(shards)  # lane 0 carries no payload: the shards carry it all
     async with serving(controller.run, handle.outcome, log, "controller"):
         yield handle
 
@@ -654,7 +655,7 @@ class _Controller:
                 f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
             )
         if tag.index == 0:
-            self._lane_layout[link.id] = LaneLayout.of_lane0(frame)
+            self._lane_layout[link.id] = LaneLayout.of_lane0(frame, bool(self.shard_addresses))
         else:
             self._lane_layout[link.id].check_lane(tag.index, frame)
         # With shards a relay sends the controller lane 0 alone.

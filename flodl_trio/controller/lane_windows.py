@@ -92,6 +92,7 @@ class LaneWindows:
         self.keep_window_state = False  # whether params and buffers rounds are kept for joiners
         self.join_whole = False  # whether the round about to open is joined whole (relays sent it so)
         self._joins_whole = False  # the round in progress's
+        self.lane0_empty = False  # with shards: lane 0 of several carries no payload
         self.rounds = 0  # whole rounds finished (each counts once, whatever its lanes)
         self._layout: LaneLayout | None = None
         self._part: WindowPart | None = None
@@ -145,7 +146,7 @@ class LaneWindows:
         # Every relay's lane 0 was checked against the schema it carries, and the
         # fold made them agree: the consensus carries the same schema (a delta
         # round's pieces come out as f32 means: only the schema is checked then).
-        layout = self._layout = LaneLayout.declared_by(lane0)
+        layout = self._layout = LaneLayout.declared_by(lane0, self.lane0_empty)
         delta = is_delta_schema(layout.schema) and lane0.kind == RoundKind.MODEL
         if not delta:
             layout.check_lane(0, lane0)

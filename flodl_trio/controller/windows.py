@@ -29,6 +29,8 @@ class Windows(Protocol):
     keep_window_state: bool
     # Whether relays that send whole frames are seated (with lanes: each round is joined for them).
     join_whole: bool
+    # With shards: lane 0 of a round in several lanes carries no payload.
+    lane0_empty: bool
     # Whole rounds finished (with lanes the stats count each lane's round).
     rounds: int
 
@@ -54,6 +56,7 @@ class WholeFrameWindows:
     applied the hooks; this only hands it on."""
 
     join_whole = False  # every relay sends and gets whole frames: nothing to join
+    lane0_empty = False
 
     def __init__(self, round_: ControllerRound) -> None:
         self._round = round_

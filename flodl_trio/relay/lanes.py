@@ -142,8 +142,9 @@ class ShardLinks:
         self.acked: set[int] = set()
         self.changed = ChangeSignal()  # an ack or a consensus lane came in
 
-    def owner(self, lane: int) -> MessageStream:
-        return self.conns[(lane - 1) % len(self.conns)]
+    def lanes_by_shard(self, count: int) -> list[tuple[MessageStream, list[int]]]:
+        """Each shard's connection and the lanes 1.. of a round of ``count`` lanes it reduces."""
+        return [(conn, list(range(1 + index, count, len(self.conns)))) for index, conn in enumerate(self.conns)]
 
     async def connect(self, on_lane: Callable[[MuxHeader, MessageStream, ReceiveBuffer], Awaitable[None]]) -> None:
         """Dial every shard once, with this relay's Hello, and start each one's reader."""
@@ -246,7 +247,7 @@ class LaneFrames:
     async def uplink(self, frame: RoundFrame | PendingHostDelta) -> LaneUplink:
         """The HostFrame's lanes, to be cut as they go."""
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
-        layout = LaneLayout.of(schema, self.count, self._min_bytes)
+        layout = LaneLayout.of(schema, self.count, self._min_bytes, lane0_empty=self._shards is not None)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
@@ -279,12 +280,20 @@ class LaneFrames:
             records.append(record)
         await self._shards.connect(self._shard_lane)
         self._shards.acked.clear()
-        for lane in range(1, len(records)):
-            await self._shards.owner(lane).send_chunks(records[lane].chunks)
-            sent(records[lane].nbytes)
+        # Every shard's lanes at once: one relay after another to the same shard would
+        # leave the other shards' links idle while every relay waits on one.
+        async with trio.open_nursery() as nursery:
+            for conn, lanes in self._shards.lanes_by_shard(len(records)):
+                nursery.start_soon(self._send_lanes, conn, [records[k] for k in lanes], sent)
         await self._shards.wait_acks(range(1, len(records)))
         await upstream.send_chunks(records[0].chunks)
         sent(records[0].nbytes)
+
+    @staticmethod
+    async def _send_lanes(conn: MessageStream, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
+        for record in records:
+            await conn.send_chunks(record.chunks)
+            sent(record.nbytes)
 
     async def _shard_lane(self, header: MuxHeader, conn: MessageStream, buf: ReceiveBuffer) -> None:
         """A consensus lane from a shard, verified and joined into the round's frame."""

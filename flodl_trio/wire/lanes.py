@@ -180,16 +180,19 @@ class LaneLayout:
     lanes: tuple[tuple[Piece, ...], ...]
 
     @classmethod
-    def of(cls, frame: RoundFrame, count: int, min_bytes: int = 0) -> LaneLayout:
+    def of(cls, frame: RoundFrame, count: int, min_bytes: int = 0, *, lane0_empty: bool = False) -> LaneLayout:
         """The layout of ``frame``'s schema over ``count`` lanes (fewer for a small
-        frame: one per ``min_bytes`` of payload, see :func:`lanes_for`)."""
+        frame: one per ``min_bytes`` of payload, see :func:`lanes_for`); with
+        ``lane0_empty`` lane 0 of several carries no payload (shards: docs/wire.md)."""
         schema = tuple((t.dtype, tuple(t.shape)) for t in frame.tensors)
         if not 1 <= count <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
-        return _layout_for(schema, lanes_for(_payload_bytes(schema), count, min_bytes))
+        return _layout_for(schema, lanes_for(_payload_bytes(schema), count, min_bytes), lane0_empty)
 
     @classmethod
-    def for_schema(cls, schema: Sequence[tuple[int, tuple[int, ...]]], count: int) -> LaneLayout:
+    def for_schema(
+        cls, schema: Sequence[tuple[int, tuple[int, ...]]], count: int, lane0_empty: bool = False
+    ) -> LaneLayout:
         if not 1 <= count <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
         if not schema:  # nothing to cut: one lane, its tag alone
@@ -203,23 +206,27 @@ class LaneLayout:
         numels = [c.numel for c in cuts]
         total = sum(c.nbytes for c in cuts)
         # Byte offsets where lanes start, each moved down to where its tensor may be cut.
-        starts = [_element_boundary(total * k // count, cuts) for k in range(count)] + [(len(schema), 0)]
+        if lane0_empty and count > 1:  # lane 0: the schema and the tag alone; the payload over the others
+            starts = [(0, 0)] + [_element_boundary(total * k // (count - 1), cuts) for k in range(count - 1)]
+        else:
+            starts = [_element_boundary(total * k // count, cuts) for k in range(count)]
+        starts.append((len(schema), 0))
         lanes = []
         for (t0, e0), (t1, e1) in zip(starts, starts[1:]):
             lanes.append(_pieces_between(t0, e0, t1, e1, numels))
         return cls(tuple((dtype, tuple(shape)) for dtype, shape in schema), tuple(lanes))
 
     @classmethod
-    def of_lane0(cls, frame: RoundFrame) -> LaneLayout:
+    def of_lane0(cls, frame: RoundFrame, lane0_empty: bool = False) -> LaneLayout:
         """The layout a round's lane-0 frame (or its consensus) declares: its tag's lane
         count over the schema it carries; SchemaError if the frame is not a lane 0
         or its pieces are not that layout's."""
-        layout = cls.declared_by(frame)
+        layout = cls.declared_by(frame, lane0_empty)
         layout.check_lane(0, frame)
         return layout
 
     @classmethod
-    def declared_by(cls, frame: RoundFrame) -> LaneLayout:
+    def declared_by(cls, frame: RoundFrame, lane0_empty: bool = False) -> LaneLayout:
         """:meth:`of_lane0` without the check of the pieces: for a delta round's lane-0
         consensus, whose pieces are the f32 means of the coded pieces that went up."""
         tag = read_lane_tag(frame)
@@ -231,7 +238,7 @@ class LaneLayout:
                 raise SchemaError(f"lane 0: schema tensor {i} has shape {list(t.shape)} and {t.nbytes} bytes; "
                                   "a schema tensor is empty, of shape [0, *shape]")
             schema.append((t.dtype, tuple(t.shape[1:])))
-        return _layout_for(tuple(schema), tag.count)
+        return _layout_for(tuple(schema), tag.count, lane0_empty)
 
     @property
     def count(self) -> int:
@@ -434,9 +441,9 @@ def _payload_bytes(schema: tuple[tuple[int, tuple[int, ...]], ...]) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _layout_for(schema: tuple[tuple[int, tuple[int, ...]], ...], count: int) -> LaneLayout:
+def _layout_for(schema: tuple[tuple[int, tuple[int, ...]], ...], count: int, lane0_empty: bool = False) -> LaneLayout:
     """The layouts of the few schemas a cluster reduces, computed once each."""
-    return LaneLayout.for_schema(schema, count)
+    return LaneLayout.for_schema(schema, count, lane0_empty)
 
 
 def _brief(schema: Sequence[tuple[int, tuple[int, ...]]]) -> str:

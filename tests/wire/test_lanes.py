@@ -244,3 +244,17 @@ def test_a_frame_of_no_tensors_goes_in_one_lane_carrying_its_tag_alone(salt):
     assert joined.tensors == [] and joined.kind == RoundKind.CONTROL and joined.weight == 2.5
     piece = TensorPayload(DTYPE_F32, (2,), np.zeros(2, "<f4"))
     assert read_lane_tag(RoundFrame([piece, lane_tag(0, 1, 0)])) is None  # pieces but no schema: not a tag
+
+
+def test_with_lane_0_empty_the_payload_goes_over_the_other_lanes(salt):
+    """Shards' layout: lane 0 carries the schema and the tag alone (the controller's, which
+    decides), lanes 1.. share the payload; it splits, reads back from lane 0, and joins."""
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (1000,), np.arange(1000, dtype="<f4")),
+                        TensorPayload(DTYPE_F32, (3, 7), np.ones(21, "<f4"))], RoundKind.MODEL, 2.0)
+    layout = LaneLayout.of(frame, 5, 0, lane0_empty=True)
+    assert layout.count == 5 and sum(p.numel for p in layout.lanes[0]) == 0
+    assert sum(p.numel for lane in layout.lanes for p in lane) == 1021
+    lanes = layout.split(frame)
+    assert LaneLayout.of_lane0(lanes[0], lane0_empty=True) == layout
+    assert layout.join(lanes) == frame
+    assert LaneLayout.of(frame, 5, 0) != layout  # the ordinary layout puts a fifth of the bytes in lane 0
