@@ -23,6 +23,7 @@ import trio
 
 from ..errors import FlodlError, HandshakeError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
+from ..transport.hello import receive_hello
 from ..transport.refusals import Refusals
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
@@ -51,11 +52,7 @@ from ..wire.mux import (
 )
 from ..wire.salt import SessionSalt
 from .dead_ranks import DeadRanks
-from .links import (
-    AfterAllWrites,
-    RelayLink,
-    receive_hello,
-)
+from .links import AfterAllWrites, RelayLink
 from .seats import check_hello_ranks
 
 log = logging.getLogger("flodl_trio.coordinator")

@@ -32,7 +32,7 @@ from functools import partial
 import attrs
 import trio
 
-from ..errors import ConfigError, DesyncError, FlodlError, HandshakeError, MacError, ProtocolError
+from ..errors import ConfigError, DesyncError, FlodlError, MacError, ProtocolError
 from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
@@ -44,6 +44,7 @@ from ..transport.connect import (
     warn_if_public_peer,
 )
 from ..transport.hashing import encode_enveloped_frame
+from ..transport.hello import receive_hello
 from ..transport.refusals import Refusals
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
@@ -65,6 +66,7 @@ from ..wire.constants import (
 from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, read_lane_tag
 from ..wire.mux import (
     DeclareDead,
+    Decide,
     HelloAck,
     Lanes,
     MuxHeader,
@@ -78,7 +80,6 @@ from ..wire.mux import (
     Resume,
     ShardSetup,
     Shards,
-    Decide,
     decode_control_msg,
     encode_control_msg,
     encode_mux_record,
@@ -97,7 +98,7 @@ from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .joins import Returns
 from .lane_windows import LaneOut
-from .links import AfterAllWrites, RelayLink, receive_hello
+from .links import AfterAllWrites, RelayLink
 from .membership import Membership
 from .resumption import Resumption
 from .round import (
@@ -322,9 +323,8 @@ class _Controller:
         tag = read_lane_tag(consensus.outgoing)
         if tag is None or tag.count < 2:
             return
-        lowest = lambda sid: min(self.seats.seats[sid].ranks)  # noqa: E731
-        decide = Decide(sorted(lowest(sid) for sid in consensus.delivered_by),
-                        sorted(lowest(sid) for sid in targets))
+        decide = Decide(sorted(self.seats.lowest_rank(sid) for sid in consensus.delivered_by),
+                        sorted(self.seats.lowest_rank(sid) for sid in targets))
         record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(decide), self.config.salt)
         for conn in self.shards:
             await conn.send_chunks(record.chunks)

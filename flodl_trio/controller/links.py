@@ -14,21 +14,17 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from ..errors import HandshakeError
-from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.settings import NetBounds
+from ..transport.buffers import ReceiveBuffer
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.mux import (
     Hello,
     MuxKind,
     RelayControlMsg,
-    decode_control_msg,
     encode_control_msg,
     encode_mux_record,
 )
 from ..wire.round_frame import EncodedFrame
 from ..wire.salt import SessionSalt
-from ..transport.hello import receive_hello
 from .dead_ranks import DeadRanks
 
 _ids = itertools.count()

@@ -81,6 +81,10 @@ class Seats:
         that host would wait for a window start that never comes down)."""
         return [sid for sid, _seat in self.connected() if sid in delivered_by or self.has_live_rank(sid)]
 
+    def lowest_rank(self, seat_id: int) -> int:
+        """A relay's lowest rank: its place in host order, and its name to the shards."""
+        return min(self.seats[seat_id].ranks)
+
     def first_in_host_order(self, seat_ids: Iterable[int]) -> int | None:
         """Of ``seat_ids``, the relay with the lowest rank (deterministic mode's fold order)."""
         return min(seat_ids, key=lambda sid: min(self.seats[sid].ranks), default=None)

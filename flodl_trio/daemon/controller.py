@@ -18,10 +18,10 @@ from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
 from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .common import (
-    parse_host_port,
     add_common_flags,
     configure_logging,
     env_default,
+    parse_host_port,
     parse_or_exit,
     run_daemon,
 )

@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from ..errors import ConfigError, FlodlError, ProtocolError
+from ..errors import FlodlError, ProtocolError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import listener_port, peer_host, tune_socket
@@ -89,6 +89,7 @@ class ShardHandle:
         self.outcome = RunOutcome()
         self.rounds = 0
         self.pieces_dropped = 0  # pieces of hosts a decision left out
+        self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
 
 
 @asynccontextmanager
@@ -139,7 +140,18 @@ class _Shard:
     # -- the controller ------------------------------------------------------
 
     async def _serve_controller(self, conn: MessageStream) -> None:
-        """Its setup, then its decisions, one per round in several lanes."""
+        """Its setup, then its decisions, one per round in several lanes. A connection whose
+        first record is not a signed ``ShardSetup`` is refused and costs nothing else."""
+        try:
+            with trio.fail_after(self.bounds.handshake):
+                setup = await self._control_record(conn)
+            if not isinstance(setup, ShardSetup) or not 0 <= setup.index < setup.count:
+                raise ProtocolError(f"the first record must be a ShardSetup with index < count, got {setup}")
+        except (FlodlError, trio.TooSlowError, *CONNECTION_LOST) as exc:
+            self._refuse(f"controller connection {conn.peer} refused: {exc or 'no ShardSetup in time'}")
+            await conn.aclose()
+            return
+        self.index, self.count = setup.index, setup.count
         conn.peer = "the controller"
         try:
             while True:
@@ -147,11 +159,7 @@ class _Shard:
                 if msg is None:
                     log.info("shard %s: the controller closed its connection", self.index)
                     return
-                if isinstance(msg, ShardSetup):
-                    if not 0 <= msg.index < msg.count:
-                        raise ConfigError(f"shard setup: index {msg.index} of {msg.count}")
-                    self.index, self.count = msg.index, msg.count
-                elif isinstance(msg, Decide):
+                if isinstance(msg, Decide):
                     await self._decide(msg)
                 else:
                     raise ProtocolError(f"the controller sent a shard {type(msg).__name__}")
@@ -194,8 +202,17 @@ class _Shard:
 
     # -- the relays ----------------------------------------------------------
 
+    def _refuse(self, message: str) -> None:
+        log.warning("shard %s: %s", self.index, message)
+        self.handle.refused += 1
+
     async def _serve_relay(self, conn: MessageStream) -> None:
-        hello = await receive_hello(conn, self.salt, self.bounds)
+        try:
+            hello = await receive_hello(conn, self.salt, self.bounds)
+        except (FlodlError, trio.TooSlowError, *CONNECTION_LOST) as exc:
+            self._refuse(f"relay connection {conn.peer} refused: {exc or 'no Hello in time'}")
+            await conn.aclose()
+            return
         send, receive = trio.open_memory_channel[EncodedFrame](64)
         relay = _Relay(hello.host, min(hello.ranks), conn, send, receive)
         conn.peer = relay.name

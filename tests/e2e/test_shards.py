@@ -169,3 +169,32 @@ async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt):
         with pytest.raises(ConfigError, match=named):
             async with open_controller(LOOP, 0, world_size=1, salt=salt, shards=[(LOOP, 1)], **options):
                 pass
+
+
+async def test_a_shard_refuses_connections_without_the_salt_and_serves_on(salt):
+    """On a shard's port, a 'controller' or a 'relay' that cannot sign its first record (the
+    wrong salt), or says nothing, is refused and logged; the shard then serves a round."""
+    from flodl_trio import SessionSalt
+    from flodl_trio.wire import EXTENSIONS_MARK, Hello
+    from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_SHARD
+    from flodl_trio.wire.mux import ShardSetup, encode_control_record
+
+    wrong = SessionSalt(b"\x09" * 16)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
+            for magic, msg in ((CHANNEL_MAGIC_SHARD, ShardSetup(0, 1)), (CHANNEL_MAGIC_DATA, Hello("x", [0], [EXTENSIONS_MARK]))):
+                stream = await trio.open_tcp_stream(LOOP, shard.port)
+                await stream.send_all(magic.to_bytes(4, "little") + bytes(encode_control_record(msg, wrong)))
+                assert await stream.receive_some(16) == b""  # closed on us
+            assert shard.refused == 2
+            async with open_controller(LOOP, 0, world_size=1, salt=salt, lanes=3, lane_min_bytes=0,
+                                       shards=[(LOOP, shard.port)]) as ctl:
+                relay = await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h", ranks=[0],
+                    world_size=1, salt=salt,
+                ))
+                async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
+                    out = await client.all_reduce_tensors([torch.full((1000,), 3.0)])
+                assert bool((out[0] == 3.0).all()) and shard.rounds == 1
+            nursery.cancel_scope.cancel()
