@@ -198,3 +198,51 @@ async def test_a_shard_refuses_connections_without_the_salt_and_serves_on(salt):
                     out = await client.all_reduce_tensors([torch.full((1000,), 3.0)])
                 assert bool((out[0] == 3.0).all()) and shard.rounds == 1
             nursery.cancel_scope.cancel()
+
+
+async def test_a_lost_shard_ends_the_relays_channels_with_an_error_and_nothing_hangs(salt):
+    """The prototype does not move a lost shard's lanes yet: every relay's channel ends
+    naming the shard, and the ranks' next round fails at once rather than waiting."""
+    from flodl_trio import FlodlError
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shard_scope = trio.CancelScope()
+
+            async def shard_until_cancelled(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                with shard_scope:
+                    async with open_shard(LOOP, 0, salt=salt) as shard:
+                        task_status.started(shard)
+                        await trio.sleep_forever()
+
+            shard = await nursery.start(shard_until_cancelled)
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=3, lane_min_bytes=0,
+                                       shards=[(LOOP, shard.port)]) as ctl:
+                relays = [await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+                    ranks=[rank], world_size=2, salt=salt,
+                )) for rank in range(2)]
+                errors: dict[int, FlodlError] = {}
+                done_first = {rank: trio.Event() for rank in range(2)}
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+                        out = await client.all_reduce_tensors([torch.full((1000,), float(rank))])
+                        assert bool((out[0] == 0.5).all())
+                        done_first[rank].set()
+                        if rank == 0:
+                            await done_first[1].wait()
+                            shard_scope.cancel()  # the shard is gone between two rounds
+                        with pytest.raises(FlodlError) as caught:
+                            for _ in range(3):
+                                await client.all_reduce_tensors([torch.full((1000,), float(rank))])
+                        errors[rank] = caught.value
+
+                async with trio.open_nursery() as ranks:
+                    for rank in range(2):
+                        ranks.start_soon(rank_main, rank)
+                for relay in relays:
+                    with pytest.raises(FlodlError, match="shard 0"):
+                        await relay.wait_finished()
+            nursery.cancel_scope.cancel()
+    assert set(errors) == {0, 1}
