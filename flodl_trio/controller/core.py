@@ -32,7 +32,7 @@ from functools import partial
 import attrs
 import trio
 
-from ..errors import ConfigError, DesyncError, FlodlError, MacError, ProtocolError
+from ..errors import ConfigError, DesyncError, FlodlError, HandshakeError, MacError, ProtocolError
 from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
@@ -422,6 +422,12 @@ class _Controller:
         try:
             hello = await receive_hello(conn, self.config.salt, self.config.bounds)
             self.seats.check_hello(hello)
+            if self.shard_addresses and not hello.takes_extensions:
+                raise HandshakeError(
+                    f"the relay of host {hello.host!r} does not say it takes flodl_trio's extensions (a flodl relay?), "
+                    "and this controller reduces with shards, which such a relay cannot reach: start the controller "
+                    "without --shards, or use flodl_trio relays"
+                )
         except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             if isinstance(exc, MacError):
                 self.stats.mac_failures += 1

@@ -246,3 +246,21 @@ async def test_a_lost_shard_ends_the_relays_channels_with_an_error_and_nothing_h
                         await relay.wait_finished()
             nursery.cancel_scope.cancel()
     assert set(errors) == {0, 1}
+
+
+async def test_a_controller_with_shards_refuses_a_flodl_relay_saying_why(salt):
+    """A relay without the extensions mark cannot reach shards: it is refused at its Hello,
+    at its own cost; a flodl_trio relay is seated."""
+    from tests.e2e.test_data_plane import _expect_ack, _expect_closed, _fake_relay
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, shards=[(LOOP, shard.port)]) as ctl:
+                await _expect_closed(await _fake_relay(ctl.port, salt, "h-flodl", [0]))
+                conn = await _fake_relay(ctl.port, salt, "h-trio", [0], extensions=True)
+                await _expect_ack(conn, salt)  # Lanes, then Shards and HelloAck
+                await conn.aclose()
+            nursery.cancel_scope.cancel()
+    refused = [r for r in ctl.rejections if "h-flodl" in r]
+    assert refused and "reduces with shards" in refused[0]
