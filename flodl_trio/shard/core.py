@@ -45,7 +45,7 @@ from ..wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_delta_dtype
 from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.shard")
@@ -250,6 +250,9 @@ class _Shard:
             tag = read_lane_tag(frame)
             if tag is None or self.index is None or lane_owner(tag.index, self.count) != self.index:
                 raise ProtocolError(f"sent lane {tag} to shard {self.index} of {self.count}, which does not reduce it")
+            if any(is_delta_dtype(t.dtype) for t in frame.tensors):
+                raise ProtocolError(f"sent lane {tag.index} of a delta round (coded pseudo-gradients): shards do "
+                                    "not reduce delta rounds yet (run them without --shards)")
             if tag.index in relay.pieces:
                 raise ProtocolError(f"sent lane {tag.index} twice before the round was decided")
             relay.pieces[tag.index] = frame

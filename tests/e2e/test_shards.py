@@ -121,7 +121,7 @@ async def test_a_host_lost_after_its_shard_lanes_and_before_lane_0_counts_nowher
     assert sum(h.pieces_dropped for h in handles) == lanes - 1
 
 
-async def _one_round(salt, shards: int, *, deterministic: bool) -> dict[int, bytes]:
+async def _one_round(salt, shards: int, *, deterministic: bool, bf16: bool = False) -> dict[int, bytes]:
     hosts, world = [[0, 1], [2], [3, 4]], 5
     rng = np.random.default_rng(7)
     values = {r: rng.standard_normal(30_000).astype(np.float32) for r in range(world)}
@@ -139,6 +139,7 @@ async def _one_round(salt, shards: int, *, deterministic: bool) -> dict[int, byt
                 await trio.sleep(0.01 * ((rank * 3) % world))  # another arrival order than host order
                 host = next(i for i, ranks in enumerate(hosts) if rank in ranks)
                 async with connect_reduce_client((LOOP, relays[host].port), rank, world, salt) as client:
+                    client.bf16_wire = bf16
                     out = await client.all_reduce_weighted([torch.from_numpy(values[rank] * (rank + 1))],
                                                            RoundKind.MODEL, float(rank + 1))
                     got[rank] = out[0][0].numpy().tobytes()
@@ -150,12 +151,14 @@ async def _one_round(salt, shards: int, *, deterministic: bool) -> dict[int, byt
     return got
 
 
-async def test_shards_give_the_bytes_of_a_deterministic_controller(salt):
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+async def test_shards_give_the_bytes_of_a_deterministic_controller(salt, bf16):
     """Every shard adds the decided hosts in host order: the consensus is bit for bit what a
-    controller in deterministic mode computes from the same frames, lanes and all."""
+    controller in deterministic mode computes from the same frames, lanes and all, on the
+    f32 wire and on bf16's."""
     with trio.fail_after(30):
-        sharded = await _one_round(salt, 3, deterministic=True)
-        single = await _one_round(salt, 0, deterministic=True)
+        sharded = await _one_round(salt, 3, deterministic=True, bf16=bf16)
+        single = await _one_round(salt, 0, deterministic=True, bf16=bf16)
     assert len(set(sharded.values())) == 1
     assert set(sharded.values()) == set(single.values())
 
@@ -264,3 +267,32 @@ async def test_a_controller_with_shards_refuses_a_flodl_relay_saying_why(salt):
             nursery.cancel_scope.cancel()
     refused = [r for r in ctl.rejections if "h-flodl" in r]
     assert refused and "reduces with shards" in refused[0]
+
+
+async def test_a_delta_round_is_refused_by_the_shard_naming_why(salt, caplog):
+    """Shards do not reduce coded pseudo-gradients yet: a delta round's lane is refused with
+    that reason (the relay that sent it is dropped), not summed into something wrong."""
+    import logging
+
+    from flodl_trio import FlodlError, average_window
+    from flodl_trio.wire.quant import DeltaCodec
+
+    caplog.set_level(logging.WARNING, logger="flodl_trio.shard")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
+            async with open_controller(LOOP, 0, world_size=1, salt=salt, lanes=3, lane_min_bytes=0,
+                                       shards=[(LOOP, shard.port)]) as ctl:
+                relay = await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h", ranks=[0],
+                    world_size=1, salt=salt,
+                ))
+                async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
+                    client.delta_codec = DeltaCodec.parse("int8")
+                    params = [torch.zeros(20_000)]
+                    with pytest.raises(FlodlError):
+                        for window in range(4):
+                            params[0] += float(window + 1)
+                            await average_window(client, params, [], 1, rank=0, world_size=1, in_place=True)
+            nursery.cancel_scope.cancel()
+    assert any("delta round" in r.getMessage() and "shards do not reduce" in r.getMessage() for r in caplog.records)
