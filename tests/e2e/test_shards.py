@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,18 @@ from flodl_trio.shard import open_shard
 from flodl_trio.testing import hold_open
 
 LOOP = "127.0.0.1"
+
+
+@asynccontextmanager
+async def one_host_with_a_shard(nursery: trio.Nursery, salt, shard) -> AsyncIterator[tuple[object, object]]:
+    """A controller in 3 lanes whose lanes 1.. go to ``shard``, and one relay carrying rank 0."""
+    async with open_controller(LOOP, 0, world_size=1, salt=salt, lanes=3, lane_min_bytes=0,
+                               shards=[(LOOP, shard.port)]) as ctl:
+        relay = await nursery.start(hold_open, open_relay(
+            ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h", ranks=[0],
+            world_size=1, salt=salt,
+        ))
+        yield ctl, relay
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])
@@ -191,12 +206,7 @@ async def test_a_shard_refuses_connections_without_the_salt_and_serves_on(salt):
                 await stream.send_all(magic.to_bytes(4, "little") + bytes(encode_control_record(msg, wrong)))
                 assert await stream.receive_some(16) == b""  # closed on us
             assert shard.refused == 2
-            async with open_controller(LOOP, 0, world_size=1, salt=salt, lanes=3, lane_min_bytes=0,
-                                       shards=[(LOOP, shard.port)]) as ctl:
-                relay = await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h", ranks=[0],
-                    world_size=1, salt=salt,
-                ))
+            async with one_host_with_a_shard(nursery, salt, shard) as (_ctl, relay):
                 async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
                     out = await client.all_reduce_tensors([torch.full((1000,), 3.0)])
                 assert bool((out[0] == 3.0).all()) and shard.rounds == 1
@@ -281,12 +291,7 @@ async def test_a_delta_round_is_refused_by_the_shard_naming_why(salt, caplog):
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
-            async with open_controller(LOOP, 0, world_size=1, salt=salt, lanes=3, lane_min_bytes=0,
-                                       shards=[(LOOP, shard.port)]) as ctl:
-                relay = await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h", ranks=[0],
-                    world_size=1, salt=salt,
-                ))
+            async with one_host_with_a_shard(nursery, salt, shard) as (_ctl, relay):
                 async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
                     client.delta_codec = DeltaCodec.parse("int8")
                     params = [torch.zeros(20_000)]
