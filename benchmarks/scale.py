@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument("--mib", type=float, default=None,
                         help="model size in MiB (default: 8 up to 4 hosts, 4 beyond)")
     parser.add_argument("--lanes", type=int, default=8, help="--lanes of the controller and relays (default 8)")
-    parser.add_argument("--shards", action="store_true", help="a reduction shard on every host (the prototype)")
+    parser.add_argument("--shards", action="store_true", help="a reduction shard on every host")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()

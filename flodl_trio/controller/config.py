@@ -65,7 +65,7 @@ def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
 def check_shards(
     *, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object, rejoin_timeout: float
 ) -> None:
-    """Shards (a prototype) reduce lanes 1.. elsewhere: what needs every lane here is refused."""
+    """Shards reduce lanes 1.. elsewhere: what needs every lane here is refused."""
     needs_every_lane = [
         what for what, given in (
             ("an outer optimizer", outer_optimizer is not None), ("a checkpoint sink", checkpoint is not None),
@@ -76,7 +76,7 @@ def check_shards(
     if lanes < 2:
         raise ConfigError(f"shards reduce lanes 1.. of a round: they need lanes >= 2, got {lanes}")
     if needs_every_lane:
-        raise ConfigError("shards (a prototype) do not work yet with " + ", ".join(needs_every_lane))
+        raise ConfigError("shards do not work yet with " + ", ".join(needs_every_lane))
 
 
 def membership_policy(

@@ -37,7 +37,6 @@ from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.connect import (
-    connect_with_retry,
     listener_port,
     peer_host,
     tune_socket,
@@ -57,7 +56,6 @@ from ..transport.tasks import (
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
     CHANNEL_MAGIC_DATA,
-    CHANNEL_MAGIC_SHARD,
     CHANNEL_MAGIC_STATE,
     DEFAULT_FRAME_CEILING,
     MAC_LEN,
@@ -66,8 +64,8 @@ from ..wire.constants import (
 from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, read_lane_tag
 from ..wire.mux import (
     DeclareDead,
-    Decide,
     HelloAck,
+    LanesIn,
     Lanes,
     MuxHeader,
     MuxKind,
@@ -78,7 +76,6 @@ from ..wire.mux import (
     RankJoin,
     RelayControlMsg,
     Resume,
-    ShardSetup,
     Shards,
     decode_control_msg,
     encode_control_msg,
@@ -109,6 +106,7 @@ from .round import (
     WindowStore,
 )
 from .seats import Seats
+from .shards import Seat, ShardSet
 from .stats import ControllerStats
 from .status import serve_status
 from .windows import rounds_and_windows
@@ -246,7 +244,11 @@ async def open_controller(
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
-    controller.shard_addresses = tuple((str(h), int(p)) for h, p in shards)
+    if shards:
+        controller.shards = ShardSet(
+            [(str(h), int(p)) for h, p in shards], config, controller.seats.is_connected, controller._tell_relays,
+            handle.stats,
+        )
     controller.windows.lane0_empty = bool(shards)  # lane 0 carries no payload: the shards carry it all
     async with serving(controller.run, handle.outcome, log, "controller"):
         yield handle
@@ -303,39 +305,34 @@ class _Controller:
         )
         handle.coordinator.outage_ms = self.resumption.announced_outage_ms(config.bounds)
 
-    shard_addresses: tuple[tuple[str, int], ...] = ()
+    shards: ShardSet | None = None  # the reduction shards, if any (docs/wire.md, "Shards")
 
-    async def _dial_shards(self) -> None:
-        """Tell each reduction shard which it is (docs/wire.md, "Shards")."""
-        self.shards: list[MessageStream] = []
-        for index, (host, port) in enumerate(self.shard_addresses):
-            stream = await connect_with_retry(host, port, f"controller: shard {index}", self.config.bounds)
-            conn = MessageStream(stream, f"shard {index}", self.config.bounds)
-            setup = encode_mux_record(MuxKind.CONTROL, encode_control_msg(ShardSetup(index, len(self.shard_addresses))),
-                                      self.config.salt)
-            await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *setup.chunks])
-            self.shards.append(conn)
-
-    async def _decide(self, consensus: Consensus, targets: Sequence[int]) -> None:
-        """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces."""
-        if not self.shard_addresses or not isinstance(consensus.outgoing, RoundFrame):
-            return
+    async def _decide(self, consensus: Consensus, targets: list[int]) -> list[int]:
+        """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces;
+        the targets still live once every one holds them (lane 0, the commit, goes to those)."""
+        if self.shards is None or not isinstance(consensus.outgoing, RoundFrame):
+            return targets
         tag = read_lane_tag(consensus.outgoing)
         if tag is None or tag.count < 2:
-            return
-        decide = Decide(sorted(self.seats.lowest_rank(sid) for sid in consensus.delivered_by),
-                        sorted(self.seats.lowest_rank(sid) for sid in targets))
-        record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(decide), self.config.salt)
-        for conn in self.shards:
-            await conn.send_chunks(record.chunks)
+            return targets
+        return await self.shards.decide(
+            [Seat(sid, self.seats.lowest_rank(sid)) for sid in consensus.delivered_by],
+            [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
+        )
+
+    def _tell_relays(self, msg: RelayControlMsg) -> None:
+        for link in self.links.values():
+            if not link.closed:
+                link.queue_control(msg, self.config.salt)
 
     async def run(self) -> None:
-        await self._dial_shards()
+        if self.shards is not None:
+            await self.shards.dial()
         try:
             await self._serve()
         finally:
-            for conn in self.shards:
-                await conn.aclose()  # a shard ends with its controller
+            if self.shards is not None:
+                await self.shards.aclose()
 
     async def _serve(self) -> None:
         self.resumption.restore()
@@ -346,6 +343,8 @@ class _Controller:
             nursery.start_soon(self._form_without_everyone)
             nursery.start_soon(self._broadcaster, self._consensus_receive)
             nursery.start_soon(self.handle.coordinator.run)
+            if self.shards is not None:
+                self.shards.start_watching(nursery)
             await nursery.start(trio.serve_listeners, self._route, self.listeners)
 
     def _refuse(self, message: str) -> None:
@@ -422,7 +421,7 @@ class _Controller:
         try:
             hello = await receive_hello(conn, self.config.salt, self.config.bounds)
             self.seats.check_hello(hello)
-            if self.shard_addresses and not hello.takes_extensions:
+            if self.shards is not None and not hello.takes_extensions:
                 raise HandshakeError(
                     f"the relay of host {hello.host!r} does not say it takes flodl_trio's extensions (a flodl relay?), "
                     "and this controller reduces with shards, which such a relay cannot reach: start the controller "
@@ -449,8 +448,10 @@ class _Controller:
         # The lanes come before HelloAck, so the relay knows how it sends before it sends anything.
         if self.config.lanes > 1 and link.takes_extensions:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
-            if self.shard_addresses:
-                link.queue_control(Shards(self.shard_addresses), self.config.salt)
+            if self.shards is not None:
+                link.queue_control(Shards(self.shards.addresses), self.config.salt)
+                for msg in self.shards.told_at_hello():
+                    link.queue_control(msg, self.config.salt)
         link.queue_control(HelloAck(), self.config.salt)
         if link.takes_extensions:
             self.handle.coordinator.host_takes_extensions(link.host)
@@ -469,6 +470,8 @@ class _Controller:
         """A relay is gone: its live ranks are dead, the survivors carry on."""
         self.seats.unseat(link.id)
         self.resumption.forget(link.id)
+        if self.shards is not None:
+            self.shards.relay_gone(link.id)
         for rank in self.membership.seat_gone(link.id):
             self.returns.call_off(rank, f"{link.name} left before it was let back in")
         await link.close_and_declare_dead(self.dead, why, log)
@@ -661,11 +664,11 @@ class _Controller:
                 f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
             )
         if tag.index == 0:
-            self._lane_layout[link.id] = LaneLayout.of_lane0(frame, bool(self.shard_addresses))
+            self._lane_layout[link.id] = LaneLayout.of_lane0(frame, self.shards is not None)
         else:
             self._lane_layout[link.id].check_lane(tag.index, frame)
         # With shards a relay sends the controller lane 0 alone.
-        last = tag.index == tag.count - 1 or bool(self.shard_addresses)
+        last = tag.index == tag.count - 1 or self.shards is not None
         self._next_lane[link.id] = 0 if last else tag.index + 1
         return tag.index
 
@@ -695,6 +698,8 @@ class _Controller:
             if again is not None:
                 link.queue(again, before_write=partial(self.rounds[0].broadcast_going_out, link.id))
             return
+        if isinstance(msg, LanesIn) and self.shards is not None:
+            return self.shards.lanes_in(link.id, msg.decision)
         if not isinstance(msg, RankExit | RankJoin | RankFinished):
             raise ProtocolError(f"unexpected {type(msg).__name__} mid-session")
         if msg.rank not in link.ranks:
@@ -756,7 +761,7 @@ class _Controller:
             # A relay resumes from what it was sent: the lane record, or (no relay took
             # lanes) the whole one; flodl relays never resume.
             if lane == 0:
-                await self._decide(consensus, lane_targets)
+                lane_targets = await self._decide(consensus, lane_targets)
             await self.resumption.record(
                 record, part, self.window_store.latest if boundary else None,
                 opens_round=out.opens_round, ends_round=out.ends_round,

@@ -88,6 +88,12 @@ class ControllerCollector(Collector):
             "Rounds folded into the f32 sum images of an earlier round instead of new ones",
             stats.fold_images_reused,
         )
+        yield counter("flodl_controller_shards_lost", "Reduction shards lost (closed, or silent)", stats.shards_lost)
+        yield counter(
+            "flodl_controller_decisions_again",
+            "Rounds decided again for the shards: one was lost before the round committed",
+            stats.decisions_again,
+        )
 
 
 __all__ = ["ControllerCollector"]

@@ -55,6 +55,10 @@ class Seats:
         """A relay's connection is gone (its ranks are declared dead by the caller)."""
         self.seats[seat_id].connected = False
 
+    def is_connected(self, seat_id: int) -> bool:
+        """Whether the relay's connection is still up."""
+        return self.seats[seat_id].connected
+
     def name(self, seat_id: int) -> str:
         return self.seats[seat_id].name
 

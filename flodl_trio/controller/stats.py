@@ -44,6 +44,8 @@ class ControllerStats:
     states_served: int = 0  # window states sent to joining ranks
     rounds_finished_ahead: int = 0  # consensus computed and signed while the last frame arrived
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
+    shards_lost: int = 0  # reduction shards lost (closed, or silent for a heartbeat timeout)
+    decisions_again: int = 0  # rounds decided again for the shards (one was lost before the round committed)
 
 
 __all__ = ["ControllerStats", "LatencyHistogram"]

@@ -45,6 +45,7 @@ from ..wire.mux import (
     RankJoin,
     RelayControlMsg,
     Resume,
+    ShardLost,
     decode_control_msg,
     encode_mux_record,
     mux_signed_header,
@@ -390,6 +391,11 @@ class DataPlane:
     # -- records from the controller -------------------------------------------
 
     async def _on_control(self, msg: RelayControlMsg, out: Outbox) -> None:
+        if isinstance(msg, ShardLost):
+            shards = self.frames.shards if isinstance(self.frames, LaneFrames) else None
+            if shards is None:
+                raise ProtocolError(f"relay {self.config.host_name}: ShardLost, and the controller named no shards")
+            return await shards.shard_lost(msg.shard)
         if isinstance(msg, RankAway):
             return await self._on_away(msg.rank, out)
         if not isinstance(msg, RankJoin):

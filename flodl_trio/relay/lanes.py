@@ -21,32 +21,23 @@ code path whatever the lane count:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+
 import trio
 
-from ..errors import DesyncError, ProtocolError
+from ..errors import DesyncError
 from ..fold.delta import PendingHostDelta
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
-from ..transport.connect import connect_with_retry
 from ..transport.stream import MessageStream
 from ..transport.tasks import ChangeSignal
-from ..wire.constants import CHANNEL_MAGIC_DATA
-from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for, read_lane_tag
-from ..wire.mux import (
-    EXTENSIONS_MARK,
-    Hello,
-    MuxHeader,
-    MuxKind,
-    ShardAck,
-    decode_control_msg,
-    encode_control_msg,
-    encode_mux_record,
-)
+from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
+from ..wire.mux import MuxKind
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .config import RelayConfig
+from .shards import ShardLinks
 
 
 # Lane frames a relay has up ahead of the consensus lanes that came down: the controller
@@ -130,71 +121,6 @@ class WholeFrames:
         yield payload  # the record is the consensus, signed by the controller
 
 
-class ShardLinks:
-    """A data channel's connections to the reduction shards the controller named
-    (docs/wire.md, "Shards"): lane k >= 1 of a round in lanes goes up on shard
-    (k - 1) mod S's, which acknowledges it and later sends that lane's consensus down."""
-
-    def __init__(self, config: RelayConfig, start_task: Callable[..., None]) -> None:
-        self._config = config
-        self._start_task = start_task
-        self.conns: list[MessageStream] = []
-        self.acked: set[int] = set()
-        self.changed = ChangeSignal()  # an ack or a consensus lane came in
-
-    def lanes_by_shard(self, count: int) -> list[tuple[MessageStream, list[int]]]:
-        """Each shard's connection and the lanes 1.. of a round of ``count`` lanes it reduces."""
-        return [(conn, list(range(1 + index, count, len(self.conns)))) for index, conn in enumerate(self.conns)]
-
-    async def connect(self, on_lane: Callable[[MuxHeader, MessageStream, ReceiveBuffer], Awaitable[None]]) -> None:
-        """Dial every shard once, with this relay's Hello, and start each one's reader."""
-        if self.conns:
-            return
-        config = self._config
-        hello = encode_mux_record(
-            MuxKind.CONTROL, encode_control_msg(Hello(config.host_name, config.ranks, [EXTENSIONS_MARK])), config.salt
-        )
-        for index, (host, port) in enumerate(config.shards):
-            stream = await connect_with_retry(host, port, f"relay {config.host_name} shard {index}", config.bounds,
-                                              trio.open_tcp_stream)
-            conn = MessageStream(stream, f"shard {index} {host}:{port}", config.bounds)
-            await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), *hello.chunks])
-            self.conns.append(conn)
-            self._start_task(self._read, conn, on_lane)
-
-    async def _read(
-        self, conn: MessageStream, on_lane: Callable[[MuxHeader, MessageStream, ReceiveBuffer], Awaitable[None]]
-    ) -> None:
-        """A shard's acks and consensus lanes, until the channel ends (a shard lost ends it)."""
-        buf = ReceiveBuffer()
-        try:
-            await self._read_records(conn, buf, on_lane)
-        finally:
-            await conn.aclose()
-
-    async def _read_records(
-        self, conn: MessageStream, buf: ReceiveBuffer,
-        on_lane: Callable[[MuxHeader, MessageStream, ReceiveBuffer], Awaitable[None]],
-    ) -> None:
-        while True:
-            header = await conn.receive_mux_header(self._config.ceiling)
-            if header is None:
-                raise ProtocolError(f"relay {self._config.host_name}: {conn.peer} closed its connection")
-            if header.kind != MuxKind.CONTROL:
-                await on_lane(header, conn, buf)
-                continue
-            _, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
-            msg = decode_control_msg(payload)
-            if not isinstance(msg, ShardAck):
-                raise ProtocolError(f"{conn.peer} sent {type(msg).__name__}")
-            self.acked.add(msg.lane)
-            self.changed.notify()
-
-    async def wait_acks(self, lanes: range) -> None:
-        while not set(lanes) <= self.acked:
-            await self.changed.wait()
-
-
 class LaneFrames:
     """The lanes extension on the relay's side (see the module docstring). A frame that
     goes in one lane goes whole, as flodl sends it, and its consensus comes back whole:
@@ -204,7 +130,7 @@ class LaneFrames:
         self._config = config
         self._pool = pool
         # Lanes 1.. of each round to the reduction shards, if the controller named any.
-        self._shards = ShardLinks(config, start_task) if config.shards and start_task is not None else None
+        self.shards = ShardLinks(config, start_task, self) if config.shards and start_task is not None else None
         self._joining = trio.Lock()  # the first consensus lane in (from any connection) begins the frame
         assert config.lanes is not None and config.lanes > 1, "the channel's config says the controller's lanes"
         self.count = config.lanes
@@ -247,7 +173,7 @@ class LaneFrames:
     async def uplink(self, frame: RoundFrame | PendingHostDelta) -> LaneUplink:
         """The HostFrame's lanes, to be cut as they go."""
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
-        layout = LaneLayout.of(schema, self.count, self._min_bytes, lane0_empty=self._shards is not None)
+        layout = LaneLayout.of(schema, self.count, self._min_bytes, lane0_empty=self.shards is not None)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
@@ -259,8 +185,11 @@ class LaneFrames:
         """The HostFrame's lane frames, in lane order, each its own signed record (``sent``
         told each one's size), at most LANES_AHEAD of them ahead of the consensus lanes
         that came down."""
-        if self._shards is not None:
-            return await self._send_to_shards(uplink, upstream, sent)
+        if self.shards is not None:
+            records = []
+            while (record := await uplink.next_record()) is not None:
+                records.append(record)
+            return await self.shards.send_round(records, upstream, sent)
         lanes = 0
         while lanes < uplink.count:
             await self._wait_for_consensus_lanes(lanes - LANES_AHEAD + 1)
@@ -271,43 +200,21 @@ class LaneFrames:
             sent(record.nbytes)
             lanes += 1
 
-    async def _send_to_shards(self, uplink: LaneUplink, upstream: MessageStream, sent: Callable[[int], None]) -> None:
-        """Lanes 1.. to their shards; once every shard has acknowledged them, lane 0 to the
-        controller, which decides the round's contributors from it (docs/wire.md, "Shards")."""
-        assert self._shards is not None
-        records = []
-        while (record := await uplink.next_record()) is not None:
-            records.append(record)
-        await self._shards.connect(self._shard_lane)
-        self._shards.acked.clear()
-        # Every shard's lanes at once: one relay after another to the same shard would
-        # leave the other shards' links idle while every relay waits on one.
-        async with trio.open_nursery() as nursery:
-            for conn, lanes in self._shards.lanes_by_shard(len(records)):
-                nursery.start_soon(self._send_lanes, conn, [records[k] for k in lanes], sent)
-        await self._shards.wait_acks(range(1, len(records)))
-        await upstream.send_chunks(records[0].chunks)
-        sent(records[0].nbytes)
+    async def join(self, lane: RoundFrame, index: int) -> None:
+        """A shard's consensus lane ``index`` (any order)."""
+        await self._join(lane, index)
 
-    @staticmethod
-    async def _send_lanes(conn: MessageStream, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
-        for record in records:
-            await conn.send_chunks(record.chunks)
-            sent(record.nbytes)
+    def drop(self, index: int) -> None:
+        """A shard's lane of a decision that a newer one replaced."""
+        if self._assembler is not None and self._assembler.begun:
+            self._assembler.drop(index)
 
-    async def _shard_lane(self, header: MuxHeader, conn: MessageStream, buf: ReceiveBuffer) -> None:
-        """A consensus lane from a shard, verified and joined into the round's frame."""
-        kind, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
-        if kind is not MuxKind.BROADCAST:
-            raise ProtocolError(f"{conn.peer} sent a {kind.name} record")
-        lane = decode_round_frame(payload, self._config.salt, ceiling=self._config.ceiling, source=conn.peer,
-                                  authenticated=True)
-        await self._join(lane)
-        assert self._shards is not None
-        self._shards.changed.notify()
+    def has(self, index: int) -> bool:
+        return self._assembler is not None and self._assembler.begun and self._assembler.has(index)
 
-    async def _join(self, lane: RoundFrame) -> None:
-        """Add a consensus lane to the round's frame (begun by the first lane in)."""
+    async def _join(self, lane: RoundFrame, index: int | None = None) -> None:
+        """Add a consensus lane to the round's frame (begun by the first lane in);
+        ``index``: a shard's lane (they come in any order)."""
         assembler = self._assembler
         if assembler is None:
             raise DesyncError(f"relay {self._config.host_name}: a consensus lane came down with no HostFrame up")
@@ -316,8 +223,7 @@ class LaneFrames:
                 self._joined_in = await self._pool.acquire()
                 self._joined_in.reserve(assembler.nbytes)
                 assembler.begin(self._joined_in.array(assembler.nbytes))
-        tag = read_lane_tag(lane)
-        assembler.add(lane, None if self._shards is None or tag is None else tag.index)
+        assembler.add(lane, index)
         self._lane_down.notify()
 
     async def _wait_for_consensus_lanes(self, count: int) -> None:
@@ -375,10 +281,14 @@ class LaneFrames:
             payload, self._config.salt, ceiling=self._config.ceiling, source="the controller's consensus lane",
             authenticated=True,
         )
-        await self._join(lane)
-        if self._shards is not None:  # lane 0 came from the controller: the others come from the shards
-            while not assembler.complete:
-                await self._shards.changed.wait()
+        if self.shards is not None:  # lane 0 commits the round: the shards' lanes are in
+            await self._join(lane, 0)
+            if not assembler.complete:
+                raise DesyncError(f"relay {self._config.host_name}: the controller committed a round with "
+                                  f"{assembler.lanes_in} of its {assembler.layout.count} lanes in")
+            self.shards.commit()
+        else:
+            await self._join(lane)
         if not assembler.complete:
             yield None
             return

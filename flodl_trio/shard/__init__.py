@@ -1,5 +1,5 @@
-"""The reduction shard: the lanes of a round that the controller places elsewhere."""
+"""The reduction shard (docs/wire.md, "Shards")."""
 
-from .core import ShardHandle, lane_owner, open_shard
+from .core import ShardHandle, open_shard
 
-__all__ = ["ShardHandle", "lane_owner", "open_shard"]
+__all__ = ["ShardHandle", "open_shard"]

@@ -5,15 +5,20 @@ Task structure::
     serve_listeners --> route(conn) --peek channel magic--> data: a relay's pieces (one per relay)
                                                          \\-> shard: the controller's decisions (one)
 
-    relay session:  reader  --lane frame, verified--> kept (per relay, per lane); ShardAck back
-                    writer  <--ShardAck / consensus lanes-- outbox channel
-    controller:     Decide{hosts, targets} --> each kept lane summed over ``hosts`` in host
-                    order, divided once, signed, queued to every target relay
+    relay session:  reader  --Pieces{round}, lane frames (verified)--> kept (per relay, per lane);
+                              ShardAck back; ShardLost: a lost shard's lanes are ours now
+                    writer  <--ShardAck / Decided{d} + consensus lanes-- outbox channel
+    controller:     reader  --Decide / ShardLost--> the latest decision
+                    decider --once every decided host's pieces are in--> each owned lane summed
+                              over ``hosts`` in host order, divided once, signed, queued to the targets
+                    heartbeat --ShardAlive--> the controller (a frozen shard is noticed)
 
 A shard folds nothing before the controller decides the round's contributors:
 every shard then sums the same hosts' pieces in the same order, so the lanes
 they send make one consensus, the bytes a deterministic controller would
-compute (docs/wire.md, "Shards"). Pieces of hosts left out are dropped.
+compute (docs/wire.md, "Shards"). Pieces stay until the relay's next round
+begins, so a round the controller decides again (a shard was lost before it
+committed) is summed again from them.
 """
 
 from __future__ import annotations
@@ -33,13 +38,18 @@ from ..transport.hashing import encode_enveloped_frame
 from ..transport.hello import receive_hello
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
-from ..transport.tasks import RunOutcome, serving
+from ..transport.tasks import ChangeSignal, RunOutcome, one_error, serving
 from ..wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_SHARD, DEFAULT_FRAME_CEILING
-from ..wire.lanes import read_lane_tag
+from ..wire.lanes import MAX_LANES, lane_owner, read_lane_tag
 from ..wire.mux import (
     Decide,
+    Decided,
     MuxKind,
+    Pieces,
+    RelayControlMsg,
     ShardAck,
+    ShardAlive,
+    ShardLost,
     ShardSetup,
     decode_control_msg,
     encode_control_msg,
@@ -50,10 +60,9 @@ from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.shard")
 
-
-def lane_owner(lane: int, shards: int) -> int | None:
-    """Which shard reduces lane ``lane`` (None: lane 0, the controller's)."""
-    return None if lane == 0 else (lane - 1) % shards
+# Records a relay's writer may lag behind: a round's acks, and every lane of a few
+# decisions (each after its mark), which share their bytes with the other relays'.
+_OUTBOX_DEPTH = 4 * (MAX_LANES + 1)
 
 
 @attrs.define(eq=False)
@@ -65,8 +74,11 @@ class _Relay:
     conn: MessageStream
     outbox: trio.MemorySendChannel[EncodedFrame]
     inbox: trio.MemoryReceiveChannel[EncodedFrame]
-    pieces: dict[int, RoundFrame] = attrs.field(factory=dict)  # lane -> its verified frame
+    pieces: dict[int, RoundFrame] = attrs.field(factory=dict)  # lane -> its verified frame, this round
+    round: int = -1  # the relay's round its pieces are of (Pieces)
+    decided: bool = False  # the latest decision of its round summed its pieces
     gone: bool = False  # its connection ended
+    session: trio.CancelScope = attrs.field(factory=trio.CancelScope)
 
     @property
     def name(self) -> str:
@@ -77,8 +89,11 @@ class _Relay:
             return
         try:
             self.outbox.send_nowait(record)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # too far behind, or gone: its connection ends with it
+        except trio.WouldBlock:  # it reads nothing: it costs only itself
+            log.warning("shard: %s is %d records behind; its connection is closed", self.name, _OUTBOX_DEPTH)
+            self.session.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # gone
 
 
 class ShardHandle:
@@ -118,7 +133,24 @@ class _Shard:
         self.handle = handle
         self.index: int | None = None
         self.count = 0
+        self._heartbeat_s = bounds.heartbeat_timeout
         self.relays: dict[int, _Relay] = {}  # lowest rank -> relay
+        self.lost: set[int] = set()  # shards lost: the next live one after each takes its lanes
+        self._decision: Decide | None = None  # the latest decision, until it is summed
+        self._changed = ChangeSignal()  # a piece, a decision or a lost shard came in
+
+    def _control(self, msg: RelayControlMsg) -> EncodedFrame:
+        return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.salt)
+
+    def _owns(self, lane: int) -> bool:
+        assert self.index is not None
+        return lane_owner(lane, self.count, self.lost) == self.index
+
+    def _shard_lost(self, shard: int) -> None:
+        if shard != self.index and shard not in self.lost:
+            log.info("shard %s: shard %d is lost; its lanes are the next live shard's", self.index, shard)
+            self.lost.add(shard)
+            self._changed.notify()
 
     async def route(self, stream: trio.abc.Stream) -> None:
         tune_socket(stream)
@@ -151,21 +183,54 @@ class _Shard:
             self._refuse(f"controller connection {conn.peer} refused: {exc or 'no ShardSetup in time'}")
             await conn.aclose()
             return
-        self.index, self.count = setup.index, setup.count
+        self.index, self.count, self._heartbeat_s = setup.index, setup.count, setup.heartbeat_ms / 1000
         conn.peer = "the controller"
         try:
-            while True:
-                msg = await self._control_record(conn)
-                if msg is None:
-                    log.info("shard %s: the controller closed its connection", self.index)
-                    return
-                if isinstance(msg, Decide):
-                    await self._decide(msg)
-                else:
-                    raise ProtocolError(f"the controller sent a shard {type(msg).__name__}")
+            with one_error():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._heartbeat, conn)
+                    nursery.start_soon(self._decider)
+                    await self._follow_controller(conn)
+                    nursery.cancel_scope.cancel()
         finally:
             await conn.aclose()
             self.handle.outcome.end()  # its controller is gone: the shard's work is over
+
+    async def _follow_controller(self, conn: MessageStream) -> None:
+        while True:
+            msg = await self._control_record(conn)
+            if msg is None:
+                log.info("shard %s: the controller closed its connection", self.index)
+                return
+            if isinstance(msg, Decide):
+                self._decision = msg
+                self._changed.notify()
+            elif isinstance(msg, ShardLost):
+                self._shard_lost(msg.shard)
+            else:
+                raise ProtocolError(f"the controller sent a shard {type(msg).__name__}")
+
+    async def _heartbeat(self, conn: MessageStream) -> None:
+        """``ShardAlive`` four times per the controller's heartbeat timeout, its bound on a frozen shard."""
+        alive = self._control(ShardAlive())
+        while True:
+            await conn.send_chunks(alive.chunks)
+            await trio.sleep(self._heartbeat_s / 4)
+
+    async def _decider(self) -> None:
+        """Sum the latest decision once every decided host's pieces of our lanes are in
+        (lost shards' lanes come again from the live relays); a newer one replaces it."""
+        while True:
+            msg = self._decision
+            if msg is None or not self._pieces_in(msg):
+                await self._changed.wait()
+                continue
+            self._decision = None
+            await self._decide(msg)
+
+    def _pieces_in(self, msg: Decide) -> bool:
+        owned = [lane for lane in range(1, msg.lanes) if self._owns(lane)]
+        return all(rank in self.relays and lane in self.relays[rank].pieces for rank in msg.hosts for lane in owned)
 
     async def _control_record(self, conn: MessageStream) -> object | None:
         header = await conn.receive_mux_header(SMALL_MESSAGE)
@@ -177,28 +242,35 @@ class _Shard:
         return decode_control_msg(payload)
 
     async def _decide(self, msg: Decide) -> None:
-        """Sum each lane's pieces over the decided hosts, in host order; send the lanes."""
-        lanes = sorted({lane for rank in msg.hosts if rank in self.relays for lane in self.relays[rank].pieces})
-        for lane in lanes:
+        """Sum each owned lane's pieces over the decided hosts, in host order, and send
+        every target the lanes after a ``Decided`` mark (a relay keeps the latest's)."""
+        records = []
+        for lane in range(1, msg.lanes):
+            if not self._owns(lane):
+                continue
             acc = FoldAccumulator()
             for rank in msg.hosts:
-                relay = self.relays.get(rank)
-                piece = None if relay is None else relay.pieces.get(lane)
-                if piece is None:
-                    raise ProtocolError(f"the controller decided host {rank} into a round whose lane {lane} "
-                                        "it never sent this shard")
-                acc.add(piece, relay.name)  # type: ignore[union-attr]
-            record = await encode_enveloped_frame(MuxKind.BROADCAST, finish_consensus(acc), self.salt)
-            for rank in msg.targets:
-                if rank in self.relays:
+                relay = self.relays[rank]
+                acc.add(relay.pieces[lane], relay.name)
+            records.append(await encode_enveloped_frame(MuxKind.BROADCAST, finish_consensus(acc), self.salt))
+        mark = self._control(Decided(msg.decision))
+        for rank in msg.targets:
+            if rank in self.relays:
+                for record in [mark, *records]:
                     self.relays[rank].queue(record)
         for relay in list(self.relays.values()):
-            if relay.lowest_rank not in msg.hosts:
-                self.handle.pieces_dropped += len(relay.pieces)
-            relay.pieces.clear()
-            if relay.gone:
+            relay.decided = relay.lowest_rank in msg.hosts  # by the latest decision of its round
+            if relay.gone and not relay.decided:  # left out: a later decision of its round leaves it out too
+                self._drop_pieces(relay)
                 del self.relays[relay.lowest_rank]
         self.handle.rounds += 1
+
+    def _drop_pieces(self, relay: _Relay) -> None:
+        """The relay's pieces go; counted if no decision summed them."""
+        if not relay.decided:
+            self.handle.pieces_dropped += len(relay.pieces)
+        relay.pieces.clear()
+        relay.decided = False
 
     # -- the relays ----------------------------------------------------------
 
@@ -213,15 +285,16 @@ class _Shard:
             self._refuse(f"relay connection {conn.peer} refused: {exc or 'no Hello in time'}")
             await conn.aclose()
             return
-        send, receive = trio.open_memory_channel[EncodedFrame](64)
+        send, receive = trio.open_memory_channel[EncodedFrame](_OUTBOX_DEPTH)
         relay = _Relay(hello.host, min(hello.ranks), conn, send, receive)
         conn.peer = relay.name
         self.relays[relay.lowest_rank] = relay
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._relay_writer, relay)
-                await self._relay_reader(relay)
-                nursery.cancel_scope.cancel()
+            with relay.session, one_error():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._relay_writer, relay)
+                    await self._relay_reader(relay)
+                    nursery.cancel_scope.cancel()
         except (FlodlError, *CONNECTION_LOST) as exc:
             log.warning("shard %s: %s dropped: %s", self.index, relay.name, exc)
         finally:
@@ -243,20 +316,40 @@ class _Shard:
             if header is None:
                 return
             kind, payload = await relay.conn.receive_mux_payload(header, buf, self.salt)
+            if kind is MuxKind.CONTROL:
+                self._on_relay_control(relay, decode_control_msg(payload))
+                continue
             if kind is not MuxKind.HOST_FRAME:
                 raise ProtocolError(f"sent a {kind.name} record to a shard")
             frame = decode_round_frame(bytes(payload), self.salt, ceiling=self.ceiling, source=relay.name,
                                        authenticated=True)
-            tag = read_lane_tag(frame)
-            if tag is None or self.index is None or lane_owner(tag.index, self.count) != self.index:
-                raise ProtocolError(f"sent lane {tag} to shard {self.index} of {self.count}, which does not reduce it")
-            if any(is_delta_dtype(t.dtype) for t in frame.tensors):
-                raise ProtocolError(f"sent lane {tag.index} of a delta round (coded pseudo-gradients): shards do "
-                                    "not reduce delta rounds yet (run them without --shards)")
-            if tag.index in relay.pieces:
-                raise ProtocolError(f"sent lane {tag.index} twice before the round was decided")
-            relay.pieces[tag.index] = frame
-            relay.queue(encode_mux_record(MuxKind.CONTROL, encode_control_msg(ShardAck(tag.index)), self.salt))
+            self._keep(relay, frame)
+            relay.queue(self._control(ShardAck(read_lane_tag(frame).index)))  # type: ignore[union-attr]
+
+    def _on_relay_control(self, relay: _Relay, msg: RelayControlMsg) -> None:
+        if isinstance(msg, Pieces):
+            if msg.round != relay.round:  # its next round: the last one's pieces are done with
+                self._drop_pieces(relay)
+                relay.round = msg.round
+        elif isinstance(msg, ShardLost):  # it resends a lost shard's lanes: ours now
+            self._shard_lost(msg.shard)
+        else:
+            raise ProtocolError(f"sent a shard {type(msg).__name__}")
+
+    def _keep(self, relay: _Relay, frame: RoundFrame) -> None:
+        tag = read_lane_tag(frame)
+        if tag is None or tag.index == 0 or self.index is None or not self._owns(tag.index):
+            raise ProtocolError(f"sent lane {tag} to shard {self.index} of {self.count} (lost: {sorted(self.lost)}), "
+                                "which does not reduce it")
+        if relay.round < 0:
+            raise ProtocolError(f"sent lane {tag.index} before saying which of its rounds it is (Pieces)")
+        if any(is_delta_dtype(t.dtype) for t in frame.tensors):
+            raise ProtocolError(f"sent lane {tag.index} of a delta round (coded pseudo-gradients): shards do "
+                                "not reduce delta rounds yet (run them without --shards)")
+        if tag.index in relay.pieces:
+            raise ProtocolError(f"sent lane {tag.index} of its round {relay.round} twice")
+        relay.pieces[tag.index] = frame
+        self._changed.notify()
 
 
-__all__ = ["ShardHandle", "lane_owner", "open_shard"]
+__all__ = ["ShardHandle", "open_shard"]

@@ -255,6 +255,7 @@ class ProcessCluster:
     local: LocalCluster | None = None
     controller: DaemonProcess | None = None
     relays: list[list[DaemonProcess]] = attrs.field(factory=list)
+    shards: list[DaemonProcess] = attrs.field(factory=list)  # reduction shard daemons (``shards=N``)
     proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
     control_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
     upstream_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
@@ -465,6 +466,15 @@ class ProcessCluster:
         await self.controller.wait_log(re.compile(r"controller started: listening on \S+:(\d+)"))
         return self.controller
 
+    def kill_shard(self, index: int) -> None:
+        self.shards[index].kill()
+
+    def freeze_shard(self, index: int) -> None:
+        self.shards[index].freeze()
+
+    def thaw_shard(self, index: int) -> None:
+        self.shards[index].thaw()
+
     def freeze_controller(self) -> None:
         self._controller().freeze()
 
@@ -477,6 +487,7 @@ class ProcessCluster:
         out += [proc for lives in self.past_relays.values() for proc in lives]
         out += self.ranks.values()
         out += self.past_controllers
+        out += self.shards
         for host in self.relays:
             out.extend(host)
         if self.controller is not None:
@@ -550,6 +561,22 @@ async def _start_daemon(
     return daemon
 
 
+async def _start_shards(
+    nursery: trio.Nursery, cluster: ProcessCluster, started: list[ChildProcess], count: int, env: Mapping[str, str],
+) -> list[str]:
+    """``count`` shard daemons on loopback; their addresses, as ``--shards`` takes them."""
+    addresses = []
+    for index in range(count):
+        name = f"shard {index}"
+        shard = await _start_daemon(nursery, name, "flodl_trio.shard",
+                                    ["--host", LOOPBACK, "--port", "0", "--log-level", "INFO"], env, started,
+                                    cluster.log_path(name))
+        cluster.shards.append(shard)
+        match = await shard.wait_log(re.compile(r"shard started: listening on (\S+:\d+)"))
+        addresses.append(match.group(1))
+    return addresses
+
+
 async def reap(procs: Iterable[ChildProcess], timeout: float = REAP_TIMEOUT_S) -> None:
     """Thaw and SIGKILL whatever is still running, then wait for every exit."""
     procs = list(procs)
@@ -570,12 +597,16 @@ async def _start_daemons(
     nursery: trio.Nursery, cluster: ProcessCluster, started: list[ChildProcess], *,
     control: bool, heartbeat_timeout: float | None, upstream_faults: Mapping[int, Sequence[Fault]],
     base_env: Mapping[str, str], controller_env: Mapping[str, str], relay_env: Mapping[int, Mapping[str, str]],
-    controller_args: Sequence[str], relay_args: Mapping[int, Sequence[str]],
+    controller_args: Sequence[str], relay_args: Mapping[int, Sequence[str]], shards: int,
 ) -> None:
-    """Controller daemon, then every relay daemon; ports are read from their start lines."""
+    """Shard daemons, the controller daemon, then every relay daemon; ports are read from
+    their start lines."""
     # INFO at least: the harness reads the bound ports from the start lines.
     host = cluster.controller_host
     args = ["--host", host, "--port", "0", "--world-size", str(cluster.world_size), "--log-level", "INFO"]
+    if shards:
+        args += ["--shards", ",".join(await _start_shards(nursery, cluster, started, shards, base_env)),
+                 "--rejoin-timeout", "0"]
     if heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(heartbeat_timeout)]
     cluster._controller_launch = ([*args, *controller_args], {**base_env, **controller_env})
@@ -656,6 +687,7 @@ async def open_process_cluster(
     log_dir: str | os.PathLike[str] | None = None,
     controller_host: str = LOOPBACK,
     controller_wrap: Sequence[str] = (),
+    shards: int = 0,
     **cluster_options: Any,
 ) -> AsyncIterator[ProcessCluster]:
     """Start the cluster and one worker process per rank; reap every process on exit.
@@ -672,6 +704,9 @@ async def open_process_cluster(
     - ``controller_host`` / ``controller_wrap`` (daemons only): the controller daemon
       listens on that address and runs under that command prefix (``ip netns exec
       NAME``: on a simulated machine of its own).
+    - ``shards`` (daemons only): start that many ``python -m flodl_trio.shard`` daemons
+      first and name them in the controller's ``--shards`` (with ``--rejoin-timeout 0``);
+      :meth:`ProcessCluster.kill_shard` / ``freeze_shard`` / ``thaw_shard`` reach them.
     - ``cluster_options``: passed to :func:`open_local_cluster` (in-process only).
     """
     session = SessionSalt.coerce(salt)
@@ -679,6 +714,8 @@ async def open_process_cluster(
     host_lists = [list(h) for h in hosts]
     external = set(external_ranks)
     started: list[ChildProcess] = []
+    if shards and not daemons:
+        raise TypeError("shards=N starts shard daemons: it needs daemons=True")
     if daemons and cluster_options:
         raise TypeError(f"daemons=True takes controller_args/relay_args, not {sorted(cluster_options)}")
     async with AsyncExitStack() as stack:
@@ -692,6 +729,7 @@ async def open_process_cluster(
                     nursery, cluster, started, control=control, heartbeat_timeout=heartbeat_timeout,
                     upstream_faults=upstream_faults or {}, base_env=base_env, controller_env=controller_env or {},
                     relay_env=relay_env or {}, controller_args=controller_args, relay_args=relay_args or {},
+                    shards=shards,
                 )
             else:
                 if heartbeat_timeout is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 import numpy as np
@@ -56,6 +56,20 @@ def lanes_for(payload_bytes: int, count: int, min_bytes: int) -> int:
     if min_bytes <= 0:
         return count
     return max(1, min(count, payload_bytes // min_bytes))
+
+
+def lane_owner(lane: int, shards: int, lost: Collection[int] = ()) -> int | None:
+    """Which of ``shards`` reduction shards reduces lane ``lane`` (None: lane 0, the
+    controller's): shard (lane - 1) mod shards, or - that one lost - the next live
+    one after it (docs/wire.md, "A lost shard"). ValueError if every shard is lost."""
+    if lane == 0:
+        return None
+    first = (lane - 1) % shards
+    for step in range(shards):
+        shard = (first + step) % shards
+        if shard not in lost:
+            return shard
+    raise ValueError(f"every one of the {shards} shards is lost")
 
 
 def lane_tag(index: int, count: int, schema: int = 0) -> TensorPayload:
@@ -361,6 +375,7 @@ class LaneAssembler:
         self._buffer: np.ndarray | None = None
         self._lanes = 0
         self._got: set[int] = set()  # the lanes added
+        self._weights: dict[int, float] = {}  # each added lane's weight
         self._kind: RoundKind | None = None
         self._weight = float("inf")
 
@@ -378,6 +393,7 @@ class LaneAssembler:
             view[at:at + len(head)] = head
         self._lanes, self._kind, self._weight = 0, None, float("inf")
         self._got = set()
+        self._weights = {}
 
     @property
     def begun(self) -> bool:
@@ -405,6 +421,19 @@ class LaneAssembler:
             self.layout.place(p, None if t.elided else np.frombuffer(_bytes_of(t.data), dtype=np.uint8), target)
         self._kind, self._weight, self._lanes = lane.kind, min(self._weight, lane.weight), self._lanes + 1
         self._got.add(index)
+        self._weights[index] = lane.weight
+
+    def drop(self, index: int) -> None:
+        """Take lane ``index`` back out (a shard decided it again: its new bytes come in
+        its place, over the old ones)."""
+        if index in self._got:
+            self._got.discard(index)
+            del self._weights[index]
+            self._lanes -= 1
+            self._weight = min(self._weights.values(), default=float("inf"))
+
+    def has(self, index: int) -> bool:
+        return index in self._got
 
     @property
     def complete(self) -> bool:
@@ -486,6 +515,7 @@ __all__ = [
     "LaneTag",
     "Piece",
     "TensorCut",
+    "lane_owner",
     "lane_tag",
     "lanes_for",
     "read_lane_tag",

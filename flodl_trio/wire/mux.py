@@ -188,18 +188,24 @@ class Shards:
 @attrs.frozen
 class ShardSetup:
     """flodl_trio extension (variant 207), controller -> shard, the first record on the
-    controller's connection to a shard: it is shard ``index`` of ``count``."""
+    controller's connection to a shard: it is shard ``index`` of ``count``, and says it is
+    alive (``ShardAlive``) at least every ``heartbeat_ms`` / 4 (the controller's bound)."""
 
     index: int
     count: int
+    heartbeat_ms: int
 
 
 @attrs.frozen
 class Decide:
-    """flodl_trio extension (variant 208), controller -> shard: the round whose lane 0 just
-    finished sums the pieces of ``hosts`` (each named by its lowest rank, in host order)
-    and goes to ``targets`` (the same naming)."""
+    """flodl_trio extension (variant 208), controller -> shard: decision number
+    ``decision`` (counted over the run; a round decided again gets the next) for the
+    round whose lane 0 finished, of ``lanes`` lanes: sum the pieces of ``hosts`` (each
+    named by its lowest rank, in host order) and send each lane to ``targets`` (the
+    same naming)."""
 
+    decision: int
+    lanes: int
     hosts: tuple[int, ...] = attrs.field(converter=_ranks)
     targets: tuple[int, ...] = attrs.field(converter=_ranks)
 
@@ -212,16 +218,57 @@ class ShardAck:
     lane: int
 
 
+@attrs.frozen
+class ShardLost:
+    """flodl_trio extension (variant 210), controller -> relays and shards, and relay ->
+    the shard it resends pieces to: shard ``shard`` is lost; its lanes belong to the
+    next live shard after it (docs/wire.md, "A lost shard")."""
+
+    shard: int
+
+
+@attrs.frozen
+class Decided:
+    """flodl_trio extension (variant 211), shard -> relay: the consensus lanes that
+    follow on this connection are decision ``decision``'s."""
+
+    decision: int
+
+
+@attrs.frozen
+class LanesIn:
+    """flodl_trio extension (variant 212), relay -> controller: every shard's lane of
+    decision ``decision`` is in; the controller's lane 0 commits the round."""
+
+    decision: int
+
+
+@attrs.frozen
+class Pieces:
+    """flodl_trio extension (variant 213), relay -> shard: the lane frames that follow
+    on this connection are of the relay's round ``round`` (counted per relay; the same
+    number again: pieces resent to a new owner)."""
+
+    round: int
+
+
+@attrs.frozen
+class ShardAlive:
+    """flodl_trio extension (variant 214), shard -> controller: a heartbeat, so a frozen
+    shard is told from a slow one."""
+
+
 NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
 
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
-    | Shards | ShardSetup | Decide | ShardAck
+    | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
+    ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214,
 }
 
 
@@ -264,18 +311,21 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             for host, port in addresses:
                 raw = host.encode("utf-8")
                 out += _varint(len(raw)) + raw + _varint(port)
-        case ShardSetup(index=index, count=count):
-            out += _varint(index) + _varint(count)
-        case Decide(hosts=hosts, targets=targets):
+        case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
+            out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
+        case Decide(decision=decision, lanes=lanes, hosts=hosts, targets=targets):
+            out += _varint(decision) + _varint(lanes)
             for ranks in (hosts, targets):
                 out += _varint(len(ranks))
                 for r in ranks:
                     out += _varint(r)
         case ShardAck(lane=lane):
             out += _varint(lane)
+        case ShardLost(shard=number) | Decided(decision=number) | LanesIn(decision=number) | Pieces(round=number):
+            out += _varint(number)
         case Resume(last_broadcast=last, awaiting=awaiting, resends=resends):
             out += last + _varint(int(awaiting)) + _varint(int(resends))
-        case HelloAck():
+        case HelloAck() | ShardAlive():
             pass
     return bytes(out)
 
@@ -364,13 +414,25 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
                 raise FramingError(f"RelayControlMsg Shards: shard {i}'s host is not UTF-8: {raw!r}") from None
         msg = Shards(addresses)
     elif variant == 207:
-        msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"))
+        msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"),
+                         reader.varint("ShardSetup heartbeat_ms"))
     elif variant == 208:
+        decision, lanes = reader.varint("Decide decision"), reader.varint("Decide lanes")
         hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
         targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
-        msg = Decide(hosts, targets)
+        msg = Decide(decision, lanes, hosts, targets)
     elif variant == 209:
         msg = ShardAck(reader.varint("ShardAck lane"))
+    elif variant == 210:
+        msg = ShardLost(reader.varint("ShardLost shard"))
+    elif variant == 211:
+        msg = Decided(reader.varint("Decided decision"))
+    elif variant == 212:
+        msg = LanesIn(reader.varint("LanesIn decision"))
+    elif variant == 213:
+        msg = Pieces(reader.varint("Pieces round"))
+    elif variant == 214:
+        msg = ShardAlive()
     elif variant == 204:
         last = reader._take(MAC_LEN, "Resume last_broadcast")
         awaiting = bool(reader.varint("Resume awaiting", limit=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+import contextlib
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -82,7 +83,7 @@ async def test_a_host_lost_after_its_shard_lanes_and_before_lane_0_counts_nowher
     from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
     from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
     from flodl_trio.wire.lanes import LaneLayout
-    from flodl_trio.wire.mux import HelloAck, MuxKind, ShardAck, Shards, decode_control_msg, encode_control_record, encode_mux_record
+    from flodl_trio.wire.mux import HelloAck, MuxKind, Pieces, ShardAck, Shards, decode_control_msg, encode_control_record, encode_mux_record
     from flodl_trio.wire.round_frame import encode_round_frame
 
     numel, lanes = 40_000, 5
@@ -114,6 +115,8 @@ async def test_a_host_lost_after_its_shard_lanes_and_before_lane_0_counts_nowher
                 frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
                 parts = LaneLayout.of(frame, lanes, 0).split(frame)
                 to_shards = [await raw(h.port, [2]) for h in handles]
+                for conn in to_shards:
+                    await conn.send_chunks([encode_control_record(Pieces(1), salt)])
                 for lane in range(1, lanes):
                     record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(parts[lane], salt), salt)
                     await to_shards[(lane - 1) % 2].send_chunks(record.chunks)
@@ -201,7 +204,7 @@ async def test_a_shard_refuses_connections_without_the_salt_and_serves_on(salt):
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
-            for magic, msg in ((CHANNEL_MAGIC_SHARD, ShardSetup(0, 1)), (CHANNEL_MAGIC_DATA, Hello("x", [0], [EXTENSIONS_MARK]))):
+            for magic, msg in ((CHANNEL_MAGIC_SHARD, ShardSetup(0, 1, 30_000)), (CHANNEL_MAGIC_DATA, Hello("x", [0], [EXTENSIONS_MARK]))):
                 stream = await trio.open_tcp_stream(LOOP, shard.port)
                 await stream.send_all(magic.to_bytes(4, "little") + bytes(encode_control_record(msg, wrong)))
                 assert await stream.receive_some(16) == b""  # closed on us
@@ -213,50 +216,234 @@ async def test_a_shard_refuses_connections_without_the_salt_and_serves_on(salt):
             nursery.cancel_scope.cancel()
 
 
-async def test_a_lost_shard_ends_the_relays_channels_with_an_error_and_nothing_hangs(salt):
-    """The prototype does not move a lost shard's lanes yet: every relay's channel ends
-    naming the shard, and the ranks' next round fails at once rather than waiting."""
-    from flodl_trio import FlodlError
+async def _shard_until_cancelled(scope: trio.CancelScope, salt, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        async with open_shard(LOOP, 0, salt=salt) as shard:
+            task_status.started(shard)
+            await trio.sleep_forever()
 
+
+async def test_a_lost_shard_gives_its_lanes_to_the_next_and_rounds_stay_exact(salt):
+    """Shard 1 of 2 is gone between two rounds: the controller says so, its lanes go to
+    shard 0, and every later round is still the exact mean."""
+    numel, rounds = 50_000, 4
+    scopes = [trio.CancelScope() for _ in range(2)]
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            shard_scope = trio.CancelScope()
-
-            async def shard_until_cancelled(task_status=trio.TASK_STATUS_IGNORED) -> None:
-                with shard_scope:
-                    async with open_shard(LOOP, 0, salt=salt) as shard:
-                        task_status.started(shard)
-                        await trio.sleep_forever()
-
-            shard = await nursery.start(shard_until_cancelled)
-            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=3, lane_min_bytes=0,
-                                       shards=[(LOOP, shard.port)]) as ctl:
+            shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
+                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
                 relays = [await nursery.start(hold_open, open_relay(
                     ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
                     ranks=[rank], world_size=2, salt=salt,
                 )) for rank in range(2)]
-                errors: dict[int, FlodlError] = {}
                 done_first = {rank: trio.Event() for rank in range(2)}
 
                 async def rank_main(rank: int) -> None:
                     async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
-                        out = await client.all_reduce_tensors([torch.full((1000,), float(rank))])
-                        assert bool((out[0] == 0.5).all())
-                        done_first[rank].set()
-                        if rank == 0:
-                            await done_first[1].wait()
-                            shard_scope.cancel()  # the shard is gone between two rounds
-                        with pytest.raises(FlodlError) as caught:
-                            for _ in range(3):
-                                await client.all_reduce_tensors([torch.full((1000,), float(rank))])
-                        errors[rank] = caught.value
+                        for r in range(rounds):
+                            data = torch.arange(numel, dtype=torch.float32) * (rank + 1) + r
+                            got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
+                            if r == 0:
+                                done_first[rank].set()
+                                if rank == 0:
+                                    await done_first[1].wait()
+                                    scopes[1].cancel()  # shard 1 is gone between rounds 0 and 1
 
                 async with trio.open_nursery() as ranks:
                     for rank in range(2):
                         ranks.start_soon(rank_main, rank)
-                for relay in relays:
-                    with pytest.raises(FlodlError, match="shard 0"):
-                        await relay.wait_finished()
+            nursery.cancel_scope.cancel()
+    for r in range(rounds):
+        want = (np.arange(numel, dtype=np.float32) * 1 + r + np.arange(numel, dtype=np.float32) * 2 + r) / 2
+        for rank in range(2):
+            np.testing.assert_allclose(got[rank][r], want, rtol=1e-6)
+    assert shards[0].rounds == rounds  # every round's decision, once each
+
+
+def _stall_shard_1(monkeypatch, at_decision: int) -> trio.Event:
+    """Shard 1 takes the controller's ``at_decision``-th Decide (0: the first) and never
+    sums it, as a shard that dies after the round was decided: set once it has it."""
+    from flodl_trio.shard import core as shard_core
+
+    original = shard_core._Shard._decide
+    stalled = trio.Event()
+    seen = [0]
+
+    async def stalling(self, msg) -> None:
+        if self.index == 1:
+            seen[0] += 1
+            if seen[0] - 1 == at_decision:
+                stalled.set()
+                await trio.sleep_forever()
+        await original(self, msg)
+
+    monkeypatch.setattr(shard_core._Shard, "_decide", stalling)
+    return stalled
+
+
+async def test_a_shard_lost_after_the_decision_before_the_commit_has_the_round_decided_again(salt, monkeypatch):
+    """Shard 1 is lost after the controller decided round 1 and shard 0 sent its lanes:
+    the controller decides the round again (the same hosts), the relays drop the first
+    decision's lanes, and every rank gets one exact consensus."""
+    numel, rounds = 50_000, 3
+    stalled = _stall_shard_1(monkeypatch, at_decision=1)
+    scopes = [trio.CancelScope() for _ in range(2)]
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
+                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
+                relays = [await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+                    ranks=[rank], world_size=2, salt=salt,
+                )) for rank in range(2)]
+
+                async def lose_shard_1_once_stalled() -> None:
+                    await stalled.wait()
+                    scopes[1].cancel()
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+                        for r in range(rounds):
+                            data = torch.full((numel,), float(rank + 10 * r))
+                            got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
+
+                nursery.start_soon(lose_shard_1_once_stalled)
+                async with trio.open_nursery() as ranks:
+                    for rank in range(2):
+                        ranks.start_soon(rank_main, rank)
+                assert (ctl.stats.shards_lost, ctl.stats.decisions_again) == (1, 1)
+            nursery.cancel_scope.cancel()
+    for r in range(rounds):
+        for rank in range(2):
+            assert np.array_equal(got[rank][r], np.full(numel, 0.5 + 10 * r, np.float32))
+
+
+async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_the_round(salt, monkeypatch):
+    """A relay gives both shards its pieces, its lane 0 reaches the controller (so round 0
+    is decided with it), and it is lost; then shard 1, which holds some of its pieces, is
+    lost before it summed them. Those pieces are nowhere now: the round is decided again
+    without that host, every shard drops its pieces, and the survivors get the mean of
+    their own frames, exactly (never a mix of the two decisions)."""
+    from flodl_trio.transport.buffers import ReceiveBuffer
+    from flodl_trio.transport.stream import MessageStream
+    from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
+    from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
+    from flodl_trio.wire.lanes import LaneLayout, lane_owner
+    from flodl_trio.wire.mux import MuxKind, Pieces, ShardAck, decode_control_msg, encode_control_record, encode_mux_record
+    from flodl_trio.wire.round_frame import encode_round_frame
+
+    numel, lanes = 40_000, 5
+    stalled = _stall_shard_1(monkeypatch, at_decision=0)
+    scopes = [trio.CancelScope() for _ in range(2)]
+
+    async def raw(port: int) -> MessageStream:
+        conn = MessageStream(await trio.open_tcp_stream(LOOP, port), f"port {port}")
+        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"),
+                                encode_control_record(Hello("lost", [2], [EXTENSIONS_MARK]), salt)])
+        return conn
+
+    async def control(conn: MessageStream) -> object:
+        header = await conn.receive_mux_header()
+        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
+        return decode_control_msg(payload)
+
+    def record(part: RoundFrame) -> list:
+        return encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(part, salt), salt).chunks
+
+    got: dict[int, np.ndarray] = {}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
+            async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
+                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
+                relay = await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h0",
+                    ranks=[0, 1], world_size=3, salt=salt,
+                ))
+
+                async def lost_host() -> None:
+                    to_controller = await raw(ctl.port)
+                    for _ in range(3):  # Lanes, Shards, HelloAck
+                        await control(to_controller)
+                    frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
+                    parts = LaneLayout.of(frame, lanes, 0, lane0_empty=True).split(frame)
+                    to_shards = [await raw(s.port) for s in shards]
+                    for conn in to_shards:
+                        await conn.send_chunks([encode_control_record(Pieces(1), salt)])
+                    for lane in range(1, lanes):
+                        await to_shards[lane_owner(lane, 2)].send_chunks(record(parts[lane]))
+                    for lane in range(1, lanes):
+                        assert isinstance(await control(to_shards[lane_owner(lane, 2)]), ShardAck)
+                    await to_controller.send_chunks(record(parts[0]))
+                    for conn in (to_controller, *to_shards):
+                        await conn.aclose()  # lost after its lane 0
+
+                async def lose_shard_1_once_stalled() -> None:
+                    await stalled.wait()
+                    scopes[1].cancel()
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
+                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
+
+                nursery.start_soon(lost_host)
+                nursery.start_soon(lose_shard_1_once_stalled)
+                async with trio.open_nursery() as ranks:
+                    for rank in (0, 1):
+                        ranks.start_soon(rank_main, rank)
+                assert (ctl.stats.shards_lost, ctl.stats.decisions_again) == (1, 1)
+            nursery.cancel_scope.cancel()
+    for rank in (0, 1):
+        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+    assert shards[0].pieces_dropped == 2  # the lost host's two pieces it held
+
+
+async def test_the_last_shard_lost_stops_the_controller_naming_it_and_nothing_hangs(salt):
+    """With no live shard left no lane can be reduced: the controller stops naming the
+    shard, every relay's channel ends, and the ranks' next round fails at once."""
+    from flodl_trio import FlodlError
+
+    shard_scope = trio.CancelScope()
+    errors: dict[int, FlodlError] = {}
+    ended = {rank: trio.Event() for rank in range(2)}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shard = await nursery.start(_shard_until_cancelled, shard_scope, salt)
+            with pytest.raises(FlodlError, match="every one of the 1 shards is lost .shard 0"):
+                async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=3, lane_min_bytes=0,
+                                           shards=[(LOOP, shard.port)]) as ctl:
+                    relays = [await nursery.start(hold_open, open_relay(
+                        ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+                        ranks=[rank], world_size=2, salt=salt,
+                    )) for rank in range(2)]
+                    done_first = {rank: trio.Event() for rank in range(2)}
+
+                    async def rank_main(rank: int) -> None:
+                        async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+                            out = await client.all_reduce_tensors([torch.full((1000,), float(rank))])
+                            assert bool((out[0] == 0.5).all())
+                            done_first[rank].set()
+                            if rank == 0:
+                                await done_first[1].wait()
+                                shard_scope.cancel()  # the shard is gone between two rounds
+                            with pytest.raises(FlodlError) as caught:
+                                for _ in range(3):
+                                    await client.all_reduce_tensors([torch.full((1000,), float(rank))])
+                            errors[rank] = caught.value
+                            ended[rank].set()
+
+                    for rank in range(2):  # outside the controller's block, which its error cancels
+                        nursery.start_soon(rank_main, rank)
+                    await ctl.wait_finished()
+            for rank in range(2):
+                await ended[rank].wait()
+            for relay in relays:  # the controller closed their connections: they end (not hang)
+                with contextlib.suppress(FlodlError):
+                    await relay.wait_finished()
             nursery.cancel_scope.cancel()
     assert set(errors) == {0, 1}
 

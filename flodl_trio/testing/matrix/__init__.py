@@ -30,7 +30,7 @@ The package:
 - the cases, by the leg they break, in the order of docs/fault-matrix.md:
   :mod:`.ranks`, :mod:`.daemons`, :mod:`.rank_leg`, :mod:`.control_channel`,
   :mod:`.uplink`, :mod:`.listeners`, :mod:`.refusals`, :mod:`.blast_radius`,
-  :mod:`.membership`.
+  :mod:`.membership`, :mod:`.shards`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from __future__ import annotations
 # order of docs/fault-matrix.md's rows), so keep it out of import sorting.
 # isort: off
 from . import ranks, daemons, rank_leg, control_channel, uplink  # noqa: F401
-from . import listeners, refusals, blast_radius, membership  # noqa: F401
+from . import listeners, refusals, blast_radius, membership, shards  # noqa: F401
 # isort: on
 from .clusters import diagnose
 from .offsets import frame_len, rank_frame_start, uplink_first_record

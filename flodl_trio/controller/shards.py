@@ -1,0 +1,199 @@
+"""The controller's side of the reduction shards (docs/wire.md, "Shards" and "A lost shard").
+
+With shards, a round's lane 0 (no payload) is all the controller reduces: once
+it is complete, its contributors are the round's, and every shard is told to
+sum exactly those hosts' pieces (``Decide``). The controller's consensus lane 0
+goes out only when every target relay said it holds every shard's lane of that
+decision (``LanesIn``): that is the round's commit. A shard lost before it (its
+connection ended, or no ``ShardAlive`` for a heartbeat timeout) gives its lanes
+to the next live shard, every relay and shard is told (``ShardLost``), and the
+round is decided again under a new number: from the same hosts, less those whose
+relay is gone (their pieces may have been only on the lost shard). No relay
+has used a lane before the commit, so every rank gets one consensus.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from ..errors import FlodlError, ProtocolError
+from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
+from ..transport.connect import connect_with_retry
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..transport.tasks import ChangeSignal
+from ..wire.constants import CHANNEL_MAGIC_SHARD
+from ..wire.mux import (
+    Decide,
+    MuxKind,
+    RelayControlMsg,
+    ShardAlive,
+    ShardLost,
+    ShardSetup,
+    decode_control_msg,
+    encode_control_msg,
+    encode_mux_record,
+)
+from ..wire.round_frame import EncodedFrame
+from .config import ControllerConfig
+from .stats import ControllerStats
+
+log = logging.getLogger("flodl_trio.controller")
+
+
+@attrs.frozen
+class Seat:
+    """A relay in a decision: its seat here, and its name to the shards (its lowest rank)."""
+
+    id: int
+    lowest_rank: int
+
+
+class ShardSet:
+    """The shards' connections, which are lost, and the round waiting for its commit."""
+
+    def __init__(
+        self, addresses: Sequence[tuple[str, int]], config: ControllerConfig,
+        seated: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
+    ) -> None:
+        self.addresses = tuple(addresses)
+        self._config = config
+        self._seated = seated  # whether a relay's seat is still connected
+        self._tell_relays = tell_relays
+        self._stats = stats
+        self.conns: dict[int, MessageStream] = {}
+        self._locks: dict[int, trio.Lock] = {}
+        self.lost: dict[int, str] = {}  # shard -> why
+        self._decisions = 0  # numbers given so far
+        self._changed = ChangeSignal()
+        self._lost_since_commit = False  # a shard was lost since the last commit: decide from live relays
+        self._hosts: list[Seat] = []  # the pending decision's
+        self._lanes_in: set[int] = set()  # seats that sent LanesIn for the pending decision
+        self._pending: int | None = None
+        self._again = False  # the pending decision must be made again
+
+    def _record(self, msg: RelayControlMsg) -> EncodedFrame:
+        return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self._config.salt)
+
+    async def dial(self) -> None:
+        """Tell each reduction shard which it is."""
+        for index, (host, port) in enumerate(self.addresses):
+            stream = await connect_with_retry(host, port, f"controller: shard {index}", self._config.bounds)
+            conn = MessageStream(stream, f"shard {index} {host}:{port}", self._config.bounds)
+            heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
+            setup = self._record(ShardSetup(index, len(self.addresses), heartbeat_ms))
+            await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *setup.chunks])
+            self.conns[index] = conn
+            self._locks[index] = trio.Lock()
+
+    def start_watching(self, nursery: trio.Nursery) -> None:
+        for index in list(self.conns):
+            nursery.start_soon(self._watch, index)
+
+    async def aclose(self) -> None:
+        for conn in self.conns.values():
+            await conn.aclose()  # a shard ends with its controller
+
+    def told_at_hello(self) -> list[RelayControlMsg]:
+        """What a relay seated now must know: the shards already lost."""
+        return [ShardLost(index) for index in sorted(self.lost)]
+
+    # -- a shard's liveness ------------------------------------------------------
+
+    async def _watch(self, index: int) -> None:
+        """A shard's heartbeats; none for a heartbeat timeout, or its connection
+        ending, and it is lost."""
+        conn = self.conns[index]
+        bound = self._config.bounds.heartbeat_timeout
+        buf = ReceiveBuffer()
+        why = "it closed its connection"
+        try:
+            while True:
+                with trio.move_on_after(bound) as waited:
+                    header = await conn.receive_mux_header(SMALL_MESSAGE)
+                    if header is None:
+                        break
+                    kind, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
+                if waited.cancelled_caught:
+                    why = f"nothing from it for the heartbeat timeout ({bound:g} s): frozen, or cut off"
+                    break
+                if kind is not MuxKind.CONTROL or not isinstance(decode_control_msg(payload), ShardAlive):
+                    raise ProtocolError(f"shard {index} sent the controller a {kind.name} record, not ShardAlive")
+        except (ProtocolError, *CONNECTION_LOST) as exc:
+            why = str(exc)
+        await self._lose(index, why)
+
+    async def _lose(self, index: int, why: str) -> None:
+        if index in self.lost:
+            return
+        self.lost[index] = why
+        self._stats.shards_lost += 1
+        conn = self.conns.pop(index)
+        await conn.aclose()
+        if len(self.lost) == len(self.addresses):
+            raise FlodlError(f"controller: every one of the {len(self.addresses)} shards is lost "
+                             f"(shard {index}: {why})")
+        log.warning("controller: shard %d lost (%s); its lanes go to the next live shard", index, why)
+        self._lost_since_commit = True
+        if self._pending is not None:
+            self._again = True
+        self._tell_relays(ShardLost(index))
+        await self._tell_shards(ShardLost(index))
+        self._changed.notify()
+
+    async def _tell_shards(self, msg: RelayControlMsg) -> None:
+        record = self._record(msg)
+        for index, conn in list(self.conns.items()):
+            try:
+                async with self._locks[index]:
+                    await conn.send_chunks(record.chunks)
+            except (*CONNECTION_LOST, trio.ClosedResourceError):
+                pass  # its watcher sees the end and loses it
+
+    # -- a round's decision and commit -------------------------------------------
+
+    async def decide(self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int) -> list[int]:
+        """Decide the round (hosts: its contributors) until every live target holds the
+        decision's lanes; the seats of the targets to send lane 0 to, the commit."""
+        hosts = sorted(hosts, key=lambda seat: seat.lowest_rank)
+        while True:
+            if self._lost_since_commit:  # their pieces may have been only on the lost shard
+                hosts = [seat for seat in hosts if self._seated(seat.id)]
+            self._pending, self._hosts, self._lanes_in, self._again = self._decisions, hosts, set(), False
+            self._decisions += 1
+            await self._tell_shards(Decide(
+                self._pending, lanes, [seat.lowest_rank for seat in hosts], sorted(seat.lowest_rank for seat in targets)
+            ))
+            if await self._committed(targets):
+                break
+            self._stats.decisions_again += 1
+        self._pending, self._lost_since_commit = None, False
+        return [seat.id for seat in targets if self._seated(seat.id)]
+
+    async def _committed(self, targets: Sequence[Seat]) -> bool:
+        """Wait for every live target's LanesIn (True), or until the decision must be made again (False)."""
+        while True:
+            if self._again:
+                return False
+            if all(seat.id in self._lanes_in or not self._seated(seat.id) for seat in targets):
+                return True
+            await self._changed.wait()
+
+    def lanes_in(self, seat_id: int, decision: int) -> None:
+        """A relay holds every shard's lane of ``decision``."""
+        if decision == self._pending:
+            self._lanes_in.add(seat_id)
+            self._changed.notify()
+
+    def relay_gone(self, seat_id: int) -> None:
+        """A relay left: it is waited for no longer; and if a shard was lost this round and
+        the relay was decided in, its pieces may be gone with it."""
+        if self._pending is not None and self._lost_since_commit and any(seat.id == seat_id for seat in self._hosts):
+            self._again = True
+        self._changed.notify()
+
+
+__all__ = ["Seat", "ShardSet"]

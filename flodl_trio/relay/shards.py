@@ -1,0 +1,258 @@
+"""A data relay's side of the reduction shards (docs/wire.md, "Shards" and "A lost shard").
+
+A round in lanes goes up as: ``Pieces{round}`` and lanes k >= 1 to their shards
+(all shards at once), each acknowledged; then lane 0 to the controller, which
+decides the round's contributors and tells the shards; each shard sends its
+lanes' consensus after a ``Decided{d}`` mark; once every lane of the latest
+decision is in, ``LanesIn{d}`` to the controller, whose consensus lane 0 then
+commits the round. Until that commit the channel's writer stays here: a shard
+the controller says is lost has its lanes sent again to their new owner, and
+lanes of a decision that a newer one replaced are taken back out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+
+from ..errors import ProtocolError
+from ..transport.buffers import ReceiveBuffer
+from ..transport.connect import connect_with_retry
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..transport.tasks import ChangeSignal
+from ..wire.constants import CHANNEL_MAGIC_DATA
+from ..wire.lanes import lane_owner, read_lane_tag
+from ..wire.mux import (
+    EXTENSIONS_MARK,
+    Decided,
+    Hello,
+    LanesIn,
+    MuxKind,
+    Pieces,
+    RelayControlMsg,
+    ShardAck,
+    ShardLost,
+    decode_control_msg,
+    encode_control_msg,
+    encode_mux_record,
+)
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
+from .config import RelayConfig
+
+log = logging.getLogger("flodl_trio.relay")
+
+
+class ShardLanes(Protocol):
+    """What the shard links need of the consensus being joined (the channel's LaneFrames)."""
+
+    async def join(self, lane: RoundFrame, index: int) -> None: ...
+
+    def drop(self, index: int) -> None: ...
+
+    def has(self, index: int) -> bool: ...
+
+
+class ShardLinks:
+    """The channel's connections to the shards, and where its round stands with them."""
+
+    def __init__(self, config: RelayConfig, start_task: Callable[..., None], lanes: ShardLanes) -> None:
+        self._config = config
+        self._start_task = start_task
+        self._lanes = lanes
+        self.conns: dict[int, MessageStream] = {}  # live shards' connections, by index
+        self.lost: set[int] = set()  # shards the controller said are lost
+        self._told: dict[int, set[int]] = {}  # per shard: the lost shards it was told of
+        self.changed = ChangeSignal()  # an ack, a lane, a mark, a lost shard, the commit
+        self._round = 0  # this relay's rounds sent to the shards (Pieces)
+        self._sent_to: dict[int, int] = {}  # lane -> the shard it went to this round
+        self._acked: dict[int, int] = {}  # lane -> the shard that acknowledged it
+        self._decision: dict[int, int] = {}  # shard -> the decision its lanes now are
+        self.want = -1  # the latest decision any shard marked
+        self._lane_decision: dict[int, int] = {}  # lane joined -> its decision
+        self._count = 0  # lanes this round
+        self.committed = False
+        self._connected = False
+
+    @property
+    def count(self) -> int:
+        return len(self._config.shards)
+
+    def owner(self, lane: int) -> int:
+        owner = lane_owner(lane, self.count, self.lost)
+        assert owner is not None
+        return owner
+
+    def _record(self, msg: RelayControlMsg) -> EncodedFrame:
+        return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self._config.salt)
+
+    # -- the uplink, until the round commits ----------------------------------
+
+    async def send_round(self, records: list[EncodedFrame], upstream: MessageStream, sent: Callable[[int], None]) -> None:
+        """Lanes 1.. to their shards, lane 0 to the controller once all are acknowledged,
+        and ``LanesIn`` once the latest decision's lanes are all in; until the commit."""
+        await self._connect()
+        self._round += 1
+        self._count = len(records)
+        self._sent_to.clear()
+        self._acked.clear()
+        self._lane_decision.clear()
+        self.want, self.committed, reported = -1, False, -1
+        await self._send_missing(records, sent)
+        while not all(self._acked.get(lane) == self.owner(lane) for lane in range(1, self._count)):
+            await self.changed.wait()
+            await self._send_missing(records, sent)
+        await upstream.send_chunks(records[0].chunks)
+        sent(records[0].nbytes)
+        while not self.committed:
+            if self.want > reported and self._all_in():
+                reported = self.want
+                await upstream.send_chunks(self._record(LanesIn(self.want)).chunks)
+            await self.changed.wait()
+            await self._send_missing(records, sent)
+
+    def _all_in(self) -> bool:
+        return all(self._lanes.has(lane) and self._lane_decision.get(lane) == self.want for lane in range(1, self._count))
+
+    async def _send_missing(self, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
+        """Each lane not yet sent to its owner now (every lane at first; a lost shard's
+        later), every shard's at once: one after another would idle the others' links."""
+        by_shard: dict[int, list[int]] = {}
+        for lane in range(1, len(records)):
+            owner = self.owner(lane)
+            if self._sent_to.get(lane) != owner:
+                by_shard.setdefault(owner, []).append(lane)
+                self._sent_to[lane] = owner
+        if not by_shard:
+            return
+        async with trio.open_nursery() as nursery:
+            for shard, lanes in by_shard.items():
+                nursery.start_soon(self._send_lanes, shard, [records[k] for k in lanes], sent)
+
+    async def _send_lanes(self, shard: int, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
+        """A shard's lanes after the round's mark (and the lost shards it has not heard of
+        from us: it takes their lanes); a lost connection waits for the controller's word."""
+        conn = self.conns.get(shard)
+        if conn is None:
+            return
+        told = self._told.setdefault(shard, set())
+        head = [self._record(ShardLost(lost)) for lost in sorted(self.lost - told)]
+        told |= self.lost
+        try:
+            for record in [*head, self._record(Pieces(self._round)), *records]:
+                await conn.send_chunks(record.chunks)
+                sent(record.nbytes)
+        except (*CONNECTION_LOST, trio.ClosedResourceError):
+            pass  # its reader sees the end too, and waits (bounded) for the controller to say it is lost
+
+    # -- what the controller says ---------------------------------------------
+
+    async def shard_lost(self, shard: int) -> None:
+        """The controller says ``shard`` is lost: nothing more is taken from it, and its
+        lanes of a round not yet committed go to their new owner."""
+        if not 0 <= shard < self.count:
+            raise ProtocolError(f"relay {self._config.host_name}: ShardLost for shard {shard} of {self.count}")
+        if shard in self.lost:
+            return
+        self.lost.add(shard)
+        if len(self.lost) == self.count:
+            raise ProtocolError(f"relay {self._config.host_name}: every one of the {self.count} shards is lost")
+        log.warning("relay %s: shard %d is lost; its lanes go to the next live shard", self._config.host_name, shard)
+        conn = self.conns.pop(shard, None)
+        if conn is not None:
+            await conn.aclose()  # a write to it in progress ends; its reader ends
+        self.changed.notify()
+
+    def commit(self) -> None:
+        """The controller's lane 0 came: the round is over."""
+        self.committed = True
+        self.changed.notify()
+
+    # -- the shards' connections ----------------------------------------------
+
+    async def _connect(self) -> None:
+        """Dial every shard once, with this relay's Hello, and start each one's reader."""
+        if self._connected:
+            return
+        self._connected = True
+        config = self._config
+        hello = self._record(Hello(config.host_name, config.ranks, [EXTENSIONS_MARK]))
+        for index, (host, port) in enumerate(config.shards):
+            if index in self.lost:
+                continue
+            stream = await connect_with_retry(host, port, f"relay {config.host_name} shard {index}", config.bounds,
+                                              trio.open_tcp_stream)
+            conn = MessageStream(stream, f"shard {index} {host}:{port}", config.bounds)
+            await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), *hello.chunks])
+            self.conns[index] = conn
+            self._start_task(self._read, index, conn)
+
+    async def _read(self, index: int, conn: MessageStream) -> None:
+        """A shard's acks, marks and consensus lanes. Its connection ending is the end of
+        the channel unless the controller says within the handshake bound that the
+        shard is lost (it then has its lanes reduced elsewhere)."""
+        try:
+            await self._read_records(index, conn, ReceiveBuffer())
+        except (*CONNECTION_LOST, trio.ClosedResourceError, ProtocolError) as exc:
+            why: BaseException | str = exc
+        else:
+            why = "it closed its connection"
+        finally:
+            await conn.aclose()
+        if index in self.lost:
+            return
+        with trio.move_on_after(self._config.bounds.handshake):
+            while index not in self.lost:
+                await self.changed.wait()
+            return
+        raise ProtocolError(f"relay {self._config.host_name}: lost shard {index} ({why}), and the controller did not "
+                            f"say so within {self._config.bounds.handshake:g} s")
+
+    async def _read_records(self, index: int, conn: MessageStream, buf: ReceiveBuffer) -> None:
+        while index not in self.lost:
+            header = await conn.receive_mux_header(self._config.ceiling)
+            if header is None:
+                return
+            kind, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
+            if index in self.lost:
+                return  # read before it was lost, taken after: void
+            if kind is MuxKind.BROADCAST:
+                await self._on_lane(index, conn, payload)
+            elif kind is MuxKind.CONTROL:
+                self._on_control(index, conn, decode_control_msg(payload))
+            else:
+                raise ProtocolError(f"{conn.peer} sent a {kind.name} record")
+
+    def _on_control(self, index: int, conn: MessageStream, msg: RelayControlMsg) -> None:
+        if isinstance(msg, ShardAck):
+            self._acked[msg.lane] = index
+        elif isinstance(msg, Decided):
+            self._decision[index] = msg.decision
+            if msg.decision > self.want:  # a newer decision: the older's lanes come again
+                self.want = msg.decision
+                for lane, decision in list(self._lane_decision.items()):
+                    if decision < msg.decision:
+                        self._lanes.drop(lane)
+                        del self._lane_decision[lane]
+        else:
+            raise ProtocolError(f"{conn.peer} sent {type(msg).__name__}")
+        self.changed.notify()
+
+    async def _on_lane(self, index: int, conn: MessageStream, payload: memoryview) -> None:
+        """A consensus lane, verified; joined if it is of the latest decision."""
+        lane = decode_round_frame(payload, self._config.salt, ceiling=self._config.ceiling, source=conn.peer,
+                                  authenticated=True)
+        tag = read_lane_tag(lane)
+        if tag is None or tag.index == 0:
+            raise ProtocolError(f"{conn.peer} sent a consensus lane tagged {tag}")
+        decision = self._decision.get(index, -1)
+        if decision < self.want:
+            return  # a decision a newer one replaced
+        await self._lanes.join(lane, tag.index)
+        self._lane_decision[tag.index] = decision
+        self.changed.notify()
+
+
+__all__ = ["ShardLanes", "ShardLinks"]

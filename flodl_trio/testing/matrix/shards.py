@@ -1,0 +1,101 @@
+"""Cases: reduction shard daemons (``--shards``) killed or frozen mid-round, alone or
+with the host they run beside. A lost shard's lanes go to the next live shard, and
+a round that was decided but not yet committed is decided again (docs/wire.md,
+"A lost shard"): every rank gets one exact consensus."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..processes import ProcessCluster
+from .clusters import daemon_cluster, diagnose, pause
+from .oracle import after, check_rounds, expect_consensus, expected, last_outcome, mono
+from .registry import MatrixFailure, Outcome, case
+
+# 1.2 MB frames: 4 lanes of at least 256 KiB, so every round goes through the shards.
+SHARDED: dict[str, Any] = {"world_size": 4, "hosts": [[0, 1], [2, 3]], "rounds": 4, "numel": 300_000}
+HELD = 2  # every rank holds before this round until the fault is in place
+
+
+async def _hold_everyone(c: ProcessCluster) -> None:
+    for rank in range(4):
+        await c.wait_event(rank, "paused", round=HELD)
+
+
+async def _let_go(c: ProcessCluster) -> None:
+    for rank in range(4):
+        await c.resume(rank)
+
+
+async def _shard_fault(kill: bool) -> Outcome:
+    """Shard 1 of 3 stops answering as round HELD begins (SIGSTOP); then it is SIGKILLed,
+    or left frozen for the heartbeat timeout to tell."""
+    async with daemon_cluster(**SHARDED, shards=3, worker_args={r: pause(HELD) for r in range(4)}) as c:
+        with diagnose(c):
+            await _hold_everyone(c)
+            t0 = mono()
+            c.freeze_shard(1)
+            await _let_go(c)
+            if kill:
+                c.kill_shard(1)
+            rounds = await expect_consensus(c, range(4), SHARDED["rounds"], lambda _k: range(4))
+            status = await c.status()
+            if status["stats"]["shards_lost"] != 1:
+                raise MatrixFailure(f"the controller counted {status['stats']['shards_lost']} shards lost, want 1")
+            seconds = last_outcome(rounds, HELD) - t0
+    how = "its connections closed at once" if kill else "silent past the heartbeat timeout"
+    return Outcome(f"shard 1 lost ({how}); its lanes went to shard 2; every rank got every 4-rank consensus", seconds)
+
+
+@case("shard-kill-mid-round", fault="shard daemon (1 of 3) SIGSTOPped as a round began, then SIGKILLed",
+      leg="shard process")
+async def shard_kill_mid_round() -> Outcome:
+    return await _shard_fault(kill=True)
+
+
+@case("shard-freeze", fault="shard daemon (1 of 3) SIGSTOPped mid-run and left frozen", leg="shard process")
+async def shard_freeze() -> Outcome:
+    return await _shard_fault(kill=False)
+
+
+@case("shard-host-kill-mid-round",
+      fault="a whole host SIGKILLed as a round began: its relay, its ranks and the shard beside it",
+      leg="host (relay + shard + ranks)")
+async def shard_host_kill_mid_round() -> Outcome:
+    """Host 1 dies with some of its pieces on its own shard and some on the others: the
+    round is the survivors' alone or everyone's (if host 1 committed in time), the same
+    for every survivor, and the rounds after are the survivors'."""
+    async with daemon_cluster(**SHARDED, shards=2, worker_args={r: pause(HELD) for r in range(4)}) as c:
+        with diagnose(c):
+            await _hold_everyone(c)
+            t0 = mono()
+            await _let_go(c)
+            for rank in (2, 3):
+                c.kill(rank)
+            c.kill_relay(1)
+            c.kill_shard(1)
+            final = [await c.wait_outcome(rank) for rank in (0, 1)]
+            if any(f["event"] != "done" for f in final):
+                raise MatrixFailure(f"survivors 0,1 should have finished: {final}")
+            held = _contributors_of(next(e for e in c.ranks[0].rounds if e["round"] == HELD))
+            contributors = after(HELD + 1, range(4), [0, 1])
+            rounds = {r: check_rounds(c, r, lambda k: held if k == HELD else contributors(k)) for r in (0, 1)}
+            if any(sorted(seen) != list(range(SHARDED["rounds"])) for seen in rounds.values()):
+                raise MatrixFailure(f"survivors reported rounds {[sorted(s) for s in rounds.values()]}")
+            seconds = last_outcome(rounds, HELD) - t0
+    which = ",".join(map(str, sorted(held)))
+    return Outcome(f"round {HELD} was ranks {which}'s (what reached a commit), the same for both survivors; "
+                   "later rounds ranks 0,1's, exact", seconds)
+
+
+def _contributors_of(event: dict[str, Any]) -> set[int]:
+    """Which of the sets a dying host leaves possible (the survivors, with none, either or
+    both of its ranks) rank 0's consensus of the round is; every survivor is then checked
+    against it."""
+    for extra in ((), (2,), (3,), (2, 3)):
+        group = {0, 1, *extra}
+        value, mass = expected(group, event["round"])
+        if event["mass"] == mass and abs(event["value"] - value) <= 1e-6 * abs(value):
+            return group
+    raise MatrixFailure(f"rank 0's round {event['round']} ({event['value']}, mass {event['mass']}) is the consensus "
+                        "of no set of ranks that includes both survivors")

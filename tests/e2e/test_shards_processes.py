@@ -1,0 +1,76 @@
+"""Reduction shards as real processes, lost the way processes are: SIGKILL and SIGSTOP.
+
+Every rank, relay, controller and shard here is a daemon or worker process
+(``open_process_cluster(..., daemons=True, shards=N)``). A shard lost at any
+point of a round gives its lanes to the next live shard; the round completes
+for everyone with the exact mean, and no rank waits past the bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from flodl_trio.testing.processes import open_process_cluster
+from flodl_trio.testing.rank_worker import contribution
+
+NUMEL = 300_000  # 1.2 MB frames: 4 lanes of at least 256 KiB, so rounds go through the shards
+
+
+def mean_of(ranks, k: int) -> float:
+    return sum(contribution(r, k) for r in ranks) / len(ranks)
+
+
+async def _all_hold_before(cluster, ranks, round_index: int) -> None:
+    for rank in ranks:
+        await cluster.wait_event(rank, "paused", round=round_index)
+
+
+async def _expect_exact_rounds(cluster, ranks, rounds: int) -> None:
+    for rank in ranks:
+        outcome = await cluster.wait_outcome(rank)
+        assert outcome["event"] == "done", cluster.logs()
+        got = [(e["value"], e["min"], e["max"]) for e in cluster.ranks[rank].rounds]
+        assert got == [(mean_of(ranks, k),) * 3 for k in range(rounds)], cluster.logs()
+
+
+@pytest.mark.deadline(90)
+async def test_a_shard_killed_mid_round_hands_its_lanes_on_and_every_round_is_exact(salt):
+    """Shard 1 of 3 is frozen as round 2 begins (it takes the relays' pieces and answers
+    nothing), then SIGKILLed: the controller sees its connection end, the relays send
+    its lanes to shard 2, and round 2 and the rest are exact for every rank."""
+    ranks, rounds = [0, 1, 2], 4
+    async with open_process_cluster(
+        world_size=3, hosts=[[0, 1], [2]], salt=salt, rounds=rounds, daemons=True, backend="numpy", numel=NUMEL,
+        shards=3, worker_args={rank: ["--pause-before", "2:60"] for rank in ranks},
+    ) as cluster:
+        await _all_hold_before(cluster, ranks, 2)
+        cluster.freeze_shard(1)
+        for rank in ranks:
+            await cluster.resume(rank)
+        cluster.kill_shard(1)
+        await _expect_exact_rounds(cluster, ranks, rounds)
+        status = await cluster.status()
+        assert status["stats"]["shards_lost"] == 1
+        assert cluster.shards[0].returncode is None and cluster.shards[2].returncode is None
+
+
+@pytest.mark.deadline(90)
+async def test_a_frozen_shard_is_lost_after_the_heartbeat_timeout_and_rounds_go_on(salt):
+    """Shard 0 of 2 is SIGSTOPped mid-run: its connections stay open, so only its silence
+    tells. After the heartbeat timeout the controller says it is lost, its lanes go to
+    shard 1, and every round is exact; thawed, it finds its controller gone and exits 0."""
+    ranks, rounds = [0, 1], 4
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=rounds, daemons=True, backend="numpy", numel=NUMEL,
+        shards=2, heartbeat_timeout=3.0, worker_args={rank: ["--pause-before", "1:60"] for rank in ranks},
+    ) as cluster:
+        await _all_hold_before(cluster, ranks, 1)
+        cluster.freeze_shard(0)
+        for rank in ranks:
+            await cluster.resume(rank)
+        await _expect_exact_rounds(cluster, ranks, rounds)
+        assert "shard 0 lost (nothing from it for the heartbeat timeout" in cluster.controller.text
+        cluster.thaw_shard(0)
+        with trio.fail_after(20):
+            assert await cluster.shards[0].process.wait() == 0, cluster.shards[0].text
