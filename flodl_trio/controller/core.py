@@ -78,7 +78,6 @@ from ..wire.mux import (
     Resume,
     Shards,
     decode_control_msg,
-    encode_control_msg,
     encode_mux_record,
     record_payload,
 )
@@ -246,7 +245,7 @@ async def open_controller(
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
     if shards:
         controller.shards = ShardSet(
-            [(str(h), int(p)) for h, p in shards], config, controller.seats.is_connected, controller._tell_relays,
+            [(str(h), int(p)) for h, p in shards], config, controller._relay_live, controller._tell_relays,
             handle.stats,
         )
     controller.windows.lane0_empty = bool(shards)  # lane 0 carries no payload: the shards carry it all
@@ -319,6 +318,10 @@ class _Controller:
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in consensus.delivered_by],
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
         )
+
+    def _relay_live(self, seat_id: int) -> bool:
+        """Whether a relay is connected and carries a rank not dead."""
+        return self.seats.is_connected(seat_id) and not all(self.dead.is_dead(r) for r in self.seats.ranks_of(seat_id))
 
     def _tell_relays(self, msg: RelayControlMsg) -> None:
         for link in self.links.values():
@@ -471,7 +474,7 @@ class _Controller:
         self.seats.unseat(link.id)
         self.resumption.forget(link.id)
         if self.shards is not None:
-            self.shards.relay_gone(link.id)
+            self.shards.relays_changed()
         for rank in self.membership.seat_gone(link.id):
             self.returns.call_off(rank, f"{link.name} left before it was let back in")
         await link.close_and_declare_dead(self.dead, why, log)
@@ -820,6 +823,8 @@ class _Controller:
                 away = link.takes_extensions and rank in self.membership.absent  # formed without it: it may come
                 link.queue_control(RankAway(rank) if away else DeclareDead(rank), self.config.salt)
         self.membership_changed.notify()
+        if self.shards is not None:
+            self.shards.relays_changed()  # a relay whose last rank died is decided out
         for lane, lane_round in enumerate(self.rounds):  # in lane order: the relays take them so
             consensus = lane_round.rank_died(now)
             if consensus is not None:

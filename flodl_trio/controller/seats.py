@@ -55,6 +55,9 @@ class Seats:
         """A relay's connection is gone (its ranks are declared dead by the caller)."""
         self.seats[seat_id].connected = False
 
+    def ranks_of(self, seat_id: int) -> tuple[int, ...]:
+        return self.seats[seat_id].ranks
+
     def is_connected(self, seat_id: int) -> bool:
         """Whether the relay's connection is still up."""
         return self.seats[seat_id].connected

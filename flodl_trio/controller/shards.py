@@ -7,9 +7,9 @@ goes out only when every target relay said it holds every shard's lane of that
 decision (``LanesIn``): that is the round's commit. A shard lost before it (its
 connection ended, or no ``ShardAlive`` for a heartbeat timeout) gives its lanes
 to the next live shard, every relay and shard is told (``ShardLost``), and the
-round is decided again under a new number: from the same hosts, less those whose
-relay is gone (their pieces may have been only on the lost shard). No relay
-has used a lane before the commit, so every rank gets one consensus.
+round is decided again under a new number; so is a round one of whose decided
+relays is lost (its pieces may never come). No relay has used a lane before
+the commit, so every rank gets one consensus.
 """
 
 from __future__ import annotations
@@ -57,19 +57,19 @@ class ShardSet:
 
     def __init__(
         self, addresses: Sequence[tuple[str, int]], config: ControllerConfig,
-        seated: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
+        live: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
     ) -> None:
         self.addresses = tuple(addresses)
         self._config = config
-        self._seated = seated  # whether a relay's seat is still connected
+        self._live = live  # whether a relay is still connected with a live rank
         self._tell_relays = tell_relays
         self._stats = stats
         self.conns: dict[int, MessageStream] = {}
         self._locks: dict[int, trio.Lock] = {}
         self.lost: dict[int, str] = {}  # shard -> why
         self._decisions = 0  # numbers given so far
+        self._rounds = 0  # rounds decided so far (a round decided again counts once)
         self._changed = ChangeSignal()
-        self._lost_since_commit = False  # a shard was lost since the last commit: decide from live relays
         self._hosts: list[Seat] = []  # the pending decision's
         self._lanes_in: set[int] = set()  # seats that sent LanesIn for the pending decision
         self._pending: int | None = None
@@ -137,7 +137,6 @@ class ShardSet:
             raise FlodlError(f"controller: every one of the {len(self.addresses)} shards is lost "
                              f"(shard {index}: {why})")
         log.warning("controller: shard %d lost (%s); its lanes go to the next live shard", index, why)
-        self._lost_since_commit = True
         if self._pending is not None:
             self._again = True
         self._tell_relays(ShardLost(index))
@@ -157,28 +156,37 @@ class ShardSet:
 
     async def decide(self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int) -> list[int]:
         """Decide the round (hosts: its contributors) until every live target holds the
-        decision's lanes; the seats of the targets to send lane 0 to, the commit."""
+        decision's lanes; the seats of the targets to send lane 0 to, the commit.
+
+        A round is decided from the live relays only, and decided again when a shard or
+        a decided relay is lost before the commit: a lost relay's pieces may never reach
+        the shards (lane 0 goes up first), or may have been only on the lost shard."""
         hosts = sorted(hosts, key=lambda seat: seat.lowest_rank)
+        round_ = self._rounds
+        self._rounds += 1
         while True:
-            if self._lost_since_commit:  # their pieces may have been only on the lost shard
-                hosts = [seat for seat in hosts if self._seated(seat.id)]
+            hosts = [seat for seat in hosts if self._live(seat.id)]
+            live_targets = [seat for seat in targets if self._live(seat.id)]
+            if not hosts or not live_targets:
+                break  # nobody left to sum, or to send to
             self._pending, self._hosts, self._lanes_in, self._again = self._decisions, hosts, set(), False
             self._decisions += 1
             await self._tell_shards(Decide(
-                self._pending, lanes, [seat.lowest_rank for seat in hosts], sorted(seat.lowest_rank for seat in targets)
+                self._pending, round_, lanes, [seat.lowest_rank for seat in hosts],
+                sorted(seat.lowest_rank for seat in live_targets),
             ))
-            if await self._committed(targets):
+            if await self._committed(live_targets):
                 break
             self._stats.decisions_again += 1
-        self._pending, self._lost_since_commit = None, False
-        return [seat.id for seat in targets if self._seated(seat.id)]
+        self._pending = None
+        return [seat.id for seat in targets if self._live(seat.id)]
 
     async def _committed(self, targets: Sequence[Seat]) -> bool:
         """Wait for every live target's LanesIn (True), or until the decision must be made again (False)."""
         while True:
             if self._again:
                 return False
-            if all(seat.id in self._lanes_in or not self._seated(seat.id) for seat in targets):
+            if all(seat.id in self._lanes_in or not self._live(seat.id) for seat in targets):
                 return True
             await self._changed.wait()
 
@@ -188,10 +196,10 @@ class ShardSet:
             self._lanes_in.add(seat_id)
             self._changed.notify()
 
-    def relay_gone(self, seat_id: int) -> None:
-        """A relay left: it is waited for no longer; and if a shard was lost this round and
-        the relay was decided in, its pieces may be gone with it."""
-        if self._pending is not None and self._lost_since_commit and any(seat.id == seat_id for seat in self._hosts):
+    def relays_changed(self) -> None:
+        """A relay left, or its last rank died: it is waited for no longer, and if it was
+        decided in, the round is decided again without it."""
+        if self._pending is not None and any(not self._live(seat.id) for seat in self._hosts):
             self._again = True
         self._changed.notify()
 

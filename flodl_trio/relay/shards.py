@@ -1,11 +1,12 @@
 """A data relay's side of the reduction shards (docs/wire.md, "Shards" and "A lost shard").
 
-A round in lanes goes up as: ``Pieces{round}`` and lanes k >= 1 to their shards
-(all shards at once), each acknowledged; then lane 0 to the controller, which
-decides the round's contributors and tells the shards; each shard sends its
-lanes' consensus after a ``Decided{d}`` mark; once every lane of the latest
-decision is in, ``LanesIn{d}`` to the controller, whose consensus lane 0 then
-commits the round. Until that commit the channel's writer stays here: a shard
+A round in lanes goes up as: lane 0 to the controller, which decides the
+round's contributors from the lane 0s and tells the shards; ``Pieces{round}``
+and lanes k >= 1 to their shards (all shards at once), meanwhile; each shard
+marks the decision (``Decided{d}``) and sends a lane's consensus as soon as
+every decided host's piece of it is in; once every lane of the latest decision
+is in, ``LanesIn{d}`` to the controller, whose consensus lane 0 then commits
+the round. Until that commit the channel's writer stays here: a shard
 the controller says is lost has its lanes sent again to their new owner, and
 lanes of a decision that a newer one replaced are taken back out.
 """
@@ -68,7 +69,7 @@ class ShardLinks:
         self.changed = ChangeSignal()  # an ack, a lane, a mark, a lost shard, the commit
         self._round = 0  # this relay's rounds sent to the shards (Pieces)
         self._sent_to: dict[int, int] = {}  # lane -> the shard it went to this round
-        self._acked: dict[int, int] = {}  # lane -> the shard that acknowledged it
+        self.acked = 0  # lanes the shards said they keep (ShardAck)
         self._decision: dict[int, int] = {}  # shard -> the decision its lanes now are
         self.want = -1  # the latest decision any shard marked
         self._lane_decision: dict[int, int] = {}  # lane joined -> its decision
@@ -91,21 +92,19 @@ class ShardLinks:
     # -- the uplink, until the round commits ----------------------------------
 
     async def send_round(self, records: list[EncodedFrame], upstream: MessageStream, sent: Callable[[int], None]) -> None:
-        """Lanes 1.. to their shards, lane 0 to the controller once all are acknowledged,
-        and ``LanesIn`` once the latest decision's lanes are all in; until the commit."""
+        """Lane 0 to the controller, then lanes 1.. to their shards, and ``LanesIn`` once
+        the latest decision's lanes are all in; until the commit. Lane 0 goes first so the
+        round is decided while the pieces go up, and each shard sends a lane down as soon
+        as every host's piece of it is in."""
         await self._connect()
         self._round += 1
         self._count = len(records)
         self._sent_to.clear()
-        self._acked.clear()
         self._lane_decision.clear()
         self.want, self.committed, reported = -1, False, -1
-        await self._send_missing(records, sent)
-        while not all(self._acked.get(lane) == self.owner(lane) for lane in range(1, self._count)):
-            await self.changed.wait()
-            await self._send_missing(records, sent)
         await upstream.send_chunks(records[0].chunks)
         sent(records[0].nbytes)
+        await self._send_missing(records, sent)
         while not self.committed:
             if self.want > reported and self._all_in():
                 reported = self.want
@@ -227,7 +226,7 @@ class ShardLinks:
 
     def _on_control(self, index: int, conn: MessageStream, msg: RelayControlMsg) -> None:
         if isinstance(msg, ShardAck):
-            self._acked[msg.lane] = index
+            self.acked += 1
         elif isinstance(msg, Decided):
             self._decision[index] = msg.decision
             if msg.decision > self.want:  # a newer decision: the older's lanes come again
@@ -247,7 +246,9 @@ class ShardLinks:
         tag = read_lane_tag(lane)
         if tag is None or tag.index == 0:
             raise ProtocolError(f"{conn.peer} sent a consensus lane tagged {tag}")
-        decision = self._decision.get(index, -1)
+        decision = self._decision.get(index)
+        if decision is None:
+            raise ProtocolError(f"{conn.peer} sent a consensus lane before saying which decision it is (Decided)")
         if decision < self.want:
             return  # a decision a newer one replaced
         await self._lanes.join(lane, tag.index)

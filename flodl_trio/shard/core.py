@@ -77,6 +77,7 @@ class _Relay:
     pieces: dict[int, RoundFrame] = attrs.field(factory=dict)  # lane -> its verified frame, this round
     round: int = -1  # the relay's round its pieces are of (Pieces)
     decided: bool = False  # the latest decision of its round summed its pieces
+    used_in: int | None = None  # the controller's round its pieces were summed for (Decide.round)
     gone: bool = False  # its connection ended
     session: trio.CancelScope = attrs.field(factory=trio.CancelScope)
 
@@ -136,7 +137,10 @@ class _Shard:
         self._heartbeat_s = bounds.heartbeat_timeout
         self.relays: dict[int, _Relay] = {}  # lowest rank -> relay
         self.lost: set[int] = set()  # shards lost: the next live one after each takes its lanes
-        self._decision: Decide | None = None  # the latest decision, until it is summed
+        self._decision: Decide | None = None  # the latest decision, until every owned lane of it went out
+        self._summing: Decide | None = None  # the decision whose lanes go out now
+        self._lanes_sent: set[int] = set()  # ... and which of them went
+        self._marked: set[int] = set()  # ... and which targets were sent its Decided mark
         self._changed = ChangeSignal()  # a piece, a decision or a lost shard came in
 
     def _control(self, msg: RelayControlMsg) -> EncodedFrame:
@@ -217,21 +221,6 @@ class _Shard:
             await conn.send_chunks(alive.chunks)
             await trio.sleep(self._heartbeat_s / 4)
 
-    async def _decider(self) -> None:
-        """Sum the latest decision once every decided host's pieces of our lanes are in
-        (lost shards' lanes come again from the live relays); a newer one replaces it."""
-        while True:
-            msg = self._decision
-            if msg is None or not self._pieces_in(msg):
-                await self._changed.wait()
-                continue
-            self._decision = None
-            await self._decide(msg)
-
-    def _pieces_in(self, msg: Decide) -> bool:
-        owned = [lane for lane in range(1, msg.lanes) if self._owns(lane)]
-        return all(rank in self.relays and lane in self.relays[rank].pieces for rank in msg.hosts for lane in owned)
-
     async def _control_record(self, conn: MessageStream) -> object | None:
         header = await conn.receive_mux_header(SMALL_MESSAGE)
         if header is None:
@@ -241,23 +230,60 @@ class _Shard:
             raise ProtocolError(f"{conn.peer} sent a {kind.name} record where a control message was due")
         return decode_control_msg(payload)
 
-    async def _decide(self, msg: Decide) -> None:
-        """Sum each owned lane's pieces over the decided hosts, in host order, and send
-        every target the lanes after a ``Decided`` mark (a relay keeps the latest's)."""
-        records = []
-        for lane in range(1, msg.lanes):
-            if not self._owns(lane):
+    async def _decider(self) -> None:
+        """Follow the latest decision: sum and send each owned lane as soon as every
+        decided host's piece of it is in (lost shards' lanes come again from the live
+        relays), each target's first one after the decision's mark; a newer decision
+        replaces it."""
+        while True:
+            msg = self._decision
+            if msg is None:
+                await self._changed.wait()
                 continue
-            acc = FoldAccumulator()
-            for rank in msg.hosts:
-                relay = self.relays[rank]
-                acc.add(relay.pieces[lane], relay.name)
-            records.append(await encode_enveloped_frame(MuxKind.BROADCAST, finish_consensus(acc), self.salt))
+            if msg is not self._summing:
+                self._summing, self._lanes_sent, self._marked = msg, set(), set()
+            owned = [lane for lane in range(1, msg.lanes) if self._owns(lane)]
+            ready = [lane for lane in owned if lane not in self._lanes_sent and self._pieces_in(msg, lane)]
+            if ready:
+                for lane in ready:
+                    await self._sum_lane(msg, lane)
+            elif self._lanes_sent.issuperset(owned):
+                self._decided(msg)
+            else:
+                await self._changed.wait()
+
+    def _pieces_in(self, msg: Decide, lane: int) -> bool:
+        """Whether every decided host's piece of ``lane`` is in: of this round (the lane 0
+        that decided it may beat a relay's pieces here, and its last round's are kept)."""
+        return all(self._fresh(rank, msg.round) and lane in self.relays[rank].pieces for rank in msg.hosts)
+
+    def _fresh(self, rank: int, round_: int) -> bool:
+        relay = self.relays.get(rank)
+        return relay is not None and relay.used_in in (None, round_)
+
+    async def _sum_lane(self, msg: Decide, lane: int) -> None:
+        """Lane ``lane`` summed over the decided hosts in host order, divided once, to the targets."""
+        acc = FoldAccumulator()
+        for rank in msg.hosts:
+            relay = self.relays[rank]
+            relay.used_in = msg.round
+            acc.add(relay.pieces[lane], relay.name)
+        record = await encode_enveloped_frame(MuxKind.BROADCAST, finish_consensus(acc), self.salt)
         mark = self._control(Decided(msg.decision))
-        for rank in msg.targets:
-            if rank in self.relays:
-                for record in [mark, *records]:
-                    self.relays[rank].queue(record)
+        for rank in msg.targets:  # each a decided host (so connected here: its pieces are in)
+            target = self.relays.get(rank)
+            if target is None:
+                continue
+            if rank not in self._marked:
+                self._marked.add(rank)
+                target.queue(mark)
+            target.queue(record)
+        self._lanes_sent.add(lane)
+
+    def _decided(self, msg: Decide) -> None:
+        """Every owned lane of the decision went out: the pieces of hosts it left out go."""
+        if self._decision is msg:
+            self._decision = None
         for relay in list(self.relays.values()):
             relay.decided = relay.lowest_rank in msg.hosts  # by the latest decision of its round
             if relay.gone and not relay.decided:  # left out: a later decision of its round leaves it out too
@@ -270,7 +296,7 @@ class _Shard:
         if not relay.decided:
             self.handle.pieces_dropped += len(relay.pieces)
         relay.pieces.clear()
-        relay.decided = False
+        relay.decided, relay.used_in = False, None
 
     # -- the relays ----------------------------------------------------------
 

@@ -199,12 +199,14 @@ class ShardSetup:
 @attrs.frozen
 class Decide:
     """flodl_trio extension (variant 208), controller -> shard: decision number
-    ``decision`` (counted over the run; a round decided again gets the next) for the
-    round whose lane 0 finished, of ``lanes`` lanes: sum the pieces of ``hosts`` (each
-    named by its lowest rank, in host order) and send each lane to ``targets`` (the
-    same naming)."""
+    ``decision`` (counted over the run; a round decided again gets the next) for round
+    ``round`` (the controller's count of sharded rounds; the same when decided again),
+    whose lane 0 finished, of ``lanes`` lanes: sum the pieces of ``hosts`` (each named
+    by its lowest rank, in host order) and send each lane to ``targets`` (the same
+    naming)."""
 
     decision: int
+    round: int
     lanes: int
     hosts: tuple[int, ...] = attrs.field(converter=_ranks)
     targets: tuple[int, ...] = attrs.field(converter=_ranks)
@@ -313,8 +315,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += _varint(len(raw)) + raw + _varint(port)
         case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
             out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
-        case Decide(decision=decision, lanes=lanes, hosts=hosts, targets=targets):
-            out += _varint(decision) + _varint(lanes)
+        case Decide(decision=decision, round=round_, lanes=lanes, hosts=hosts, targets=targets):
+            out += _varint(decision) + _varint(round_) + _varint(lanes)
             for ranks in (hosts, targets):
                 out += _varint(len(ranks))
                 for r in ranks:
@@ -417,10 +419,11 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"),
                          reader.varint("ShardSetup heartbeat_ms"))
     elif variant == 208:
-        decision, lanes = reader.varint("Decide decision"), reader.varint("Decide lanes")
+        decision, round_ = reader.varint("Decide decision"), reader.varint("Decide round")
+        lanes = reader.varint("Decide lanes")
         hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
         targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
-        msg = Decide(decision, lanes, hosts, targets)
+        msg = Decide(decision, round_, lanes, hosts, targets)
     elif variant == 209:
         msg = ShardAck(reader.varint("ShardAck lane"))
     elif variant == 210:

@@ -263,23 +263,20 @@ async def test_a_lost_shard_gives_its_lanes_to_the_next_and_rounds_stay_exact(sa
 
 
 def _stall_shard_1(monkeypatch, at_decision: int) -> trio.Event:
-    """Shard 1 takes the controller's ``at_decision``-th Decide (0: the first) and never
-    sums it, as a shard that dies after the round was decided: set once it has it."""
+    """Shard 1 takes the controller's decision number ``at_decision`` and never sums a
+    lane of it, as a shard that dies after the round was decided: set once it has it."""
     from flodl_trio.shard import core as shard_core
 
-    original = shard_core._Shard._decide
+    original = shard_core._Shard._sum_lane
     stalled = trio.Event()
-    seen = [0]
 
-    async def stalling(self, msg) -> None:
-        if self.index == 1:
-            seen[0] += 1
-            if seen[0] - 1 == at_decision:
-                stalled.set()
-                await trio.sleep_forever()
-        await original(self, msg)
+    async def stalling(self, msg, lane: int) -> None:
+        if self.index == 1 and msg.decision == at_decision:
+            stalled.set()
+            await trio.sleep_forever()
+        await original(self, msg, lane)
 
-    monkeypatch.setattr(shard_core._Shard, "_decide", stalling)
+    monkeypatch.setattr(shard_core._Shard, "_sum_lane", stalling)
     return stalled
 
 
@@ -324,10 +321,10 @@ async def test_a_shard_lost_after_the_decision_before_the_commit_has_the_round_d
 
 async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_the_round(salt, monkeypatch):
     """A relay gives both shards its pieces, its lane 0 reaches the controller (so round 0
-    is decided with it), and it is lost; then shard 1, which holds some of its pieces, is
-    lost before it summed them. Those pieces are nowhere now: the round is decided again
+    is decided with it), and it is lost; so is shard 1, which holds some of its pieces,
+    before it summed them. Those pieces are nowhere now: the round is decided again
     without that host, every shard drops its pieces, and the survivors get the mean of
-    their own frames, exactly (never a mix of the two decisions)."""
+    their own frames, exactly (never a mix of two decisions)."""
     from flodl_trio.transport.buffers import ReceiveBuffer
     from flodl_trio.transport.stream import MessageStream
     from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
@@ -379,23 +376,21 @@ async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_th
                     for lane in range(1, lanes):
                         assert isinstance(await control(to_shards[lane_owner(lane, 2)]), ShardAck)
                     await to_controller.send_chunks(record(parts[0]))
+                    await stalled.wait()  # round 0 was decided with this host in
                     for conn in (to_controller, *to_shards):
-                        await conn.aclose()  # lost after its lane 0
-
-                async def lose_shard_1_once_stalled() -> None:
-                    await stalled.wait()
-                    scopes[1].cancel()
+                        await conn.aclose()  # lost after its lane 0 ...
+                    scopes[1].cancel()  # ... and so is shard 1, before it summed the round
 
                 async def rank_main(rank: int) -> None:
                     async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
                         got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
 
                 nursery.start_soon(lost_host)
-                nursery.start_soon(lose_shard_1_once_stalled)
                 async with trio.open_nursery() as ranks:
                     for rank in (0, 1):
                         ranks.start_soon(rank_main, rank)
-                assert (ctl.stats.shards_lost, ctl.stats.decisions_again) == (1, 1)
+                # Decided again once or twice: the host's loss and the shard's may be seen apart.
+                assert ctl.stats.shards_lost == 1 and ctl.stats.decisions_again in (1, 2)
             nursery.cancel_scope.cancel()
     for rank in (0, 1):
         assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))

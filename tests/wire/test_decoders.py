@@ -767,13 +767,13 @@ def test_a_beacon_says_how_long_to_hold_only_when_it_has_something_to_say():
 def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     from flodl_trio.wire.mux import Decide, Decided, LanesIn, Pieces, ShardAck, ShardAlive, ShardLost, ShardSetup
 
-    assert encode_control_msg(Decide(300, 9, [0, 2], [0, 2, 4])).hex() == "d0" + "fb2c01" + "09" + "020002" + "03000204"
+    assert encode_control_msg(Decide(300, 7, 9, [0, 2], [0, 2, 4])).hex() == "d0" + "fb2c01" + "07" + "09" + "020002" + "03000204"
     assert encode_control_msg(ShardSetup(1, 3, 30_000)).hex() == "cf" + "01" + "03" + "fb3075"
     for msg, head in [(ShardSetup(0, 2, 3000), "cf"), (ShardLost(1), "d2"), (Decided(7), "d3"), (LanesIn(7), "d4"), (Pieces(3), "d5"), (ShardAck(4), "d1")]:
         raw = encode_control_msg(msg)
         assert raw.hex()[:2] == head and decode_control_msg(raw) == msg
     assert encode_control_msg(ShardAlive()) == b"\xd6" and decode_control_msg(b"\xd6") == ShardAlive()
     with pytest.raises(FramingError, match="ended inside Decide lanes"):
-        decode_control_msg(b"\xd0\x01")
+        decode_control_msg(b"\xd0\x01\x02")
     with pytest.raises(FramingError, match="1 trailing bytes"):
         decode_control_msg(b"\xd6\x00")
