@@ -76,6 +76,7 @@ from ..wire.mux import (
     RankJoin,
     RelayControlMsg,
     Resume,
+    ShardLost,
     Shards,
     decode_control_msg,
     encode_mux_record,
@@ -703,6 +704,8 @@ class _Controller:
             return
         if isinstance(msg, LanesIn) and self.shards is not None:
             return self.shards.lanes_in(link.id, msg.decision)
+        if isinstance(msg, ShardLost) and self.shards is not None:
+            return self.shards.reported_lost(msg.shard, link.name)
         if not isinstance(msg, RankExit | RankJoin | RankFinished):
             raise ProtocolError(f"unexpected {type(msg).__name__} mid-session")
         if msg.rank not in link.ranks:

@@ -65,6 +65,7 @@ class ShardSet:
         self._tell_relays = tell_relays
         self._stats = stats
         self.conns: dict[int, MessageStream] = {}
+        self._nursery: trio.Nursery | None = None
         self._locks: dict[int, trio.Lock] = {}
         self.lost: dict[int, str] = {}  # shard -> why
         self._decisions = 0  # numbers given so far
@@ -90,8 +91,18 @@ class ShardSet:
             self._locks[index] = trio.Lock()
 
     def start_watching(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
         for index in list(self.conns):
             nursery.start_soon(self._watch, index)
+
+    def reported_lost(self, shard: int, relay: str) -> None:
+        """A relay's connection to ``shard`` failed (closed, or bytes that broke the
+        protocol): the shard is lost for everyone, as a shard that cannot serve every
+        relay cannot reduce its lanes."""
+        if not 0 <= shard < len(self.addresses):
+            raise ProtocolError(f"said shard {shard} is lost; there are {len(self.addresses)}")
+        if shard not in self.lost and self._nursery is not None:
+            self._nursery.start_soon(self._lose, shard, f"{relay} lost its connection to it")
 
     async def aclose(self) -> None:
         for conn in self.conns.values():
@@ -132,7 +143,7 @@ class ShardSet:
         self.lost[index] = why
         self._stats.shards_lost += 1
         conn = self.conns.pop(index)
-        await conn.aclose()
+        await conn.aclose()  # its watcher ends too (and finds it lost already)
         if len(self.lost) == len(self.addresses):
             raise FlodlError(f"controller: every one of the {len(self.addresses)} shards is lost "
                              f"(shard {index}: {why})")

@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from ..errors import DesyncError
+from ..errors import ConfigError, DesyncError
 from ..fold.delta import PendingHostDelta
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
@@ -34,7 +34,7 @@ from ..transport.stream import MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
 from ..wire.mux import MuxKind
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_delta_dtype
 from ..wire.salt import SessionSalt
 from .config import RelayConfig
 from .shards import ShardLinks
@@ -172,6 +172,12 @@ class LaneFrames:
 
     async def uplink(self, frame: RoundFrame | PendingHostDelta) -> LaneUplink:
         """The HostFrame's lanes, to be cut as they go."""
+        if self.shards is not None and (
+            isinstance(frame, PendingHostDelta) or any(is_delta_dtype(t.dtype) for t in frame.tensors)
+        ):
+            raise ConfigError(f"relay {self._config.host_name}: a delta round (coded pseudo-gradients) in lanes, and "
+                              "shards do not reduce delta rounds yet: run the controller without --shards, or the "
+                              "trainers without a delta codec")
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
         layout = LaneLayout.of(schema, self.count, self._min_bytes, lane0_empty=self.shards is not None)
         if self._assembler is None or self._assembler.layout != layout:

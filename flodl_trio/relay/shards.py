@@ -19,7 +19,7 @@ from typing import Protocol
 
 import trio
 
-from ..errors import ProtocolError
+from ..errors import FlodlError, ProtocolError
 from ..transport.buffers import ReceiveBuffer
 from ..transport.connect import connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
@@ -76,6 +76,8 @@ class ShardLinks:
         self._count = 0  # lanes this round
         self.committed = False
         self._connected = False
+        self._failed: set[int] = set()  # shards whose connection failed here, not yet said lost
+        self._told_controller: set[int] = set()  # ... and told to the controller
 
     @property
     def count(self) -> int:
@@ -102,15 +104,23 @@ class ShardLinks:
         self._sent_to.clear()
         self._lane_decision.clear()
         self.want, self.committed, reported = -1, False, -1
+        await self._tell_failed(upstream)
         await upstream.send_chunks(records[0].chunks)
         sent(records[0].nbytes)
         await self._send_missing(records, sent)
         while not self.committed:
+            await self._tell_failed(upstream)
             if self.want > reported and self._all_in():
                 reported = self.want
                 await upstream.send_chunks(self._record(LanesIn(self.want)).chunks)
             await self.changed.wait()
             await self._send_missing(records, sent)
+
+    async def _tell_failed(self, upstream: MessageStream) -> None:
+        """Shards whose connection failed here, told to the controller once each."""
+        for shard in sorted(self._failed - self._told_controller - self.lost):
+            self._told_controller.add(shard)
+            await upstream.send_chunks(self._record(ShardLost(shard)).chunks)
 
     def _all_in(self) -> bool:
         return all(self._lanes.has(lane) and self._lane_decision.get(lane) == self.want for lane in range(1, self._count))
@@ -189,12 +199,13 @@ class ShardLinks:
             self._start_task(self._read, index, conn)
 
     async def _read(self, index: int, conn: MessageStream) -> None:
-        """A shard's acks, marks and consensus lanes. Its connection ending is the end of
-        the channel unless the controller says within the handshake bound that the
-        shard is lost (it then has its lanes reduced elsewhere)."""
+        """A shard's acks, marks and consensus lanes. Its connection ending, or bytes from
+        it that break the protocol, are told to the controller (``ShardLost``), and are
+        the end of the channel unless the controller says within the handshake bound
+        that the shard is lost (it then has its lanes reduced elsewhere)."""
         try:
             await self._read_records(index, conn, ReceiveBuffer())
-        except (*CONNECTION_LOST, trio.ClosedResourceError, ProtocolError) as exc:
+        except (*CONNECTION_LOST, trio.ClosedResourceError, FlodlError) as exc:
             why: BaseException | str = exc
         else:
             why = "it closed its connection"
@@ -202,6 +213,12 @@ class ShardLinks:
             await conn.aclose()
         if index in self.lost:
             return
+        # Told to the controller (which then loses the shard for everyone): bad bytes from a
+        # shard cost that shard, not this relay.
+        log.warning("relay %s: shard %d failed (%s); telling the controller", self._config.host_name, index, why)
+        self.conns.pop(index, None)
+        self._failed.add(index)
+        self.changed.notify()
         with trio.move_on_after(self._config.bounds.handshake):
             while index not in self.lost:
                 await self.changed.wait()

@@ -277,8 +277,11 @@ class _Shard:
             if rank not in self._marked:
                 self._marked.add(rank)
                 target.queue(mark)
-            target.queue(record)
+            self._queue_lane(target, record)
         self._lanes_sent.add(lane)
+
+    def _queue_lane(self, target: _Relay, record: EncodedFrame) -> None:
+        target.queue(record)
 
     def _decided(self, msg: Decide) -> None:
         """Every owned lane of the decision went out: the pieces of hosts it left out go."""

@@ -397,6 +397,52 @@ async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_th
     assert shards[0].pieces_dropped == 2  # the lost host's two pieces it held
 
 
+async def test_a_shard_sending_a_forged_lane_costs_only_that_shard(salt, monkeypatch):
+    """Shard 1 sends round 1's lanes with a flipped byte (their MAC fails at the relays):
+    the relays tell the controller, which loses shard 1 for everyone; its lanes go to
+    shard 0, the round is decided again, and no rank or relay pays for it."""
+    from flodl_trio.shard import core as shard_core
+    from flodl_trio.wire.round_frame import EncodedFrame
+
+    numel, rounds = 50_000, 3
+    original = shard_core._Shard._queue_lane
+
+    def forging(self, target, record) -> None:
+        if self.index == 1 and self._summing is not None and self._summing.round == 1:
+            raw = bytearray(b"".join(bytes(chunk) for chunk in record.chunks))
+            raw[len(raw) // 2] ^= 0x10
+            record = EncodedFrame([bytes(raw)], len(raw))
+        original(self, target, record)
+
+    monkeypatch.setattr(shard_core._Shard, "_queue_lane", forging)
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
+                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
+                relays = [await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+                    ranks=[rank], world_size=2, salt=salt,
+                )) for rank in range(2)]
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+                        for r in range(rounds):
+                            data = torch.full((numel,), float(rank + 10 * r))
+                            got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
+
+                async with trio.open_nursery() as ranks:
+                    for rank in range(2):
+                        ranks.start_soon(rank_main, rank)
+                assert ctl.stats.shards_lost == 1 and ctl.stats.decisions_again == 1
+                assert not ctl.dead_ranks.snapshot()
+            nursery.cancel_scope.cancel()
+    for r in range(rounds):
+        for rank in range(2):
+            assert np.array_equal(got[rank][r], np.full(numel, 0.5 + 10 * r, np.float32))
+
+
 async def test_the_last_shard_lost_stops_the_controller_naming_it_and_nothing_hangs(salt):
     """With no live shard left no lane can be reduced: the controller stops naming the
     shard, every relay's channel ends, and the ranks' next round fails at once."""
@@ -462,14 +508,15 @@ async def test_a_controller_with_shards_refuses_a_flodl_relay_saying_why(salt):
 
 
 async def test_a_delta_round_is_refused_by_the_shard_naming_why(salt, caplog):
-    """Shards do not reduce coded pseudo-gradients yet: a delta round's lane is refused with
-    that reason (the relay that sent it is dropped), not summed into something wrong."""
+    """Shards do not reduce coded pseudo-gradients yet: the relay refuses to send a delta
+    round's lanes, with that reason (its channel ends), rather than have them summed into
+    something wrong; the shard would refuse such a lane too."""
     import logging
 
     from flodl_trio import FlodlError, average_window
     from flodl_trio.wire.quant import DeltaCodec
 
-    caplog.set_level(logging.WARNING, logger="flodl_trio.shard")
+    caplog.set_level(logging.WARNING, logger="flodl_trio")
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
@@ -482,4 +529,6 @@ async def test_a_delta_round_is_refused_by_the_shard_naming_why(salt, caplog):
                             params[0] += float(window + 1)
                             await average_window(client, params, [], 1, rank=0, world_size=1, in_place=True)
             nursery.cancel_scope.cancel()
-    assert any("delta round" in r.getMessage() and "shards do not reduce" in r.getMessage() for r in caplog.records)
+    assert any("delta round" in r.getMessage() and "shards do not reduce" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]

@@ -99,3 +99,25 @@ def _contributors_of(event: dict[str, Any]) -> set[int]:
             return group
     raise MatrixFailure(f"rank 0's round {event['round']} ({event['value']}, mass {event['mass']}) is the consensus "
                         "of no set of ranks that includes both survivors")
+
+
+@case("shard-relay-freeze", fault="relay daemon SIGSTOPped as a sharded round began", leg="relay process")
+async def shard_relay_freeze() -> Outcome:
+    """Host 1's relay freezes with its lane 0 in or not and its pieces anywhere between
+    nowhere and every shard: its ranks are declared dead after the heartbeat timeout,
+    the round is decided (again) without it, and host 0 goes on exactly."""
+    async with daemon_cluster(**SHARDED, shards=2, worker_args={r: pause(HELD) for r in range(4)}) as c:
+        with diagnose(c):
+            await _hold_everyone(c)
+            t0 = mono()
+            c.freeze_relay(1)
+            await _let_go(c)
+            final = [await c.wait_outcome(rank) for rank in (0, 1)]
+            if any(f["event"] != "done" for f in final):
+                raise MatrixFailure(f"host 0's ranks should have finished: {final}")
+            rounds = {r: check_rounds(c, r, after(HELD, range(4), [0, 1])) for r in (0, 1)}
+            if any(sorted(seen) != list(range(SHARDED["rounds"])) for seen in rounds.values()):
+                raise MatrixFailure(f"host 0's ranks reported rounds {[sorted(s) for s in rounds.values()]}")
+            seconds = last_outcome(rounds, HELD) - t0
+    return Outcome(f"host 1's ranks declared dead after the heartbeat timeout; round {HELD} and later were "
+                   "ranks 0,1's, exact", seconds)
