@@ -702,7 +702,7 @@ class Bench:
 
         def sample_daemons() -> None:
             if not warm_cpu and any(marks.iterdir()):
-                warm_cpu.update({p.name: proc_cpu_seconds(p.popen.pid) for p in (ctl, *relays)})
+                warm_cpu.update({p.name: proc_cpu_seconds(p.popen.pid) for p in (ctl, *relays, *shards)})
 
         try:
             L.wait(ranks, PROCESS_TIMEOUT_S, poll=sample_daemons)
@@ -712,7 +712,7 @@ class Bench:
                 sys.stderr.write(f"--- {p.name} stderr ---\n{p.stderr_tail(1500)}\n")
             L.kill_all()
             raise
-        result = _collect("flodl_trio", ranks, [ctl, *relays])
+        result = _collect("flodl_trio", ranks, [ctl, *relays, *shards])
         result.foreign_cores = load.cores()
         result.rounds_run = warmup + rounds
         result.profiled = L.profile_dir is not None

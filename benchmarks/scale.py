@@ -130,6 +130,13 @@ def received(result: RunResult) -> str:
     return " / ".join(f"{v / MiB:.1f}" for v in result.link_bytes.values()) + " MiB"
 
 
+def peak_rss(result: RunResult) -> str:
+    """The largest peak RSS of each kind of daemon, in MiB (a dash: none ran)."""
+    return " / ".join(
+        f"{max(result.rss_of(role)):.0f}" if result.rss_of(role) else "-" for role in ("relay", "shard", "controller")
+    ) + " MiB"
+
+
 def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """What benchmarks/allreduce.py's Bench reads of its command line."""
     return argparse.Namespace(
@@ -184,14 +191,14 @@ def main() -> int:
     print(f"\n{args.ranks_per_host} rank(s) per host, every host link {args.rate} each way (tbf), "
           f"controller on host 0, --lanes {args.lanes}, f32 both sides, median of {args.rounds} rounds:\n")
     print("| hosts | model | flodl_trio | gloo | ratio | star floor | ring floor | CPU floor (flodl_trio) "
-          "| received per round, host 0 / busiest other: flodl_trio | gloo |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| received per round, host 0 / busiest other: flodl_trio | gloo | peak RSS, largest relay / shard / controller |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count, mib, flodl, gloo in rows:
         cpu_floor = flodl.cpu_ms_per_round / (os.cpu_count() or 1)
         print(f"| {count} | {mib:g} MiB | {flodl.median_ms:.0f} ms | {gloo.median_ms:.0f} ms | "
               f"{flodl.median_ms / gloo.median_ms:.2f}x | {star_floor_ms(count, mib, rate_bps):.0f} ms | "
               f"{ring_floor_ms(count, mib, rate_bps):.0f} ms | {cpu_floor:.0f} ms | "
-              f"{received(flodl)} | {received(gloo)} |")
+              f"{received(flodl)} | {received(gloo)} | {peak_rss(flodl)} |")
     return 0
 
 

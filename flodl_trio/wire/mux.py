@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -376,6 +376,17 @@ class _BincodeReader:
         return n
 
 
+# The variants whose one field is a varint: (class, the field as errors name it).
+_ONE_VARINT: dict[int, tuple[Callable[[int], RelayControlMsg], str]] = {
+    variant: (cls, f"{cls.__name__} {field}")
+    for variant, cls, field in (
+        (2, RankExit, "rank"), (3, DeclareDead, "rank"), (200, RankJoin, "rank"), (201, RankFinished, "rank"),
+        (202, RankAway, "rank"), (205, Outage, "millis"), (209, ShardAck, "lane"), (210, ShardLost, "shard"),
+        (211, Decided, "decision"), (212, LanesIn, "decision"), (213, Pieces, "round"),
+    )
+}
+
+
 def decode_control_msg(payload: Buffer) -> RelayControlMsg:
     reader = _BincodeReader(payload)
     variant = reader.varint("variant index")
@@ -390,22 +401,13 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         n_sigs = reader.count("model signature count", MODEL_SIGNATURE_LEN)
         sigs = [reader._take(MODEL_SIGNATURE_LEN, f"model signature {i}") for i in range(n_sigs)]
         msg = Hello(host, ranks, sigs)
+    elif variant in _ONE_VARINT:
+        make, field = _ONE_VARINT[variant]
+        msg = make(reader.varint(field))
     elif variant == 1:
         msg = HelloAck()
-    elif variant == 2:
-        msg = RankExit(reader.varint("RankExit rank"))
-    elif variant == 3:
-        msg = DeclareDead(reader.varint("DeclareDead rank"))
-    elif variant == 200:
-        msg = RankJoin(reader.varint("RankJoin rank"))
-    elif variant == 201:
-        msg = RankFinished(reader.varint("RankFinished rank"))
-    elif variant == 202:
-        msg = RankAway(reader.varint("RankAway rank"))
     elif variant == 203:
         msg = Lanes(reader.varint("Lanes count"), reader.varint("Lanes min_bytes"))
-    elif variant == 205:
-        msg = Outage(reader.varint("Outage millis"))
     elif variant == 206:
         addresses = []
         for i in range(reader.count("shard count", 2)):
@@ -424,16 +426,6 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
         targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
         msg = Decide(decision, round_, lanes, hosts, targets)
-    elif variant == 209:
-        msg = ShardAck(reader.varint("ShardAck lane"))
-    elif variant == 210:
-        msg = ShardLost(reader.varint("ShardLost shard"))
-    elif variant == 211:
-        msg = Decided(reader.varint("Decided decision"))
-    elif variant == 212:
-        msg = LanesIn(reader.varint("LanesIn decision"))
-    elif variant == 213:
-        msg = Pieces(reader.varint("Pieces round"))
     elif variant == 214:
         msg = ShardAlive()
     elif variant == 204:

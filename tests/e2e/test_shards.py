@@ -32,6 +32,18 @@ async def one_host_with_a_shard(nursery: trio.Nursery, salt, shard) -> AsyncIter
         yield ctl, relay
 
 
+@asynccontextmanager
+async def two_hosts_on(shards, nursery: trio.Nursery, salt) -> AsyncIterator[tuple[object, list]]:
+    """A controller in 5 lanes whose lanes 1.. go to ``shards``, and two relays of one rank each."""
+    async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
+                               shards=[(LOOP, s.port) for s in shards]) as ctl:
+        relays = [await nursery.start(hold_open, open_relay(
+            ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+            ranks=[rank], world_size=2, salt=salt,
+        )) for rank in range(2)]
+        yield ctl, relays
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3])
 async def test_a_round_through_shards_is_the_weighted_mean(salt, shards):
     hosts = [[0, 1], [2], [3]]
@@ -232,12 +244,7 @@ async def test_a_lost_shard_gives_its_lanes_to_the_next_and_rounds_stay_exact(sa
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
-            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
-                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
-                relays = [await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
-                    ranks=[rank], world_size=2, salt=salt,
-                )) for rank in range(2)]
+            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
                 done_first = {rank: trio.Event() for rank in range(2)}
 
                 async def rank_main(rank: int) -> None:
@@ -291,12 +298,7 @@ async def test_a_shard_lost_after_the_decision_before_the_commit_has_the_round_d
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
-            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
-                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
-                relays = [await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
-                    ranks=[rank], world_size=2, salt=salt,
-                )) for rank in range(2)]
+            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
 
                 async def lose_shard_1_once_stalled() -> None:
                     await stalled.wait()
@@ -419,12 +421,7 @@ async def test_a_shard_sending_a_forged_lane_costs_only_that_shard(salt, monkeyp
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
-            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
-                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
-                relays = [await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
-                    ranks=[rank], world_size=2, salt=salt,
-                )) for rank in range(2)]
+            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
 
                 async def rank_main(rank: int) -> None:
                     async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
