@@ -8,11 +8,13 @@ import socket
 from contextlib import AsyncExitStack
 
 import attrs
+import trio
 
 from ..errors import ConfigError
 from ..relay.config import ChannelKind, RelayConfig
 from ..relay.core import open_relay
 from ..relay.host_ranks import HostRanks
+from ..shard import open_shard
 from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
 from ..transport.settings import OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
@@ -95,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"come back; 0 = give up at once [env {OUTAGE_ENV}; default: as long as the controller says, which "
         "is 300 s for one with --checkpoint-dir and 0 without]",
     )
+    parser.add_argument(
+        "--shard", default=env_default("FLODL_SHARD"), metavar="HOST:PORT",
+        help="also serve a reduction shard here, in this process (name it in the controller's --shards; "
+        "docs/wire.md, 'Shards') [env FLODL_SHARD; default none]",
+    )
     add_common_flags(parser)
     return parser
 
@@ -113,6 +120,7 @@ class RelayDaemonSettings:
     unix_dir: str | None = None
     memory_budget: int | None = None  # bytes
     lanes: int | None = None  # None: the controller's
+    shard: tuple[str, int] | None = None  # a reduction shard served beside the channels
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
@@ -137,6 +145,7 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
         bool(args.deterministic), not args.no_unix, args.unix_dir,
         None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)),
         None if args.lanes is None else int(args.lanes),
+        parse_host_port(args.shard, "--shard") if args.shard else None,
     )
     if args.controller_outage is not None:
         settings = attrs.evolve(
@@ -150,8 +159,15 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
 
 
 async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, metrics: tuple[str, int] | None = None) -> None:
-    """Run the host's relay channels until they finish; raise the first failure."""
+    """Run the host's relay channels (and its shard, if it serves one) until they finish;
+    raise the first failure."""
     async with AsyncExitStack() as stack:
+        shard = None
+        if settings.shard is not None:  # first: the controller dials it before it serves the relays
+            shard = await stack.enter_async_context(
+                open_shard(*settings.shard, salt=settings.salt, ceiling=ceiling, bounds=settings.bounds)
+            )
+            log.info("shard started: listening on %s:%d", settings.shard[0], shard.port)
         handles = {}
         host = HostRanks(settings.ranks)  # shared by the host's channels
         for kind, port in settings.channels.items():
@@ -180,6 +196,11 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
         for handle in handles.values():
             await handle.wait_finished()
         log.info("relay %s finished: every channel closed", settings.host_name)
+        if shard is not None:  # the other hosts' rounds may still need it: until its controller lets go
+            with trio.move_on_after(settings.bounds.handshake):
+                await shard.outcome.wait()
+            log.info("shard finished: %d rounds, %d pieces of hosts left out dropped", shard.rounds,
+                     shard.pieces_dropped)
 
 
 def main(argv: list[str] | None = None) -> int:

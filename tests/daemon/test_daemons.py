@@ -386,3 +386,40 @@ async def test_shard_daemons_reduce_a_controller_daemons_lanes_and_exit_with_it(
         d.text[-2000:] for d in (controller, *relays, *shards)
     ]
     assert "shard finished: 3 rounds" in shards[0].text
+
+
+@pytest.mark.deadline(60)
+async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_controller():
+    """Each relay daemon also serves a shard (``--shard``), named in the controller
+    daemon's --shards: one process a host, rounds exact, every daemon exits 0."""
+    ctl_port, shard_a, shard_b, data0, data1 = free_ports(5)
+    async with trio.open_nursery() as nursery:
+        controller = await start_daemon(
+            nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port), "--world-size", "2",
+            "--lanes", "3", "--rejoin-timeout", "0", "--shards", f"{LOOP}:{shard_a},{LOOP}:{shard_b}",
+        )  # it dials the shards until the relays serve them
+        relays = [await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks",
+                                     str(rank), "--world-size", "2", "--host-name", f"h{rank}", "--channels", "data",
+                                     "--data-port", str(port), "--shard", f"{LOOP}:{shard}", "--log-level", "INFO")
+                  for rank, port, shard in ((0, data0, shard_a), (1, data1, shard_b))]
+        for relay, shard in zip(relays, (shard_a, shard_b)):
+            await relay.wait_for(f"shard started: listening on {LOOP}:{shard}")
+        got: dict[tuple[int, int], list[float]] = {}
+
+        async def rank_main(rank: int, port: int) -> None:
+            async with connect_reduce_client((LOOP, port), rank, 2, salt_bytes()) as client:
+                for k in range(3):
+                    out = await client.all_reduce_tensors([torch.full((300_000,), float(rank + 10 * k))])
+                    got[rank, k] = sorted(set(out[0].tolist()))
+
+        async with trio.open_nursery() as ranks:
+            ranks.start_soon(rank_main, 0, data0)
+            ranks.start_soon(rank_main, 1, data1)
+        with trio.fail_after(20):
+            for daemon in (controller, *relays):
+                await daemon.process.wait()
+    assert all(got[rank, k] == [0.5 + 10 * k] for rank in (0, 1) for k in range(3))
+    assert [d.process.returncode for d in (controller, *relays)] == [0, 0, 0], [
+        d.text[-2000:] for d in (controller, *relays)
+    ]
+    assert "shard finished: 3 rounds" in relays[0].text
