@@ -669,8 +669,9 @@ class Bench:
         L = self.launcher
         shards = []
         ctl_cmd = self.controller_cmd(ctl_host.ip, ctl_port, world)
+        in_relays = getattr(self.args, "relay_shards", False)  # each relay daemon serves its host's shard
         if getattr(self.args, "shards", False):  # a reduction shard on every host
-            for h in hosts:
+            for h in hosts if not in_relays else ():
                 shards.append(L.spawn(
                     f"shard-{h.name}", "shard",
                     [sys.executable, "-m", "flodl_trio.shard", "--host", h.ip, "--port", "29410", "--log-level", "WARNING"],
@@ -687,7 +688,8 @@ class Bench:
                 f"relay-{h.name}", "relay",
                 [sys.executable, "-m", "flodl_trio.relay", "--controller", f"{ctl_host.ip}:{ctl_port}",
                  "--ranks", ",".join(map(str, h.ranks)), "--world-size", str(world), "--host-name", h.name,
-                 "--channels", "data", "--data-port", str(data_port), "--log-level", "WARNING"],
+                 "--channels", "data", "--data-port", str(data_port), "--log-level", "WARNING",
+                 *(["--shard", f"{h.ip}:29410"] if in_relays and getattr(self.args, "shards", False) else [])],
                 self.env, h.netns, tag,
             ))
             for r in h.ranks:

@@ -142,7 +142,9 @@ class ShardLinks:
 
     async def _send_lanes(self, shard: int, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
         """A shard's lanes after the round's mark (and the lost shards it has not heard of
-        from us: it takes their lanes); a lost connection waits for the controller's word."""
+        from us: it takes their lanes). A write that fails (the connection broke, or
+        stalled past the write bound) closes the connection: its reader then tells the
+        controller, and waits (bounded) for its word."""
         conn = self.conns.get(shard)
         if conn is None:
             return
@@ -154,7 +156,8 @@ class ShardLinks:
                 await conn.send_chunks(record.chunks)
                 sent(record.nbytes)
         except (*CONNECTION_LOST, trio.ClosedResourceError):
-            pass  # its reader sees the end too, and waits (bounded) for the controller to say it is lost
+            if shard not in self.lost:
+                await conn.aclose()  # its reader ends with it
 
     # -- what the controller says ---------------------------------------------
 
