@@ -247,7 +247,7 @@ async def open_controller(
     if shards:
         controller.shards = ShardSet(
             [(str(h), int(p)) for h, p in shards], config, controller._relay_live, controller._tell_relays,
-            handle.stats,
+            handle.stats, controller._drop_relay_named,
         )
     controller.windows.lane0_empty = bool(shards)  # lane 0 carries no payload: the shards carry it all
     async with serving(controller.run, handle.outcome, log, "controller"):
@@ -318,7 +318,16 @@ class _Controller:
         return await self.shards.decide(
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in consensus.delivered_by],
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
+            LaneLayout.of_lane0(consensus.outgoing, lane0_empty=True).schema,
         )
+
+    def _drop_relay_named(self, lowest_rank: int, why: str) -> None:
+        """A shard refused a relay's piece: that relay is dropped (its ranks die), and the
+        round is decided again without it."""
+        seat_id = self.seats.seat_of(lowest_rank)
+        if seat_id is not None and lowest_rank == self.seats.lowest_rank(seat_id) and seat_id in self.links:
+            log.warning("controller: %s dropped: %s", self.links[seat_id].name, why)
+            self.links[seat_id].expel(why)
 
     def _relay_live(self, seat_id: int) -> bool:
         """Whether a relay is connected and carries a rank not dead."""

@@ -29,6 +29,7 @@ from ..wire.constants import CHANNEL_MAGIC_SHARD
 from ..wire.mux import (
     Decide,
     MuxKind,
+    PieceRefused,
     RelayControlMsg,
     ShardAlive,
     ShardLost,
@@ -58,12 +59,14 @@ class ShardSet:
     def __init__(
         self, addresses: Sequence[tuple[str, int]], config: ControllerConfig,
         live: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
+        drop_relay: Callable[[int, str], None],
     ) -> None:
         self.addresses = tuple(addresses)
         self._config = config
         self._live = live  # whether a relay is still connected with a live rank
         self._tell_relays = tell_relays
         self._stats = stats
+        self._drop_relay = drop_relay  # (lowest rank, why): a relay a shard refused
         self.conns: dict[int, MessageStream] = {}
         self._nursery: trio.Nursery | None = None
         self._locks: dict[int, trio.Lock] = {}
@@ -131,8 +134,11 @@ class ShardSet:
                 if waited.cancelled_caught:
                     why = f"nothing from it for the heartbeat timeout ({bound:g} s): frozen, or cut off"
                     break
-                if kind is not MuxKind.CONTROL or not isinstance(decode_control_msg(payload), ShardAlive):
-                    raise ProtocolError(f"shard {index} sent the controller a {kind.name} record, not ShardAlive")
+                msg = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
+                if isinstance(msg, PieceRefused):
+                    self._drop_relay(msg.host, f"shard {index} refused its piece: {msg.reason}")
+                elif not isinstance(msg, ShardAlive):
+                    raise ProtocolError(f"shard {index} sent the controller {msg or kind.name}, not ShardAlive")
         except (ProtocolError, *CONNECTION_LOST) as exc:
             why = str(exc)
         await self._lose(index, why)
@@ -165,7 +171,9 @@ class ShardSet:
 
     # -- a round's decision and commit -------------------------------------------
 
-    async def decide(self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int) -> list[int]:
+    async def decide(
+        self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int, schema: Sequence[tuple[int, tuple[int, ...]]],
+    ) -> list[int]:
         """Decide the round (hosts: its contributors) until every live target holds the
         decision's lanes; the seats of the targets to send lane 0 to, the commit.
 
@@ -183,7 +191,7 @@ class ShardSet:
             self._pending, self._hosts, self._lanes_in, self._again = self._decisions, hosts, set(), False
             self._decisions += 1
             await self._tell_shards(Decide(
-                self._pending, round_, lanes, [seat.lowest_rank for seat in hosts],
+                self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
                 sorted(seat.lowest_rank for seat in live_targets),
             ))
             if await self._committed(live_targets):

@@ -272,6 +272,9 @@ class ShardLinks:
         if decision < self.want:
             return  # a decision a newer one replaced
         await self._lanes.join(lane, tag.index)
+        if decision < self.want:  # replaced while it was being joined (another shard's mark)
+            self._lanes.drop(tag.index)
+            return
         self._lane_decision[tag.index] = decision
         self.changed.notify()
 

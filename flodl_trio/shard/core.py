@@ -23,14 +23,16 @@ committed) is summed again from them.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 
-from ..errors import FlodlError, ProtocolError
+from ..errors import FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import listener_port, peer_host, tune_socket
@@ -40,11 +42,12 @@ from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal, RunOutcome, one_error, serving
 from ..wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_SHARD, DEFAULT_FRAME_CEILING
-from ..wire.lanes import MAX_LANES, lane_owner, read_lane_tag
+from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
     Decide,
     Decided,
     MuxKind,
+    PieceRefused,
     Pieces,
     RelayControlMsg,
     ShardAck,
@@ -97,6 +100,16 @@ class _Relay:
             pass  # gone
 
 
+def _layout(msg: Decide) -> LaneLayout:
+    """The round's lanes, from the schema its decision carries."""
+    return _layout_of(msg.schema, msg.lanes)
+
+
+@functools.lru_cache(maxsize=8)
+def _layout_of(schema: tuple[tuple[int, tuple[int, ...]], ...], lanes: int) -> LaneLayout:
+    return LaneLayout.for_schema(schema, lanes, lane0_empty=True)
+
+
 class ShardHandle:
     """A running shard: its port, counters, and how it ended."""
 
@@ -106,6 +119,7 @@ class ShardHandle:
         self.rounds = 0
         self.pieces_dropped = 0  # pieces of hosts a decision left out
         self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
+        self.refused_pieces = 0  # pieces that were not what their round's schema says (their relay was named)
 
 
 @asynccontextmanager
@@ -141,6 +155,8 @@ class _Shard:
         self._summing: Decide | None = None  # the decision whose lanes go out now
         self._lanes_sent: set[int] = set()  # ... and which of them went
         self._marked: set[int] = set()  # ... and which targets were sent its Decided mark
+        self._blocked: set[int] = set()  # ... and which lanes hold a refused piece (a newer decision comes)
+        self._to_controller: trio.MemorySendChannel[EncodedFrame]  # set once the controller connected
         self._changed = ChangeSignal()  # a piece, a decision or a lost shard came in
 
     def _control(self, msg: RelayControlMsg) -> EncodedFrame:
@@ -189,10 +205,11 @@ class _Shard:
             return
         self.index, self.count, self._heartbeat_s = setup.index, setup.count, setup.heartbeat_ms / 1000
         conn.peer = "the controller"
+        self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
         try:
             with one_error():
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._heartbeat, conn)
+                    nursery.start_soon(self._controller_writer, conn, to_controller)
                     nursery.start_soon(self._decider)
                     await self._follow_controller(conn)
                     nursery.cancel_scope.cancel()
@@ -214,12 +231,15 @@ class _Shard:
             else:
                 raise ProtocolError(f"the controller sent a shard {type(msg).__name__}")
 
-    async def _heartbeat(self, conn: MessageStream) -> None:
-        """``ShardAlive`` four times per the controller's heartbeat timeout, its bound on a frozen shard."""
+    async def _controller_writer(self, conn: MessageStream, outbox: trio.MemoryReceiveChannel[EncodedFrame]) -> None:
+        """The one writer to the controller: what the shard has to say (refused pieces),
+        and ``ShardAlive`` whenever a quarter of its heartbeat timeout passes in silence."""
         alive = self._control(ShardAlive())
         while True:
-            await conn.send_chunks(alive.chunks)
-            await trio.sleep(self._heartbeat_s / 4)
+            record = alive
+            with trio.move_on_after(self._heartbeat_s / 4):
+                record = await outbox.receive()
+            await conn.send_chunks(record.chunks)
 
     async def _control_record(self, conn: MessageStream) -> object | None:
         header = await conn.receive_mux_header(SMALL_MESSAGE)
@@ -241,9 +261,10 @@ class _Shard:
                 await self._changed.wait()
                 continue
             if msg is not self._summing:
-                self._summing, self._lanes_sent, self._marked = msg, set(), set()
+                self._summing, self._lanes_sent, self._marked, self._blocked = msg, set(), set(), set()
             owned = [lane for lane in range(1, msg.lanes) if self._owns(lane)]
-            ready = [lane for lane in owned if lane not in self._lanes_sent and self._pieces_in(msg, lane)]
+            ready = [lane for lane in owned
+                     if lane not in self._lanes_sent | self._blocked and self._pieces_in(msg, lane)]
             if ready:
                 for lane in ready:
                     await self._sum_lane(msg, lane)
@@ -262,8 +283,19 @@ class _Shard:
         return relay is not None and relay.used_in in (None, round_)
 
     async def _sum_lane(self, msg: Decide, lane: int) -> None:
-        """Lane ``lane`` summed over the decided hosts in host order, divided once, to the targets."""
+        """Lane ``lane`` summed over the decided hosts in host order, divided once, to the
+        targets. A piece that is not what the round's schema says is refused, naming its
+        relay to the controller (which drops that relay and decides again): it costs that
+        relay, not this shard."""
+        layout = _layout(msg)
         acc = FoldAccumulator()
+        for rank in msg.hosts:
+            relay = self.relays[rank]
+            try:
+                layout.check_lane(lane, relay.pieces[lane])
+            except SchemaError as exc:
+                self._blocked.add(lane)
+                return self._refuse_piece(relay, f"{exc} (round of {msg.lanes} lanes)")
         for rank in msg.hosts:
             relay = self.relays[rank]
             relay.used_in = msg.round
@@ -279,6 +311,11 @@ class _Shard:
                 target.queue(mark)
             self._queue_lane(target, record)
         self._lanes_sent.add(lane)
+
+    def _refuse_piece(self, relay: _Relay, reason: str) -> None:
+        log.warning("shard %s: %s sent a piece the round's schema does not allow: %s", self.index, relay.name, reason)
+        self.handle.refused_pieces += 1
+        self._to_controller.send_nowait(self._control(PieceRefused(relay.lowest_rank, reason)))
 
     def _queue_lane(self, target: _Relay, record: EncodedFrame) -> None:
         target.queue(record)

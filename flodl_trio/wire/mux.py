@@ -175,6 +175,10 @@ def _ranks(ranks: Iterable[int]) -> tuple[int, ...]:
     return tuple(int(rank) for rank in ranks)
 
 
+def _schema(schema: Iterable[tuple[int, Iterable[int]]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    return tuple((int(dtype), tuple(int(d) for d in shape)) for dtype, shape in schema)
+
+
 @attrs.frozen
 class Shards:
     """flodl_trio extension (variant 206), controller -> relay, before HelloAck (after
@@ -201,13 +205,15 @@ class Decide:
     """flodl_trio extension (variant 208), controller -> shard: decision number
     ``decision`` (counted over the run; a round decided again gets the next) for round
     ``round`` (the controller's count of sharded rounds; the same when decided again),
-    whose lane 0 finished, of ``lanes`` lanes: sum the pieces of ``hosts`` (each named
-    by its lowest rank, in host order) and send each lane to ``targets`` (the same
-    naming)."""
+    whose lane 0 finished, of ``lanes`` lanes cut from a frame of ``schema`` ((dtype,
+    shape) per tensor, which lane 0 carried: every piece is checked against it): sum
+    the pieces of ``hosts`` (each named by its lowest rank, in host order) and send
+    each lane to ``targets`` (the same naming)."""
 
     decision: int
     round: int
     lanes: int
+    schema: tuple[tuple[int, tuple[int, ...]], ...] = attrs.field(converter=_schema)
     hosts: tuple[int, ...] = attrs.field(converter=_ranks)
     targets: tuple[int, ...] = attrs.field(converter=_ranks)
 
@@ -255,6 +261,16 @@ class Pieces:
 
 
 @attrs.frozen
+class PieceRefused:
+    """flodl_trio extension (variant 215), shard -> controller: the relay whose lowest
+    rank is ``host`` sent this shard a piece that is not what the round's schema says
+    (``reason``): the controller drops that relay, and decides the round without it."""
+
+    host: int
+    reason: str
+
+
+@attrs.frozen
 class ShardAlive:
     """flodl_trio extension (variant 214), shard -> controller: a heartbeat, so a frozen
     shard is told from a slow one."""
@@ -264,13 +280,13 @@ NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had n
 
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
-    | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive
+    | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
-    ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214,
+    ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215,
 }
 
 
@@ -315,8 +331,10 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += _varint(len(raw)) + raw + _varint(port)
         case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
             out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
-        case Decide(decision=decision, round=round_, lanes=lanes, hosts=hosts, targets=targets):
-            out += _varint(decision) + _varint(round_) + _varint(lanes)
+        case Decide(decision=decision, round=round_, lanes=lanes, schema=schema, hosts=hosts, targets=targets):
+            out += _varint(decision) + _varint(round_) + _varint(lanes) + _varint(len(schema))
+            for dtype, shape in schema:
+                out += _varint(dtype) + _varint(len(shape)) + b"".join(_varint(d) for d in shape)
             for ranks in (hosts, targets):
                 out += _varint(len(ranks))
                 for r in ranks:
@@ -327,6 +345,9 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             out += _varint(number)
         case Resume(last_broadcast=last, awaiting=awaiting, resends=resends):
             out += last + _varint(int(awaiting)) + _varint(int(resends))
+        case PieceRefused(host=host, reason=reason):
+            raw = reason.encode("utf-8")
+            out += _varint(host) + _varint(len(raw)) + raw
         case HelloAck() | ShardAlive():
             pass
     return bytes(out)
@@ -423,11 +444,20 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
     elif variant == 208:
         decision, round_ = reader.varint("Decide decision"), reader.varint("Decide round")
         lanes = reader.varint("Decide lanes")
+        schema = []
+        for i in range(reader.count("Decide schema count", 2)):
+            dtype = reader.varint(f"Decide schema {i} dtype", limit=0xFF)
+            schema.append((dtype, [reader.varint(f"Decide schema {i} dim") for _ in range(
+                reader.count(f"Decide schema {i} ndim", 1))]))
         hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
         targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
-        msg = Decide(decision, round_, lanes, hosts, targets)
+        msg = Decide(decision, round_, lanes, schema, hosts, targets)
     elif variant == 214:
         msg = ShardAlive()
+    elif variant == 215:
+        host = reader.varint("PieceRefused host")
+        raw = reader._take(reader.count("PieceRefused reason length", 1), "PieceRefused reason")
+        msg = PieceRefused(host, raw.decode("utf-8", errors="replace"))
     elif variant == 204:
         last = reader._take(MAC_LEN, "Resume last_broadcast")
         awaiting = bool(reader.varint("Resume awaiting", limit=1))

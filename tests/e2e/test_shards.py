@@ -440,6 +440,74 @@ async def test_a_shard_sending_a_forged_lane_costs_only_that_shard(salt, monkeyp
             assert np.array_equal(got[rank][r], np.full(numel, 0.5 + 10 * r, np.float32))
 
 
+async def test_a_relay_sending_a_shard_a_misshapen_piece_costs_only_that_relay(salt):
+    """A seated relay sends a valid lane 0 but a lane-1 piece one element short: the shard
+    checks it against the schema the decision carries, names that relay to the controller,
+    which drops it; the round is decided again without it, and no shard is lost."""
+    from flodl_trio.transport.buffers import ReceiveBuffer
+    from flodl_trio.transport.stream import MessageStream
+    from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
+    from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
+    from flodl_trio.wire.lanes import LaneLayout, lane_owner
+    from flodl_trio.wire.mux import MuxKind, Pieces, decode_control_msg, encode_control_record, encode_mux_record
+    from flodl_trio.wire.round_frame import encode_round_frame
+
+    numel, lanes = 40_000, 5
+
+    async def raw(port: int) -> MessageStream:
+        conn = MessageStream(await trio.open_tcp_stream(LOOP, port), f"port {port}")
+        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"),
+                                encode_control_record(Hello("bad", [2], [EXTENSIONS_MARK]), salt)])
+        return conn
+
+    def record(part: RoundFrame) -> list:
+        return encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(part, salt), salt).chunks
+
+    got: dict[int, np.ndarray] = {}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
+                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
+                relay = await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h0",
+                    ranks=[0, 1], world_size=3, salt=salt,
+                ))
+
+                async def bad_host() -> None:
+                    to_controller = await raw(ctl.port)
+                    for _ in range(3):  # Lanes, Shards, HelloAck
+                        header = await to_controller.receive_mux_header()
+                        decode_control_msg((await to_controller.receive_mux_payload(header, ReceiveBuffer(), salt))[1])
+                    frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
+                    parts = LaneLayout.of(frame, lanes, 0, lane0_empty=True).split(frame)
+                    short = parts[1].tensors[0]
+                    parts[1] = RoundFrame([TensorPayload(DTYPE_F32, (short.shape[0] - 1,), short.data[:-1]),
+                                           *parts[1].tensors[1:]])
+                    await to_controller.send_chunks(record(parts[0]))
+                    to_shards = [await raw(s.port) for s in shards]
+                    for conn in to_shards:
+                        await conn.send_chunks([encode_control_record(Pieces(1), salt)])
+                    for lane in range(1, lanes):
+                        await to_shards[lane_owner(lane, 2)].send_chunks(record(parts[lane]))
+                    await trio.sleep_forever()  # connected until the controller drops it
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
+                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
+
+                nursery.start_soon(bad_host)
+                async with trio.open_nursery() as ranks:
+                    for rank in (0, 1):
+                        ranks.start_soon(rank_main, rank)
+                assert ctl.dead_ranks.is_dead(2) and ctl.stats.shards_lost == 0
+                assert ctl.stats.decisions_again >= 1
+            nursery.cancel_scope.cancel()
+    for rank in (0, 1):
+        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+    assert shards[0].refused_pieces == 1 and shards[1].refused_pieces == 0
+
+
 async def test_the_last_shard_lost_stops_the_controller_naming_it_and_nothing_hangs(salt):
     """With no live shard left no lane can be reduced: the controller stops naming the
     shard, every relay's channel ends, and the ranks' next round fails at once."""

@@ -765,11 +765,16 @@ def test_a_beacon_says_how_long_to_hold_only_when_it_has_something_to_say():
 
 
 def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
-    from flodl_trio.wire.mux import Decide, Decided, LanesIn, Pieces, ShardAck, ShardAlive, ShardLost, ShardSetup
+    from flodl_trio.wire.mux import (
+        Decide, Decided, LanesIn, PieceRefused, Pieces, ShardAck, ShardAlive, ShardLost, ShardSetup,
+    )
 
-    assert encode_control_msg(Decide(300, 7, 9, [0, 2], [0, 2, 4])).hex() == "d0" + "fb2c01" + "07" + "09" + "020002" + "03000204"
+    decide = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4])
+    assert encode_control_msg(decide).hex() == "d0" + "fb2c01" + "07" + "09" + "01" + "00020302" + "020002" + "03000204"
+    assert decode_control_msg(encode_control_msg(decide)) == decide
+    assert decode_control_msg(encode_control_msg(PieceRefused(4, "lane 2: é"))) == PieceRefused(4, "lane 2: é")
     assert encode_control_msg(ShardSetup(1, 3, 30_000)).hex() == "cf" + "01" + "03" + "fb3075"
-    for msg, head in [(ShardSetup(0, 2, 3000), "cf"), (ShardLost(1), "d2"), (Decided(7), "d3"), (LanesIn(7), "d4"), (Pieces(3), "d5"), (ShardAck(4), "d1")]:
+    for msg, head in [(PieceRefused(1, "bad"), "d7"), (ShardSetup(0, 2, 3000), "cf"), (ShardLost(1), "d2"), (Decided(7), "d3"), (LanesIn(7), "d4"), (Pieces(3), "d5"), (ShardAck(4), "d1")]:
         raw = encode_control_msg(msg)
         assert raw.hex()[:2] == head and decode_control_msg(raw) == msg
     assert encode_control_msg(ShardAlive()) == b"\xd6" and decode_control_msg(b"\xd6") == ShardAlive()
