@@ -455,9 +455,9 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
     elif variant == 214:
         msg = ShardAlive()
     elif variant == 215:
-        host = reader.varint("PieceRefused host")
-        raw = reader._take(reader.count("PieceRefused reason length", 1), "PieceRefused reason")
-        msg = PieceRefused(host, raw.decode("utf-8", errors="replace"))
+        refused = reader.varint("PieceRefused host")
+        why = reader._take(reader.count("PieceRefused reason length", 1), "PieceRefused reason")
+        msg = PieceRefused(refused, why.decode("utf-8", errors="replace"))
     elif variant == 204:
         last = reader._take(MAC_LEN, "Resume last_broadcast")
         awaiting = bool(reader.varint("Resume awaiting", limit=1))
