@@ -463,9 +463,10 @@ class _Controller:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
             if self.shards is not None:
                 link.queue_control(Shards(self.shards.addresses), self.config.salt)
-                for msg in self.shards.told_at_hello():
-                    link.queue_control(msg, self.config.salt)
         link.queue_control(HelloAck(), self.config.salt)
+        if self.shards is not None and link.takes_extensions:  # once its channel is up to take them
+            for msg in self.shards.told_at_hello():
+                link.queue_control(msg, self.config.salt)
         if link.takes_extensions:
             self.handle.coordinator.host_takes_extensions(link.host)
             if self.handle.coordinator.outage_ms > 0:  # it keeps a resume record: hold for it if it is lost

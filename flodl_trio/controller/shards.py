@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from ..errors import FlodlError, ProtocolError
+from ..errors import ConnectFailed, FlodlError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
@@ -83,15 +83,31 @@ class ShardSet:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self._config.salt)
 
     async def dial(self) -> None:
-        """Tell each reduction shard which it is."""
-        for index, (host, port) in enumerate(self.addresses):
+        """Tell each reduction shard which it is, all at once. One that cannot be reached
+        within the connect bounds is lost from the start (relays are told at their
+        HelloAck); none reachable is an error."""
+        async with trio.open_nursery() as nursery:
+            for index, address in enumerate(self.addresses):
+                nursery.start_soon(self._dial_one, index, address)
+        if len(self.lost) == len(self.addresses):
+            raise FlodlError(f"controller: none of the {len(self.addresses)} shards could be reached: "
+                             + "; ".join(f"shard {i}: {why}" for i, why in sorted(self.lost.items())))
+
+    async def _dial_one(self, index: int, address: tuple[str, int]) -> None:
+        host, port = address
+        try:
             stream = await connect_with_retry(host, port, f"controller: shard {index}", self._config.bounds)
             conn = MessageStream(stream, f"shard {index} {host}:{port}", self._config.bounds)
             heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
             setup = self._record(ShardSetup(index, len(self.addresses), heartbeat_ms))
             await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *setup.chunks])
-            self.conns[index] = conn
-            self._locks[index] = trio.Lock()
+        except (ConnectFailed, *CONNECTION_LOST) as exc:
+            log.warning("controller: shard %d at %s:%d lost from the start: %s", index, host, port, exc)
+            self.lost[index] = f"unreachable at the start ({exc})"
+            self._stats.shards_lost += 1
+            return
+        self.conns[index] = conn
+        self._locks[index] = trio.Lock()
 
     def start_watching(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery

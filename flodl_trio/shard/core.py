@@ -116,6 +116,7 @@ class ShardHandle:
     def __init__(self, port: int) -> None:
         self.port = port
         self.outcome = RunOutcome()
+        self.index: int | None = None  # which shard the controller said it is (None: not set up yet)
         self.rounds = 0
         self.pieces_dropped = 0  # pieces of hosts a decision left out
         self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
@@ -204,6 +205,7 @@ class _Shard:
             await conn.aclose()
             return
         self.index, self.count, self._heartbeat_s = setup.index, setup.count, setup.heartbeat_ms / 1000
+        self.handle.index = setup.index
         conn.peer = "the controller"
         self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
         try:

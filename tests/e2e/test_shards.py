@@ -508,6 +508,81 @@ async def test_a_relay_sending_a_shard_a_misshapen_piece_costs_only_that_relay(s
     assert shards[0].refused_pieces == 1 and shards[1].refused_pieces == 0
 
 
+async def test_a_relay_that_connects_after_a_shard_was_lost_is_told_and_rounds_stay_exact(salt):
+    """Shard 1 is lost before any relay connects: each relay is told right after its
+    HelloAck, never dials it, and sends its lanes to shard 0 from the first round."""
+    numel, rounds = 50_000, 2
+    scopes = [trio.CancelScope() for _ in range(2)]
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
+                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
+                while shards[1].index is None:  # set up by the controller
+                    await trio.sleep(0.01)
+                scopes[1].cancel()
+                while ctl.stats.shards_lost == 0:  # the controller's watcher sees the connection end
+                    await trio.sleep(0.01)
+                relays = [await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+                    ranks=[rank], world_size=2, salt=salt,
+                )) for rank in range(2)]
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+                        for r in range(rounds):
+                            data = torch.full((numel,), float(rank + 10 * r))
+                            got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
+
+                async with trio.open_nursery() as ranks:
+                    for rank in range(2):
+                        ranks.start_soon(rank_main, rank)
+                assert ctl.stats.shards_lost == 1 and ctl.stats.decisions_again == 0
+            nursery.cancel_scope.cancel()
+    for r in range(rounds):
+        for rank in range(2):
+            assert np.array_equal(got[rank][r], np.full(numel, 0.5 + 10 * r, np.float32))
+    assert shards[0].rounds == rounds
+
+
+async def test_a_shard_unreachable_at_the_start_is_lost_from_the_start(salt):
+    """The controller cannot reach shard 1 within its connect bounds: that shard is lost
+    from the start, every relay is told at its HelloAck, and shard 0 reduces every lane."""
+    import socket
+
+    from flodl_trio.transport.settings import NetBounds
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind((LOOP, 0))
+        nobody = closed.getsockname()[1]
+    numel = 50_000
+    got: dict[int, np.ndarray] = {}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
+                                       bounds=NetBounds(connect_attempts=2, connect_interval=0.05),
+                                       shards=[(LOOP, shard.port), (LOOP, nobody)]) as ctl:
+                relays = [await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+                    ranks=[rank], world_size=2, salt=salt,
+                )) for rank in range(2)]
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
+
+                async with trio.open_nursery() as ranks:
+                    for rank in range(2):
+                        ranks.start_soon(rank_main, rank)
+                assert ctl.stats.shards_lost == 1
+            nursery.cancel_scope.cancel()
+    for rank in range(2):
+        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+    assert shard.rounds == 1
+
+
 async def test_the_last_shard_lost_stops_the_controller_naming_it_and_nothing_hangs(salt):
     """With no live shard left no lane can be reduced: the controller stops naming the
     shard, every relay's channel ends, and the ranks' next round fails at once."""
