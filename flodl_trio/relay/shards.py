@@ -35,6 +35,7 @@ from ..wire.mux import (
     Pieces,
     RelayControlMsg,
     ShardAck,
+    ShardAlive,
     ShardLost,
     decode_control_msg,
     encode_control_msg,
@@ -230,8 +231,16 @@ class ShardLinks:
                             f"say so within {self._config.bounds.handshake:g} s")
 
     async def _read_records(self, index: int, conn: MessageStream, buf: ReceiveBuffer) -> None:
+        """Until the shard is lost or its connection ends. A shard that says nothing (not
+        even ``ShardAlive``, which it sends at least every second) for the heartbeat
+        timeout is cut off from this relay: ProtocolError, told to the controller."""
+        silence = self._config.bounds.heartbeat_timeout
         while index not in self.lost:
-            header = await conn.receive_mux_header(self._config.ceiling)
+            header = None
+            with trio.move_on_after(silence) as waited:
+                header = await conn.receive_mux_header(self._config.ceiling)
+            if waited.cancelled_caught:
+                raise ProtocolError(f"{conn.peer} said nothing for {silence:g} s (the heartbeat timeout)")
             if header is None:
                 return
             kind, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
@@ -245,6 +254,8 @@ class ShardLinks:
                 raise ProtocolError(f"{conn.peer} sent a {kind.name} record")
 
     def _on_control(self, index: int, conn: MessageStream, msg: RelayControlMsg) -> None:
+        if isinstance(msg, ShardAlive):
+            return
         if isinstance(msg, ShardAck):
             self.acked += 1
         elif isinstance(msg, Decided):

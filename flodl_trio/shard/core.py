@@ -63,6 +63,10 @@ from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.shard")
 
+# The longest a relay's connection stays silent: a relay takes no word from a shard
+# for its heartbeat timeout as the shard lost (see ShardLinks in relay/shards.py).
+RELAY_KEEPALIVE_S = 1.0
+
 # Records a relay's writer may lag behind: a round's acks, and every lane of a few
 # decisions (each after its mark), which share their bytes with the other relays'.
 _OUTBOX_DEPTH = 4 * (MAX_LANES + 1)
@@ -372,8 +376,18 @@ class _Shard:
             await conn.aclose()
 
     async def _relay_writer(self, relay: _Relay) -> None:
+        """The one writer to a relay: its acks and lanes, and ``ShardAlive`` after each
+        RELAY_KEEPALIVE_S of silence, so a relay cut off from this shard (while both
+        still reach the controller) notices within its heartbeat timeout."""
+        alive = self._control(ShardAlive())
         async with relay.inbox:
-            async for record in relay.inbox:
+            while True:
+                record = alive
+                with trio.move_on_after(min(RELAY_KEEPALIVE_S, self._heartbeat_s / 4)):
+                    try:
+                        record = await relay.inbox.receive()
+                    except trio.EndOfChannel:
+                        return
                 await relay.conn.send_chunks(record.chunks)
 
     async def _relay_reader(self, relay: _Relay) -> None:

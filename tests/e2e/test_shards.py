@@ -583,6 +583,46 @@ async def test_a_shard_unreachable_at_the_start_is_lost_from_the_start(salt):
     assert shard.rounds == 1
 
 
+async def test_a_shard_silent_to_the_relays_is_reported_and_its_lanes_move(salt, monkeypatch):
+    """Shard 1 keeps its heartbeats to the controller but says nothing to the relays, as
+    when only the link between them is cut: each relay takes that silence past its
+    heartbeat timeout as the shard failing, tells the controller, and the lanes move."""
+    from flodl_trio.shard import core as shard_core
+    from flodl_trio.transport.settings import NetBounds
+
+    original = shard_core._Shard._relay_writer
+
+    async def silent_from_shard_1(self, relay) -> None:
+        if self.index == 1:
+            await trio.sleep_forever()
+        await original(self, relay)
+
+    monkeypatch.setattr(shard_core._Shard, "_relay_writer", silent_from_shard_1)
+    numel = 50_000
+    got: dict[int, np.ndarray] = {}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with open_controller(LOOP, 0, world_size=2, salt=salt, lanes=5, lane_min_bytes=0,
+                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
+                relays = [await nursery.start(hold_open, open_relay(
+                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
+                    ranks=[rank], world_size=2, salt=salt, bounds=NetBounds(heartbeat_timeout=1.0),
+                )) for rank in range(2)]
+
+                async def rank_main(rank: int) -> None:
+                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
+
+                async with trio.open_nursery() as ranks:
+                    for rank in range(2):
+                        ranks.start_soon(rank_main, rank)
+                assert ctl.stats.shards_lost == 1 and not ctl.dead_ranks.snapshot()
+            nursery.cancel_scope.cancel()
+    for rank in range(2):
+        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+
+
 async def test_the_last_shard_lost_stops_the_controller_naming_it_and_nothing_hangs(salt):
     """With no live shard left no lane can be reduced: the controller stops naming the
     shard, every relay's channel ends, and the ranks' next round fails at once."""
