@@ -349,6 +349,23 @@ async def test_unreachable_controller_is_a_clear_failure(tmp_path):
     assert "Traceback" not in relay.text
 
 
+async def _three_rounds_of_two_ranks(data0: int, data1: int) -> dict[tuple[int, int], list[float]]:
+    """Ranks 0 and 1 (on the relays at these ports), 3 rounds of 1.2 MB frames (3 lanes at
+    256 KiB a lane); (rank, round) -> the distinct values of its consensus."""
+    got: dict[tuple[int, int], list[float]] = {}
+
+    async def rank_main(rank: int, port: int) -> None:
+        async with connect_reduce_client((LOOP, port), rank, 2, salt_bytes()) as client:
+            for k in range(3):
+                out = await client.all_reduce_tensors([torch.full((300_000,), float(rank + 10 * k))])
+                got[rank, k] = sorted(set(out[0].tolist()))
+
+    async with trio.open_nursery() as ranks:
+        ranks.start_soon(rank_main, 0, data0)
+        ranks.start_soon(rank_main, 1, data1)
+    return got
+
+
 @pytest.mark.deadline(60)
 async def test_shard_daemons_reduce_a_controller_daemons_lanes_and_exit_with_it():
     """Two ``python -m flodl_trio.shard`` processes named by a controller daemon's --shards:
@@ -367,17 +384,7 @@ async def test_shard_daemons_reduce_a_controller_daemons_lanes_and_exit_with_it(
         relays = [await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks",
                                      str(rank), "--world-size", "2", "--host-name", f"h{rank}", "--channels", "data",
                                      "--data-port", str(port)) for rank, port in ((0, data0), (1, data1))]
-        got: dict[int, list[float]] = {}
-
-        async def rank_main(rank: int, port: int) -> None:
-            async with connect_reduce_client((LOOP, port), rank, 2, salt_bytes()) as client:
-                for k in range(3):
-                    out = await client.all_reduce_tensors([torch.full((300_000,), float(rank + 10 * k))])
-                    got[rank, k] = sorted(set(out[0].tolist()))
-
-        async with trio.open_nursery() as ranks:
-            ranks.start_soon(rank_main, 0, data0)
-            ranks.start_soon(rank_main, 1, data1)
+        got = await _three_rounds_of_two_ranks(data0, data1)
         with trio.fail_after(20):
             for daemon in (controller, *relays, *shards):
                 await daemon.process.wait()
@@ -404,17 +411,7 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
                   for rank, port, shard in ((0, data0, shard_a), (1, data1, shard_b))]
         for relay, shard in zip(relays, (shard_a, shard_b)):
             await relay.wait_for(f"shard started: listening on {LOOP}:{shard}")
-        got: dict[tuple[int, int], list[float]] = {}
-
-        async def rank_main(rank: int, port: int) -> None:
-            async with connect_reduce_client((LOOP, port), rank, 2, salt_bytes()) as client:
-                for k in range(3):
-                    out = await client.all_reduce_tensors([torch.full((300_000,), float(rank + 10 * k))])
-                    got[rank, k] = sorted(set(out[0].tolist()))
-
-        async with trio.open_nursery() as ranks:
-            ranks.start_soon(rank_main, 0, data0)
-            ranks.start_soon(rank_main, 1, data1)
+        got = await _three_rounds_of_two_ranks(data0, data1)
         with trio.fail_after(20):
             for daemon in (controller, *relays):
                 await daemon.process.wait()

@@ -86,64 +86,143 @@ async def test_a_round_through_shards_is_the_weighted_mean(salt, shards):
     assert all(h.rounds == 3 for h in handles)
 
 
+async def two_ranks_rounds(relays, numel: int, rounds: int, salt) -> dict[int, list[np.ndarray]]:
+    """``rounds`` rounds of ranks 0 and 1, one on each relay; round r's values: rank + 10 r
+    (so every round's mean is 0.5 + 10 r)."""
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+
+    async def rank_main(rank: int) -> None:
+        async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
+            for r in range(rounds):
+                data = torch.full((numel,), float(rank + 10 * r))
+                got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
+
+    async with trio.open_nursery() as ranks:
+        for rank in range(2):
+            ranks.start_soon(rank_main, rank)
+    return got
+
+
+def assert_means(got: dict[int, list[np.ndarray]], numel: int) -> None:
+    for rank, rounds in got.items():
+        for r, values in enumerate(rounds):
+            assert np.array_equal(values, np.full(numel, 0.5 + 10 * r, np.float32)), (rank, r)
+
+
+class RawHost:
+    """Rank 2's host, played by the test with raw records: its connections to the
+    controller and to each shard, and the lanes of its frame (every value 100.0)."""
+
+    def __init__(self, salt, name: str, numel: int, lanes: int) -> None:
+        from flodl_trio.wire import DTYPE_F32, RoundFrame, TensorPayload
+        from flodl_trio.wire.lanes import LaneLayout
+
+        self.salt, self.name = salt, name
+        frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
+        self.parts = LaneLayout.of(frame, lanes, 0, lane0_empty=True).split(frame)
+        self.to_shards: list = []
+        self.to_controller = None
+
+    async def _dial(self, port: int):
+        from flodl_trio.transport.stream import MessageStream
+        from flodl_trio.wire import EXTENSIONS_MARK, Hello
+        from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
+        from flodl_trio.wire.mux import encode_control_record
+
+        conn = MessageStream(await trio.open_tcp_stream(LOOP, port), f"port {port}")
+        hello = encode_control_record(Hello(self.name, [2], [EXTENSIONS_MARK]), self.salt)
+        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), hello])
+        return conn
+
+    async def control(self, conn) -> object:
+        from flodl_trio.transport.buffers import ReceiveBuffer
+        from flodl_trio.wire.mux import decode_control_msg
+
+        header = await conn.receive_mux_header()
+        return decode_control_msg((await conn.receive_mux_payload(header, ReceiveBuffer(), self.salt))[1])
+
+    async def join(self, controller_port: int, shards) -> list:
+        """Hello to the controller (what it said before and with HelloAck) and to every shard."""
+        self.to_controller = await self._dial(controller_port)
+        said = [await self.control(self.to_controller) for _ in range(3)]  # Lanes, Shards, HelloAck
+        self.to_shards = [await self._dial(shard.port) for shard in shards]
+        return said
+
+    def _record(self, part) -> list:
+        from flodl_trio.wire.mux import MuxKind, encode_mux_record
+        from flodl_trio.wire.round_frame import encode_round_frame
+
+        return encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(part, self.salt), self.salt).chunks
+
+    async def send_pieces(self) -> None:
+        """Round 1's pieces, each to its owner of two shards."""
+        from flodl_trio.wire.lanes import lane_owner
+        from flodl_trio.wire.mux import Pieces, encode_control_record
+
+        for conn in self.to_shards:
+            await conn.send_chunks([encode_control_record(Pieces(1), self.salt)])
+        for lane in range(1, len(self.parts)):
+            await self.to_shards[lane_owner(lane, 2)].send_chunks(self._record(self.parts[lane]))
+
+    async def acks(self) -> list:
+        from flodl_trio.wire.lanes import lane_owner
+
+        return [await self.control(self.to_shards[lane_owner(lane, 2)]) for lane in range(1, len(self.parts))]
+
+    async def send_lane_0(self) -> None:
+        await self.to_controller.send_chunks(self._record(self.parts[0]))
+
+    async def aclose(self) -> None:
+        for conn in (self.to_controller, *self.to_shards):
+            await conn.aclose()
+
+
+@asynccontextmanager
+async def host_beside_a_raw_one(nursery: trio.Nursery, salt, shards, lanes: int) -> AsyncIterator[tuple[object, object]]:
+    """A controller (world 3, ``lanes`` lanes on ``shards``) and relay h0 of ranks 0 and 1;
+    rank 2's host is the test's (:class:`RawHost`)."""
+    async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
+                               shards=[(LOOP, s.port) for s in shards]) as ctl:
+        relay = await nursery.start(hold_open, open_relay(
+            ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h0",
+            ranks=[0, 1], world_size=3, salt=salt,
+        ))
+        yield ctl, relay
+
+
+async def survivors_round(relay, numel: int, salt) -> dict[int, np.ndarray]:
+    """One round of ranks 0 and 1 (values 0 and 1) through relay h0."""
+    got: dict[int, np.ndarray] = {}
+
+    async def rank_main(rank: int) -> None:
+        async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
+            got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
+
+    async with trio.open_nursery() as ranks:
+        for rank in (0, 1):
+            ranks.start_soon(rank_main, rank)
+    return got
+
+
 async def test_a_host_lost_after_its_shard_lanes_and_before_lane_0_counts_nowhere(salt):
     """A relay sends every shard its pieces (each acknowledged) and is lost before its lane 0
     reaches the controller: the controller decides the round without it, every shard drops
     its pieces, and the survivors get the mean of their own frames, exactly."""
-    from flodl_trio.transport.buffers import ReceiveBuffer
-    from flodl_trio.transport.stream import MessageStream
-    from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
-    from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
-    from flodl_trio.wire.lanes import LaneLayout
-    from flodl_trio.wire.mux import HelloAck, MuxKind, Pieces, ShardAck, Shards, decode_control_msg, encode_control_record, encode_mux_record
-    from flodl_trio.wire.round_frame import encode_round_frame
+    from flodl_trio.wire.mux import HelloAck, ShardAck, Shards
 
     numel, lanes = 40_000, 5
-
-    async def raw(port: int, ranks: list[int]) -> MessageStream:
-        conn = MessageStream(await trio.open_tcp_stream(LOOP, port), f"port {port}")
-        hello = encode_control_record(Hello("lost", ranks, [EXTENSIONS_MARK]), salt)
-        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), hello])
-        return conn
-
-    async def control(conn: MessageStream) -> object:
-        header = await conn.receive_mux_header()
-        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
-        return decode_control_msg(payload)
-
-    got: dict[int, np.ndarray] = {}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             handles = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
-            async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
-                                       shards=[(LOOP, h.port) for h in handles]) as ctl:
-                relay = await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h0",
-                    ranks=[0, 1], world_size=3, salt=salt,
-                ))
-                lost = await raw(ctl.port, [2])
-                said = [await control(lost) for _ in range(3)]
+            async with host_beside_a_raw_one(nursery, salt, handles, lanes) as (ctl, relay):
+                lost = RawHost(salt, "lost", numel, lanes)
+                said = await lost.join(ctl.port, handles)
                 assert isinstance(said[1], Shards) and said[2] == HelloAck()
-                frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
-                parts = LaneLayout.of(frame, lanes, 0).split(frame)
-                to_shards = [await raw(h.port, [2]) for h in handles]
-                for conn in to_shards:
-                    await conn.send_chunks([encode_control_record(Pieces(1), salt)])
-                for lane in range(1, lanes):
-                    record = encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(parts[lane], salt), salt)
-                    await to_shards[(lane - 1) % 2].send_chunks(record.chunks)
-                acks = [await control(to_shards[(lane - 1) % 2]) for lane in range(1, lanes)]
+                await lost.send_pieces()
+                acks = await lost.acks()
                 assert sorted(a.lane for a in acks if isinstance(a, ShardAck)) == list(range(1, lanes))
-                for conn in (lost, *to_shards):
-                    await conn.aclose()  # lost before its lane 0
-
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
-                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
-
-                async with trio.open_nursery() as ranks:
-                    for rank in (0, 1):
-                        ranks.start_soon(rank_main, rank)
+                await lost.aclose()  # lost before its lane 0
+                got = await survivors_round(relay, numel, salt)
                 assert ctl.dead_ranks.is_dead(2)
             nursery.cancel_scope.cancel()
     for rank in (0, 1):
@@ -294,7 +373,6 @@ async def test_a_shard_lost_after_the_decision_before_the_commit_has_the_round_d
     numel, rounds = 50_000, 3
     stalled = _stall_shard_1(monkeypatch, at_decision=1)
     scopes = [trio.CancelScope() for _ in range(2)]
-    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
@@ -304,21 +382,11 @@ async def test_a_shard_lost_after_the_decision_before_the_commit_has_the_round_d
                     await stalled.wait()
                     scopes[1].cancel()
 
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
-                        for r in range(rounds):
-                            data = torch.full((numel,), float(rank + 10 * r))
-                            got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
-
                 nursery.start_soon(lose_shard_1_once_stalled)
-                async with trio.open_nursery() as ranks:
-                    for rank in range(2):
-                        ranks.start_soon(rank_main, rank)
+                got = await two_ranks_rounds(relays, numel, rounds, salt)
                 assert (ctl.stats.shards_lost, ctl.stats.decisions_again) == (1, 1)
             nursery.cancel_scope.cancel()
-    for r in range(rounds):
-        for rank in range(2):
-            assert np.array_equal(got[rank][r], np.full(numel, 0.5 + 10 * r, np.float32))
+    assert_means(got, numel)
 
 
 async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_the_round(salt, monkeypatch):
@@ -327,70 +395,28 @@ async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_th
     before it summed them. Those pieces are nowhere now: the round is decided again
     without that host, every shard drops its pieces, and the survivors get the mean of
     their own frames, exactly (never a mix of two decisions)."""
-    from flodl_trio.transport.buffers import ReceiveBuffer
-    from flodl_trio.transport.stream import MessageStream
-    from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
-    from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
-    from flodl_trio.wire.lanes import LaneLayout, lane_owner
-    from flodl_trio.wire.mux import MuxKind, Pieces, ShardAck, decode_control_msg, encode_control_record, encode_mux_record
-    from flodl_trio.wire.round_frame import encode_round_frame
+    from flodl_trio.wire.mux import ShardAck
 
     numel, lanes = 40_000, 5
     stalled = _stall_shard_1(monkeypatch, at_decision=0)
     scopes = [trio.CancelScope() for _ in range(2)]
-
-    async def raw(port: int) -> MessageStream:
-        conn = MessageStream(await trio.open_tcp_stream(LOOP, port), f"port {port}")
-        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"),
-                                encode_control_record(Hello("lost", [2], [EXTENSIONS_MARK]), salt)])
-        return conn
-
-    async def control(conn: MessageStream) -> object:
-        header = await conn.receive_mux_header()
-        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), salt)
-        return decode_control_msg(payload)
-
-    def record(part: RoundFrame) -> list:
-        return encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(part, salt), salt).chunks
-
-    got: dict[int, np.ndarray] = {}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
-            async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
-                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
-                relay = await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h0",
-                    ranks=[0, 1], world_size=3, salt=salt,
-                ))
+            async with host_beside_a_raw_one(nursery, salt, shards, lanes) as (ctl, relay):
 
                 async def lost_host() -> None:
-                    to_controller = await raw(ctl.port)
-                    for _ in range(3):  # Lanes, Shards, HelloAck
-                        await control(to_controller)
-                    frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
-                    parts = LaneLayout.of(frame, lanes, 0, lane0_empty=True).split(frame)
-                    to_shards = [await raw(s.port) for s in shards]
-                    for conn in to_shards:
-                        await conn.send_chunks([encode_control_record(Pieces(1), salt)])
-                    for lane in range(1, lanes):
-                        await to_shards[lane_owner(lane, 2)].send_chunks(record(parts[lane]))
-                    for lane in range(1, lanes):
-                        assert isinstance(await control(to_shards[lane_owner(lane, 2)]), ShardAck)
-                    await to_controller.send_chunks(record(parts[0]))
+                    lost = RawHost(salt, "lost", numel, lanes)
+                    await lost.join(ctl.port, shards)
+                    await lost.send_pieces()
+                    assert all(isinstance(ack, ShardAck) for ack in await lost.acks())
+                    await lost.send_lane_0()
                     await stalled.wait()  # round 0 was decided with this host in
-                    for conn in (to_controller, *to_shards):
-                        await conn.aclose()  # lost after its lane 0 ...
+                    await lost.aclose()  # lost after its lane 0 ...
                     scopes[1].cancel()  # ... and so is shard 1, before it summed the round
 
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
-                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
-
                 nursery.start_soon(lost_host)
-                async with trio.open_nursery() as ranks:
-                    for rank in (0, 1):
-                        ranks.start_soon(rank_main, rank)
+                got = await survivors_round(relay, numel, salt)
                 # Decided again once or twice: the host's loss and the shard's may be seen apart.
                 assert ctl.stats.shards_lost == 1 and ctl.stats.decisions_again in (1, 2)
             nursery.cancel_scope.cancel()
@@ -417,89 +443,42 @@ async def test_a_shard_sending_a_forged_lane_costs_only_that_shard(salt, monkeyp
         original(self, target, record)
 
     monkeypatch.setattr(shard_core._Shard, "_queue_lane", forging)
-    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
             async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
 
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
-                        for r in range(rounds):
-                            data = torch.full((numel,), float(rank + 10 * r))
-                            got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
-
-                async with trio.open_nursery() as ranks:
-                    for rank in range(2):
-                        ranks.start_soon(rank_main, rank)
+                got = await two_ranks_rounds(relays, numel, rounds, salt)
                 assert ctl.stats.shards_lost == 1 and ctl.stats.decisions_again == 1
                 assert not ctl.dead_ranks.snapshot()
             nursery.cancel_scope.cancel()
-    for r in range(rounds):
-        for rank in range(2):
-            assert np.array_equal(got[rank][r], np.full(numel, 0.5 + 10 * r, np.float32))
+    assert_means(got, numel)
 
 
 async def test_a_relay_sending_a_shard_a_misshapen_piece_costs_only_that_relay(salt):
     """A seated relay sends a valid lane 0 but a lane-1 piece one element short: the shard
     checks it against the schema the decision carries, names that relay to the controller,
     which drops it; the round is decided again without it, and no shard is lost."""
-    from flodl_trio.transport.buffers import ReceiveBuffer
-    from flodl_trio.transport.stream import MessageStream
-    from flodl_trio.wire import DTYPE_F32, EXTENSIONS_MARK, Hello, RoundFrame, TensorPayload
-    from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA
-    from flodl_trio.wire.lanes import LaneLayout, lane_owner
-    from flodl_trio.wire.mux import MuxKind, Pieces, decode_control_msg, encode_control_record, encode_mux_record
-    from flodl_trio.wire.round_frame import encode_round_frame
+    from flodl_trio.wire import DTYPE_F32, RoundFrame, TensorPayload
 
     numel, lanes = 40_000, 5
-
-    async def raw(port: int) -> MessageStream:
-        conn = MessageStream(await trio.open_tcp_stream(LOOP, port), f"port {port}")
-        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"),
-                                encode_control_record(Hello("bad", [2], [EXTENSIONS_MARK]), salt)])
-        return conn
-
-    def record(part: RoundFrame) -> list:
-        return encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(part, salt), salt).chunks
-
-    got: dict[int, np.ndarray] = {}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
-            async with open_controller(LOOP, 0, world_size=3, salt=salt, lanes=lanes, lane_min_bytes=0,
-                                       shards=[(LOOP, s.port) for s in shards]) as ctl:
-                relay = await nursery.start(hold_open, open_relay(
-                    ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name="h0",
-                    ranks=[0, 1], world_size=3, salt=salt,
-                ))
+            async with host_beside_a_raw_one(nursery, salt, shards, lanes) as (ctl, relay):
 
                 async def bad_host() -> None:
-                    to_controller = await raw(ctl.port)
-                    for _ in range(3):  # Lanes, Shards, HelloAck
-                        header = await to_controller.receive_mux_header()
-                        decode_control_msg((await to_controller.receive_mux_payload(header, ReceiveBuffer(), salt))[1])
-                    frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
-                    parts = LaneLayout.of(frame, lanes, 0, lane0_empty=True).split(frame)
-                    short = parts[1].tensors[0]
-                    parts[1] = RoundFrame([TensorPayload(DTYPE_F32, (short.shape[0] - 1,), short.data[:-1]),
-                                           *parts[1].tensors[1:]])
-                    await to_controller.send_chunks(record(parts[0]))
-                    to_shards = [await raw(s.port) for s in shards]
-                    for conn in to_shards:
-                        await conn.send_chunks([encode_control_record(Pieces(1), salt)])
-                    for lane in range(1, lanes):
-                        await to_shards[lane_owner(lane, 2)].send_chunks(record(parts[lane]))
+                    bad = RawHost(salt, "bad", numel, lanes)
+                    short = bad.parts[1].tensors[0]
+                    bad.parts[1] = RoundFrame([TensorPayload(DTYPE_F32, (short.shape[0] - 1,), short.data[:-1]),
+                                               *bad.parts[1].tensors[1:]])
+                    await bad.join(ctl.port, shards)
+                    await bad.send_lane_0()
+                    await bad.send_pieces()
                     await trio.sleep_forever()  # connected until the controller drops it
 
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relay.port), rank, 3, salt) as client:
-                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
-
                 nursery.start_soon(bad_host)
-                async with trio.open_nursery() as ranks:
-                    for rank in (0, 1):
-                        ranks.start_soon(rank_main, rank)
+                got = await survivors_round(relay, numel, salt)
                 assert ctl.dead_ranks.is_dead(2) and ctl.stats.shards_lost == 0
                 assert ctl.stats.decisions_again >= 1
             nursery.cancel_scope.cancel()
@@ -513,7 +492,6 @@ async def test_a_relay_that_connects_after_a_shard_was_lost_is_told_and_rounds_s
     HelloAck, never dials it, and sends its lanes to shard 0 from the first round."""
     numel, rounds = 50_000, 2
     scopes = [trio.CancelScope() for _ in range(2)]
-    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(_shard_until_cancelled, scope, salt) for scope in scopes]
@@ -529,20 +507,10 @@ async def test_a_relay_that_connects_after_a_shard_was_lost_is_told_and_rounds_s
                     ranks=[rank], world_size=2, salt=salt,
                 )) for rank in range(2)]
 
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
-                        for r in range(rounds):
-                            data = torch.full((numel,), float(rank + 10 * r))
-                            got[rank].append((await client.all_reduce_tensors([data]))[0].numpy().copy())
-
-                async with trio.open_nursery() as ranks:
-                    for rank in range(2):
-                        ranks.start_soon(rank_main, rank)
+                got = await two_ranks_rounds(relays, numel, rounds, salt)
                 assert ctl.stats.shards_lost == 1 and ctl.stats.decisions_again == 0
             nursery.cancel_scope.cancel()
-    for r in range(rounds):
-        for rank in range(2):
-            assert np.array_equal(got[rank][r], np.full(numel, 0.5 + 10 * r, np.float32))
+    assert_means(got, numel)
     assert shards[0].rounds == rounds
 
 
@@ -557,7 +525,6 @@ async def test_a_shard_unreachable_at_the_start_is_lost_from_the_start(salt):
         closed.bind((LOOP, 0))
         nobody = closed.getsockname()[1]
     numel = 50_000
-    got: dict[int, np.ndarray] = {}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
@@ -569,17 +536,10 @@ async def test_a_shard_unreachable_at_the_start_is_lost_from_the_start(salt):
                     ranks=[rank], world_size=2, salt=salt,
                 )) for rank in range(2)]
 
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
-                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
-
-                async with trio.open_nursery() as ranks:
-                    for rank in range(2):
-                        ranks.start_soon(rank_main, rank)
+                got = await two_ranks_rounds(relays, numel, 1, salt)
                 assert ctl.stats.shards_lost == 1
             nursery.cancel_scope.cancel()
-    for rank in range(2):
-        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+    assert_means(got, numel)
     assert shard.rounds == 1
 
 
@@ -599,7 +559,6 @@ async def test_a_shard_silent_to_the_relays_is_reported_and_its_lanes_move(salt,
 
     monkeypatch.setattr(shard_core._Shard, "_relay_writer", silent_from_shard_1)
     numel = 50_000
-    got: dict[int, np.ndarray] = {}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
@@ -610,17 +569,10 @@ async def test_a_shard_silent_to_the_relays_is_reported_and_its_lanes_move(salt,
                     ranks=[rank], world_size=2, salt=salt, bounds=NetBounds(heartbeat_timeout=1.0),
                 )) for rank in range(2)]
 
-                async def rank_main(rank: int) -> None:
-                    async with connect_reduce_client((LOOP, relays[rank].port), rank, 2, salt) as client:
-                        got[rank] = (await client.all_reduce_tensors([torch.full((numel,), float(rank))]))[0].numpy()
-
-                async with trio.open_nursery() as ranks:
-                    for rank in range(2):
-                        ranks.start_soon(rank_main, rank)
+                got = await two_ranks_rounds(relays, numel, 1, salt)
                 assert ctl.stats.shards_lost == 1 and not ctl.dead_ranks.snapshot()
             nursery.cancel_scope.cancel()
-    for rank in range(2):
-        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+    assert_means(got, numel)
 
 
 async def test_the_last_shard_lost_stops_the_controller_naming_it_and_nothing_hangs(salt):

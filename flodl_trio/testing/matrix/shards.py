@@ -5,6 +5,8 @@ a round that was decided but not yet committed is decided again (docs/wire.md,
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from ..processes import ProcessCluster
@@ -22,6 +24,15 @@ async def _hold_everyone(c: ProcessCluster) -> None:
         await c.wait_event(rank, "paused", round=HELD)
 
 
+@asynccontextmanager
+async def _held_cluster(shards: int) -> AsyncIterator[ProcessCluster]:
+    """The SHARDED cluster on ``shards`` shard daemons, every rank holding before round HELD."""
+    async with daemon_cluster(**SHARDED, shards=shards, worker_args={r: pause(HELD) for r in range(4)}) as c:
+        with diagnose(c):
+            await _hold_everyone(c)
+            yield c
+
+
 async def _let_go(c: ProcessCluster) -> None:
     for rank in range(4):
         await c.resume(rank)
@@ -30,20 +41,18 @@ async def _let_go(c: ProcessCluster) -> None:
 async def _shard_fault(kill: bool) -> Outcome:
     """Shard 1 of 3 stops answering as round HELD begins (SIGSTOP); then it is SIGKILLed,
     or left frozen for the heartbeat timeout to tell."""
-    async with daemon_cluster(**SHARDED, shards=3, worker_args={r: pause(HELD) for r in range(4)}) as c:
-        with diagnose(c):
-            await _hold_everyone(c)
-            t0 = mono()
-            c.freeze_shard(1)
-            await _let_go(c)
-            if kill:
-                c.kill_shard(1)
-            rounds = await expect_consensus(c, range(4), SHARDED["rounds"], lambda _k: range(4))
-            assert c.controller is not None  # the run may be over: its log says what was lost
-            await c.controller.wait_log("controller: shard 1 lost (")
-            if "shard 0 lost" in c.controller.text or "shard 2 lost" in c.controller.text:
-                raise MatrixFailure("the controller lost a shard other than shard 1")
-            seconds = last_outcome(rounds, HELD) - t0
+    async with _held_cluster(shards=3) as c:
+        t0 = mono()
+        c.freeze_shard(1)
+        await _let_go(c)
+        if kill:
+            c.kill_shard(1)
+        rounds = await expect_consensus(c, range(4), SHARDED["rounds"], lambda _k: range(4))
+        assert c.controller is not None  # the run may be over: its log says what was lost
+        await c.controller.wait_log("controller: shard 1 lost (")
+        if "shard 0 lost" in c.controller.text or "shard 2 lost" in c.controller.text:
+            raise MatrixFailure("the controller lost a shard other than shard 1")
+        seconds = last_outcome(rounds, HELD) - t0
     how = "its connections closed at once" if kill else "silent past the heartbeat timeout"
     return Outcome(f"shard 1 lost ({how}); its lanes went to shard 2; every rank got every 4-rank consensus", seconds)
 
@@ -66,24 +75,22 @@ async def shard_host_kill_mid_round() -> Outcome:
     """Host 1 dies with some of its pieces on its own shard and some on the others: the
     round is the survivors' alone or everyone's (if host 1 committed in time), the same
     for every survivor, and the rounds after are the survivors'."""
-    async with daemon_cluster(**SHARDED, shards=2, worker_args={r: pause(HELD) for r in range(4)}) as c:
-        with diagnose(c):
-            await _hold_everyone(c)
-            t0 = mono()
-            await _let_go(c)
-            for rank in (2, 3):
-                c.kill(rank)
-            c.kill_relay(1)
-            c.kill_shard(1)
-            final = [await c.wait_outcome(rank) for rank in (0, 1)]
-            if any(f["event"] != "done" for f in final):
-                raise MatrixFailure(f"survivors 0,1 should have finished: {final}")
-            held = _contributors_of(next(e for e in c.ranks[0].rounds if e["round"] == HELD))
-            contributors = after(HELD + 1, range(4), [0, 1])
-            rounds = {r: check_rounds(c, r, lambda k: held if k == HELD else contributors(k)) for r in (0, 1)}
-            if any(sorted(seen) != list(range(SHARDED["rounds"])) for seen in rounds.values()):
-                raise MatrixFailure(f"survivors reported rounds {[sorted(s) for s in rounds.values()]}")
-            seconds = last_outcome(rounds, HELD) - t0
+    async with _held_cluster(shards=2) as c:
+        t0 = mono()
+        await _let_go(c)
+        for rank in (2, 3):
+            c.kill(rank)
+        c.kill_relay(1)
+        c.kill_shard(1)
+        final = [await c.wait_outcome(rank) for rank in (0, 1)]
+        if any(f["event"] != "done" for f in final):
+            raise MatrixFailure(f"survivors 0,1 should have finished: {final}")
+        held = _contributors_of(next(e for e in c.ranks[0].rounds if e["round"] == HELD))
+        contributors = after(HELD + 1, range(4), [0, 1])
+        rounds = {r: check_rounds(c, r, lambda k: held if k == HELD else contributors(k)) for r in (0, 1)}
+        if any(sorted(seen) != list(range(SHARDED["rounds"])) for seen in rounds.values()):
+            raise MatrixFailure(f"survivors reported rounds {[sorted(s) for s in rounds.values()]}")
+        seconds = last_outcome(rounds, HELD) - t0
     which = ",".join(map(str, sorted(held)))
     return Outcome(f"round {HELD} was ranks {which}'s (what reached a commit), the same for both survivors; "
                    "later rounds ranks 0,1's, exact", seconds)
@@ -107,18 +114,16 @@ async def shard_relay_freeze() -> Outcome:
     """Host 1's relay freezes with its lane 0 in or not and its pieces anywhere between
     nowhere and every shard: its ranks are declared dead after the heartbeat timeout,
     the round is decided (again) without it, and host 0 goes on exactly."""
-    async with daemon_cluster(**SHARDED, shards=2, worker_args={r: pause(HELD) for r in range(4)}) as c:
-        with diagnose(c):
-            await _hold_everyone(c)
-            t0 = mono()
-            c.freeze_relay(1)
-            await _let_go(c)
-            final = [await c.wait_outcome(rank) for rank in (0, 1)]
-            if any(f["event"] != "done" for f in final):
-                raise MatrixFailure(f"host 0's ranks should have finished: {final}")
-            rounds = {r: check_rounds(c, r, after(HELD, range(4), [0, 1])) for r in (0, 1)}
-            if any(sorted(seen) != list(range(SHARDED["rounds"])) for seen in rounds.values()):
-                raise MatrixFailure(f"host 0's ranks reported rounds {[sorted(s) for s in rounds.values()]}")
-            seconds = last_outcome(rounds, HELD) - t0
+    async with _held_cluster(shards=2) as c:
+        t0 = mono()
+        c.freeze_relay(1)
+        await _let_go(c)
+        final = [await c.wait_outcome(rank) for rank in (0, 1)]
+        if any(f["event"] != "done" for f in final):
+            raise MatrixFailure(f"host 0's ranks should have finished: {final}")
+        rounds = {r: check_rounds(c, r, after(HELD, range(4), [0, 1])) for r in (0, 1)}
+        if any(sorted(seen) != list(range(SHARDED["rounds"])) for seen in rounds.values()):
+            raise MatrixFailure(f"host 0's ranks reported rounds {[sorted(s) for s in rounds.values()]}")
+        seconds = last_outcome(rounds, HELD) - t0
     return Outcome(f"host 1's ranks declared dead after the heartbeat timeout; round {HELD} and later were "
                    "ranks 0,1's, exact", seconds)
