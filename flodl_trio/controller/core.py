@@ -37,6 +37,8 @@ from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.connect import (
+    Connector,
+    Listeners,
     listener_port,
     peer_host,
     tune_socket,
@@ -113,7 +115,6 @@ from .windows import rounds_and_windows
 
 log = logging.getLogger("flodl_trio.controller")
 
-Listeners = Sequence[trio.abc.Listener[trio.abc.Stream]]
 
 
 def attributed_to(exc: FlodlError, who: str) -> FlodlError:
@@ -191,6 +192,7 @@ async def open_controller(
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES,
     resume_dir: str | os.PathLike[str] | None = None,
     shards: Sequence[tuple[str, int]] = (),
+    connect: Connector = trio.open_tcp_stream,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -218,6 +220,8 @@ async def open_controller(
     its consensus goes out), and take the run on from it if one is there: relays
     and ranks holding through a controller outage then carry on where they were
     (docs/liveness.md, "A lost controller").
+    ``shards``: reduction shards (docs/wire.md, "Shards"), dialed with ``connect``
+    (a test's memory network, say).
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
@@ -247,7 +251,7 @@ async def open_controller(
     if shards:
         controller.shards = ShardSet(
             [(str(h), int(p)) for h, p in shards], config, controller._relay_live, controller._tell_relays,
-            handle.stats, controller._drop_relay_named,
+            handle.stats, controller._drop_relay_named, connect,
         )
     controller.windows.lane0_empty = bool(shards)  # lane 0 carries no payload: the shards carry it all
     async with serving(controller.run, handle.outcome, log, "controller"):

@@ -22,7 +22,7 @@ import trio
 
 from ..errors import ConnectFailed, FlodlError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import connect_with_retry
+from ..transport.connect import Connector, connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import CHANNEL_MAGIC_SHARD
@@ -59,7 +59,7 @@ class ShardSet:
     def __init__(
         self, addresses: Sequence[tuple[str, int]], config: ControllerConfig,
         live: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
-        drop_relay: Callable[[int, str], None],
+        drop_relay: Callable[[int, str], None], connect: Connector = trio.open_tcp_stream,
     ) -> None:
         self.addresses = tuple(addresses)
         self._config = config
@@ -67,6 +67,7 @@ class ShardSet:
         self._tell_relays = tell_relays
         self._stats = stats
         self._drop_relay = drop_relay  # (lowest rank, why): a relay a shard refused
+        self._connect = connect
         self.conns: dict[int, MessageStream] = {}
         self._nursery: trio.Nursery | None = None
         self._locks: dict[int, trio.Lock] = {}
@@ -96,7 +97,8 @@ class ShardSet:
     async def _dial_one(self, index: int, address: tuple[str, int]) -> None:
         host, port = address
         try:
-            stream = await connect_with_retry(host, port, f"controller: shard {index}", self._config.bounds)
+            stream = await connect_with_retry(host, port, f"controller: shard {index}", self._config.bounds,
+                                              self._connect)
             conn = MessageStream(stream, f"shard {index} {host}:{port}", self._config.bounds)
             heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
             setup = self._record(ShardSetup(index, len(self.addresses), heartbeat_ms))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 
 import attrs
+import trio
 
 from ..errors import ConfigError
+from ..transport.connect import Connector
 from ..transport.settings import NetBounds
 from ..wire.constants import (
     CHANNEL_MAGIC_CONTROL,
@@ -84,6 +86,8 @@ class RelayConfig:
     lane_min_bytes: int = 0
     # The reduction shards the controller said before HelloAck (lanes 1.. of a round go there).
     shards: tuple[tuple[str, int], ...] = ()
+    # How the relay dials (the controller, the shards): TCP, or a test's memory network.
+    connect: Connector = attrs.field(default=trio.open_tcp_stream, eq=False, repr=False)
 
     def with_controllers_lanes(self, said: tuple[int, int] | None) -> RelayConfig:
         """This config with the lane count the controller said before HelloAck (``said``:

@@ -29,6 +29,7 @@ from ..errors import ConfigError, FlodlError, HandshakeError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import (
     Connector,
+    Listeners,
     connect_with_retry,
     listener_port,
     peer_host,
@@ -78,7 +79,6 @@ from .router import ControlRouter
 
 log = logging.getLogger("flodl_trio.relay")
 
-Listeners = Sequence[trio.abc.Listener[trio.abc.Stream]]
 # Bytes moved at a time when piping a joiner's state from the controller.
 PIPE_CHUNK = 4 << 20
 
@@ -171,7 +171,7 @@ async def open_relay(
         net = attrs.evolve(net, connect_interval=connect_interval)
     config = RelayConfig(
         kind, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt), ceiling, net,
-        deterministic, memory_budget, lanes,
+        deterministic, memory_budget, lanes, connect=connect,
     )
     config.validate()
     unix_path = None

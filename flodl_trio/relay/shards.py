@@ -196,7 +196,7 @@ class ShardLinks:
             if index in self.lost:
                 continue
             stream = await connect_with_retry(host, port, f"relay {config.host_name} shard {index}", config.bounds,
-                                              trio.open_tcp_stream)
+                                              config.connect)
             conn = MessageStream(stream, f"shard {index} {host}:{port}", config.bounds)
             await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), *hello.chunks])
             self.conns[index] = conn

@@ -35,7 +35,7 @@ import trio
 from ..errors import FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import listener_port, peer_host, tune_socket
+from ..transport.connect import Listeners, listener_port, peer_host, tune_socket
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.hello import receive_hello
 from ..transport.settings import NetBounds
@@ -135,13 +135,17 @@ async def open_shard(
     salt: SessionSalt | bytes,
     ceiling: int = DEFAULT_FRAME_CEILING,
     bounds: NetBounds | None = None,
+    listeners: Listeners | None = None,
 ) -> AsyncIterator[ShardHandle]:
-    """Serve one reduction shard on ``host:port`` (0: any free port) for the block. The
-    controller that names it in ``shards=`` dials it and says which shard it is."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    handle = ShardHandle(listener_port(listeners[0]))
+    """Serve one reduction shard on ``host:port`` (0: any free port), or on the given
+    ``listeners`` (a test's memory network), for the block. The controller that names it
+    in ``shards=`` dials it and says which shard it is."""
+    bound: list[trio.abc.Listener[trio.abc.Stream]] = (
+        list(listeners) if listeners is not None else list(await trio.open_tcp_listeners(port, host=host))
+    )
+    handle = ShardHandle(listener_port(bound[0]))
     shard = _Shard(SessionSalt.coerce(salt), ceiling, bounds or NetBounds.from_env(), handle)
-    async with serving(lambda: trio.serve_listeners(shard.route, listeners), handle.outcome, log, "shard"):
+    async with serving(lambda: trio.serve_listeners(shard.route, bound), handle.outcome, log, "shard"):
         yield handle
 
 

@@ -33,6 +33,7 @@ from ..controller import ControllerHandle, open_controller
 from ..controller.dead_ranks import DeadRanks
 from ..errors import ConfigError, FlodlError
 from ..relay import ChannelKind, HostRanks, RelayHandle, open_relay
+from ..shard import ShardHandle, open_shard
 from ..transport.connect import Connector
 from ..transport.settings import NetBounds
 from ..transport.tasks import service_nursery
@@ -75,6 +76,7 @@ class LocalCluster:
     control_relays: list[RelayHandle] = attrs.field(factory=list)
     upstream_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
     network: MemoryNetwork | None = None
+    shards: list[ShardHandle] = attrs.field(factory=list)  # reduction shards (``shards=N``)
 
     @property
     def host(self) -> str:
@@ -170,6 +172,7 @@ async def open_local_cluster(
     deterministic: bool = False,
     local_leg: bool | None = None,
     lanes: int | None = None,
+    shards: int = 0,
     **controller_options: Any,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
@@ -185,7 +188,9 @@ async def open_local_cluster(
     arrival-order folding); ``lanes`` to the controller (None: its default) and the
     data relays (None: they take the controller's);
     ``local_leg`` to the data relays (default: on
-    unless ``FLODL_NO_UNIX`` is set).
+    unless ``FLODL_NO_UNIX`` is set). ``shards``: start that many reduction
+    shards first (on the memory network too) and give them to the controller
+    (which then needs ``rejoin_timeout`` 0 and no outer optimizer or checkpoint).
     """
     if network is not None and (upstream_faults or upstream):
         raise ConfigError("a cluster on a memory network takes no TCP upstream or fault proxies")
@@ -196,6 +201,15 @@ async def open_local_cluster(
         return {"listeners": [network.listen()]} if network is not None else {}
 
     async with AsyncExitStack() as stack:
+        shard_nursery = await stack.enter_async_context(service_nursery())
+        shard_handles: list[ShardHandle] = [
+            await shard_nursery.start(hold_open, open_shard(LOOPBACK, 0, salt=session, bounds=bounds, **listeners()))
+            for _ in range(shards)
+        ]
+        if shards:
+            here = LOOPBACK if network is None else MEMORY_HOST
+            controller_options = {**controller_options, "shards": [(here, h.port) for h in shard_handles],
+                                  "connect": connect}
         controller = await stack.enter_async_context(
             open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, bounds=bounds,
                             deterministic=deterministic, lanes=lanes, **listeners(), **controller_options)
@@ -235,5 +249,5 @@ async def open_local_cluster(
                 relays[kind].append(await hosts_nursery.start(hold_open, relay))
         yield LocalCluster(
             controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
-            relays.get(ChannelKind.CONTROL, []), proxies, network,
+            relays.get(ChannelKind.CONTROL, []), proxies, network, shard_handles,
         )

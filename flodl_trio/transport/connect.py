@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -19,6 +19,7 @@ log = logging.getLogger("flodl_trio.net")
 # How a role dials a peer: ``trio.open_tcp_stream`` in production; tests may hand
 # in one that connects in memory. It raises OSError when nobody listens there.
 Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
+Listeners = Sequence[trio.abc.Listener[trio.abc.Stream]]
 
 _warned_peers: set[str] = set()
 

@@ -566,7 +566,7 @@ async def test_a_shard_silent_to_the_relays_is_reported_and_its_lanes_move(salt,
                                        shards=[(LOOP, s.port) for s in shards]) as ctl:
                 relays = [await nursery.start(hold_open, open_relay(
                     ChannelKind.DATA, listen=(LOOP, 0), upstream=(LOOP, ctl.port), host_name=f"h{rank}",
-                    ranks=[rank], world_size=2, salt=salt, bounds=NetBounds(heartbeat_timeout=1.0),
+                    ranks=[rank], world_size=2, salt=salt, bounds=NetBounds(heartbeat_timeout=3.0),
                 )) for rank in range(2)]
 
                 got = await two_ranks_rounds(relays, numel, 1, salt)
