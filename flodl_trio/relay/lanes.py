@@ -136,7 +136,7 @@ class LaneFrames:
         self.count = config.lanes
         self._min_bytes = config.lane_min_bytes  # the controller's: every relay cuts a frame the same way
         self._assembler: LaneAssembler | None = None  # joins the consensus lanes (its layout is the round's)
-        self._lane_buffer = ReceiveBuffer()  # a consensus lane lands here: a slice of the frame
+        self.lane_buffer = ReceiveBuffer()  # a consensus lane lands here: a slice of the frame
         self._joined_in: ReceiveBuffer | None = None  # the pool buffer this round's consensus is joined in
         self._lane_down = ChangeSignal()  # a consensus lane came in, or the connection was lost
         self._lost = False  # the connection broke; until the next one is up
@@ -183,7 +183,7 @@ class LaneFrames:
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
-            self._lane_buffer.reserve(layout.max_frame_bytes)
+            self.lane_buffer.reserve(layout.max_frame_bytes)
         parts = frame.lanes(layout) if isinstance(frame, PendingHostDelta) else iter(layout.split(frame))
         return LaneUplink(parts, layout.count, self._config.salt)
 
@@ -248,7 +248,7 @@ class LaneFrames:
 
     def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
         """A large consensus lane lands in the lane buffer: the pool's are for frames and the joined consensus."""
-        return self._lane_buffer if length > SMALL_MESSAGE else None
+        return self.lane_buffer if length > SMALL_MESSAGE else None
 
     def abandon_partial(self) -> int:
         """The controller's connection was lost with some of a consensus's lanes in: a
