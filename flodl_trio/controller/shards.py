@@ -117,11 +117,17 @@ class ShardSet:
             nursery.start_soon(self._watch, index)
 
     def reported_lost(self, shard: int, relay: str) -> None:
-        """A relay's connection to ``shard`` failed (closed, or bytes that broke the
-        protocol): the shard is lost for everyone, as a shard that cannot serve every
-        relay cannot reduce its lanes."""
+        """A relay's connection to ``shard`` failed (closed, silent, or bytes that broke
+        the protocol): the shard is lost for everyone, as a shard that cannot serve every
+        relay cannot reduce its lanes - unless it is the last live one (ProtocolError:
+        the relay is dropped instead)."""
         if not 0 <= shard < len(self.addresses):
             raise ProtocolError(f"said shard {shard} is lost; there are {len(self.addresses)}")
+        if shard not in self.lost and len(self.lost) == len(self.addresses) - 1:
+            # The last live shard is lost only on the controller's own evidence: one relay's
+            # word would stop the run, so the relay that cannot reach it is the one dropped.
+            raise ProtocolError(f"said shard {shard}, the last live one, is lost; its connection here is fine, so "
+                                "this relay is dropped, not the shard")
         if shard not in self.lost and self._nursery is not None:
             self._nursery.start_soon(self._lose, shard, f"{relay} lost its connection to it")
 

@@ -575,6 +575,29 @@ async def test_a_shard_silent_to_the_relays_is_reported_and_its_lanes_move(salt,
     assert_means(got, numel)
 
 
+async def test_a_relay_saying_the_last_live_shard_is_lost_is_dropped_not_the_shard(salt):
+    """One relay's word cannot stop the run: told by a relay that the only shard is lost
+    while its own connection to it is fine, the controller drops that relay, and the
+    others' round goes through the shard, exactly."""
+    from flodl_trio.wire.mux import ShardLost, encode_control_record
+
+    numel, lanes = 40_000, 5
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
+            async with host_beside_a_raw_one(nursery, salt, [shard], lanes) as (ctl, relay):
+                liar = RawHost(salt, "liar", numel, lanes)
+                await liar.join(ctl.port, [shard])
+                await liar.to_controller.send_chunks([encode_control_record(ShardLost(0), salt)])
+                got = await survivors_round(relay, numel, salt)
+                assert ctl.dead_ranks.is_dead(2) and ctl.stats.shards_lost == 0
+                assert any("the last live one" in r for r in ctl.rejections) or ctl.stats.relays_dropped == 1
+            nursery.cancel_scope.cancel()
+    for rank in (0, 1):
+        assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
+    assert shard.rounds == 1
+
+
 async def test_the_last_shard_lost_stops_the_controller_naming_it_and_nothing_hangs(salt):
     """With no live shard left no lane can be reduced: the controller stops naming the
     shard, every relay's channel ends, and the ranks' next round fails at once."""
