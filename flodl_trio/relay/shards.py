@@ -79,7 +79,6 @@ class ShardLinks:
         self.changed = ChangeSignal()  # an ack, a lane, a mark, a lost shard, the commit
         self._round = 0  # this relay's rounds sent to the shards (Pieces)
         self._sent_to: dict[int, int] = {}  # lane -> the shard it went to this round
-        self.acked = 0  # lanes the shards said they keep (ShardAck)
         self._decision: dict[int, int] = {}  # shard -> the decision its lanes now are
         self.want = -1  # the latest decision any shard marked
         self._lane_decision: dict[int, int] = {}  # lane joined -> its decision
@@ -278,11 +277,9 @@ class ShardLinks:
             raise ProtocolError(f"{conn.peer} sent a {kind.name} record")
 
     def _on_control(self, index: int, conn: MessageStream, msg: RelayControlMsg) -> None:
-        if isinstance(msg, ShardAlive):
+        if isinstance(msg, ShardAlive | ShardAck):  # a shard's keepalive; a lane kept (nothing waits on it)
             return
-        if isinstance(msg, ShardAck):
-            self.acked += 1
-        elif isinstance(msg, Decided):
+        if isinstance(msg, Decided):
             self._decision[index] = msg.decision
             if msg.decision > self.want:  # a newer decision: the older's lanes come again
                 self.want = msg.decision

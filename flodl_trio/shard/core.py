@@ -244,11 +244,21 @@ class _Shard:
     async def _controller_writer(self, conn: MessageStream, outbox: trio.MemoryReceiveChannel[EncodedFrame]) -> None:
         """The one writer to the controller: what the shard has to say (refused pieces),
         and ``ShardAlive`` whenever a quarter of its heartbeat timeout passes in silence."""
+        await self._write_keeping_alive(conn, outbox, self._heartbeat_s / 4)
+
+    async def _write_keeping_alive(
+        self, conn: MessageStream, outbox: trio.MemoryReceiveChannel[EncodedFrame], idle: float
+    ) -> None:
+        """Send what ``outbox`` holds, and ``ShardAlive`` after each ``idle`` seconds with
+        nothing to send; return once the outbox is closed."""
         alive = self._control(ShardAlive())
         while True:
             record = alive
-            with trio.move_on_after(self._heartbeat_s / 4):
-                record = await outbox.receive()
+            with trio.move_on_after(idle):
+                try:
+                    record = await outbox.receive()
+                except trio.EndOfChannel:
+                    return
             await conn.send_chunks(record.chunks)
 
     async def _control_record(self, conn: MessageStream) -> object | None:
@@ -383,16 +393,8 @@ class _Shard:
         """The one writer to a relay: its acks and lanes, and ``ShardAlive`` after each
         RELAY_KEEPALIVE_S of silence, so a relay cut off from this shard (while both
         still reach the controller) notices within its heartbeat timeout."""
-        alive = self._control(ShardAlive())
         async with relay.inbox:
-            while True:
-                record = alive
-                with trio.move_on_after(min(RELAY_KEEPALIVE_S, self._heartbeat_s / 4)):
-                    try:
-                        record = await relay.inbox.receive()
-                    except trio.EndOfChannel:
-                        return
-                await relay.conn.send_chunks(record.chunks)
+            await self._write_keeping_alive(relay.conn, relay.inbox, min(RELAY_KEEPALIVE_S, self._heartbeat_s / 4))
 
     async def _relay_reader(self, relay: _Relay) -> None:
         """Each lane frame verified and kept (a copy: the buffer takes the next), then acknowledged."""
