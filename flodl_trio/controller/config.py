@@ -62,15 +62,12 @@ def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
         )
 
 
-def check_shards(
-    *, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object, rejoin_timeout: float
-) -> None:
-    """Shards reduce lanes 1.. elsewhere: what needs every lane here is refused."""
+def check_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object) -> None:
+    """Shards reduce lanes 1.. elsewhere: what needs every round's every lane here is refused."""
     needs_every_lane = [
         what for what, given in (
             ("an outer optimizer", outer_optimizer is not None), ("a checkpoint sink", checkpoint is not None),
             ("a resume record (resume_dir / --checkpoint-dir)", resume_dir is not None),
-            ("rejoining (rejoin_timeout > 0; the daemon's default is 1800: give --rejoin-timeout 0)", rejoin_timeout > 0),
         ) if given
     ]
     if lanes < 2:

@@ -228,8 +228,7 @@ async def open_controller(
     lanes = lanes_or_default(lanes, outer_optimizer=outer_optimizer)
     check_lanes(lanes, outer_optimizer=outer_optimizer)
     if shards:
-        check_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir,
-                     rejoin_timeout=rejoin_timeout)
+        check_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
@@ -254,6 +253,7 @@ async def open_controller(
             handle.stats, controller._drop_relay_named, connect,
         )
     controller.windows.lane0_empty = bool(shards)  # lane 0 carries no payload: the shards carry it all
+    controller.returns.kept_state_may_be_old = bool(shards)  # kept only while a rank rejoins
     async with serving(controller.run, handle.outcome, log, "controller"):
         yield handle
 
@@ -311,18 +311,25 @@ class _Controller:
 
     shards: ShardSet | None = None  # the reduction shards, if any (docs/wire.md, "Shards")
 
-    async def _decide(self, consensus: Consensus, targets: list[int]) -> list[int]:
-        """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces;
-        the targets still live once every one holds them (lane 0, the commit, goes to those)."""
+    def _sharded(self, consensus: Consensus) -> bool:
+        """Whether this lane-0 consensus is of a round the shards reduce (several lanes)."""
         if self.shards is None or not isinstance(consensus.outgoing, RoundFrame):
-            return targets
+            return False
         tag = read_lane_tag(consensus.outgoing)
-        if tag is None or tag.count < 2:
-            return targets
+        return tag is not None and tag.count >= 2
+
+    async def _decide(self, consensus: Consensus, targets: list[int]) -> tuple[list[int], list[RoundFrame] | None]:
+        """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces;
+        the targets still live once every one holds them (lane 0, the commit, goes to
+        those), and - while a rank rejoins - the round's other lanes, copied here."""
+        assert self.shards is not None and isinstance(consensus.outgoing, RoundFrame)
+        tag = read_lane_tag(consensus.outgoing)
+        assert tag is not None
         return await self.shards.decide(
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in consensus.delivered_by],
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
             LaneLayout.of_lane0(consensus.outgoing, lane0_empty=True).schema,
+            copy=self.returns.needs_whole_rounds(),
         )
 
     def _drop_relay_named(self, lowest_rank: int, why: str) -> None:
@@ -751,12 +758,16 @@ class _Controller:
                 self.links[sid].sent_whole for sid in consensus.delivered_by if sid in self.links
             )
             out = self.windows.take(lane, consensus)  # the outer step and checkpoint, if due
+            # Before any joiner is revived (they did not ask), and every relay that delivered.
+            targets = self.seats.broadcast_targets(consensus.delivered_by)
+            if lane == 0 and self._sharded(out.consensus):
+                # The shards' commit first: the round ends with it (whole, if they sent a copy).
+                targets, copied = await self._decide(out.consensus, targets)
+                out = self.windows.end_sharded(out, copied)
             consensus, part = out.consensus, out.part
             kept = None if out.kept is None else await _signed(out.kept, self.config.salt)
             if consensus.for_joiners is not None and self.windows.keep_window_state:
                 kept = await _encoded(consensus.for_joiners, self.config.salt)
-            # Before any joiner is revived (they did not ask), and every relay that delivered.
-            targets = self.seats.broadcast_targets(consensus.delivered_by)
             whole_targets = [sid for sid in targets if self.links[sid].sent_whole]
             lane_targets = [sid for sid in targets if not self.links[sid].sent_whole]
             whole_record = None if out.whole is None or not whole_targets else await self._whole_record(out, kept)
@@ -773,15 +784,13 @@ class _Controller:
             boundary = (
                 part is not None
                 and self.windows.keep_window_state
-                and self.window_store.keep(part, kept or record_payload(record))
+                and self.window_store.keep(part, None if out.not_held else kept or record_payload(record))
             )
             # Returns let in are live in the record, and told only once it is durable, as the
             # consensus goes out only then: a controller started again resumes from it.
             tell_returns = self.returns.at_boundary() if boundary else None
             # A relay resumes from what it was sent: the lane record, or (no relay took
             # lanes) the whole one; flodl relays never resume.
-            if lane == 0:
-                lane_targets = await self._decide(consensus, lane_targets)
             await self.resumption.record(
                 record, part, self.window_store.latest if boundary else None,
                 opens_round=out.opens_round, ends_round=out.ends_round,

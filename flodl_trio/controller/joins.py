@@ -76,6 +76,7 @@ class Joiner:
     state: WindowState | None = None
     entry: int | None = None  # the first window it runs in its host's barrier
     refusal: str | None = None
+    fresh_from: int = -1  # the oldest window whose state it may be sent
 
     def send_state(self, state: WindowState | None) -> None:
         self.state = state
@@ -130,6 +131,14 @@ class Returns:
     joiners: dict[int, Joiner] = attrs.field(factory=dict)  # rank -> its verified state request
     asks: dict[int, int] = attrs.field(factory=dict)  # rank -> how many times its relay asked it back (names each ask)
     nursery: trio.Nursery | None = None  # where the handshake-bound watches run
+    # With shards the kept state is of the last window the controller got whole, maybe
+    # long ago: a joiner waits for one that ended after it asked.
+    kept_state_may_be_old: bool = False
+
+    def needs_whole_rounds(self) -> bool:
+        """Whether rounds must come whole to the controller (with shards): a return is in
+        progress, from its state request to its entry."""
+        return bool(self.joiners)
 
     def at_boundary(self) -> Callable[[], None]:
         """A window just finished (its state is kept): returns that have their state
@@ -197,7 +206,8 @@ class Returns:
             self.stats.rejoins_refused += 1
             log.warning("controller: rank %d may not rejoin: %s", rank, refusal)
             return await conn.send_chunks([encode_state_reply(StateReply.refused(refusal), nonces, self.config.salt)])
-        await self._serve_return(conn, rank, Joiner(nonces))
+        fresh_from = self.windows.windows - 1 if self.kept_state_may_be_old else -1
+        await self._serve_return(conn, rank, Joiner(nonces, fresh_from=fresh_from))
 
     async def _challenge(self, conn: MessageStream, request: StateRequest) -> JoinNonces | None:
         """The controller's fresh nonce out, the rank's answer in: a replayed request
@@ -330,7 +340,8 @@ class Returns:
         state = self.window_store.latest
         for rank, _seat in self.membership.ready():
             joiner = self.joiners.get(rank)
-            if joiner is not None and not joiner.state_due.is_set() and state is not None:
+            if (joiner is not None and not joiner.state_due.is_set() and state is not None
+                    and state.window >= joiner.fresh_from):
                 joiner.send_state(state)
         self._let_joiners_in_if_nobody_is_live()
 
@@ -342,6 +353,12 @@ class Returns:
         if self.dead.dead_count() < self.config.world_size:
             return
         state = self.window_store.latest
+        if self.kept_state_may_be_old and self.window_store.ended > (-1 if state is None else state.window):
+            return self._refuse_every_return(
+                f"every rank died, and this controller reduces with shards: it holds the consensus of window "
+                f"{self.window_store.ended}, the last to finish, only in part (the shards hold its lanes), so the "
+                "run cannot restart from it here; restart the job from its checkpoints"
+            )
         if state is None:
             for rank, _seat in self.membership.ready():
                 joiner = self.joiners.get(rank)
@@ -355,6 +372,10 @@ class Returns:
         self.window_store.abandon_window()
         log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
         self._let_joiners_in(next_window)
+
+    def _refuse_every_return(self, reason: str) -> None:
+        for rank in sorted(set(self.joiners) | {rank for rank, _seat in self.membership.entering()}):
+            self.refuse(rank, self.links.get(self.membership.asked.get(rank, -1)), reason)
 
     def _let_joiners_in(self, window: int, tell: Callable[[Callable[[], None]], None] = _now) -> None:
         """A window boundary: every return that has its state becomes live, and its

@@ -12,6 +12,8 @@ and does the per-window work a whole frame gets without lanes:
   bytes a whole-frame step gives them);
 - it joins the lanes of a round the checkpoint sink or the joiners need into
   one frame in the model's shapes, as the ranks receive it;
+- with shards it sees lane 0 alone, and a round ends at its commit: joined
+  whole only when the shards sent a copy of its other lanes (a rank rejoins);
 - a delta round's lanes (docs/wire.md, "Delta rounds", "In lanes") come in as
   f32 mean deltas of runs of whole blocks: each piece is added to the exact
   consensus, stepped, and coded against the ranks' base on its own (the bytes
@@ -24,6 +26,7 @@ It never awaits, so it reads and tests without trio.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import attrs
 
@@ -56,6 +59,8 @@ class LaneOut:
     ends_round: bool = True
     # The round's consensus joined whole (unsigned), for relays that send whole frames.
     whole: memoryview | None = None
+    # With shards: the round's lanes 1.. were not copied here, so no state can be kept of it.
+    not_held: bool = False
 
 
 @attrs.frozen
@@ -165,10 +170,32 @@ class LaneWindows:
             joined = self._joins_whole or self.checkpoint is not None or (
                 self.keep_window_state and part is not None and part.kept
             )
+        if self.lane0_empty and layout.count > 1:
+            joined = False  # with shards: joined at the commit, if a copy came (end_sharded)
         self._assembler = LaneAssembler(layout) if joined else None
         if self._assembler is not None:
             self._assembler.begin()  # a frame of its own: a hook or the joiners may keep it
         self._next_lane = 0
+
+    def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut:
+        """With shards, a round's commit ends it here: joined whole from its lane 0 and
+        the copy of its other lanes the shards sent (``lanes``), or - no copy - held
+        nowhere here (``not_held``: its window keeps no state)."""
+        layout, part = self._layout, self._part
+        if layout is None or self._next_lane != 1:
+            return lane0  # abandoned meanwhile (every rank died)
+        if lanes is None:
+            self.rounds += 1
+            self._layout, self._assembler = None, None
+            return attrs.evolve(lane0, part=part, ends_round=True, not_held=True)
+        assert isinstance(lane0.consensus.outgoing, RoundFrame)
+        self._assembler = LaneAssembler(layout)
+        self._assembler.begin()
+        self._assembler.add(lane0.consensus.outgoing)
+        last = lane0
+        for lane, frame in enumerate(lanes, 1):
+            last = self.take(lane, Consensus(frame))
+        return attrs.evolve(last, consensus=lane0.consensus, opens_round=True)
 
     def _outer_step(self, frame: RoundFrame, layout: LaneLayout, lane: int, part: WindowPart) -> RoundFrame:
         step_lane = getattr(self.outer_optimizer, "step_lane")

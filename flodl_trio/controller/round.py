@@ -199,6 +199,8 @@ class WindowStore:
         self._model_rounds = 0
         self._params: EncodedFrame | None = None
         self._buffers: EncodedFrame | None = None
+        self._not_held = False  # a round of the window in progress was not held here (shards)
+        self.ended = -1  # the newest window whose rounds all went out (held here or not)
         # With fragments: each fragment's newest params, and the newest buffers.
         self._newest: list[EncodedFrame | None] = []
         self._newest_buffers: EncodedFrame | None = None
@@ -229,19 +231,23 @@ class WindowStore:
         """Model rounds a window of the current window's fragment has (None: not learned yet)."""
         return self._shapes.get(self._fragment)
 
-    def keep(self, part: WindowPart, frame: EncodedFrame) -> bool:
-        """Take a window round's consensus; True if it ends the window (a boundary) and
-        a joiner can be given the state."""
+    def keep(self, part: WindowPart, frame: EncodedFrame | None) -> bool:
+        """Take a window round's consensus (None: a round not held here - with shards,
+        one the controller got lane 0 of alone: its window yields no state); True if it
+        ends the window (a boundary) and a joiner can be given the state."""
         if part.index == 0:
             if self._window >= 0:
                 self._shapes[self._fragment] = self._model_rounds
                 self._complete()  # a no-op if the window ended at its boundary already
             self._window, self._fragment, self._model_rounds = part.window, part.fragment, 0
+            self._not_held = False
             return False
         if self._window < 0:
             return False  # a window whose first round it did not see (kept from mid-window on): not one to keep
         self._model_rounds += 1
-        if part.index == 1:
+        if frame is None:
+            self._not_held = True
+        elif part.index == 1:
             self._params = frame
         elif part.index == 2:
             self._buffers = frame
@@ -271,12 +277,19 @@ class WindowStore:
         and do not learn the window shape from it."""
         self._window, self._model_rounds = -1, 0
         self._params = self._buffers = None
+        self._not_held = False
 
     def _complete(self) -> None:
         params, buffers, self._params, self._buffers = self._params, self._buffers, None, None
+        self.ended = max(self.ended, self._window)
+        fragment = self._fragment
+        if self._not_held:  # no state from this window; with fragments, start over
+            self._not_held = False
+            if fragment is not None:
+                self._newest, self._newest_buffers = [None] * fragment.count, None
+            return
         if params is None:
             return
-        fragment = self._fragment
         if fragment is None:
             self.latest = WindowState(self._window, (params,), buffers)
             return

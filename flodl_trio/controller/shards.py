@@ -10,6 +10,10 @@ to the next live shard, every relay and shard is told (``ShardLost``), and the
 round is decided again under a new number; so is a round one of whose decided
 relays is lost (its pieces may never come). No relay has used a lane before
 the commit, so every rank gets one consensus.
+
+While a rank is rejoining, the controller needs rounds whole (a joiner starts
+from a window's consensus): those decisions ask the shards for a copy
+(``Decide.copy``), and the commit waits for every lane of it here too.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from ..transport.connect import Connector, connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import CHANNEL_MAGIC_SHARD
+from ..wire.lanes import LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
     Decide,
+    Decided,
     MuxKind,
     PieceRefused,
     RelayControlMsg,
@@ -38,7 +44,7 @@ from ..wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from ..wire.round_frame import EncodedFrame
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from .config import ControllerConfig
 from .stats import ControllerStats
 
@@ -79,6 +85,10 @@ class ShardSet:
         self._lanes_in: set[int] = set()  # seats that sent LanesIn for the pending decision
         self._pending: int | None = None
         self._again = False  # the pending decision must be made again
+        # A copy of the pending decision's lanes, when it asked for one (else None).
+        self._copy: dict[int, RoundFrame] | None = None
+        self._copy_layout: LaneLayout | None = None
+        self._marks: dict[int, int] = {}  # shard -> the decision its copy lanes are of (Decided)
 
     def _record(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self._config.salt)
@@ -151,21 +161,57 @@ class ShardSet:
         try:
             while True:
                 with trio.move_on_after(bound) as waited:
-                    header = await conn.receive_mux_header(SMALL_MESSAGE)
+                    header = await conn.receive_mux_header(self._config.ceiling)
                     if header is None:
                         break
+                    self._check_length(index, header.length)
                     kind, payload = await conn.receive_mux_payload(header, buf, self._config.salt)
                 if waited.cancelled_caught:
                     why = f"nothing from it for the heartbeat timeout ({bound:g} s): frozen, or cut off"
                     break
+                if kind is MuxKind.BROADCAST:
+                    self._copy_lane(index, decode_round_frame(
+                        bytes(payload), self._config.salt, ceiling=self._config.ceiling, source=f"shard {index}",
+                        authenticated=True,
+                    ))
+                    if len(payload) > SMALL_MESSAGE:
+                        buf = ReceiveBuffer()  # a copy's lane buffer is not kept between copies
+                    continue
                 msg = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
                 if isinstance(msg, PieceRefused):
                     self._drop_relay(msg.host, f"shard {index} refused its piece: {msg.reason}")
+                elif isinstance(msg, Decided):
+                    self._marks[index] = msg.decision
                 elif not isinstance(msg, ShardAlive):
                     raise ProtocolError(f"shard {index} sent the controller {msg or kind.name}, not ShardAlive")
         except (ProtocolError, *CONNECTION_LOST) as exc:
             why = str(exc)
         await self._lose(index, why)
+
+    def _check_length(self, index: int, length: int) -> None:
+        """A record longer than a control message only while a copy is due, and never
+        longer than the copy's largest lane could be (no untrusted allocation)."""
+        layout = self._copy_layout
+        limit = SMALL_MESSAGE if layout is None else SMALL_MESSAGE + layout.max_frame_bytes
+        if length > limit:
+            raise ProtocolError(f"shard {index} sent a {length}-byte record where at most {limit} bytes could be due")
+
+    def _copy_lane(self, index: int, frame: RoundFrame) -> None:
+        """A lane of a copy: kept if it is of the pending decision (an older one's are
+        late, and dropped), owned by the shard that sent it, and what the schema says."""
+        tag = read_lane_tag(frame)
+        copy, layout = self._copy, self._copy_layout
+        if self._marks.get(index) != self._pending or copy is None or layout is None:
+            return  # of a decision made again since
+        if tag is None or not 1 <= tag.index < layout.count or tag.count != layout.count:
+            raise ProtocolError(f"shard {index} sent the controller lane tag {tag} in a round of {layout.count} lanes")
+        owner = lane_owner(tag.index, len(self.addresses), self.lost)
+        if owner != index or tag.index in copy:
+            raise ProtocolError(f"shard {index} sent the controller lane {tag.index}, which shard {owner} reduces "
+                                f"(or sent it twice)")
+        layout.check_lane(tag.index, frame)
+        copy[tag.index] = frame
+        self._changed.notify()
 
     async def _lose(self, index: int, why: str) -> None:
         if index in self.lost:
@@ -197,9 +243,12 @@ class ShardSet:
 
     async def decide(
         self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int, schema: Sequence[tuple[int, tuple[int, ...]]],
-    ) -> list[int]:
+        *, copy: bool = False,
+    ) -> tuple[list[int], list[RoundFrame] | None]:
         """Decide the round (hosts: its contributors) until every live target holds the
-        decision's lanes; the seats of the targets to send lane 0 to, the commit.
+        decision's lanes; the seats of the targets to send lane 0 to, the commit, and
+        with ``copy`` the decision's lanes 1.. as the shards sent them (None: no copy,
+        or nobody was left to sum).
 
         A round is decided from the live relays only, and decided again when a shard or
         a decided relay is lost before the commit: a lost relay's pieces may never reach
@@ -207,29 +256,35 @@ class ShardSet:
         hosts = sorted(hosts, key=lambda seat: seat.lowest_rank)
         round_ = self._rounds
         self._rounds += 1
+        layout = LaneLayout.for_schema(schema, lanes, lane0_empty=True) if copy else None
+        copied: list[RoundFrame] | None = None
         while True:
             hosts = [seat for seat in hosts if self._live(seat.id)]
             live_targets = [seat for seat in targets if self._live(seat.id)]
             if not hosts or not live_targets:
                 break  # nobody left to sum, or to send to
             self._pending, self._hosts, self._lanes_in, self._again = self._decisions, hosts, set(), False
+            self._copy, self._copy_layout = ({}, layout) if copy else (None, None)
             self._decisions += 1
             await self._tell_shards(Decide(
                 self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
-                sorted(seat.lowest_rank for seat in live_targets),
+                sorted(seat.lowest_rank for seat in live_targets), copy,
             ))
             if await self._committed(live_targets):
+                copied = None if self._copy is None else [self._copy[lane] for lane in range(1, lanes)]
                 break
             self._stats.decisions_again += 1
-        self._pending = None
-        return [seat.id for seat in targets if self._live(seat.id)]
+        self._pending, self._copy, self._copy_layout = None, None, None
+        return [seat.id for seat in targets if self._live(seat.id)], copied
 
     async def _committed(self, targets: Sequence[Seat]) -> bool:
-        """Wait for every live target's LanesIn (True), or until the decision must be made again (False)."""
+        """Wait for every live target's LanesIn and the copy's every lane, if one is due
+        (True), or until the decision must be made again (False)."""
         while True:
             if self._again:
                 return False
-            if all(seat.id in self._lanes_in or not self._live(seat.id) for seat in targets):
+            copied = self._copy is None or self._copy_layout is None or len(self._copy) == self._copy_layout.count - 1
+            if copied and all(seat.id in self._lanes_in or not self._live(seat.id) for seat in targets):
                 return True
             await self._changed.wait()
 

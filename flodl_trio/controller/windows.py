@@ -12,10 +12,12 @@ work lane by lane. No I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from ..errors import FlodlError
 from ..fold.delta import DeltaLineages
+from ..wire.round_frame import RoundFrame
 from ..wire.salt import SessionSalt
 from .lane_windows import LaneOut, LaneWindows
 from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer, WindowCounter
@@ -49,6 +51,8 @@ class Windows(Protocol):
     def restart_windows_at(self, window: int) -> None: ...
 
     def take(self, lane: int, consensus: Consensus) -> LaneOut: ...
+
+    def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut: ...
 
 
 class WholeFrameWindows:
@@ -98,6 +102,9 @@ class WholeFrameWindows:
 
     def take(self, lane: int, consensus: Consensus) -> LaneOut:
         return LaneOut(consensus, consensus.part)
+
+    def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut:
+        raise FlodlError("shards reduce rounds in lanes: a controller without lanes has none to end")
 
 
 def rounds_and_windows(

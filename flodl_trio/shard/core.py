@@ -11,6 +11,7 @@ Task structure::
     controller:     reader  --Decide / ShardLost--> the latest decision
                     decider --once every decided host's pieces are in--> each owned lane summed
                               over ``hosts`` in host order, divided once, signed, queued to the targets
+                              (and, with ``Decide.copy``, to the controller after its own mark)
                     heartbeat --ShardAlive--> the controller (a frozen shard is noticed)
 
 A shard folds nothing before the controller decides the round's contributors:
@@ -164,6 +165,7 @@ class _Shard:
         self._summing: Decide | None = None  # the decision whose lanes go out now
         self._lanes_sent: set[int] = set()  # ... and which of them went
         self._marked: set[int] = set()  # ... and which targets were sent its Decided mark
+        self._controller_marked = False  # ... and whether the controller was (a copy: Decide.copy)
         self._blocked: set[int] = set()  # ... and which lanes hold a refused piece (a newer decision comes)
         self._to_controller: trio.MemorySendChannel[EncodedFrame]  # set once the controller connected
         self._changed = ChangeSignal()  # a piece, a decision or a lost shard came in
@@ -282,6 +284,7 @@ class _Shard:
                 continue
             if msg is not self._summing:
                 self._summing, self._lanes_sent, self._marked, self._blocked = msg, set(), set(), set()
+                self._controller_marked = False
             owned = [lane for lane in range(1, msg.lanes) if self._owns(lane)]
             ready = [lane for lane in owned
                      if lane not in self._lanes_sent | self._blocked and self._pieces_in(msg, lane)]
@@ -330,6 +333,11 @@ class _Shard:
                 self._marked.add(rank)
                 target.queue(mark)
             self._queue_lane(target, record)
+        if msg.copy:  # the controller keeps this round whole (a rank rejoins from it)
+            if not self._controller_marked:
+                self._controller_marked = True
+                self._to_controller.send_nowait(mark)
+            self._to_controller.send_nowait(record)
         self._lanes_sent.add(lane)
 
     def _refuse_piece(self, relay: _Relay, reason: str) -> None:

@@ -190,7 +190,7 @@ async def open_local_cluster(
     ``local_leg`` to the data relays (default: on
     unless ``FLODL_NO_UNIX`` is set). ``shards``: start that many reduction
     shards first (on the memory network too) and give them to the controller
-    (which then needs ``rejoin_timeout`` 0 and no outer optimizer or checkpoint).
+    (which then takes no outer optimizer, checkpoint or resume record).
     """
     if network is not None and (upstream_faults or upstream):
         raise ConfigError("a cluster on a memory network takes no TCP upstream or fault proxies")

@@ -208,7 +208,8 @@ class Decide:
     whose lane 0 finished, of ``lanes`` lanes cut from a frame of ``schema`` ((dtype,
     shape) per tensor, which lane 0 carried: every piece is checked against it): sum
     the pieces of ``hosts`` (each named by its lowest rank, in host order) and send
-    each lane to ``targets`` (the same naming)."""
+    each lane to ``targets`` (the same naming); ``copy``: send them to the controller
+    too (it needs the whole consensus of this round: a rank is rejoining)."""
 
     decision: int
     round: int
@@ -216,6 +217,7 @@ class Decide:
     schema: tuple[tuple[int, tuple[int, ...]], ...] = attrs.field(converter=_schema)
     hosts: tuple[int, ...] = attrs.field(converter=_ranks)
     targets: tuple[int, ...] = attrs.field(converter=_ranks)
+    copy: bool = False
 
 
 @attrs.frozen
@@ -331,7 +333,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += _varint(len(raw)) + raw + _varint(port)
         case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
             out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
-        case Decide(decision=decision, round=round_, lanes=lanes, schema=schema, hosts=hosts, targets=targets):
+        case Decide(decision=decision, round=round_, lanes=lanes, schema=schema, hosts=hosts, targets=targets,
+                    copy=copy):
             out += _varint(decision) + _varint(round_) + _varint(lanes) + _varint(len(schema))
             for dtype, shape in schema:
                 out += _varint(dtype) + _varint(len(shape)) + b"".join(_varint(d) for d in shape)
@@ -339,6 +342,7 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += _varint(len(ranks))
                 for r in ranks:
                     out += _varint(r)
+            out += _varint(int(copy))
         case ShardAck(lane=lane):
             out += _varint(lane)
         case ShardLost(shard=number) | Decided(decision=number) | LanesIn(decision=number) | Pieces(round=number):
@@ -451,7 +455,7 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
                 reader.count(f"Decide schema {i} ndim", 1))]))
         hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
         targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
-        msg = Decide(decision, round_, lanes, schema, hosts, targets)
+        msg = Decide(decision, round_, lanes, schema, hosts, targets, bool(reader.varint("Decide copy", limit=1)))
     elif variant == 214:
         msg = ShardAlive()
     elif variant == 215:

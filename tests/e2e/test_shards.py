@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 import contextlib
 from contextlib import asynccontextmanager
+import functools
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from flodl_trio import RoundKind, connect_reduce_client
 from flodl_trio.controller import open_controller
 from flodl_trio.relay import ChannelKind, open_relay
 from flodl_trio.shard import open_shard
-from flodl_trio.testing import hold_open
+from flodl_trio.testing import hold_open, open_local_cluster
+from tests.e2e import test_rejoin
 
 LOOP = "127.0.0.1"
 
@@ -277,7 +279,7 @@ async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt):
     from flodl_trio.fold.outer import DiLoCoNesterov
 
     for options, named in (({"lanes": 1}, "lanes >= 2"), ({"outer_optimizer": DiLoCoNesterov()}, "an outer optimizer"),
-                           ({"rejoin_timeout": 5.0}, "rejoining")):
+                           ({"checkpoint": lambda rounds, frame: None}, "a checkpoint sink")):
         with pytest.raises(ConfigError, match=named):
             async with open_controller(LOOP, 0, world_size=1, salt=salt, shards=[(LOOP, 1)], **options):
                 pass
@@ -687,3 +689,100 @@ async def test_a_delta_round_is_refused_by_the_shard_naming_why(salt, caplog):
     assert any("delta round" in r.getMessage() and "shards do not reduce" in r.getMessage() for r in caplog.records), [
         r.getMessage() for r in caplog.records
     ]
+
+
+# Elastic membership with shards: while a rank rejoins, the shards send the controller a
+# copy of each round's lanes, so it keeps the window a joiner starts from.
+REJOIN_TESTS = [
+    pytest.param(test_rejoin.test_a_rank_that_left_rejoins_with_the_consensus_and_every_round_is_exact, {"control": True},
+                 id="rejoins-with-the-consensus"),
+    pytest.param(test_rejoin.test_a_rank_that_dies_while_it_waits_or_mid_transfer_costs_the_cluster_nothing, {},
+                 id="dies-while-it-waits"),
+    pytest.param(test_rejoin.test_a_cluster_forms_without_a_missing_rank_which_joins_later, {"control": False},
+                 id="forms-without-one"),
+]
+
+
+@pytest.mark.parametrize(("test", "kwargs"), REJOIN_TESTS)
+async def test_rejoin_tests_pass_with_shards(test, kwargs, monkeypatch):
+    monkeypatch.setattr(test_rejoin, "open_local_cluster",
+                        functools.partial(open_local_cluster, lanes=3, lane_min_bytes=0, shards=2))
+    await test(**kwargs)
+
+
+async def test_two_ranks_returning_with_shards_get_a_window_that_ended_after_they_asked(salt):
+    """With shards the controller holds no window whole until a rank asks to rejoin: the
+    returning ranks get the first window whose rounds the shards copied to it (one that
+    ended after they asked), enter, and every window stays exact on every rank."""
+    from flodl_trio import connect_reduce_client
+    from tests.e2e.test_rejoin import (
+        HOSTS, SALT, WORLD, Record, check_every_window, first_counted, fresh_model, run_until_gone, run_windows,
+    )
+
+    record = Record()
+    asked_after: dict[int, int] = {}
+    got: dict[int, int] = {}
+    counted: dict[int, int] = {}
+    with trio.fail_after(60):
+        async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=SALT, rejoin_timeout=60, lanes=3,
+                                      lane_min_bytes=0, shards=2) as cluster:
+
+            async def survivor(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await run_windows(client, rank, 0, params, buffers, record, pace=0.1)
+
+            async def leaves_and_returns(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    await client.join(params, buffers)
+                    await run_until_gone(client, rank, 2, params, buffers, record)
+                await record.wait_for(0, 4)
+                asked_after[rank] = record.windows_done[0]
+                async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, SALT) as client:
+                    start = await client.join(params, buffers)
+                    assert client.last_state is not None
+                    got[rank] = client.last_state.window
+                    counted[rank] = first_counted(client, start)
+                    await run_windows(client, rank, start, params, buffers, record, pace=0.1)
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 2):
+                    nursery.start_soon(survivor, rank)
+                for rank in (1, 3):
+                    nursery.start_soon(leaves_and_returns, rank)
+            assert cluster.controller.stats.rejoins == 2
+    for rank in (1, 3):
+        assert got[rank] > asked_after[rank], (got, asked_after)  # a window that ended after it asked
+    contributors = check_every_window(record, {0, 1, 2, 3})
+    for rank in (1, 3):
+        assert all(rank in contributors[w] for w in range(counted[rank], len(contributors)))
+
+
+async def test_when_every_rank_died_a_controller_with_shards_refuses_returns_naming_why(salt):
+    """Every rank dies after window 2. The controller holds that window only in part (its
+    lanes are on the shards), so it cannot restart the run from it: each returning rank is
+    refused, naming why - not started again from its own params, which would lose the run."""
+    from flodl_trio import JoinRefused, average_window, connect_reduce_client
+    from tests.e2e.test_rejoin import SALT, fresh_model, trained
+
+    with trio.fail_after(30):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60, lanes=3,
+                                      lane_min_bytes=0, shards=2) as cluster:
+
+            async def life(rank: int) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    for window in range(await client.join(params, buffers), 3):
+                        trained(params, rank, window)
+                        await average_window(client, params, buffers, 1 + rank, rank=rank, world_size=2, in_place=True)
+                    await client.aclose()  # a crash: gone without saying it finished
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1):
+                    nursery.start_soon(life, rank)
+            params, buffers = fresh_model(0)
+            async with connect_reduce_client(cluster.relay_address(0), 0, 2, SALT) as client:
+                with pytest.raises(JoinRefused, match="every rank died.*shards.*window 2"):
+                    await client.join(params, buffers)
+            assert cluster.controller.stats.rejoins_refused >= 1

@@ -770,8 +770,12 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     )
 
     decide = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4])
-    assert encode_control_msg(decide).hex() == "d0" + "fb2c01" + "07" + "09" + "01" + "00020302" + "020002" + "03000204"
+    assert encode_control_msg(decide).hex() == "d0" + "fb2c01" + "07" + "09" + "01" + "00020302" + "020002" + "03000204" + "00"
     assert decode_control_msg(encode_control_msg(decide)) == decide
+    copy = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], copy=True)
+    assert encode_control_msg(copy)[-1:] == b"\x01" and decode_control_msg(encode_control_msg(copy)) == copy
+    with pytest.raises(FramingError, match="Decide copy"):
+        decode_control_msg(encode_control_msg(decide)[:-1] + b"\x02")
     assert decode_control_msg(encode_control_msg(PieceRefused(4, "lane 2: é"))) == PieceRefused(4, "lane 2: é")
     assert encode_control_msg(ShardSetup(1, 3, 30_000)).hex() == "cf" + "01" + "03" + "fb3075"
     for msg, head in [(PieceRefused(1, "bad"), "d7"), (ShardSetup(0, 2, 3000), "cf"), (ShardLost(1), "d2"), (Decided(7), "d3"), (LanesIn(7), "d4"), (Pieces(3), "d5"), (ShardAck(4), "d1")]:
