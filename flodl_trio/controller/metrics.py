@@ -94,6 +94,11 @@ class ControllerCollector(Collector):
             "Rounds decided again for the shards: one was lost before the round committed",
             stats.decisions_again,
         )
+        yield counter(
+            "flodl_controller_rounds_copied",
+            "Sharded rounds whose lanes the shards also sent the controller, for a rank rejoining",
+            stats.rounds_copied,
+        )
 
 
 __all__ = ["ControllerCollector"]

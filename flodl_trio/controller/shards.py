@@ -271,7 +271,9 @@ class ShardSet:
                 sorted(seat.lowest_rank for seat in live_targets), copy,
             ))
             if await self._committed(live_targets):
-                copied = None if self._copy is None else [self._copy[lane] for lane in range(1, lanes)]
+                if self._copy is not None:
+                    copied = [self._copy[lane] for lane in range(1, lanes)]
+                    self._stats.rounds_copied += 1
                 break
             self._stats.decisions_again += 1
         self._pending, self._copy, self._copy_layout = None, None, None

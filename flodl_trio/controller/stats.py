@@ -46,6 +46,7 @@ class ControllerStats:
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
     shards_lost: int = 0  # reduction shards lost (closed, or silent for a heartbeat timeout)
     decisions_again: int = 0  # rounds decided again for the shards (one was lost before the round committed)
+    rounds_copied: int = 0  # sharded rounds the shards also sent here whole (a rank was rejoining)
 
 
 __all__ = ["ControllerStats", "LatencyHistogram"]

@@ -387,11 +387,20 @@ class ProcessCluster:
         ``primed``) or has already rejoined. A test that holds the survivors
         (``--pause-before W:inf``) until then knows the window the ranks enter by,
         however long their processes took to start."""
+        await self._wait_returns(ranks, "primed", poll)
+
+    async def wait_returns_joining(self, ranks: Iterable[int], poll: float = 0.05) -> None:
+        """Until every rank of ``ranks`` has asked back in full (its relay's ask and its
+        state request: the status page lists it as ``joining``), is primed, or has
+        rejoined. With shards a return's state is a window that ends after this."""
+        await self._wait_returns(ranks, "joining", poll)
+
+    async def _wait_returns(self, ranks: Iterable[int], listed_as: str, poll: float) -> None:
         pending = set(ranks)
         while True:
             pending -= {rank for rank in pending if any(e["event"] == "joined" for e in self.ranks[rank].events)}
             if pending:
-                pending -= set((await self.status())["primed"])
+                pending -= set((await self.status())[listed_as])
             if not pending:
                 return
             await trio.sleep(poll)
@@ -605,8 +614,7 @@ async def _start_daemons(
     host = cluster.controller_host
     args = ["--host", host, "--port", "0", "--world-size", str(cluster.world_size), "--log-level", "INFO"]
     if shards:
-        args += ["--shards", ",".join(await _start_shards(nursery, cluster, started, shards, base_env)),
-                 "--rejoin-timeout", "0"]
+        args += ["--shards", ",".join(await _start_shards(nursery, cluster, started, shards, base_env))]
     if heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(heartbeat_timeout)]
     cluster._controller_launch = ([*args, *controller_args], {**base_env, **controller_env})
@@ -705,7 +713,7 @@ async def open_process_cluster(
       listens on that address and runs under that command prefix (``ip netns exec
       NAME``: on a simulated machine of its own).
     - ``shards`` (daemons only): start that many ``python -m flodl_trio.shard`` daemons
-      first and name them in the controller's ``--shards`` (with ``--rejoin-timeout 0``);
+      first and name them in the controller's ``--shards``;
       :meth:`ProcessCluster.kill_shard` / ``freeze_shard`` / ``thaw_shard`` reach them.
     - ``cluster_options``: passed to :func:`open_local_cluster` (in-process only).
     """

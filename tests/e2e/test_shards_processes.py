@@ -74,3 +74,50 @@ async def test_a_frozen_shard_is_lost_after_the_heartbeat_timeout_and_rounds_go_
         cluster.thaw_shard(0)
         with trio.fail_after(20):
             assert await cluster.shards[0].process.wait() == 0, cluster.shards[0].text
+
+
+@pytest.mark.deadline(150)
+async def test_a_rank_sigkilled_and_started_again_rejoins_through_shards_and_every_window_is_exact():
+    """Rank 3's process is SIGKILLed mid-run and started again with the same command
+    line, in a cluster whose every round goes through 2 shard daemons (the controller
+    daemon's default --rejoin-timeout). The survivors hold before window 10 until its
+    return is asked in full (with shards its state is a window that ends after that),
+    and before window 12 until it has its state: it enters window 12 or 13, and every
+    window is exact against the reference."""
+    from tests.e2e.test_rejoin_processes import SALT, WINDOWS, held_until
+    from flodl_trio.testing.windows import check_final_and_joins, check_windows, first_counted
+
+    world, hosts, numel, hold = 4, [[0, 1], [2, 3]], NUMEL, 10
+    survivors = (0, 1, 2)
+    args = held_until(hold, survivors=survivors)
+    for rank in survivors:
+        args[rank] += ["--pause-before", f"{hold + 2}:inf"]
+    with trio.fail_after(140):
+        async with open_process_cluster(
+            world_size=world, hosts=hosts, salt=SALT, control=True, heartbeat_timeout=10.0, daemons=True,
+            numel=numel, pause=0.3, shards=2, worker_args=args,
+        ) as cluster:
+            await cluster.wait_event(3, "window", window=4)
+            cluster.kill(3)  # during window 5's "training"
+            await cluster.wait_exit(3)
+            await cluster.wait_event(0, "window", window=7)
+            await cluster.restart(3)
+            await cluster.wait_returns_joining([3])
+            for rank in survivors:
+                await cluster.resume(rank)  # the hold before window 10
+            await cluster.wait_returns_primed([3])
+            for rank in survivors:
+                await cluster.resume(rank)  # the hold before window 12
+            for rank in range(world):
+                outcome = await cluster.wait_outcome(rank)
+                assert outcome["event"] == "done", cluster.logs()
+            joined = await cluster.wait_event(3, "joined")
+            assert "rejoins" in cluster.controller.text
+    assert joined["state_window"] >= hold, joined  # a window that ended after it asked
+    assert hold + 2 <= joined["start"] <= hold + 3, joined
+    contributors = check_windows(cluster, WINDOWS, numel, {5: {3}})
+    check_final_and_joins(cluster, WINDOWS, contributors)
+    counted = first_counted(cluster, 3)
+    for window in range(WINDOWS):
+        want = {0, 1, 2, 3} if window < 5 or window >= counted else {0, 1, 2}
+        assert contributors[window] == want, f"window {window}: {contributors[window]}"
