@@ -62,8 +62,9 @@ def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
         )
 
 
-def check_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object) -> None:
-    """Shards reduce lanes 1.. elsewhere: what needs every round's every lane here is refused."""
+def why_no_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object) -> str | None:
+    """Why this controller cannot reduce with shards (None: it can). Shards reduce lanes
+    1.. elsewhere: what needs every round's every lane here cannot have them."""
     needs_every_lane = [
         what for what, given in (
             ("an outer optimizer", outer_optimizer is not None), ("a checkpoint sink", checkpoint is not None),
@@ -71,9 +72,17 @@ def check_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, res
         ) if given
     ]
     if lanes < 2:
-        raise ConfigError(f"shards reduce lanes 1.. of a round: they need lanes >= 2, got {lanes}")
+        return f"shards reduce lanes 1.. of a round: they need lanes >= 2, got {lanes}"
     if needs_every_lane:
-        raise ConfigError("shards do not work yet with " + ", ".join(needs_every_lane))
+        return "shards do not work yet with " + ", ".join(needs_every_lane)
+    return None
+
+
+def check_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object) -> None:
+    """ConfigError if this controller cannot reduce with the shards it was given."""
+    why = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir)
+    if why is not None:
+        raise ConfigError(why)
 
 
 def membership_policy(
@@ -94,4 +103,7 @@ def membership_policy(
     return Membership(world_size, rejoin_timeout, min_ranks=min_ranks, formation_timeout=formation_timeout)
 
 
-__all__ = ["DEFAULT_LANES", "ControllerConfig", "check_lanes", "check_shards", "lanes_or_default", "membership_policy"]
+__all__ = [
+    "DEFAULT_LANES", "ControllerConfig", "check_lanes", "check_shards", "lanes_or_default", "membership_policy",
+    "why_no_shards",
+]

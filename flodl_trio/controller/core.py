@@ -28,11 +28,13 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Literal
 
 import attrs
 import trio
 
 from ..errors import ConfigError, DesyncError, FlodlError, HandshakeError, MacError, ProtocolError
+from ..fold.delta import is_delta_schema
 from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
@@ -79,6 +81,7 @@ from ..wire.mux import (
     RelayControlMsg,
     Resume,
     ShardLost,
+    ShardOffer,
     Shards,
     decode_control_msg,
     encode_mux_record,
@@ -92,7 +95,14 @@ from ..wire.round_frame import (
     encode_round_frame_chunks,
 )
 from ..wire.salt import SessionSalt
-from .config import ControllerConfig, check_lanes, check_shards, lanes_or_default, membership_policy
+from .config import (
+    ControllerConfig,
+    check_lanes,
+    check_shards,
+    lanes_or_default,
+    membership_policy,
+    why_no_shards,
+)
 from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .joins import Returns
@@ -191,7 +201,7 @@ async def open_controller(
     lanes: int | None = None,
     lane_min_bytes: int = DEFAULT_LANE_MIN_BYTES,
     resume_dir: str | os.PathLike[str] | None = None,
-    shards: Sequence[tuple[str, int]] = (),
+    shards: Sequence[tuple[str, int]] | Literal["auto"] = (),
     connect: Connector = trio.open_tcp_stream,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
@@ -221,14 +231,21 @@ async def open_controller(
     and ranks holding through a controller outage then carry on where they were
     (docs/liveness.md, "A lost controller").
     ``shards``: reduction shards (docs/wire.md, "Shards"), dialed with ``connect``
-    (a test's memory network, say).
+    (a test's memory network, say); ``"auto"``: the shards the data relays offer,
+    fixed once the cluster has formed with two relays or more, each offering one
+    (docs/wire.md, "Shards by default"); if this controller cannot have shards (an
+    outer optimizer, say) it says why in its log and reduces every lane itself.
     """
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
     lanes = lanes_or_default(lanes, outer_optimizer=outer_optimizer)
     check_lanes(lanes, outer_optimizer=outer_optimizer)
-    if shards:
+    offered = isinstance(shards, str)
+    if offered and shards != "auto":
+        raise ConfigError(f"shards takes (host, port) pairs or 'auto', got {shards!r}")
+    if shards and not offered:
         check_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir)
+    why_not = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
@@ -247,13 +264,13 @@ async def open_controller(
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
-    if shards:
-        controller.shards = ShardSet(
-            [(str(h), int(p)) for h, p in shards], config, controller._relay_live, controller._tell_relays,
-            handle.stats, controller._drop_relay_named, connect,
-        )
-    controller.windows.lane0_empty = bool(shards)  # lane 0 carries no payload: the shards carry it all
-    controller.returns.kept_state_may_be_old = bool(shards)  # kept only while a rank rejoins
+    controller.connect = connect
+    if isinstance(shards, str):
+        controller.take_offered_shards = why_not is None
+        if why_not is not None:
+            log.info("controller: the shards relays offer will not be used: %s", why_not)
+    elif shards:
+        controller.use_shards(controller.shard_set([(str(h), int(p)) for h, p in shards]))
     async with serving(controller.run, handle.outcome, log, "controller"):
         yield handle
 
@@ -310,13 +327,56 @@ class _Controller:
         handle.coordinator.outage_ms = self.resumption.announced_outage_ms(config.bounds)
 
     shards: ShardSet | None = None  # the reduction shards, if any (docs/wire.md, "Shards")
+    take_offered_shards = False  # shards="auto": fix the relays' offered shards once the cluster formed
+    connect: Connector = staticmethod(trio.open_tcp_stream)  # how shards are dialed
+    _nursery: trio.Nursery | None = None
+
+    def shard_set(self, addresses: Sequence[tuple[str, int]]) -> ShardSet:
+        return ShardSet(addresses, self.config, self._relay_live, self._tell_relays, self.stats,
+                        self._drop_relay_named, self.connect)
+
+    def use_shards(self, shards: ShardSet) -> None:
+        """From now on lane 0 of a round in several lanes carries no payload (the shards
+        carry it all), and the controller keeps a window whole only while a rank rejoins."""
+        self.shards = shards
+        self.windows.lane0_empty = True
+        self.returns.kept_state_may_be_old = True
+
+    async def _fix_offered_shards(self) -> None:
+        """shards="auto": at a round's first consensus, once two or more live relays are
+        seated and each offered a shard, dial them and tell every relay (before this
+        consensus, so its next round goes through them; docs/wire.md, "Shards by default")."""
+        links = sorted((link for link in self.links.values() if self._relay_live(link.id)),
+                       key=lambda link: min(link.ranks))
+        if len(links) < 2 or any(link.shard_offer is None or link.whole for link in links):
+            return
+        self.take_offered_shards = False  # once: a cluster whose offers cannot be reached stays without
+        shards = self.shard_set([link.shard_offer for link in links if link.shard_offer is not None])
+        try:
+            await shards.dial()
+        except FlodlError as exc:
+            return log.warning("controller: the relays' shards are not used: %s", exc)
+        self.use_shards(shards)
+        assert self._nursery is not None
+        shards.start_watching(self._nursery)
+        for link in self.links.values():
+            if not link.closed and link.takes_extensions:
+                link.queue_control(Shards(shards.addresses), self.config.salt)
+                for msg in shards.told_at_hello():
+                    link.queue_control(msg, self.config.salt)
+                link.sharded_next = True
+        log.info("controller: reducing with the %d shards the relays offered (%s)", len(shards.addresses),
+                 ", ".join(f"{h}:{p}" for h, p in shards.addresses))
 
     def _sharded(self, consensus: Consensus) -> bool:
-        """Whether this lane-0 consensus is of a round the shards reduce (several lanes)."""
+        """Whether this lane-0 consensus is of a round the shards reduce (several lanes,
+        not a delta round's: those the controller reduces whole, as without shards)."""
         if self.shards is None or not isinstance(consensus.outgoing, RoundFrame):
             return False
         tag = read_lane_tag(consensus.outgoing)
-        return tag is not None and tag.count >= 2
+        if tag is None or tag.count < 2:
+            return False
+        return not is_delta_schema(LaneLayout.declared_by(consensus.outgoing).schema)
 
     async def _decide(self, consensus: Consensus, targets: list[int]) -> tuple[list[int], list[RoundFrame] | None]:
         """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces;
@@ -362,6 +422,7 @@ class _Controller:
         self.resumption.restore()
         async with self._consensus_send, trio.open_nursery() as nursery:
             self.returns.nursery = nursery
+            self._nursery = nursery
             nursery.start_soon(self.dead.watch, self._forward_new_deaths)
             nursery.start_soon(self._finish_when_nobody_can_return)
             nursery.start_soon(self._form_without_everyone)
@@ -474,6 +535,7 @@ class _Controller:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
             if self.shards is not None:
                 link.queue_control(Shards(self.shards.addresses), self.config.salt)
+                link.sharded = True
         link.queue_control(HelloAck(), self.config.salt)
         if self.shards is not None and link.takes_extensions:  # once its channel is up to take them
             for msg in self.shards.told_at_hello():
@@ -689,11 +751,14 @@ class _Controller:
                 f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
             )
         if tag.index == 0:
-            self._lane_layout[link.id] = LaneLayout.of_lane0(frame, self.shards is not None)
+            if link.sharded_next:  # its first round since the shards were fixed
+                link.sharded, link.sharded_next = True, False
+            link.round_sharded = link.sharded and not is_delta_schema(LaneLayout.declared_by(frame).schema)
+            self._lane_layout[link.id] = LaneLayout.of_lane0(frame, link.round_sharded)
         else:
             self._lane_layout[link.id].check_lane(tag.index, frame)
         # With shards a relay sends the controller lane 0 alone.
-        last = tag.index == tag.count - 1 or self.shards is not None
+        last = tag.index == tag.count - 1 or link.round_sharded
         self._next_lane[link.id] = 0 if last else tag.index + 1
         return tag.index
 
@@ -722,6 +787,9 @@ class _Controller:
                 return self._refuse_resumption(link, exc)
             if again is not None:
                 link.queue(again, before_write=partial(self.rounds[0].broadcast_going_out, link.id))
+            return
+        if isinstance(msg, ShardOffer):
+            link.shard_offer = (msg.host, msg.port)  # used only by a controller with shards="auto"
             return
         if isinstance(msg, LanesIn) and self.shards is not None:
             return self.shards.lanes_in(link.id, msg.decision)
@@ -764,6 +832,8 @@ class _Controller:
                 # The shards' commit first: the round ends with it (whole, if they sent a copy).
                 targets, copied = await self._decide(out.consensus, targets)
                 out = self.windows.end_sharded(out, copied)
+            elif out.opens_round and self.take_offered_shards:
+                await self._fix_offered_shards()  # before this consensus: the relays' next rounds use them
             consensus, part = out.consensus, out.part
             kept = None if out.kept is None else await _signed(out.kept, self.config.salt)
             if consensus.for_joiners is not None and self.windows.keep_window_state:

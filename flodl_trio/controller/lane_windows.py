@@ -151,7 +151,10 @@ class LaneWindows:
         # Every relay's lane 0 was checked against the schema it carries, and the
         # fold made them agree: the consensus carries the same schema (a delta
         # round's pieces come out as f32 means: only the schema is checked then).
-        layout = self._layout = LaneLayout.declared_by(lane0, self.lane0_empty)
+        layout = LaneLayout.declared_by(lane0)
+        if self.lane0_empty and not is_delta_schema(layout.schema):  # a delta round does not go through shards
+            layout = LaneLayout.declared_by(lane0, lane0_empty=True)
+        self._layout = layout
         delta = is_delta_schema(layout.schema) and lane0.kind == RoundKind.MODEL
         if not delta:
             layout.check_lane(0, lane0)
@@ -170,7 +173,7 @@ class LaneWindows:
             joined = self._joins_whole or self.checkpoint is not None or (
                 self.keep_window_state and part is not None and part.kept
             )
-        if self.lane0_empty and layout.count > 1:
+        if self.lane0_empty and layout.count > 1 and not delta:
             joined = False  # with shards: joined at the commit, if a copy came (end_sharded)
         self._assembler = LaneAssembler(layout) if joined else None
         if self._assembler is not None:

@@ -72,6 +72,14 @@ class RelayLink:
     # Whether its HostFrame of the round in progress came whole (a flodl relay's always; a
     # flodl_trio relay's when the round goes in one lane): its consensus goes back whole.
     sent_whole: bool = False
+    # Shards: where the relay serves one (its ShardOffer), whether its rounds go through
+    # the cluster's shards (from its next lane 0 when ``sharded_next``: they were fixed
+    # while its round was in progress), and whether the round in progress does (a delta
+    # round does not).
+    shard_offer: tuple[str, int] | None = None
+    sharded: bool = False
+    sharded_next: bool = False
+    round_sharded: bool = False
     # A whole relay's own receive buffer, in deterministic mode only: its frame waits in
     # it lane by lane for its turn, leaving the shared pool to the relays before it.
     own: ReceiveBuffer | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from typing import Literal
 from contextlib import AsyncExitStack
 
 import attrs
@@ -62,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="outer learning rate [env FLODL_OUTER_LR; default 1.0 slowmo, 0.7 diloco]")
     parser.add_argument("--outer-momentum", type=float, default=env_default("FLODL_OUTER_MOMENTUM"),
                         help="outer momentum [env FLODL_OUTER_MOMENTUM; default 0.5 slowmo, 0.9 diloco]")
-    parser.add_argument("--shards", default=env_default("FLODL_SHARDS", ""),
-                        help="reduction shards (host:port,...) that reduce lanes 1.. of each round in lanes "
-                        "[env FLODL_SHARDS; default none: the controller reduces every lane]")
+    parser.add_argument("--shards", default=env_default("FLODL_SHARDS", "auto"),
+                        help="reduction shards that reduce lanes 1.. of each round in lanes: auto (the shards the "
+                        "relays offer, once two or more have; none with --outer, --checkpoint-dir or --lanes 1), "
+                        "off (this controller reduces every lane), or host:port,... [env FLODL_SHARDS; default auto]")
     parser.add_argument("--checkpoint-dir", default=env_default("FLODL_CHECKPOINT_DIR"),
                         help="write each window's consensus here as safetensors, and the run's resume record: a controller "
                         "started again with it takes the run on [env FLODL_CHECKPOINT_DIR; default off]")
@@ -110,7 +112,17 @@ class ControllerDaemonSettings:
     deterministic: bool = False
     lanes: int | None = None  # None: the controller's default
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
-    shards: tuple[tuple[str, int], ...] = ()
+    shards: tuple[tuple[str, int], ...] | Literal["auto"] = ()
+
+
+def parse_shards(text: str) -> tuple[tuple[str, int], ...] | Literal["auto"]:
+    """``--shards``: auto, off (or empty), or host:port,..."""
+    text = text.strip()
+    if text == "auto":
+        return "auto"
+    if text in ("", "off", "none"):
+        return ()
+    return tuple(parse_host_port(part.strip(), "--shards") for part in text.split(",") if part.strip())
 
 
 # What --outer names: each is both an OuterOptimizer and checkpointable (StatefulOuter).
@@ -150,10 +162,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
         bool(args.deterministic), lanes,
     )
-    if args.shards:
-        settings = attrs.evolve(settings, shards=tuple(
-            parse_host_port(text.strip(), "--shards") for text in args.shards.split(",") if text.strip()
-        ))
+    settings = attrs.evolve(settings, shards=parse_shards(args.shards))
     if args.controller_outage is not None:
         outage = float(args.controller_outage)
         if not (math.isfinite(outage) and outage >= 0):

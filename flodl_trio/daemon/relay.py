@@ -98,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "is 300 s for one with --checkpoint-dir and 0 without]",
     )
     parser.add_argument(
-        "--shard", default=env_default("FLODL_SHARD"), metavar="HOST:PORT",
-        help="also serve a reduction shard here, in this process (name it in the controller's --shards; "
-        "docs/wire.md, 'Shards') [env FLODL_SHARD; default none]",
+        "--shard", default=env_default("FLODL_SHARD", "auto"), metavar="auto|off|HOST:PORT",
+        help="also serve a reduction shard in this process, and offer it to the controller (which uses it with "
+        "its default --shards auto; docs/wire.md, 'Shards by default'): auto listens on every address at a free "
+        "port and offers the address this host reaches the controller from; HOST:PORT listens there (name it in "
+        "a controller's --shards list, or let it be offered); off serves none [env FLODL_SHARD; default auto]",
     )
     add_common_flags(parser)
     return parser
@@ -124,6 +126,16 @@ class RelayDaemonSettings:
     bounds: NetBounds = attrs.field(factory=NetBounds.from_env)  # the environment, read once
 
 
+def parse_shard(text: str | None) -> tuple[str, int] | None:
+    """``--shard``: auto (every address, a free port), off, or HOST:PORT."""
+    text = (text or "off").strip()
+    if text == "auto":
+        return ("0.0.0.0", 0)
+    if text in ("", "off", "none"):
+        return None
+    return parse_host_port(text, "--shard")
+
+
 def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     controller = parse_host_port(args.controller, "--controller") if args.controller else controller_address()
     ranks = parse_rank_list(args.ranks) if args.ranks else host_ranks_from_env()
@@ -145,7 +157,7 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
         bool(args.deterministic), not args.no_unix, args.unix_dir,
         None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)),
         None if args.lanes is None else int(args.lanes),
-        parse_host_port(args.shard, "--shard") if args.shard else None,
+        parse_shard(args.shard),
     )
     if args.controller_outage is not None:
         settings = attrs.evolve(
@@ -168,6 +180,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                 open_shard(*settings.shard, salt=settings.salt, ceiling=ceiling, bounds=settings.bounds)
             )
             log.info("shard started: listening on %s:%d", settings.shard[0], shard.port)
+        offer = None if shard is None or settings.shard is None else (settings.shard[0], shard.port)
         handles = {}
         host = HostRanks(settings.ranks)  # shared by the host's channels
         for kind, port in settings.channels.items():
@@ -179,6 +192,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
                     deterministic=settings.deterministic, local_leg=settings.local_leg, unix_dir=settings.unix_dir,
                     memory_budget=settings.memory_budget,
                     lanes=settings.lanes if kind is ChannelKind.DATA else None,
+                    shard_offer=offer if kind is ChannelKind.DATA else None,
                 )
             )
         if metrics is not None:
@@ -196,7 +210,7 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
         for handle in handles.values():
             await handle.wait_finished()
         log.info("relay %s finished: every channel closed", settings.host_name)
-        if shard is not None:  # the other hosts' rounds may still need it: until its controller lets go
+        if shard is not None and shard.index is not None:  # a controller uses it: other hosts' rounds may need it
             with trio.move_on_after(settings.bounds.handshake):
                 await shard.outcome.wait()
             log.info("shard finished: %d rounds, %d pieces of hosts left out dropped", shard.rounds,

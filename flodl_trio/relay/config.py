@@ -86,6 +86,8 @@ class RelayConfig:
     lane_min_bytes: int = 0
     # The reduction shards the controller said before HelloAck (lanes 1.. of a round go there).
     shards: tuple[tuple[str, int], ...] = ()
+    # A reduction shard this relay serves, offered to the controller after HelloAck.
+    shard_offer: tuple[str, int] | None = None
     # How the relay dials (the controller, the shards): TCP, or a test's memory network.
     connect: Connector = attrs.field(default=trio.open_tcp_stream, eq=False, repr=False)
 

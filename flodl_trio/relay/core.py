@@ -32,6 +32,7 @@ from ..transport.connect import (
     Listeners,
     connect_with_retry,
     listener_port,
+    local_host,
     peer_host,
     tune_socket,
 )
@@ -63,6 +64,7 @@ from ..wire.mux import (
     Hello,
     HelloAck,
     Lanes,
+    ShardOffer,
     Shards,
     MuxKind,
     decode_control_msg,
@@ -78,6 +80,8 @@ from .host_ranks import HostRanks
 from .router import ControlRouter
 
 log = logging.getLogger("flodl_trio.relay")
+
+_ANY_HOST = ("", "0.0.0.0", "::")  # a shard listening on every address: offered at the one the controller sees
 
 # Bytes moved at a time when piping a joiner's state from the controller.
 PIPE_CHUNK = 4 << 20
@@ -138,6 +142,7 @@ async def open_relay(
     unix_dir: str | os.PathLike[str] | None = None,
     memory_budget: int | None = None,
     lanes: int | None = None,
+    shard_offer: tuple[str, int] | None = None,
 ) -> AsyncIterator[RelayHandle]:
     """Run a relay channel for one host while the block runs.
 
@@ -161,6 +166,11 @@ async def open_relay(
     before HelloAck; a count must be the controller's (ConfigError naming both). The
     data relay then ships each HostFrame as that many lane frames (docs/wire.md,
     "Lanes").
+    ``shard_offer``: a data relay serving a reduction shard (an ``open_shard``)
+    offers it to the controller, which uses it if it takes the relays' shards
+    (``shards="auto"``); a host of ``""``, ``0.0.0.0`` or ``::`` offers the
+    address this relay reaches the controller from (docs/wire.md, "Shards by
+    default").
     Leaving the block shuts the relay down; an error it hit that nobody
     awaited through ``wait_finished()`` is raised on exit.
     """
@@ -171,7 +181,7 @@ async def open_relay(
         net = attrs.evolve(net, connect_interval=connect_interval)
     config = RelayConfig(
         kind, upstream, host_name, tuple(sorted(ranks)), world_size, SessionSalt.coerce(salt), ceiling, net,
-        deterministic, memory_budget, lanes, connect=connect,
+        deterministic, memory_budget, lanes, connect=connect, shard_offer=shard_offer,
     )
     config.validate()
     unix_path = None
@@ -502,6 +512,10 @@ class _Relay:
                 lanes = (reply.count, reply.min_bytes)  # the lanes extension: said before HelloAck
         log.info("relay %s: joined controller %s:%d with ranks %s%s", self.config.host_name, host, port, list(ranks),
                  f" in {lanes[0]} lanes" if lanes else "")
+        offer = self.config.shard_offer
+        if offer is not None and lanes is not None and self.config.kind is ChannelKind.DATA:
+            offered = ShardOffer(offer[0] if offer[0] not in _ANY_HOST else local_host(stream) or host, offer[1])
+            await upstream.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(offered), salt).chunks)
         return upstream, lanes
 
     def _announced_signature(self, rank: int) -> bytes:

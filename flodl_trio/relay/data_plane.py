@@ -46,6 +46,7 @@ from ..wire.mux import (
     RelayControlMsg,
     Resume,
     ShardLost,
+    Shards,
     decode_control_msg,
     encode_mux_record,
     mux_signed_header,
@@ -391,6 +392,12 @@ class DataPlane:
     # -- records from the controller -------------------------------------------
 
     async def _on_control(self, msg: RelayControlMsg, out: Outbox) -> None:
+        if isinstance(msg, Shards):
+            if not isinstance(self.frames, LaneFrames):
+                raise ProtocolError(f"relay {self.config.host_name}: Shards, and the controller said one lane")
+            log.info("relay %s: the controller fixed %d reduction shards; rounds go through them from the next",
+                     self.config.host_name, len(msg.addresses))
+            return self.frames.use_shards(msg.addresses)
         if isinstance(msg, ShardLost):
             shards = self.frames.shards if isinstance(self.frames, LaneFrames) else None
             if shards is None:

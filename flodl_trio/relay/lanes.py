@@ -24,9 +24,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
+import attrs
 import trio
 
-from ..errors import ConfigError, DesyncError
+from ..errors import DesyncError
 from ..fold.delta import PendingHostDelta
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
@@ -129,8 +130,10 @@ class LaneFrames:
     def __init__(self, config: RelayConfig, pool: BufferPool, start_task: Callable[..., None] | None = None) -> None:
         self._config = config
         self._pool = pool
+        self._start_task = start_task
         # Lanes 1.. of each round to the reduction shards, if the controller named any.
         self.shards = ShardLinks(config, start_task, self) if config.shards and start_task is not None else None
+        self.sharded_round = False  # whether the round in progress goes through the shards
         self._joining = trio.Lock()  # the first consensus lane in (from any connection) begins the frame
         assert config.lanes is not None and config.lanes > 1, "the channel's config says the controller's lanes"
         self.count = config.lanes
@@ -170,16 +173,22 @@ class LaneFrames:
         frame's schema is checked against the lane limits only when it is cut)."""
         return length // lanes_for(length, self.count, self._min_bytes) + SMALL_MESSAGE
 
+    def use_shards(self, addresses: tuple[tuple[str, int], ...]) -> None:
+        """The controller named reduction shards mid-session (it fixed them once the
+        cluster formed): every round after the one in progress goes through them."""
+        if self.shards is not None or self._start_task is None:
+            raise DesyncError(f"relay {self._config.host_name}: the controller named shards twice")
+        self._config = attrs.evolve(self._config, shards=addresses)
+        self.shards = ShardLinks(self._config, self._start_task, self)
+
     async def uplink(self, frame: RoundFrame | PendingHostDelta) -> LaneUplink:
-        """The HostFrame's lanes, to be cut as they go."""
-        if self.shards is not None and (
-            isinstance(frame, PendingHostDelta) or any(is_delta_dtype(t.dtype) for t in frame.tensors)
-        ):
-            raise ConfigError(f"relay {self._config.host_name}: a delta round (coded pseudo-gradients) in lanes, and "
-                              "shards do not reduce delta rounds yet: run the controller without --shards, or the "
-                              "trainers without a delta codec")
+        """The HostFrame's lanes, to be cut as they go. With shards, a delta round (coded
+        pseudo-gradients) goes to the controller in every lane, as without them: the
+        shards sum f32 and bf16 rounds (docs/wire.md, "Shards")."""
+        delta = isinstance(frame, PendingHostDelta) or any(is_delta_dtype(t.dtype) for t in frame.tensors)
+        self.sharded_round = self.shards is not None and not delta
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
-        layout = LaneLayout.of(schema, self.count, self._min_bytes, lane0_empty=self.shards is not None)
+        layout = LaneLayout.of(schema, self.count, self._min_bytes, lane0_empty=self.sharded_round)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.
@@ -191,7 +200,7 @@ class LaneFrames:
         """The HostFrame's lane frames, in lane order, each its own signed record (``sent``
         told each one's size), at most LANES_AHEAD of them ahead of the consensus lanes
         that came down."""
-        if self.shards is not None:
+        if self.shards is not None and self.sharded_round:
             records = []
             while (record := await uplink.next_record()) is not None:
                 records.append(record)
@@ -287,7 +296,7 @@ class LaneFrames:
             payload, self._config.salt, ceiling=self._config.ceiling, source="the controller's consensus lane",
             authenticated=True,
         )
-        if self.shards is not None:  # lane 0 commits the round: the shards' lanes are in
+        if self.shards is not None and self.sharded_round:  # lane 0 commits the round: the shards' lanes are in
             await self._join(lane, 0)
             if not assembler.complete:
                 raise DesyncError(f"relay {self._config.host_name}: the controller committed a round with "

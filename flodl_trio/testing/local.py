@@ -23,7 +23,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 import trio
@@ -172,7 +172,7 @@ async def open_local_cluster(
     deterministic: bool = False,
     local_leg: bool | None = None,
     lanes: int | None = None,
-    shards: int = 0,
+    shards: int | Literal["auto"] = 0,
     **controller_options: Any,
 ) -> AsyncIterator[LocalCluster]:
     """Controller on a free loopback port, then one data relay per host
@@ -190,7 +190,9 @@ async def open_local_cluster(
     ``local_leg`` to the data relays (default: on
     unless ``FLODL_NO_UNIX`` is set). ``shards``: start that many reduction
     shards first (on the memory network too) and give them to the controller
-    (which then takes no outer optimizer, checkpoint or resume record).
+    (which then takes no outer optimizer, checkpoint or resume record);
+    ``"auto"``: one per host, which its data relay offers to the controller,
+    started with ``shards="auto"`` (the daemons' default).
     """
     if network is not None and (upstream_faults or upstream):
         raise ConfigError("a cluster on a memory network takes no TCP upstream or fault proxies")
@@ -202,14 +204,15 @@ async def open_local_cluster(
 
     async with AsyncExitStack() as stack:
         shard_nursery = await stack.enter_async_context(service_nursery())
+        offered = shards == "auto"
         shard_handles: list[ShardHandle] = [
             await shard_nursery.start(hold_open, open_shard(LOOPBACK, 0, salt=session, bounds=bounds, **listeners()))
-            for _ in range(shards)
+            for _ in range(len(hosts) if offered else int(shards))
         ]
+        here = LOOPBACK if network is None else MEMORY_HOST
         if shards:
-            here = LOOPBACK if network is None else MEMORY_HOST
-            controller_options = {**controller_options, "shards": [(here, h.port) for h in shard_handles],
-                                  "connect": connect}
+            controller_options = {**controller_options, "connect": connect,
+                                  "shards": "auto" if offered else [(here, h.port) for h in shard_handles]}
         controller = await stack.enter_async_context(
             open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, bounds=bounds,
                             deterministic=deterministic, lanes=lanes, **listeners(), **controller_options)
@@ -244,6 +247,7 @@ async def open_local_cluster(
                     deterministic=deterministic,
                     local_leg=local_leg,
                     lanes=lanes if kind is ChannelKind.DATA else 1,
+                    shard_offer=(here, shard_handles[index].port) if offered and kind is ChannelKind.DATA else None,
                     **listeners(),
                 )
                 relays[kind].append(await hosts_nursery.start(hold_open, relay))

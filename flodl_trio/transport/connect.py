@@ -92,6 +92,17 @@ def peer_host(stream: trio.abc.Stream) -> str:
     return "in-memory"
 
 
+def local_host(stream: trio.abc.Stream) -> str | None:
+    """The address this end of a TCP connection has (None: not a socket): what a peer
+    on the other side's network reaches this machine at."""
+    if isinstance(stream, trio.SocketStream):
+        try:
+            return str(stream.socket.getsockname()[0])
+        except OSError:
+            return None
+    return None
+
+
 async def connect_with_retry(
     host: str, port: int, what: str, bounds: NetBounds, connect: Connector = trio.open_tcp_stream
 ) -> trio.abc.Stream:

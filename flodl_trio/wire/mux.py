@@ -182,11 +182,24 @@ def _schema(schema: Iterable[tuple[int, Iterable[int]]]) -> tuple[tuple[int, tup
 @attrs.frozen
 class Shards:
     """flodl_trio extension (variant 206), controller -> relay, before HelloAck (after
-    ``Lanes``): the reduction shards' addresses. Lane k >= 1 of a round in several lanes
-    goes to shard (k - 1) mod len(addresses), lane 0 to the controller, last, once every
-    shard acknowledged the others (see docs/wire.md, "Shards")."""
+    ``Lanes``), or mid-session once the controller fixed the shards its relays offered
+    (then for the relay's rounds after the one in progress): the reduction shards'
+    addresses. Lane k >= 1 of a round in several lanes goes to its owner, shard
+    (k - 1) mod len(addresses) while it is live, lane 0 to the controller (see
+    docs/wire.md, "Shards")."""
 
     addresses: tuple[tuple[str, int], ...] = attrs.field(converter=_addresses)
+
+
+@attrs.frozen
+class ShardOffer:
+    """flodl_trio extension (variant 216), data relay -> controller, right after HelloAck:
+    this relay serves a reduction shard at ``host:port``, which the controller may name
+    among the cluster's shards once the cluster has formed (docs/wire.md, "Shards by
+    default")."""
+
+    host: str
+    port: int
 
 
 @attrs.frozen
@@ -283,18 +296,33 @@ NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had n
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
     | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
+    | ShardOffer
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
-    ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215,
+    ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215, ShardOffer: 216,
 }
 
 
 def _check_u32(value: int, what: str) -> None:
     if not 0 <= value <= 0xFFFFFFFF:
         raise ConfigError(f"{what} {value} does not fit in a u32")
+
+
+def _address(host: str, port: int) -> bytes:
+    raw = host.encode("utf-8")
+    _check_u32(port, "a shard's port")
+    return _varint(len(raw)) + raw + _varint(port)
+
+
+def _read_address(reader: _BincodeReader, what: str) -> tuple[str, int]:
+    raw = reader._take(reader.count(f"{what} host length", 1), f"{what} host")
+    try:
+        return raw.decode("utf-8"), reader.varint(f"{what} port", limit=0xFFFF)
+    except UnicodeDecodeError:
+        raise FramingError(f"RelayControlMsg: {what}'s host is not UTF-8: {raw!r}") from None
 
 
 def _varint(value: int) -> bytes:
@@ -329,8 +357,9 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
         case Shards(addresses=addresses):
             out += _varint(len(addresses))
             for host, port in addresses:
-                raw = host.encode("utf-8")
-                out += _varint(len(raw)) + raw + _varint(port)
+                out += _address(host, port)
+        case ShardOffer(host=host, port=port):
+            out += _address(host, port)
         case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
             out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
         case Decide(decision=decision, round=round_, lanes=lanes, schema=schema, hosts=hosts, targets=targets,
@@ -434,14 +463,9 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
     elif variant == 203:
         msg = Lanes(reader.varint("Lanes count"), reader.varint("Lanes min_bytes"))
     elif variant == 206:
-        addresses = []
-        for i in range(reader.count("shard count", 2)):
-            raw = reader._take(reader.count(f"shard {i} host length", 1), f"shard {i} host")
-            try:
-                addresses.append((raw.decode("utf-8"), reader.varint(f"shard {i} port", limit=0xFFFF)))
-            except UnicodeDecodeError:
-                raise FramingError(f"RelayControlMsg Shards: shard {i}'s host is not UTF-8: {raw!r}") from None
-        msg = Shards(addresses)
+        msg = Shards([_read_address(reader, f"shard {i}") for i in range(reader.count("shard count", 2))])
+    elif variant == 216:
+        msg = ShardOffer(*_read_address(reader, "ShardOffer"))
     elif variant == 207:
         msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"),
                          reader.varint("ShardSetup heartbeat_ms"))

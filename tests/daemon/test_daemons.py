@@ -119,7 +119,7 @@ async def test_a_rank_still_in_its_control_block_when_the_run_ends_leaves_it_nor
         relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
                                    "--world-size", "2", "--host-name", "h", "--listen-host", LOOP,
                                    "--data-port", str(data), "--control-port", str(control))
-        await relay.wait_for("started")
+        await relay.wait_for(" started: ranks=")
         over: dict[int, bool] = {}
 
         async def rank_main(rank: int) -> None:
@@ -175,7 +175,7 @@ async def test_full_cluster_of_daemons_with_every_flag(tmp_path):
             ),
         ]
         for relay in relays:
-            await relay.wait_for("started")
+            await relay.wait_for(" started: ranks=")
         assert "data=127.0.0.1:%d" % d0 in relays[0].text and "control=127.0.0.1:%d" % c0 in relays[0].text
 
         ports = {0: (d0, c0), 1: (d0, c0), 2: (d1, c1), 3: (d1, c1)}
@@ -244,7 +244,7 @@ async def test_sigterm_and_sigint_stop_cleanly_without_traceback():
     async with trio.open_nursery() as nursery:
         controller, relay, _port = await start_pair(nursery, 2, "0", controller_args=("--keep-serving",))
         await controller.wait_for("controller started")
-        await relay.wait_for("started")
+        await relay.wait_for(" started: ranks=")
         # One after the other: signalled together, the controller may be gone before
         # the relay handles its signal, and a relay whose controller left is an error.
         relay.process.send_signal(signal.SIGINT)
@@ -261,7 +261,7 @@ async def test_sigterm_and_sigint_stop_cleanly_without_traceback():
 async def test_keep_serving_outlives_the_ranks():
     async with trio.open_nursery() as nursery:
         controller, relay, data_port = await start_pair(nursery, 1, "0", controller_args=("--keep-serving",))
-        await relay.wait_for("started")
+        await relay.wait_for(" started: ranks=")
         async with connect_reduce_client((LOOP, data_port), 0, 1, salt_bytes()) as client:
             assert (await client.all_reduce_tensors([torch.ones(2)]))[0].tolist() == [1.0, 1.0]
         await controller.wait_for("controller finished")
@@ -278,7 +278,7 @@ async def test_keep_serving_outlives_the_ranks():
 async def test_frame_ceiling_refuses_an_oversize_frame():
     async with trio.open_nursery() as nursery:
         _controller, relay, data_port = await start_pair(nursery, 2, "0,1", relay_args=("--frame-ceiling", "4096"))
-        await relay.wait_for("started")
+        await relay.wait_for(" started: ranks=")
         outcome = {}
 
         async def rank_main(rank: int, numel: int) -> None:
@@ -339,7 +339,7 @@ async def test_unreachable_controller_is_a_clear_failure(tmp_path):
         relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0",
                                    "--world-size", "1", "--channels", "data", "--data-port", str(data_port),
                                    env={"FLODL_NET_TIMEOUT_SCALE": "0.1"})
-        await relay.wait_for("started")
+        await relay.wait_for(" started: ranks=")
         with pytest.raises(Exception):
             async with connect_reduce_client((LOOP, data_port), 0, 1, salt_bytes()) as client:
                 await client.all_reduce_tensors([torch.ones(1)])
@@ -420,3 +420,37 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
         d.text[-2000:] for d in (controller, *relays)
     ]
     assert "shard finished: 3 rounds" in relays[0].text
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize(("controller_flags", "relay_b_flags", "sharded"), [
+    ((), (), True),  # the defaults: each relay serves and offers a shard, the controller takes them
+    (("--shards", "off"), (), False),  # a star, whatever the relays offer
+    ((), ("--shard", "off"), False),  # one relay offers none: nothing is fixed
+], ids=["defaults", "controller-off", "one-relay-off"])
+async def test_shards_by_default_and_both_ways_to_turn_them_off(controller_flags, relay_b_flags, sharded):
+    """Rounds exact and every daemon exits 0 in each case; the controller's log says
+    whether it took the relays' shards, and a relay's shard that was used says so."""
+    ctl_port, data0, data1 = free_ports(3)
+    async with trio.open_nursery() as nursery:
+        controller = await start_daemon(
+            nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port), "--world-size", "2",
+            "--lanes", "3", *controller_flags,
+        )
+        await controller.wait_for("controller started")
+        relays = [await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks",
+                                     str(rank), "--world-size", "2", "--host-name", f"h{rank}", "--channels", "data",
+                                     "--data-port", str(port), "--log-level", "INFO", *flags)
+                  for rank, port, flags in ((0, data0, ()), (1, data1, relay_b_flags))]
+        for relay in relays:
+            await relay.wait_for(" started: ranks=")
+        got = await _three_rounds_of_two_ranks(data0, data1)
+        with trio.fail_after(20):
+            for daemon in (controller, *relays):
+                await daemon.process.wait()
+    assert all(got[rank, k] == [0.5 + 10 * k] for rank in (0, 1) for k in range(3))
+    assert [d.process.returncode for d in (controller, *relays)] == [0, 0, 0], [
+        d.text[-2000:] for d in (controller, *relays)
+    ]
+    assert ("reducing with the 2 shards the relays offered" in controller.text) == sharded, controller.text
+    assert ("shard finished: 2 rounds" in relays[0].text) == sharded, relays[0].text  # rounds 1 and 2

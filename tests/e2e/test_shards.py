@@ -664,31 +664,80 @@ async def test_a_controller_with_shards_refuses_a_flodl_relay_saying_why(salt):
     assert refused and "reduces with shards" in refused[0]
 
 
-async def test_a_delta_round_is_refused_by_the_shard_naming_why(salt, caplog):
-    """Shards do not reduce coded pseudo-gradients yet: the relay refuses to send a delta
-    round's lanes, with that reason (its channel ends), rather than have them summed into
-    something wrong; the shard would refuse such a lane too."""
+@pytest.mark.parametrize("shards", [2, "auto"])
+async def test_delta_rounds_go_to_the_controller_past_the_shards_and_every_rank_holds_the_oracles_params(shards):
+    """Shards sum f32 and bf16 rounds; a delta round (coded pseudo-gradients) goes to the
+    controller in every lane, as without shards, beside the windows' Control rounds that
+    go through them: every rank holds the numpy oracle's params bit for bit."""
+    from flodl_trio.wire.quant import DeltaCodec
+    from tests.e2e.test_delta_rounds import assert_holds_the_oracles, oracle, run_cluster
+
+    hosts, codec = [[0, 1], [2, 3]], DeltaCodec.parse("int8:1024")
+    seen = await run_cluster(hosts, codec, True, lanes=3, shards=shards)
+    assert_holds_the_oracles(seen, hosts, oracle(hosts, codec))
+
+
+async def _weighted_rounds(cluster, world: int, rounds: int, numel: int) -> None:
+    """``rounds`` weighted rounds of every rank, each checked against numpy on every rank."""
+    rng = np.random.default_rng(world)
+    values = {r: rng.standard_normal(numel).astype(np.float32) for r in range(world)}
+    weights = {r: float(r + 1) for r in range(world)}
+    got: dict[tuple[int, int], tuple] = {}
+
+    async def rank_main(rank: int) -> None:
+        async with connect_reduce_client(cluster.relay_address(rank), rank, world, cluster.salt) as client:
+            for round_ in range(rounds):
+                t = torch.from_numpy(values[rank] * weights[rank] * (round_ + 1))
+                got[rank, round_] = await client.all_reduce_weighted([t], RoundKind.MODEL, weights[rank])
+
+    async with trio.open_nursery() as nursery:
+        for rank in range(world):
+            nursery.start_soon(rank_main, rank)
+    mass = sum(weights.values())
+    for round_ in range(rounds):
+        want = sum(weights[r] * values[r] * (round_ + 1) for r in range(world)) / mass
+        for rank in range(world):
+            np.testing.assert_allclose(got[rank, round_][0][0].numpy(), want, rtol=1e-5, atol=1e-6)
+            assert got[rank, round_][1] == mass
+            assert got[rank, round_][0][0].numpy().tobytes() == got[0, round_][0][0].numpy().tobytes()
+
+
+async def test_with_shards_auto_the_relays_offers_are_fixed_after_the_first_round_and_rounds_stay_exact(salt):
+    """shards="auto" (the daemons' default): each host's relay offers its shard; the
+    controller fixes them at the first round's consensus and every later round goes
+    through them, exact against numpy."""
+    with trio.fail_after(30):
+        async with open_local_cluster(world_size=4, hosts=[[0, 1], [2], [3]], salt=salt, lanes=4, lane_min_bytes=0,
+                                      shards="auto") as cluster:
+            await _weighted_rounds(cluster, 4, 4, 30_000)
+    assert [h.rounds for h in cluster.shards] == [3, 3, 3]  # round 0 was the controller's alone
+    assert cluster.controller.stats.shards_lost == 0
+
+
+async def test_with_shards_auto_a_controller_that_cannot_have_shards_says_why_and_reduces_alone(salt, caplog):
+    """An outer optimizer needs every lane at the controller: the offers are not used (its
+    log says why) and every round is the controller's, exact."""
     import logging
 
-    from flodl_trio import FlodlError, average_window
-    from flodl_trio.wire.quant import DeltaCodec
+    from flodl_trio.fold.outer import PlainAverage
 
-    caplog.set_level(logging.WARNING, logger="flodl_trio")
+    caplog.set_level(logging.INFO, logger="flodl_trio.controller")
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
-            async with one_host_with_a_shard(nursery, salt, shard) as (_ctl, relay):
-                async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
-                    client.delta_codec = DeltaCodec.parse("int8")
-                    params = [torch.zeros(20_000)]
-                    with pytest.raises(FlodlError):
-                        for window in range(4):
-                            params[0] += float(window + 1)
-                            await average_window(client, params, [], 1, rank=0, world_size=1, in_place=True)
-            nursery.cancel_scope.cancel()
-    assert any("delta round" in r.getMessage() and "shards do not reduce" in r.getMessage() for r in caplog.records), [
-        r.getMessage() for r in caplog.records
-    ]
+        async with open_local_cluster(world_size=2, hosts=[[0], [1]], salt=salt, lanes=3, lane_min_bytes=0,
+                                      shards="auto", outer_optimizer=PlainAverage()) as cluster:
+            await _weighted_rounds(cluster, 2, 3, 20_000)
+    assert [h.rounds for h in cluster.shards] == [0, 0]
+    assert any("will not be used: shards do not work yet with an outer optimizer" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_with_shards_auto_one_host_keeps_the_star(salt):
+    """One relay: nothing to spread over, so its offer is not taken."""
+    with trio.fail_after(30):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt, lanes=3, lane_min_bytes=0,
+                                      shards="auto") as cluster:
+            await _weighted_rounds(cluster, 2, 3, 20_000)
+    assert [h.rounds for h in cluster.shards] == [0]
 
 
 # Elastic membership with shards: while a rank rejoins, the shards send the controller a

@@ -121,3 +121,43 @@ async def test_a_rank_sigkilled_and_started_again_rejoins_through_shards_and_eve
     for window in range(WINDOWS):
         want = {0, 1, 2, 3} if window < 5 or window >= counted else {0, 1, 2}
         assert contributors[window] == want, f"window {window}: {contributors[window]}"
+
+
+@pytest.mark.deadline(90)
+async def test_daemons_with_default_flags_reduce_through_the_shards_their_relays_offer(salt):
+    """No shard flag anywhere: each relay daemon serves a shard and offers it, the
+    controller daemon fixes them after the first round, and every round is exact."""
+    ranks, rounds = [0, 1, 2], 4
+    async with open_process_cluster(
+        world_size=3, hosts=[[0, 1], [2]], salt=salt, rounds=rounds, daemons=True, backend="numpy", numel=NUMEL,
+    ) as cluster:
+        await _expect_exact_rounds(cluster, ranks, rounds)
+        assert "reducing with the 2 shards the relays offered" in cluster.controller.text, cluster.logs()
+
+
+@pytest.mark.deadline(90)
+async def test_a_host_sigkilled_with_the_shard_its_relay_offered_costs_only_its_ranks(salt):
+    """Default daemons, three hosts: host 2's relay daemon - with the shard it serves - and
+    its rank are SIGKILLed while the others hold before round 2. The shard's lanes move to
+    the next live one, host 2's rank is declared dead, and the survivors' rounds are exact
+    means of the survivors."""
+    survivors, rounds = [0, 1], 4
+    async with open_process_cluster(
+        world_size=3, hosts=[[0], [1], [2]], salt=salt, rounds=rounds, daemons=True, backend="numpy", numel=NUMEL,
+        worker_args={rank: ["--pause-before", "2:60"] for rank in (0, 1, 2)},
+    ) as cluster:
+        await _all_hold_before(cluster, [0, 1, 2], 2)
+        assert "reducing with the 3 shards the relays offered" in cluster.controller.text, cluster.logs()
+        cluster.kill(2)
+        cluster.kill_relay(2)
+        await cluster.wait_exit(2)
+        for rank in survivors:
+            await cluster.resume(rank)
+        for rank in survivors:
+            outcome = await cluster.wait_outcome(rank)
+            assert outcome["event"] == "done", cluster.logs()
+            got = [(e["value"], e["min"], e["max"]) for e in cluster.ranks[rank].rounds]
+            want = [(mean_of([0, 1, 2], k),) * 3 for k in range(2)] + [(mean_of(survivors, k),) * 3 for k in (2, 3)]
+            assert got == want, cluster.logs()
+        with trio.fail_after(10):
+            await cluster.controller.wait_log("controller: shard 2 lost (")

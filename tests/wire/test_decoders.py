@@ -766,7 +766,7 @@ def test_a_beacon_says_how_long_to_hold_only_when_it_has_something_to_say():
 
 def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     from flodl_trio.wire.mux import (
-        Decide, Decided, LanesIn, PieceRefused, Pieces, ShardAck, ShardAlive, ShardLost, ShardSetup,
+        Decide, Decided, LanesIn, PieceRefused, Pieces, ShardAck, ShardAlive, ShardLost, ShardOffer, ShardSetup,
     )
 
     decide = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4])
@@ -782,6 +782,11 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
         raw = encode_control_msg(msg)
         assert raw.hex()[:2] == head and decode_control_msg(raw) == msg
     assert encode_control_msg(ShardAlive()) == b"\xd6" and decode_control_msg(b"\xd6") == ShardAlive()
+    offer = ShardOffer("10.0.0.2", 4242)
+    assert encode_control_msg(offer).hex() == "d8" + "08" + b"10.0.0.2".hex() + "fb9210"
+    assert decode_control_msg(encode_control_msg(offer)) == offer
+    with pytest.raises(FramingError, match="ShardOffer port"):
+        decode_control_msg(b"\xd8\x01a\xfc" + (70_000).to_bytes(4, "little"))
     with pytest.raises(FramingError, match="ended inside Decide lanes"):
         decode_control_msg(b"\xd0\x01\x02")
     with pytest.raises(FramingError, match="1 trailing bytes"):

@@ -26,7 +26,17 @@ import numpy as np
 
 from ...wire.constants import DTYPE_F32, MUX_HEADER_LEN, SALT_LEN
 from ...wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
-from ...wire.mux import EXTENSIONS_MARK, MUX_SIGNED_HEADER_LEN, Hello, HelloAck, MuxKind, RelayControlMsg, encode_control_record, mux_signed_header
+from ...wire.mux import (
+    EXTENSIONS_MARK,
+    MUX_SIGNED_HEADER_LEN,
+    Hello,
+    HelloAck,
+    MuxKind,
+    RelayControlMsg,
+    ShardOffer,
+    encode_control_record,
+    mux_signed_header,
+)
 from ...wire.round_frame import RoundFrame, TensorPayload, frame_body_chunks, schema_frame_len
 from ...wire.salt import SessionSalt
 
@@ -110,10 +120,17 @@ def hello_record_len(host: str, ranks: Sequence[int], model_sigs: Sequence[bytes
 HELLO_ACK_RECORD_LEN: Final = control_record_len(HelloAck())
 
 
-def uplink_first_record(host: str, ranks: Sequence[int]) -> int:
+# A relay daemon serving its shard (the default) offers it right after HelloAck, at the
+# address it reaches the controller from: on loopback, "127.0.0.1" and a port above 250.
+SHARD_OFFER_RECORD_LEN: Final = len(encode_control_record(ShardOffer("127.0.0.1", 40_000), _ANY_SALT))
+
+
+def uplink_first_record(host: str, ranks: Sequence[int], *, offers_shard: bool = False) -> int:
     """Offset of the first record after the Hello on a data relay's uplink (a flodl_trio
-    relay's Hello carries the extensions mark)."""
-    return CHANNEL_MAGIC_LEN + hello_record_len(host, ranks, (EXTENSIONS_MARK,))
+    relay's Hello carries the extensions mark), or - ``offers_shard``: a relay daemon
+    with its default ``--shard auto``, on loopback - after its ``ShardOffer``."""
+    offer = SHARD_OFFER_RECORD_LEN if offers_shard else 0
+    return CHANNEL_MAGIC_LEN + hello_record_len(host, ranks, (EXTENSIONS_MARK,)) + offer
 
 
 def host_frame_record_len(numel: int) -> int:
@@ -136,6 +153,7 @@ __all__ = [
     "MUX_HEADER",
     "MUX_LENGTH_FIELD",
     "MUX_MAC",
+    "SHARD_OFFER_RECORD_LEN",
     "U32",
     "consensus_frame_start",
     "control_record_len",
