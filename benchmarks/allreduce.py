@@ -613,6 +613,8 @@ class Bench:
             self.env["FLODL_DETERMINISTIC"] = "1"
         if args.lanes is not None:  # else the daemons' default (the controller's 8, taken by the relays)
             self.env["FLODL_LANES"] = str(args.lanes)
+        if getattr(args, "star", False):  # no shards: the controller sums every lane (else the daemons' auto)
+            self.env["FLODL_SHARDS"] = self.env["FLODL_SHARD"] = "off"
         # Ranks reach their relay over the Unix-socket local leg (no MACs) unless turned off.
         self.local_leg = not args.no_unix
         if args.no_unix:
@@ -677,7 +679,7 @@ class Bench:
                     [sys.executable, "-m", "flodl_trio.shard", "--host", h.ip, "--port", "29410", "--log-level", "WARNING"],
                     self.env, h.netns, tag,
                 ))
-            ctl_cmd += ["--shards", ",".join(f"{h.ip}:29410" for h in hosts), "--rejoin-timeout", "0"]
+            ctl_cmd += ["--shards", ",".join(f"{h.ip}:29410" for h in hosts)]
         ctl = L.spawn("controller", "controller", ctl_cmd, self.env, ctl_host.netns, tag)
         relays, ranks = [], []
         marks = Path(tempfile.mkdtemp(prefix="marks-", dir=self.launcher.workdir))
@@ -689,7 +691,7 @@ class Bench:
                 [sys.executable, "-m", "flodl_trio.relay", "--controller", f"{ctl_host.ip}:{ctl_port}",
                  "--ranks", ",".join(map(str, h.ranks)), "--world-size", str(world), "--host-name", h.name,
                  "--channels", "data", "--data-port", str(data_port), "--log-level", "WARNING",
-                 *(["--shard", f"{h.ip}:29410"] if in_relays and getattr(self.args, "shards", False) else [])],
+                 *(["--shard", f"{h.ip}:29410" if in_relays else "off"] if getattr(self.args, "shards", False) else [])],
                 self.env, h.netns, tag,
             ))
             for r in h.ranks:
@@ -1316,6 +1318,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="flodl_trio ranks reach their relay over TCP with MACs, not the Unix-socket local leg")
     ap.add_argument("--deterministic", action="store_true",
                     help="run flodl_trio's daemons with --deterministic (a fixed order of addition)")
+    ap.add_argument("--star", action="store_true",
+                    help="no reduction shards (--shards off, --shard off): the controller sums every lane "
+                         "[default: the daemons' --shards auto]")
     ap.add_argument("--lanes", type=int, default=None,
                     help="run flodl_trio's daemons with --lanes N (each round reduced in up to N lanes; "
                     "1: whole frames; default: the daemons' own, 8)")

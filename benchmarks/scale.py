@@ -141,7 +141,7 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """What benchmarks/allreduce.py's Bench reads of its command line."""
     return argparse.Namespace(
         profile=None, timing=False, deterministic=False, lanes=args.lanes, no_unix=False,
-        rank_threads=1, shards=args.shards or args.relay_shards, relay_shards=args.relay_shards,
+        rank_threads=1, shards=args.shards or args.relay_shards, relay_shards=args.relay_shards, star=args.star,
     )
 
 
@@ -171,9 +171,12 @@ def main() -> int:
     parser.add_argument("--mib", type=float, default=None,
                         help="model size in MiB (default: 8 up to 4 hosts, 4 beyond)")
     parser.add_argument("--lanes", type=int, default=8, help="--lanes of the controller and relays (default 8)")
-    parser.add_argument("--shards", action="store_true", help="a reduction shard on every host")
+    parser.add_argument("--shards", action="store_true", help="a shard process on every host, named by --shards")
     parser.add_argument("--relay-shards", action="store_true",
-                        help="a reduction shard on every host, served by its relay daemon (--shard): one process a host")
+                        help="a reduction shard on every host, served by its relay daemon and named by --shards")
+    parser.add_argument("--star", action="store_true",
+                        help="no shards: the controller sums every lane (default: the daemons' --shards auto, "
+                             "each relay serving and offering its host's shard)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()

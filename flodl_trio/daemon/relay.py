@@ -8,16 +8,15 @@ import socket
 from contextlib import AsyncExitStack
 
 import attrs
-import trio
 
 from ..errors import ConfigError
 from ..relay.config import ChannelKind, RelayConfig
 from ..relay.core import open_relay
 from ..relay.host_ranks import HostRanks
-from ..shard import open_shard
 from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
 from ..transport.settings import OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
+from .child_shard import child_shard
 from .common import (
     add_common_flags,
     configure_logging,
@@ -170,17 +169,20 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     return settings
 
 
-async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, metrics: tuple[str, int] | None = None) -> None:
-    """Run the host's relay channels (and its shard, if it serves one) until they finish;
-    raise the first failure."""
+async def serve_relay_daemon(
+    settings: RelayDaemonSettings, *, ceiling: int, metrics: tuple[str, int] | None = None,
+    log_level: str = "INFO", log_format: str = "logfmt",
+) -> None:
+    """Run the host's relay channels (and its shard, a child process, if it serves one)
+    until they finish; raise the first failure."""
     async with AsyncExitStack() as stack:
-        shard = None
-        if settings.shard is not None:  # first: the controller dials it before it serves the relays
-            shard = await stack.enter_async_context(
-                open_shard(*settings.shard, salt=settings.salt, ceiling=ceiling, bounds=settings.bounds)
-            )
-            log.info("shard started: listening on %s:%d", settings.shard[0], shard.port)
-        offer = None if shard is None or settings.shard is None else (settings.shard[0], shard.port)
+        offer = None
+        if settings.shard is not None:  # first: a controller naming it dials it before it serves the relays
+            shard = await stack.enter_async_context(child_shard(
+                *settings.shard, salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, log_level=log_level,
+                log_format=log_format,
+            ))
+            offer = (settings.shard[0], shard.port)
         handles = {}
         host = HostRanks(settings.ranks)  # shared by the host's channels
         for kind, port in settings.channels.items():
@@ -210,11 +212,6 @@ async def serve_relay_daemon(settings: RelayDaemonSettings, *, ceiling: int, met
         for handle in handles.values():
             await handle.wait_finished()
         log.info("relay %s finished: every channel closed", settings.host_name)
-        if shard is not None and shard.index is not None:  # a controller uses it: other hosts' rounds may need it
-            with trio.move_on_after(settings.bounds.handshake):
-                await shard.outcome.wait()
-            log.info("shard finished: %d rounds, %d pieces of hosts left out dropped", shard.rounds,
-                     shard.pieces_dropped)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,5 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_or_exit(parser, argv, lambda a: settings.append(settings_from_args(a)))
     configure_logging(args.log_level, args.log_format)
     metrics = (args.metrics_host, args.metrics_port) if args.metrics_port else None
-    return run_daemon("relay", lambda: serve_relay_daemon(settings[0], ceiling=args.frame_ceiling, metrics=metrics))
+    return run_daemon("relay", lambda: serve_relay_daemon(
+        settings[0], ceiling=args.frame_ceiling, metrics=metrics, log_level=args.log_level, log_format=args.log_format,
+    ))
 

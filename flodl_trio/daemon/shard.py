@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+
+import trio
 
 from ..shard import open_shard
 from ..transport.settings import load_salt
@@ -22,15 +25,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=env_default("FLODL_SHARD_HOST", "0.0.0.0"),
                         help="address to listen on [env FLODL_SHARD_HOST; default 0.0.0.0]")
     parser.add_argument("--port", type=int, default=int(env_default("FLODL_SHARD_PORT", 1338)),
-                        help="port for the controller and the relays [env FLODL_SHARD_PORT; default 1338]")
+                        help="port for the controller and the relays (0: a free one, which the start line says) "
+                        "[env FLODL_SHARD_PORT; default 1338]")
+    parser.add_argument("--with-parent", action="store_true",
+                        help="leave once standard input closes: the process that started it (a relay daemon "
+                        "serving its host's shard) is gone")
     add_common_flags(parser)
     return parser
+
+
+async def _until_stdin_closes() -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    try:
+        while await stdin.receive_some(4096):
+            pass
+    finally:
+        await stdin.aclose()
 
 
 async def serve_shard_daemon(args: argparse.Namespace) -> None:
     async with open_shard(args.host, args.port, salt=load_salt(args.salt_file), ceiling=args.frame_ceiling) as shard:
         log.info("shard started: listening on %s:%d", args.host, shard.port)
-        await shard.outcome.wait()
+        async with trio.open_nursery() as nursery:
+            if args.with_parent:
+                async def parent_gone() -> None:
+                    await _until_stdin_closes()
+                    log.info("shard: the process that started it is gone; leaving")
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(parent_gone)
+            await shard.outcome.wait()
+            nursery.cancel_scope.cancel()
         log.info("shard finished: %d rounds, %d pieces of hosts left out dropped", shard.rounds, shard.pieces_dropped)
 
 

@@ -216,6 +216,7 @@ class _Shard:
             return
         self.index, self.count, self._heartbeat_s = setup.index, setup.count, setup.heartbeat_ms / 1000
         self.handle.index = setup.index
+        log.info("shard %d of %d: set up by the controller", setup.index, setup.count)
         conn.peer = "the controller"
         self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
         try:

@@ -366,6 +366,16 @@ async def _three_rounds_of_two_ranks(data0: int, data1: int) -> dict[tuple[int, 
     return got
 
 
+async def _three_exact_rounds_then_clean_exits(data0: int, data1: int, daemons: list) -> None:
+    """Three rounds of ranks 0 and 1 are exact, and then every daemon exits 0."""
+    got = await _three_rounds_of_two_ranks(data0, data1)
+    with trio.fail_after(20):
+        for daemon in daemons:
+            await daemon.process.wait()
+    assert all(got[rank, k] == [0.5 + 10 * k] for rank in (0, 1) for k in range(3))
+    assert [d.process.returncode for d in daemons] == [0] * len(daemons), [d.text[-2000:] for d in daemons]
+
+
 @pytest.mark.deadline(60)
 async def test_shard_daemons_reduce_a_controller_daemons_lanes_and_exit_with_it():
     """Two ``python -m flodl_trio.shard`` processes named by a controller daemon's --shards:
@@ -411,14 +421,7 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
                   for rank, port, shard in ((0, data0, shard_a), (1, data1, shard_b))]
         for relay, shard in zip(relays, (shard_a, shard_b)):
             await relay.wait_for(f"shard started: listening on {LOOP}:{shard}")
-        got = await _three_rounds_of_two_ranks(data0, data1)
-        with trio.fail_after(20):
-            for daemon in (controller, *relays):
-                await daemon.process.wait()
-    assert all(got[rank, k] == [0.5 + 10 * k] for rank in (0, 1) for k in range(3))
-    assert [d.process.returncode for d in (controller, *relays)] == [0, 0, 0], [
-        d.text[-2000:] for d in (controller, *relays)
-    ]
+        await _three_exact_rounds_then_clean_exits(data0, data1, [controller, *relays])
     assert "shard finished: 3 rounds" in relays[0].text
 
 
@@ -444,13 +447,6 @@ async def test_shards_by_default_and_both_ways_to_turn_them_off(controller_flags
                   for rank, port, flags in ((0, data0, ()), (1, data1, relay_b_flags))]
         for relay in relays:
             await relay.wait_for(" started: ranks=")
-        got = await _three_rounds_of_two_ranks(data0, data1)
-        with trio.fail_after(20):
-            for daemon in (controller, *relays):
-                await daemon.process.wait()
-    assert all(got[rank, k] == [0.5 + 10 * k] for rank in (0, 1) for k in range(3))
-    assert [d.process.returncode for d in (controller, *relays)] == [0, 0, 0], [
-        d.text[-2000:] for d in (controller, *relays)
-    ]
+        await _three_exact_rounds_then_clean_exits(data0, data1, [controller, *relays])
     assert ("reducing with the 2 shards the relays offered" in controller.text) == sharded, controller.text
     assert ("shard finished: 2 rounds" in relays[0].text) == sharded, relays[0].text  # rounds 1 and 2

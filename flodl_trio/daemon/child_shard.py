@@ -1,0 +1,106 @@
+"""A relay daemon's reduction shard, run as a child process of its own.
+
+The shard a relay daemon serves by default (``--shard auto``) sums lanes of
+every host's rounds: in a process of its own it has its own interpreter lock
+and its own memory, so it neither slows the relay's event loop nor counts
+against the relay's memory budget. It lives and dies with its relay: it
+leaves once its standard input closes (``--with-parent``), which happens when
+the relay daemon exits however it exits, SIGKILL included; a shard that a
+controller uses serves on until that controller lets go, for at most the
+handshake bound, since other hosts' rounds may still need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from ..errors import ConfigError
+from ..transport.settings import SALT_FILE_ENV, SALT_HEX_ENV, NetBounds
+from ..wire.salt import SessionSalt
+
+log = logging.getLogger("flodl_trio.relay")
+
+_STARTED = re.compile(rb"shard started: listening on \S+?:(\d+)")
+_SET_UP = re.compile(rb"shard \d+ of \d+: set up by the controller")
+
+
+@attrs.define(eq=False)
+class ChildShard:
+    """The shard process: the port it listens on, and whether a controller set it up."""
+
+    process: trio.Process
+    port: int = 0
+    used: bool = False
+    started: trio.Event = attrs.field(factory=trio.Event)
+
+
+def shard_command(host: str, port: int, *, ceiling: int, log_level: str, log_format: str) -> list[str]:
+    return [
+        sys.executable, "-m", "flodl_trio.shard", "--with-parent", "--host", host, "--port", str(port),
+        "--frame-ceiling", str(ceiling), "--log-level", log_level, "--log-format", log_format,
+    ]
+
+
+async def _relay_its_log(shard: ChildShard, stream: trio.abc.ReceiveStream) -> None:
+    """The child's log lines go on to this daemon's stderr; the start line gives its port."""
+    pending = b""
+    async for chunk in stream:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            sys.stderr.buffer.write(line + b"\n")
+            started = _STARTED.search(line)
+            if started is not None and not shard.started.is_set():
+                shard.port = int(started.group(1))
+                shard.started.set()
+            shard.used = shard.used or _SET_UP.search(line) is not None
+        sys.stderr.buffer.flush()
+
+
+@asynccontextmanager
+async def child_shard(
+    host: str, port: int, *, salt: SessionSalt, ceiling: int, bounds: NetBounds, log_level: str = "INFO",
+    log_format: str = "logfmt",
+) -> AsyncIterator[ChildShard]:
+    """Run ``python -m flodl_trio.shard`` on ``host:port`` (0: a free port) for the block;
+    the handle's ``port`` is bound on entry. The salt goes in the child's environment,
+    never its command line."""
+    env = {**os.environ, SALT_HEX_ENV: salt.raw.hex()}
+    env.pop(SALT_FILE_ENV, None)
+    cmd = shard_command(host, port, ceiling=ceiling, log_level=log_level, log_format=log_format)
+    async with trio.open_nursery() as nursery:
+        process = await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        shard = ChildShard(process)
+        assert process.stderr is not None and process.stdin is not None
+        nursery.start_soon(_relay_its_log, shard, process.stderr)
+        try:
+            with trio.move_on_after(bounds.handshake):
+                await shard.started.wait()
+            if not shard.started.is_set():
+                raise ConfigError(f"the shard process did not start listening on {host}:{port} within "
+                                  f"{bounds.handshake:g} s (exit status {process.poll()})")
+            yield shard
+            if shard.used:  # other hosts' rounds may still need it: until its controller lets go
+                with trio.move_on_after(bounds.handshake):
+                    await process.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                await process.stdin.aclose()  # it leaves once its standard input closes
+                with trio.move_on_after(5):
+                    await process.wait()
+                if process.poll() is None:
+                    process.kill()
+                    await process.wait()
+            nursery.cancel_scope.cancel()
+
+
+__all__ = ["ChildShard", "child_shard", "shard_command"]
