@@ -29,8 +29,8 @@ from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.relay")
 
-_STARTED = re.compile(rb"shard started: listening on \S+?:(\d+)")
-_SET_UP = re.compile(rb"shard \d+ of \d+: set up by the controller")
+_LISTENING = re.compile(rb"^listening (\d+)$")
+_SET_UP = re.compile(rb"^set up \d+$")
 
 
 @attrs.define(eq=False)
@@ -50,20 +50,31 @@ def shard_command(host: str, port: int, *, ceiling: int, log_level: str, log_for
     ]
 
 
-async def _relay_its_log(shard: ChildShard, stream: trio.abc.ReceiveStream) -> None:
-    """The child's log lines go on to this daemon's stderr; the start line gives its port."""
+async def _lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[bytes]:
     pending = b""
     async for chunk in stream:
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            sys.stderr.buffer.write(line + b"\n")
-            started = _STARTED.search(line)
-            if started is not None and not shard.started.is_set():
-                shard.port = int(started.group(1))
-                shard.started.set()
-            shard.used = shard.used or _SET_UP.search(line) is not None
+            yield line
+
+
+async def _relay_its_log(stream: trio.abc.ReceiveStream) -> None:
+    """The child's log lines go on to this daemon's stderr."""
+    async for line in _lines(stream):
+        sys.stderr.buffer.write(line + b"\n")
         sys.stderr.buffer.flush()
+
+
+async def _follow_its_word(shard: ChildShard, stream: trio.abc.ReceiveStream) -> None:
+    """What the child says on its stdout, whatever its log level: its port, and that a
+    controller set it up."""
+    async for line in _lines(stream):
+        listening = _LISTENING.match(line)
+        if listening is not None and not shard.started.is_set():
+            shard.port = int(listening.group(1))
+            shard.started.set()
+        shard.used = shard.used or _SET_UP.match(line) is not None
 
 
 @asynccontextmanager
@@ -78,10 +89,13 @@ async def child_shard(
     env.pop(SALT_FILE_ENV, None)
     cmd = shard_command(host, port, ceiling=ceiling, log_level=log_level, log_format=log_format)
     async with trio.open_nursery() as nursery:
-        process = await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        process = await trio.lowlevel.open_process(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )
         shard = ChildShard(process)
-        assert process.stderr is not None and process.stdin is not None
-        nursery.start_soon(_relay_its_log, shard, process.stderr)
+        assert process.stderr is not None and process.stdin is not None and process.stdout is not None
+        nursery.start_soon(_relay_its_log, process.stderr)
+        nursery.start_soon(_follow_its_word, shard, process.stdout)
         try:
             with trio.move_on_after(bounds.handshake):
                 await shard.started.wait()

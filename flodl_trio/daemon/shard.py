@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 import trio
 
-from ..shard import open_shard
+from ..shard import ShardHandle, open_shard
 from ..transport.settings import load_salt
 from .common import add_common_flags, configure_logging, env_default, parse_or_exit, run_daemon
 
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "[env FLODL_SHARD_PORT; default 1338]")
     parser.add_argument("--with-parent", action="store_true",
                         help="leave once standard input closes: the process that started it (a relay daemon "
-                        "serving its host's shard) is gone")
+                        "serving its host's shard) is gone; standard output says 'listening PORT' once it "
+                        "listens and 'set up INDEX' once a controller set it up")
     add_common_flags(parser)
     return parser
 
@@ -43,6 +45,17 @@ async def _until_stdin_closes() -> None:
         await stdin.aclose()
 
 
+def _tell_parent(line: str) -> None:
+    """One line on standard output for the process that started it (whatever the log level)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+async def _tell_parent_when_set_up(shard: ShardHandle) -> None:
+    await shard.set_up.wait()
+    _tell_parent(f"set up {shard.index}")
+
+
 async def serve_shard_daemon(args: argparse.Namespace) -> None:
     async with open_shard(args.host, args.port, salt=load_salt(args.salt_file), ceiling=args.frame_ceiling) as shard:
         log.info("shard started: listening on %s:%d", args.host, shard.port)
@@ -53,6 +66,8 @@ async def serve_shard_daemon(args: argparse.Namespace) -> None:
                     log.info("shard: the process that started it is gone; leaving")
                     nursery.cancel_scope.cancel()
 
+                _tell_parent(f"listening {shard.port}")
+                nursery.start_soon(_tell_parent_when_set_up, shard)
                 nursery.start_soon(parent_gone)
             await shard.outcome.wait()
             nursery.cancel_scope.cancel()

@@ -122,6 +122,7 @@ class ShardHandle:
         self.port = port
         self.outcome = RunOutcome()
         self.index: int | None = None  # which shard the controller said it is (None: not set up yet)
+        self.set_up = trio.Event()  # a controller said which shard it is
         self.rounds = 0
         self.pieces_dropped = 0  # pieces of hosts a decision left out
         self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
@@ -216,6 +217,7 @@ class _Shard:
             return
         self.index, self.count, self._heartbeat_s = setup.index, setup.count, setup.heartbeat_ms / 1000
         self.handle.index = setup.index
+        self.handle.set_up.set()
         log.info("shard %d of %d: set up by the controller", setup.index, setup.count)
         conn.peer = "the controller"
         self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
