@@ -13,6 +13,7 @@ import math
 import attrs
 
 from ..errors import ConfigError
+from ..fold.outer import shard_outer_config
 from ..transport.settings import NetBounds
 from ..wire.constants import DEFAULT_FRAME_CEILING
 from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, MAX_LANES
@@ -65,9 +66,12 @@ def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
 def why_no_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object) -> str | None:
     """Why this controller cannot reduce with shards (None: it can). Shards reduce lanes
     1.. elsewhere: what needs every round's every lane here cannot have them."""
+    custom_outer = outer_optimizer is not None and shard_outer_config(outer_optimizer) is None
     needs_every_lane = [
         what for what, given in (
-            ("an outer optimizer", outer_optimizer is not None), ("a checkpoint sink", checkpoint is not None),
+            (f"the outer optimizer {type(outer_optimizer).__name__} (shards step SlowMo and DiLoCoNesterov only)",
+             custom_outer),
+            ("a checkpoint sink", checkpoint is not None),
             ("a resume record (resume_dir / --checkpoint-dir)", resume_dir is not None),
         ) if given
     ]

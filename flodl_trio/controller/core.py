@@ -35,6 +35,7 @@ import trio
 
 from ..errors import ConfigError, DesyncError, FlodlError, HandshakeError, MacError, ProtocolError
 from ..fold.delta import is_delta_schema
+from ..fold.outer import shard_outer_config
 from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
 from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
@@ -82,6 +83,7 @@ from ..wire.mux import (
     Resume,
     ShardLost,
     ShardOffer,
+    ShardOuter,
     Shards,
     decode_control_msg,
     encode_mux_record,
@@ -333,7 +335,12 @@ class _Controller:
 
     def shard_set(self, addresses: Sequence[tuple[str, int]]) -> ShardSet:
         return ShardSet(addresses, self.config, self._relay_live, self._tell_relays, self.stats,
-                        self._drop_relay_named, self.connect)
+                        self._drop_relay_named, self.connect, outer=self._shard_outer())
+
+    def _shard_outer(self) -> ShardOuter | None:
+        """What the shards step each params round's lanes with (None: nothing to step)."""
+        config = shard_outer_config(self.windows.outer_optimizer) if self.windows.outer_optimizer else None
+        return None if config is None or config[0] == 0 else ShardOuter(*config)
 
     def use_shards(self, shards: ShardSet) -> None:
         """From now on lane 0 of a round in several lanes carries no payload (the shards
@@ -385,11 +392,12 @@ class _Controller:
         assert self.shards is not None and isinstance(consensus.outgoing, RoundFrame)
         tag = read_lane_tag(consensus.outgoing)
         assert tag is not None
+        step = self.shards.outer is not None and self.windows.steps_round(consensus.outgoing)
         return await self.shards.decide(
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in consensus.delivered_by],
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
             LaneLayout.of_lane0(consensus.outgoing, lane0_empty=True).schema,
-            copy=self.returns.needs_whole_rounds(),
+            copy=self.returns.needs_whole_rounds(), step=step, fragment=self.windows.round_fragment if step else None,
         )
 
     def _drop_relay_named(self, lowest_rank: int, why: str) -> None:

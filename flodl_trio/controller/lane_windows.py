@@ -33,7 +33,7 @@ import attrs
 from ..errors import FlodlError, ProtocolError
 from ..fold.delta import DeltaLineage, DeltaLineages, flat_f32, is_delta_schema
 from ..wire.constants import DTYPE_F32
-from ..wire.fragment import fragment_of
+from ..wire.fragment import FragmentTag, fragment_of
 from ..wire.lanes import LaneAssembler, LaneLayout
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
 from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame
@@ -103,6 +103,7 @@ class LaneWindows:
         self._part: WindowPart | None = None
         self._assembler: LaneAssembler | None = None
         self._next_lane = 0
+        self._sharded = False  # the round in progress is the shards' (they step its lanes 1..)
 
     @property
     def windows(self) -> int:
@@ -130,7 +131,7 @@ class LaneWindows:
         part = self._part
         if self._delta is not None:
             frame = self._delta_lane(frame, layout, lane, part)
-        elif self._steps(part, frame):
+        elif self._steps(part, frame) and not self._sharded:
             assert part is not None
             frame = self._outer_step(frame, layout, lane, part)
         if self._assembler is not None:
@@ -146,6 +147,16 @@ class LaneWindows:
     def _steps(self, part: WindowPart | None, frame: RoundFrame) -> bool:
         """Whether the outer optimizer steps this lane (a params round's, with mass)."""
         return part is not None and part.is_params and self.outer_optimizer is not None and frame.weight > 0
+
+    def steps_round(self, lane0: RoundFrame) -> bool:
+        """Whether the round lane 0 just opened is a params round the outer optimizer
+        steps (with shards, they step its lanes: ``round_fragment``'s state)."""
+        return self._delta is None and self._steps(self._part, lane0)
+
+    @property
+    def round_fragment(self) -> FragmentTag | None:
+        """The params fragment of the round in progress (None: the whole model)."""
+        return None if self._part is None else self._part.fragment
 
     def _begin_round(self, lane0: RoundFrame) -> None:
         # Every relay's lane 0 was checked against the schema it carries, and the
@@ -173,7 +184,8 @@ class LaneWindows:
             joined = self._joins_whole or self.checkpoint is not None or (
                 self.keep_window_state and part is not None and part.kept
             )
-        if self.lane0_empty and layout.count > 1 and not delta:
+        self._sharded = self.lane0_empty and layout.count > 1 and not delta
+        if self._sharded:
             joined = False  # with shards: joined at the commit, if a copy came (end_sharded)
         self._assembler = LaneAssembler(layout) if joined else None
         if self._assembler is not None:

@@ -30,6 +30,7 @@ from ..transport.connect import Connector, connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import CHANNEL_MAGIC_SHARD
+from ..wire.fragment import FragmentTag
 from ..wire.lanes import LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
     Decide,
@@ -39,6 +40,7 @@ from ..wire.mux import (
     RelayControlMsg,
     ShardAlive,
     ShardLost,
+    ShardOuter,
     ShardSetup,
     decode_control_msg,
     encode_control_msg,
@@ -66,8 +68,10 @@ class ShardSet:
         self, addresses: Sequence[tuple[str, int]], config: ControllerConfig,
         live: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
         drop_relay: Callable[[int, str], None], connect: Connector = trio.open_tcp_stream,
+        outer: ShardOuter | None = None,
     ) -> None:
         self.addresses = tuple(addresses)
+        self.outer = outer  # how the shards step a params round's lanes (None: no outer optimizer)
         self._config = config
         self._live = live  # whether a relay is still connected with a live rank
         self._tell_relays = tell_relays
@@ -111,8 +115,10 @@ class ShardSet:
                                               self._connect)
             conn = MessageStream(stream, f"shard {index} {host}:{port}", self._config.bounds)
             heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
-            setup = self._record(ShardSetup(index, len(self.addresses), heartbeat_ms))
-            await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *setup.chunks])
+            setup = [self._record(ShardSetup(index, len(self.addresses), heartbeat_ms))]
+            if self.outer is not None:
+                setup.append(self._record(self.outer))
+            await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *(c for r in setup for c in r.chunks)])
         except (ConnectFailed, *CONNECTION_LOST) as exc:
             log.warning("controller: shard %d at %s:%d lost from the start: %s", index, host, port, exc)
             self.lost[index] = f"unreachable at the start ({exc})"
@@ -243,7 +249,7 @@ class ShardSet:
 
     async def decide(
         self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int, schema: Sequence[tuple[int, tuple[int, ...]]],
-        *, copy: bool = False,
+        *, copy: bool = False, step: bool = False, fragment: FragmentTag | None = None,
     ) -> tuple[list[int], list[RoundFrame] | None]:
         """Decide the round (hosts: its contributors) until every live target holds the
         decision's lanes; the seats of the targets to send lane 0 to, the commit, and
@@ -252,7 +258,8 @@ class ShardSet:
 
         A round is decided from the live relays only, and decided again when a shard or
         a decided relay is lost before the commit: a lost relay's pieces may never reach
-        the shards (lane 0 goes up first), or may have been only on the lost shard."""
+        the shards (lane 0 goes up first), or may have been only on the lost shard.
+        ``step``: a params round, whose lanes the shards step (``fragment``'s state)."""
         hosts = sorted(hosts, key=lambda seat: seat.lowest_rank)
         round_ = self._rounds
         self._rounds += 1
@@ -269,6 +276,7 @@ class ShardSet:
             await self._tell_shards(Decide(
                 self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
                 sorted(seat.lowest_rank for seat in live_targets), copy,
+                step, None if fragment is None else (fragment.index, fragment.count),
             ))
             if await self._committed(live_targets):
                 if self._copy is not None:

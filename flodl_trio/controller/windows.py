@@ -17,6 +17,7 @@ from typing import Protocol
 
 from ..errors import FlodlError
 from ..fold.delta import DeltaLineages
+from ..wire.fragment import FragmentTag
 from ..wire.round_frame import RoundFrame
 from ..wire.salt import SessionSalt
 from .lane_windows import LaneOut, LaneWindows
@@ -53,6 +54,11 @@ class Windows(Protocol):
     def take(self, lane: int, consensus: Consensus) -> LaneOut: ...
 
     def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut: ...
+
+    def steps_round(self, lane0: RoundFrame) -> bool: ...
+
+    @property
+    def round_fragment(self) -> FragmentTag | None: ...
 
 
 class WholeFrameWindows:
@@ -105,6 +111,11 @@ class WholeFrameWindows:
 
     def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut:
         raise FlodlError("shards reduce rounds in lanes: a controller without lanes has none to end")
+
+    def steps_round(self, lane0: RoundFrame) -> bool:
+        return False  # (no lanes: no shards)
+
+    round_fragment = None
 
 
 def rounds_and_windows(

@@ -41,7 +41,10 @@ from ..wire.round_frame import RoundFrame, TensorPayload, check_payload
 
 F32Array = npt.NDArray[np.float32]
 
-__all__ = ["DiLoCoNesterov", "PlainAverage", "SlowMo", "consensus_as_f32"]
+__all__ = [
+    "SHARD_OUTER_KINDS", "DiLoCoNesterov", "PlainAverage", "ShardLanesOuter", "SlowMo", "consensus_as_f32",
+    "shard_outer_config",
+]
 
 
 def consensus_as_f32(frame: RoundFrame, *, copy: bool) -> list[F32Array]:
@@ -369,3 +372,75 @@ class DiLoCoNesterov(_MomentumOuter):
         np.copyto(step, x)
         return step
 
+
+
+# -- the outer step where a shard reduces --------------------------------------------------
+
+# The optimizers a controller can hand to its shards, by their number on the wire (ShardOuter).
+SHARD_OUTER_KINDS: dict[int, type[_MomentumOuter]] = {1: SlowMo, 2: DiLoCoNesterov}
+
+
+def shard_outer_config(optimizer: object) -> tuple[int, float, float] | None:
+    """What a shard needs to step its lanes as ``optimizer`` steps them: (its number,
+    lr, momentum); None when no shard can (a custom optimizer, whose math only the
+    controller knows). PlainAverage is (0, 1, 0): the shards step nothing."""
+    if type(optimizer) is PlainAverage:
+        return (0, 1.0, 0.0)
+    for kind, cls in SHARD_OUTER_KINDS.items():
+        if type(optimizer) is cls:
+            assert isinstance(optimizer, _MomentumOuter)
+            return (kind, optimizer.lr, optimizer.momentum)
+    return None
+
+
+# One lane's state at a shard: (params fragment, lane count, lane, its pieces).
+_LaneKey = tuple[FragmentTag | None, int, int, tuple[object, ...]]
+
+
+class ShardLanesOuter:
+    """The outer step of the lanes one shard reduces, with their state (f32 ``x_prev`` and
+    momentum, per piece) and nothing else: a shard holds 2 / S of the model's state.
+
+    The bytes are the ones :meth:`_MomentumOuter.step_lane` gives the same consensus
+    at a controller (the same elementwise math on the same values). A round may be
+    decided again (a shard or a host was lost before its commit): each decision steps
+    from the state the round started with, and that state moves on only when a later
+    round is decided. A lane the shard has no state for (its first params window, or
+    a lane it took over from a lost shard) only starts its state: that window's
+    consensus goes out as the plain average, as an optimizer's first window does."""
+
+    def __init__(self, optimizer: _MomentumOuter) -> None:
+        self.optimizer = optimizer
+        self._committed: dict[_LaneKey, tuple[list[F32Array], list[F32Array]]] = {}
+        self._pending: dict[_LaneKey, tuple[list[F32Array], list[F32Array]]] = {}
+        self._round = -1  # the round the pending state is of
+
+    @property
+    def lanes_held(self) -> int:
+        return len(self._committed.keys() | self._pending.keys())
+
+    def step(
+        self, round_: int, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> RoundFrame:
+        """Lane ``lane`` of round ``round_``'s params consensus, stepped."""
+        if round_ != self._round:
+            if round_ > self._round:  # the controller decides a round only once the one before committed
+                self._committed.update(self._pending)
+            self._pending, self._round = {}, round_
+        if not consensus.weight > 0:
+            return consensus
+        pieces = layout.lanes[lane]
+        key: _LaneKey = (fragment, layout.count, lane, tuple(pieces))
+        values = consensus_as_f32(RoundFrame(consensus.tensors[:len(pieces)], consensus.kind), copy=False)
+        state = self._committed.get(key)
+        if state is None:  # these elements' first window here only starts their state
+            self._pending[key] = ([v.reshape(-1).copy() for v in values], [np.zeros(v.size, dtype=F32) for v in values])
+            return consensus
+        xs, ms = [x.copy() for x in state[0]], [m.copy() for m in state[1]]
+        out: list[TensorPayload] = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for t, x, m, c in zip(consensus.tensors, xs, ms, values):
+                out.append(TensorPayload(t.dtype, t.shape, encode_f32_as(self.optimizer._step(x, m, c.reshape(-1)),
+                                                                         t.dtype)))
+        self._pending[key] = (xs, ms)
+        return RoundFrame([*out, *consensus.tensors[len(pieces):]], consensus.kind, consensus.weight)

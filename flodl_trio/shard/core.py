@@ -10,7 +10,8 @@ Task structure::
                     writer  <--ShardAck / Decided{d} + consensus lanes-- outbox channel
     controller:     reader  --Decide / ShardLost--> the latest decision
                     decider --once every decided host's pieces are in--> each owned lane summed
-                              over ``hosts`` in host order, divided once, signed, queued to the targets
+                              over ``hosts`` in host order, divided once, stepped (``Decide.step``: the
+                              outer optimizer ``ShardOuter`` named), signed, queued to the targets
                               (and, with ``Decide.copy``, to the controller after its own mark)
                     heartbeat --ShardAlive--> the controller (a frozen shard is noticed)
 
@@ -33,8 +34,9 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from ..errors import FlodlError, ProtocolError, SchemaError
+from ..errors import ConfigError, FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
+from ..fold.outer import SHARD_OUTER_KINDS, ShardLanesOuter
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import Listeners, listener_port, peer_host, tune_socket
 from ..transport.hashing import encode_enveloped_frame
@@ -43,6 +45,7 @@ from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal, RunOutcome, one_error, serving
 from ..wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_SHARD, DEFAULT_FRAME_CEILING
+from ..wire.fragment import FragmentTag
 from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
     Decide,
@@ -54,6 +57,7 @@ from ..wire.mux import (
     ShardAck,
     ShardAlive,
     ShardLost,
+    ShardOuter,
     ShardSetup,
     decode_control_msg,
     encode_control_msg,
@@ -103,6 +107,14 @@ class _Relay:
             self.session.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # gone
+
+
+def _outer_of(msg: ShardOuter) -> ShardLanesOuter:
+    """The outer step the controller named; hyperparameters it could not have are its error."""
+    try:
+        return ShardLanesOuter(SHARD_OUTER_KINDS[msg.kind](lr=msg.lr, momentum=msg.momentum))
+    except ConfigError as exc:
+        raise ProtocolError(f"ShardOuter: {exc}") from None
 
 
 def _layout(msg: Decide) -> LaneLayout:
@@ -170,6 +182,7 @@ class _Shard:
         self._blocked: set[int] = set()  # ... and which lanes hold a refused piece (a newer decision comes)
         self._to_controller: trio.MemorySendChannel[EncodedFrame]  # set once the controller connected
         self._changed = ChangeSignal()  # a piece, a decision or a lost shard came in
+        self.outer: ShardLanesOuter | None = None  # the outer step of its lanes (ShardOuter)
 
     def _control(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.salt)
@@ -221,6 +234,7 @@ class _Shard:
         log.info("shard %d of %d: set up by the controller", setup.index, setup.count)
         conn.peer = "the controller"
         self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
+        error: FlodlError | None = None
         try:
             with one_error():
                 async with trio.open_nursery() as nursery:
@@ -228,9 +242,12 @@ class _Shard:
                     nursery.start_soon(self._decider)
                     await self._follow_controller(conn)
                     nursery.cancel_scope.cancel()
+        except FlodlError as exc:  # the controller broke the protocol: this shard's work ends, saying why
+            log.warning("shard %s: ends: %s", self.index, exc)
+            error = exc
         finally:
             await conn.aclose()
-            self.handle.outcome.end()  # its controller is gone: the shard's work is over
+            self.handle.outcome.end(error)  # its controller is gone: the shard's work is over
 
     async def _follow_controller(self, conn: MessageStream) -> None:
         while True:
@@ -239,10 +256,15 @@ class _Shard:
                 log.info("shard %s: the controller closed its connection", self.index)
                 return
             if isinstance(msg, Decide):
+                if msg.step and self.outer is None:
+                    raise ProtocolError(f"decision {msg.decision} steps its lanes, and no ShardOuter said how")
                 self._decision = msg
                 self._changed.notify()
             elif isinstance(msg, ShardLost):
                 self._shard_lost(msg.shard)
+            elif isinstance(msg, ShardOuter) and self.outer is None:
+                self.outer = _outer_of(msg)
+                log.info("shard %s: steps its lanes with %r", self.index, self.outer.optimizer)
             else:
                 raise ProtocolError(f"the controller sent a shard {type(msg).__name__}")
 
@@ -326,7 +348,12 @@ class _Shard:
             relay = self.relays[rank]
             relay.used_in = msg.round
             acc.add(relay.pieces[lane], relay.name)
-        record = await encode_enveloped_frame(MuxKind.BROADCAST, finish_consensus(acc), self.salt)
+        consensus = finish_consensus(acc)
+        if msg.step:
+            assert self.outer is not None  # (checked as the decision came in)
+            fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
+            consensus = self.outer.step(msg.round, consensus, layout, lane, fragment)
+        record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.salt)
         mark = self._control(Decided(msg.decision))
         for rank in msg.targets:  # each a decided host (so connected here: its pieces are in)
             target = self.relays.get(rank)

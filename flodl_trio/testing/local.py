@@ -77,6 +77,11 @@ class LocalCluster:
     upstream_proxies: dict[int, FaultProxy] = attrs.field(factory=dict)
     network: MemoryNetwork | None = None
     shards: list[ShardHandle] = attrs.field(factory=list)  # reduction shards (``shards=N``)
+    shard_scopes: list[trio.CancelScope] = attrs.field(factory=list)
+
+    def close_shard(self, index: int) -> None:
+        """Stop shard ``index`` serving (its connections close): a lost shard host, in-process."""
+        self.shard_scopes[index].cancel()
 
     @property
     def host(self) -> str:
@@ -157,6 +162,22 @@ async def hold_open(
             raise
 
 
+async def _held_until_closed(
+    role: AbstractAsyncContextManager[H], *, task_status: trio.TaskStatus[tuple[H, trio.CancelScope]]
+) -> None:
+    """:func:`hold_open`, handing back with the handle the scope that closes the role."""
+    with trio.CancelScope() as scope:
+        await hold_open(role, task_status=_WithScope(task_status, scope))
+
+
+class _WithScope:
+    def __init__(self, status: trio.TaskStatus[tuple[Any, trio.CancelScope]], scope: trio.CancelScope) -> None:
+        self.status, self.scope = status, scope
+
+    def started(self, value: Any = None) -> None:
+        self.status.started((value, self.scope))
+
+
 @asynccontextmanager
 async def open_local_cluster(
     *,
@@ -190,7 +211,8 @@ async def open_local_cluster(
     ``local_leg`` to the data relays (default: on
     unless ``FLODL_NO_UNIX`` is set). ``shards``: start that many reduction
     shards first (on the memory network too) and give them to the controller
-    (which then takes no outer optimizer, checkpoint or resume record);
+    (which then takes no custom outer optimizer, checkpoint or resume record;
+    ``close_shard(i)`` stops one);
     ``"auto"``: one per host, which its data relay offers to the controller,
     started with ``shards="auto"`` (the daemons' default).
     """
@@ -205,10 +227,12 @@ async def open_local_cluster(
     async with AsyncExitStack() as stack:
         shard_nursery = await stack.enter_async_context(service_nursery())
         offered = shards == "auto"
-        shard_handles: list[ShardHandle] = [
-            await shard_nursery.start(hold_open, open_shard(LOOPBACK, 0, salt=session, bounds=bounds, **listeners()))
+        held = [
+            await shard_nursery.start(_held_until_closed, open_shard(LOOPBACK, 0, salt=session, bounds=bounds,
+                                                                     **listeners()))
             for _ in range(len(hosts) if offered else int(shards))
         ]
+        shard_handles: list[ShardHandle] = [handle for handle, _ in held]
         here = LOOPBACK if network is None else MEMORY_HOST
         if shards:
             controller_options = {**controller_options, "connect": connect,
@@ -253,5 +277,5 @@ async def open_local_cluster(
                 relays[kind].append(await hosts_nursery.start(hold_open, relay))
         yield LocalCluster(
             controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
-            relays.get(ChannelKind.CONTROL, []), proxies, network, shard_handles,
+            relays.get(ChannelKind.CONTROL, []), proxies, network, shard_handles, [scope for _, scope in held],
         )

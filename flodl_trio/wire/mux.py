@@ -222,7 +222,10 @@ class Decide:
     shape) per tensor, which lane 0 carried: every piece is checked against it): sum
     the pieces of ``hosts`` (each named by its lowest rank, in host order) and send
     each lane to ``targets`` (the same naming); ``copy``: send them to the controller
-    too (it needs the whole consensus of this round: a rank is rejoining)."""
+    too (it needs the whole consensus of this round: a rank is rejoining); ``step``:
+    the round is a window's params round, whose lanes the shard steps with the outer
+    optimizer ``ShardOuter`` named, in the state of params fragment ``fragment``
+    ((index, count); None: the whole model's)."""
 
     decision: int
     round: int
@@ -231,6 +234,21 @@ class Decide:
     hosts: tuple[int, ...] = attrs.field(converter=_ranks)
     targets: tuple[int, ...] = attrs.field(converter=_ranks)
     copy: bool = False
+    step: bool = False
+    fragment: tuple[int, int] | None = None
+
+
+@attrs.frozen
+class ShardOuter:
+    """flodl_trio extension (variant 217), controller -> shard, right after ``ShardSetup``
+    when the controller has an outer optimizer a shard can run: ``kind`` 1 is SlowMo, 2
+    DiLoCo's Nesterov step, with ``lr`` and ``momentum`` (f64). The shard steps the lanes
+    it reduces of each round a ``Decide`` says to step (docs/wire.md, "The outer step on
+    the shards")."""
+
+    kind: int
+    lr: float
+    momentum: float
 
 
 @attrs.frozen
@@ -296,13 +314,14 @@ NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had n
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
     | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
-    | ShardOffer
+    | ShardOffer | ShardOuter
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
     ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215, ShardOffer: 216,
+    ShardOuter: 217,
 }
 
 
@@ -363,7 +382,7 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
         case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
             out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
         case Decide(decision=decision, round=round_, lanes=lanes, schema=schema, hosts=hosts, targets=targets,
-                    copy=copy):
+                    copy=copy, step=step, fragment=fragment):
             out += _varint(decision) + _varint(round_) + _varint(lanes) + _varint(len(schema))
             for dtype, shape in schema:
                 out += _varint(dtype) + _varint(len(shape)) + b"".join(_varint(d) for d in shape)
@@ -372,6 +391,14 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 for r in ranks:
                     out += _varint(r)
             out += _varint(int(copy))
+            if not step:
+                out += _varint(0)
+            elif fragment is None:
+                out += _varint(1)
+            else:
+                out += _varint(2) + _varint(fragment[0]) + _varint(fragment[1])
+        case ShardOuter(kind=kind, lr=lr, momentum=momentum):
+            out += _varint(kind) + struct.pack("<dd", lr, momentum)
         case ShardAck(lane=lane):
             out += _varint(lane)
         case ShardLost(shard=number) | Decided(decision=number) | LanesIn(decision=number) | Pieces(round=number):
@@ -479,7 +506,20 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
                 reader.count(f"Decide schema {i} ndim", 1))]))
         hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
         targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
-        msg = Decide(decision, round_, lanes, schema, hosts, targets, bool(reader.varint("Decide copy", limit=1)))
+        copy = bool(reader.varint("Decide copy", limit=1))
+        step = reader.varint("Decide step", limit=2)
+        fragment = None
+        if step == 2:
+            fragment = (reader.varint("Decide fragment index"), reader.varint("Decide fragment count"))
+            if not fragment[0] < fragment[1]:
+                raise FramingError(f"RelayControlMsg Decide: fragment {fragment[0]} of {fragment[1]}")
+        msg = Decide(decision, round_, lanes, schema, hosts, targets, copy, step > 0, fragment)
+    elif variant == 217:
+        kind = reader.varint("ShardOuter kind", limit=2)
+        if kind == 0:
+            raise FramingError("RelayControlMsg ShardOuter: kind 0 names no optimizer (1: SlowMo, 2: DiLoCoNesterov)")
+        lr, momentum = struct.unpack("<dd", reader._take(16, "ShardOuter lr and momentum"))
+        msg = ShardOuter(kind, lr, momentum)
     elif variant == 214:
         msg = ShardAlive()
     elif variant == 215:

@@ -429,9 +429,10 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
 @pytest.mark.parametrize(("controller_flags", "relay_b_flags", "sharded", "relay_log"), [
     ((), (), True, "INFO"),  # the defaults: each relay serves and offers a shard, the controller takes them
     ((), (), True, "WARNING"),  # the same with quiet relays: the child shard's port does not depend on its log
+    (("--outer", "diloco"), (), True, "INFO"),  # the shards step a built-in outer optimizer: still used
     (("--shards", "off"), (), False, "INFO"),  # a star, whatever the relays offer
     ((), ("--shard", "off"), False, "INFO"),  # one relay offers none: nothing is fixed
-], ids=["defaults", "quiet-relays", "controller-off", "one-relay-off"])
+], ids=["defaults", "quiet-relays", "outer", "controller-off", "one-relay-off"])
 async def test_shards_by_default_and_both_ways_to_turn_them_off(controller_flags, relay_b_flags, sharded, relay_log):
     """Rounds exact and every daemon exits 0 in each case; the controller's log says
     whether it took the relays' shards, and a relay's shard that was used says so."""

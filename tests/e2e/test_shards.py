@@ -274,11 +274,21 @@ async def test_shards_give_the_bytes_of_a_deterministic_controller(salt, bf16):
     assert set(sharded.values()) == set(single.values())
 
 
+class CustomOuter:
+    """An outer optimizer whose math only the controller knows (no shard can step for it)."""
+
+    def __call__(self, consensus):
+        return consensus
+
+    def step_lane(self, consensus, layout, lane, fragment):
+        return consensus
+
+
 async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt):
     from flodl_trio import ConfigError
-    from flodl_trio.fold.outer import DiLoCoNesterov
 
-    for options, named in (({"lanes": 1}, "lanes >= 2"), ({"outer_optimizer": DiLoCoNesterov()}, "an outer optimizer"),
+    for options, named in (({"lanes": 1}, "lanes >= 2"),
+                           ({"outer_optimizer": CustomOuter()}, "the outer optimizer CustomOuter"),
                            ({"checkpoint": lambda rounds, frame: None}, "a checkpoint sink")):
         with pytest.raises(ConfigError, match=named):
             async with open_controller(LOOP, 0, world_size=1, salt=salt, shards=[(LOOP, 1)], **options):
@@ -715,19 +725,21 @@ async def test_with_shards_auto_the_relays_offers_are_fixed_after_the_first_roun
 
 
 async def test_with_shards_auto_a_controller_that_cannot_have_shards_says_why_and_reduces_alone(salt, caplog):
-    """An outer optimizer needs every lane at the controller: the offers are not used (its
-    log says why) and every round is the controller's, exact."""
+    """A custom outer optimizer needs every lane at the controller: the offers are not used
+    (its log says why) and every round is the controller's, exact. A built-in one does
+    not stop the shards."""
     import logging
 
-    from flodl_trio.fold.outer import PlainAverage
+    from flodl_trio.fold.outer import DiLoCoNesterov, PlainAverage
 
     caplog.set_level(logging.INFO, logger="flodl_trio.controller")
-    with trio.fail_after(30):
-        async with open_local_cluster(world_size=2, hosts=[[0], [1]], salt=salt, lanes=3, lane_min_bytes=0,
-                                      shards="auto", outer_optimizer=PlainAverage()) as cluster:
-            await _weighted_rounds(cluster, 2, 3, 20_000)
-    assert [h.rounds for h in cluster.shards] == [0, 0]
-    assert any("will not be used: shards do not work yet with an outer optimizer" in r.getMessage()
+    for outer, used in ((CustomOuter(), False), (PlainAverage(), True), (DiLoCoNesterov(), True)):
+        with trio.fail_after(30):
+            async with open_local_cluster(world_size=2, hosts=[[0], [1]], salt=salt, lanes=3, lane_min_bytes=0,
+                                          shards="auto", outer_optimizer=outer) as cluster:
+                await _weighted_rounds(cluster, 2, 3, 20_000)  # (Model rounds only: no window to step)
+        assert [h.rounds for h in cluster.shards] == ([2, 2] if used else [0, 0]), outer
+    assert any("will not be used: shards do not work yet with the outer optimizer CustomOuter" in r.getMessage()
                for r in caplog.records)
 
 

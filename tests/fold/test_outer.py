@@ -311,3 +311,29 @@ def test_a_lane_of_another_schema_is_refused_by_the_outer_state():
     other = make_frame([np.zeros((5,), np.float32)])
     with pytest.raises(SchemaError, match="has 1 tensors, the outer state holds 4"):
         opt.step_lane(LaneLayout.of(other, 2).split(other)[0], LaneLayout.of(other, 2), 0, None)
+
+
+@pytest.mark.parametrize("make", [DiLoCoNesterov, lambda: SlowMo(lr=0.9, momentum=0.5)], ids=["diloco", "slowmo"])
+def test_a_shards_lanes_step_to_the_controllers_bytes_and_a_round_decided_again_starts_from_its_state(make):
+    """Two shards each step their lanes of a lane-0-empty layout: joined, every window is
+    the whole-frame step's bytes. Window 2 is decided twice, first from other values:
+    the second decision steps from the state the round started with, as if the first
+    had never been."""
+    from flodl_trio.fold.outer import ShardLanesOuter
+    from flodl_trio.wire.lanes import LaneLayout, lane_owner
+
+    whole, shards = make(), [ShardLanesOuter(make()), ShardLanesOuter(make())]
+    for window, values in enumerate(consensus_sequence(4, seed=3)):
+        frame = make_frame(values)
+        layout = LaneLayout.of(frame, 5, lane0_empty=True)
+        want = whole.step(frame, None)
+        parts = layout.split(frame)
+        if window == 2:  # a first decision of this round, from other contributions
+            wrong = layout.split(make_frame([v * 3 + 1 for v in values]))
+            for k in range(1, 5):
+                shards[lane_owner(k, 2, set())].step(window, wrong[k], layout, k, None)
+        got = [parts[0], *(shards[lane_owner(k, 2, set())].step(window, parts[k], layout, k, None)
+                           for k in range(1, 5))]
+        for a, b in zip(layout.join(got).tensors, want.tensors, strict=True):
+            assert bytes(a.data) == bytes(b.data), window
+    assert sum(s.lanes_held for s in shards) == 4  # each shard holds its own lanes' state only

@@ -770,12 +770,31 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     )
 
     decide = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4])
-    assert encode_control_msg(decide).hex() == "d0" + "fb2c01" + "07" + "09" + "01" + "00020302" + "020002" + "03000204" + "00"
+    assert encode_control_msg(decide).hex() == (
+        "d0" + "fb2c01" + "07" + "09" + "01" + "00020302" + "020002" + "03000204" + "00" + "00"
+    )
     assert decode_control_msg(encode_control_msg(decide)) == decide
     copy = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], copy=True)
-    assert encode_control_msg(copy)[-1:] == b"\x01" and decode_control_msg(encode_control_msg(copy)) == copy
+    assert encode_control_msg(copy)[-2:] == b"\x01\x00" and decode_control_msg(encode_control_msg(copy)) == copy
     with pytest.raises(FramingError, match="Decide copy"):
-        decode_control_msg(encode_control_msg(decide)[:-1] + b"\x02")
+        decode_control_msg(encode_control_msg(decide)[:-2] + b"\x02\x00")
+    # The outer step: 1 steps the whole model's state, 2 a fragment's (index, count).
+    step = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], step=True)
+    assert encode_control_msg(step)[-2:] == b"\x00\x01" and decode_control_msg(encode_control_msg(step)) == step
+    fragment = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], step=True, fragment=(1, 4))
+    assert encode_control_msg(fragment)[-4:] == b"\x00\x02\x01\x04"
+    assert decode_control_msg(encode_control_msg(fragment)) == fragment
+    with pytest.raises(FramingError, match="Decide step"):
+        decode_control_msg(encode_control_msg(decide)[:-1] + b"\x03")
+    with pytest.raises(FramingError, match="fragment 4 of 4"):
+        decode_control_msg(encode_control_msg(decide)[:-1] + b"\x02\x04\x04")
+    from flodl_trio.wire.mux import ShardOuter
+    outer = ShardOuter(2, 0.7, 0.9)
+    assert encode_control_msg(outer) == b"\xd9\x02" + struct.pack("<dd", 0.7, 0.9)
+    assert decode_control_msg(encode_control_msg(outer)) == outer
+    for bad, named in ((b"\xd9\x00", "kind 0"), (b"\xd9\x03", "ShardOuter kind"), (b"\xd9\x01\x00", "ended inside")):
+        with pytest.raises(FramingError, match=named):
+            decode_control_msg(bad + (b"" if named == "ended inside" else bytes(16)))
     assert decode_control_msg(encode_control_msg(PieceRefused(4, "lane 2: é"))) == PieceRefused(4, "lane 2: é")
     assert encode_control_msg(ShardSetup(1, 3, 30_000)).hex() == "cf" + "01" + "03" + "fb3075"
     for msg, head in [(PieceRefused(1, "bad"), "d7"), (ShardSetup(0, 2, 3000), "cf"), (ShardLost(1), "d2"), (Decided(7), "d3"), (LanesIn(7), "d4"), (Pieces(3), "d5"), (ShardAck(4), "d1")]:
