@@ -66,7 +66,7 @@ from ..wire.constants import (
     MAC_LEN,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, read_lane_tag
+from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, read_lane_tag, sharded_lane_count
 from ..wire.mux import (
     DeclareDead,
     HelloAck,
@@ -754,10 +754,9 @@ class _Controller:
             return 0
         tag = read_lane_tag(frame)
         expected = self._next_lane[link.id]
-        if tag is None or tag.index != expected or tag.count > self.config.lanes:
-            raise DesyncError(
-                f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {self.config.lanes} was due"
-            )
+        most = self._most_lanes(link)
+        if tag is None or tag.index != expected or tag.count > most:
+            raise DesyncError(f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {most} was due")
         if tag.index == 0:
             if link.sharded_next:  # its first round since the shards were fixed
                 link.sharded, link.sharded_next = True, False
@@ -769,6 +768,14 @@ class _Controller:
         last = tag.index == tag.count - 1 or link.round_sharded
         self._next_lane[link.id] = 0 if last else tag.index + 1
         return tag.index
+
+    def _most_lanes(self, link: RelayLink) -> int:
+        """The most lanes a round of this relay may come in: the cluster's count, or with
+        shards (from its next round, once they are fixed) the count that spreads evenly
+        over them."""
+        if self.shards is None or not (link.sharded or link.sharded_next):
+            return self.config.lanes
+        return max(self.config.lanes, sharded_lane_count(self.config.lanes, len(self.shards.addresses)))
 
     def _refuse_resumption(self, link: RelayLink, why: DesyncError) -> None:
         """A relay that resumes somewhere this controller never was: its ranks are dead

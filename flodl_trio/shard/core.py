@@ -136,6 +136,7 @@ class ShardHandle:
         self.index: int | None = None  # which shard the controller said it is (None: not set up yet)
         self.set_up = trio.Event()  # a controller said which shard it is
         self.rounds = 0
+        self.lanes_summed = 0  # lanes it summed and sent, over every decision
         self.pieces_dropped = 0  # pieces of hosts a decision left out
         self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
         self.refused_pieces = 0  # pieces that were not what their round's schema says (their relay was named)
@@ -369,6 +370,7 @@ class _Shard:
                 self._to_controller.send_nowait(mark)
             self._to_controller.send_nowait(record)
         self._lanes_sent.add(lane)
+        self.handle.lanes_summed += 1
 
     def _refuse_piece(self, relay: _Relay, reason: str) -> None:
         log.warning("shard %s: %s sent a piece the round's schema does not allow: %s", self.index, relay.name, reason)

@@ -58,6 +58,15 @@ def lanes_for(payload_bytes: int, count: int, min_bytes: int) -> int:
     return max(1, min(count, payload_bytes // min_bytes))
 
 
+def sharded_lane_count(lanes: int, shards: int) -> int:
+    """The lanes a round through ``shards`` shards goes in, ``lanes`` being the cluster's
+    count: lane 0 and the fewest payload lanes, no fewer than ``lanes - 1``, that every
+    shard gets as many of (at most MAX_LANES), so no shard's link carries more than its
+    share (docs/wire.md, "Shards")."""
+    payload = shards * -(-(lanes - 1) // shards)
+    return min(1 + payload, MAX_LANES)
+
+
 def lane_owner(lane: int, shards: int, lost: Collection[int] = ()) -> int | None:
     """Which of ``shards`` reduction shards reduces lane ``lane`` (None: lane 0, the
     controller's): shard (lane - 1) mod shards, or - that one lost - the next live

@@ -86,6 +86,8 @@ async def test_a_round_through_shards_is_the_weighted_mean(salt, shards):
             np.testing.assert_allclose(tensors[0].numpy(), want, rtol=1e-5, atol=1e-6)
         assert all(np.array_equal(got[r, round_][0][0].numpy(), got[0, round_][0][0].numpy()) for r in range(world))
     assert all(h.rounds == 3 for h in handles)
+    # lanes=5 through 3 shards goes in 7 lanes: two a shard (1 and 2 shards: 4 payload lanes)
+    assert [h.lanes_summed for h in handles] == [3 * {1: 4, 2: 2, 3: 2}[shards]] * shards
 
 
 async def two_ranks_rounds(relays, numel: int, rounds: int, salt) -> dict[int, list[np.ndarray]]:

@@ -258,3 +258,18 @@ def test_with_lane_0_empty_the_payload_goes_over_the_other_lanes(salt):
     assert LaneLayout.of_lane0(lanes[0], lane0_empty=True) == layout
     assert layout.join(lanes) == frame
     assert LaneLayout.of(frame, 5, 0) != layout  # the ordinary layout puts a fifth of the bytes in lane 0
+
+
+def test_a_round_through_shards_goes_in_lanes_every_shard_gets_as_many_of():
+    from flodl_trio.wire.lanes import MAX_LANES, lane_owner, sharded_lane_count
+
+    for lanes in (2, 3, 5, 8, 9, 17, 64):
+        for shards in range(1, 40):
+            count = sharded_lane_count(lanes, shards)
+            if count < MAX_LANES:
+                owned = [sum(lane_owner(k, shards) == s for k in range(1, count)) for s in range(shards)]
+                assert len(set(owned)) == 1 and count - 1 >= lanes - 1  # even, and no fewer payload lanes
+                assert count - 1 - shards < lanes - 1  # the fewest such
+            else:
+                assert count == MAX_LANES
+    assert sharded_lane_count(8, 4) == 9 and sharded_lane_count(8, 3) == 10 and sharded_lane_count(8, 8) == 9
