@@ -39,6 +39,13 @@ class ControllerConfig:
 # 2 hosts x 2 ranks, 16 MiB: 0.82x gloo at 200 Mbit/s, where one lane takes 1.35x.
 DEFAULT_LANES = 8
 
+# shards="auto" uses the relays' shards from this many live relays on. With H hosts the
+# single controller's link carries H - 1 frames each way and a shard's link a ring's
+# 2 (H - 1) / H: the same at two hosts, where shards add only their processes' CPU
+# (benchmarks/allreduce.py, 2 hosts x 2 ranks, 16 MiB, same run: the star 1.00x gloo at
+# 1 Gbit/s and 0.80x at 200 Mbit/s, shards 1.17x and 0.85x).
+AUTO_SHARDS_MIN_RELAYS = 3
+
 
 def lanes_or_default(lanes: int | None, *, outer_optimizer: object) -> int:
     """The lane count given, or the default: :data:`DEFAULT_LANES`, or 1 with an outer
@@ -108,6 +115,6 @@ def membership_policy(
 
 
 __all__ = [
-    "DEFAULT_LANES", "ControllerConfig", "check_lanes", "check_shards", "lanes_or_default", "membership_policy",
+    "AUTO_SHARDS_MIN_RELAYS", "DEFAULT_LANES", "ControllerConfig", "check_lanes", "check_shards", "lanes_or_default", "membership_policy",
     "why_no_shards",
 ]

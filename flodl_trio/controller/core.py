@@ -98,6 +98,7 @@ from ..wire.round_frame import (
 )
 from ..wire.salt import SessionSalt
 from .config import (
+    AUTO_SHARDS_MIN_RELAYS,
     ControllerConfig,
     check_lanes,
     check_shards,
@@ -350,12 +351,12 @@ class _Controller:
         self.returns.kept_state_may_be_old = True
 
     async def _fix_offered_shards(self) -> None:
-        """shards="auto": at a round's first consensus, once two or more live relays are
+        """shards="auto": at a round's first consensus, once AUTO_SHARDS_MIN_RELAYS live relays are
         seated and each offered a shard, dial them and tell every relay (before this
         consensus, so its next round goes through them; docs/wire.md, "Shards by default")."""
         links = sorted((link for link in self.links.values() if self._relay_live(link.id)),
                        key=lambda link: min(link.ranks))
-        if len(links) < 2 or any(link.shard_offer is None or link.whole for link in links):
+        if len(links) < AUTO_SHARDS_MIN_RELAYS or any(link.shard_offer is None or link.whole for link in links):
             return
         self.take_offered_shards = False  # once: a cluster whose offers cannot be reached stays without
         shards = self.shard_set([link.shard_offer for link in links if link.shard_offer is not None])

@@ -349,30 +349,31 @@ async def test_unreachable_controller_is_a_clear_failure(tmp_path):
     assert "Traceback" not in relay.text
 
 
-async def _three_rounds_of_two_ranks(data0: int, data1: int) -> dict[tuple[int, int], list[float]]:
-    """Ranks 0 and 1 (on the relays at these ports), 3 rounds of 1.2 MB frames (3 lanes at
-    256 KiB a lane); (rank, round) -> the distinct values of its consensus."""
+async def _three_rounds_of_ranks(*ports: int) -> dict[tuple[int, int], list[float]]:
+    """Rank i on the relay at ``ports[i]``, 3 rounds of 1.2 MB frames (3 lanes at 256 KiB
+    a lane); (rank, round) -> the distinct values of its consensus."""
     got: dict[tuple[int, int], list[float]] = {}
 
     async def rank_main(rank: int, port: int) -> None:
-        async with connect_reduce_client((LOOP, port), rank, 2, salt_bytes()) as client:
+        async with connect_reduce_client((LOOP, port), rank, len(ports), salt_bytes()) as client:
             for k in range(3):
                 out = await client.all_reduce_tensors([torch.full((300_000,), float(rank + 10 * k))])
                 got[rank, k] = sorted(set(out[0].tolist()))
 
     async with trio.open_nursery() as ranks:
-        ranks.start_soon(rank_main, 0, data0)
-        ranks.start_soon(rank_main, 1, data1)
+        for rank, port in enumerate(ports):
+            ranks.start_soon(rank_main, rank, port)
     return got
 
 
-async def _three_exact_rounds_then_clean_exits(data0: int, data1: int, daemons: list) -> None:
-    """Three rounds of ranks 0 and 1 are exact, and then every daemon exits 0."""
-    got = await _three_rounds_of_two_ranks(data0, data1)
+async def _three_exact_rounds_then_clean_exits(ports: list[int], daemons: list) -> None:
+    """Three rounds of a rank on each relay are exact, and then every daemon exits 0."""
+    got = await _three_rounds_of_ranks(*ports)
     with trio.fail_after(20):
         for daemon in daemons:
             await daemon.process.wait()
-    assert all(got[rank, k] == [0.5 + 10 * k] for rank in (0, 1) for k in range(3))
+    mean = (len(ports) - 1) / 2
+    assert all(got[rank, k] == [mean + 10 * k] for rank in range(len(ports)) for k in range(3)), got
     assert [d.process.returncode for d in daemons] == [0] * len(daemons), [d.text[-2000:] for d in daemons]
 
 
@@ -394,7 +395,7 @@ async def test_shard_daemons_reduce_a_controller_daemons_lanes_and_exit_with_it(
         relays = [await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks",
                                      str(rank), "--world-size", "2", "--host-name", f"h{rank}", "--channels", "data",
                                      "--data-port", str(port)) for rank, port in ((0, data0), (1, data1))]
-        got = await _three_rounds_of_two_ranks(data0, data1)
+        got = await _three_rounds_of_ranks(data0, data1)
         with trio.fail_after(20):
             for daemon in (controller, *relays, *shards):
                 await daemon.process.wait()
@@ -421,36 +422,40 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
                   for rank, port, shard in ((0, data0, shard_a), (1, data1, shard_b))]
         for relay, shard in zip(relays, (shard_a, shard_b)):
             await relay.wait_for(f"shard started: listening on {LOOP}:{shard}")
-        await _three_exact_rounds_then_clean_exits(data0, data1, [controller, *relays])
+        await _three_exact_rounds_then_clean_exits([data0, data1], [controller, *relays])
     assert "shard finished: 3 rounds" in relays[0].text
 
 
 @pytest.mark.deadline(60)
-@pytest.mark.parametrize(("controller_flags", "relay_b_flags", "sharded", "relay_log"), [
-    ((), (), True, "INFO"),  # the defaults: each relay serves and offers a shard, the controller takes them
-    ((), (), True, "WARNING"),  # the same with quiet relays: the child shard's port does not depend on its log
-    (("--outer", "diloco"), (), True, "INFO"),  # the shards step a built-in outer optimizer: still used
-    (("--shards", "off"), (), False, "INFO"),  # a star, whatever the relays offer
-    ((), ("--shard", "off"), False, "INFO"),  # one relay offers none: nothing is fixed
-], ids=["defaults", "quiet-relays", "outer", "controller-off", "one-relay-off"])
-async def test_shards_by_default_and_both_ways_to_turn_them_off(controller_flags, relay_b_flags, sharded, relay_log):
-    """Rounds exact and every daemon exits 0 in each case; the controller's log says
-    whether it took the relays' shards, and a relay's shard that was used says so."""
-    ctl_port, data0, data1 = free_ports(3)
+@pytest.mark.parametrize(("hosts", "controller_flags", "relay_b_flags", "sharded", "relay_log"), [
+    (3, (), (), True, "INFO"),  # the defaults: each relay serves and offers a shard, the controller takes them
+    (2, (), (), False, "INFO"),  # two hosts: the star (a shard's link would carry what the controller's does)
+    (3, (), (), True, "WARNING"),  # quiet relays: the child shard's port does not depend on its log level
+    (3, ("--outer", "diloco"), (), True, "INFO"),  # the shards step a built-in outer optimizer: still used
+    (3, ("--shards", "off"), (), False, "INFO"),  # a star, whatever the relays offer
+    (3, (), ("--shard", "off"), False, "INFO"),  # one relay offers none: nothing is fixed
+], ids=["defaults", "two-hosts", "quiet-relays", "outer", "controller-off", "one-relay-off"])
+async def test_shards_by_default_and_both_ways_to_turn_them_off(hosts, controller_flags, relay_b_flags, sharded,
+                                                                 relay_log):
+    """One rank a host: rounds exact and every daemon exits 0 in each case; the
+    controller's log says whether it took the relays' shards, and a relay's shard that
+    was used says so."""
+    ctl_port, *ports = free_ports(1 + hosts)
     async with trio.open_nursery() as nursery:
         controller = await start_daemon(
-            nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port), "--world-size", "2",
+            nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port), "--world-size", str(hosts),
             "--lanes", "3", *controller_flags,
         )
         await controller.wait_for("controller started")
         relays = [await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks",
-                                     str(rank), "--world-size", "2", "--host-name", f"h{rank}", "--channels", "data",
-                                     "--data-port", str(port), "--log-level", relay_log, *flags)
-                  for rank, port, flags in ((0, data0, ()), (1, data1, relay_b_flags))]
+                                     str(rank), "--world-size", str(hosts), "--host-name", f"h{rank}", "--channels",
+                                     "data", "--data-port", str(port), "--log-level", relay_log,
+                                     *(relay_b_flags if rank == 1 else ()))
+                  for rank, port in enumerate(ports)]
         if relay_log == "INFO":  # (quiet relays say nothing: the ranks' connects retry until they listen)
             for relay in relays:
                 await relay.wait_for(" started: ranks=")
-        await _three_exact_rounds_then_clean_exits(data0, data1, [controller, *relays])
-    assert ("reducing with the 2 shards the relays offered" in controller.text) == sharded, controller.text
+        await _three_exact_rounds_then_clean_exits(ports, [controller, *relays])
+    assert ("reducing with the 3 shards the relays offered" in controller.text) == sharded, controller.text
     if relay_log == "INFO":
         assert ("shard finished: 2 rounds" in relays[0].text) == sharded, relays[0].text  # rounds 1 and 2

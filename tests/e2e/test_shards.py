@@ -684,8 +684,10 @@ async def test_delta_rounds_go_to_the_controller_past_the_shards_and_every_rank_
     from flodl_trio.wire.quant import DeltaCodec
     from tests.e2e.test_delta_rounds import assert_holds_the_oracles, oracle, run_cluster
 
-    hosts, codec = [[0, 1], [2, 3]], DeltaCodec.parse("int8:1024")
-    seen = await run_cluster(hosts, codec, True, lanes=3, shards=shards)
+    # (three hosts for auto: two keep the star)
+    hosts, codec = ([[0, 1], [2, 3]] if shards == 2 else [[0, 1], [2], [3]]), DeltaCodec.parse("int8:1024")
+    # (deterministic: three hosts' f32 window 0 is summed in host order, as the oracle sums it)
+    seen = await run_cluster(hosts, codec, True, lanes=3, shards=shards, deterministic=True)
     assert_holds_the_oracles(seen, hosts, oracle(hosts, codec))
 
 
@@ -737,21 +739,23 @@ async def test_with_shards_auto_a_controller_that_cannot_have_shards_says_why_an
     caplog.set_level(logging.INFO, logger="flodl_trio.controller")
     for outer, used in ((CustomOuter(), False), (PlainAverage(), True), (DiLoCoNesterov(), True)):
         with trio.fail_after(30):
-            async with open_local_cluster(world_size=2, hosts=[[0], [1]], salt=salt, lanes=3, lane_min_bytes=0,
+            async with open_local_cluster(world_size=3, hosts=[[0], [1], [2]], salt=salt, lanes=3, lane_min_bytes=0,
                                           shards="auto", outer_optimizer=outer) as cluster:
-                await _weighted_rounds(cluster, 2, 3, 20_000)  # (Model rounds only: no window to step)
-        assert [h.rounds for h in cluster.shards] == ([2, 2] if used else [0, 0]), outer
+                await _weighted_rounds(cluster, 3, 3, 20_000)  # (Model rounds only: no window to step)
+        assert [h.rounds for h in cluster.shards] == ([2, 2, 2] if used else [0, 0, 0]), outer
     assert any("will not be used: shards do not work yet with the outer optimizer CustomOuter" in r.getMessage()
                for r in caplog.records)
 
 
-async def test_with_shards_auto_one_host_keeps_the_star(salt):
-    """One relay: nothing to spread over, so its offer is not taken."""
+@pytest.mark.parametrize("hosts", [[[0, 1]], [[0], [1]]], ids=["one-host", "two-hosts"])
+async def test_with_shards_auto_one_or_two_hosts_keep_the_star(salt, hosts):
+    """One relay: nothing to spread over; two: a shard's link would carry what the
+    controller's does (one frame each way). The offers are not taken."""
     with trio.fail_after(30):
-        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=salt, lanes=3, lane_min_bytes=0,
+        async with open_local_cluster(world_size=2, hosts=hosts, salt=salt, lanes=3, lane_min_bytes=0,
                                       shards="auto") as cluster:
             await _weighted_rounds(cluster, 2, 3, 20_000)
-    assert [h.rounds for h in cluster.shards] == [0]
+    assert [h.rounds for h in cluster.shards] == [0] * len(hosts)
 
 
 # Elastic membership with shards: while a rank rejoins, the shards send the controller a

@@ -127,12 +127,12 @@ async def test_a_rank_sigkilled_and_started_again_rejoins_through_shards_and_eve
 async def test_daemons_with_default_flags_reduce_through_the_shards_their_relays_offer(salt):
     """No shard flag anywhere: each relay daemon serves a shard and offers it, the
     controller daemon fixes them after the first round, and every round is exact."""
-    ranks, rounds = [0, 1, 2], 4
+    ranks, rounds = [0, 1, 2, 3], 4
     async with open_process_cluster(
-        world_size=3, hosts=[[0, 1], [2]], salt=salt, rounds=rounds, daemons=True, backend="numpy", numel=NUMEL,
+        world_size=4, hosts=[[0, 1], [2], [3]], salt=salt, rounds=rounds, daemons=True, backend="numpy", numel=NUMEL,
     ) as cluster:
         await _expect_exact_rounds(cluster, ranks, rounds)
-        assert "reducing with the 2 shards the relays offered" in cluster.controller.text, cluster.logs()
+        assert "reducing with the 3 shards the relays offered" in cluster.controller.text, cluster.logs()
 
 
 @pytest.mark.deadline(90)
