@@ -403,7 +403,8 @@ class Launcher:
         if self.profile_dir is not None and profile_tag is not None:
             spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             target = self.profile_dir / f"{profile_tag}-{name}.txt"
-            cmd = [spy, "record", "--nonblocking", "--rate", "200", "--format", "raw", "-o", str(target), "--", *cmd]
+            cmd = [spy, "record", "--nonblocking", "--subprocesses", "--rate", "200", "--format", "raw",
+                   "-o", str(target), "--", *cmd]  # (--subprocesses: a relay daemon's child shard too)
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         with open(out, "wb") as fo, open(err, "wb") as fe:

@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 from _floor import parse_rate  # this script's folder is on sys.path
-from allreduce import Bench, Host, RunResult
+from allreduce import Bench, Host, RunResult, summarize_profiles
 
 MiB = 1 << 20
 SUBNET = "10.231.8"
@@ -140,7 +140,7 @@ def peak_rss(result: RunResult) -> str:
 def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """What benchmarks/allreduce.py's Bench reads of its command line."""
     return argparse.Namespace(
-        profile=None, timing=False, deterministic=False, lanes=args.lanes, no_unix=False,
+        profile=args.profile, timing=False, deterministic=False, lanes=args.lanes, no_unix=False,
         rank_threads=1, shards=args.shards or args.relay_shards, relay_shards=args.relay_shards, star=args.star,
     )
 
@@ -177,6 +177,9 @@ def main() -> int:
     parser.add_argument("--star", action="store_true",
                         help="no shards: the controller sums every lane (default: the daemons' --shards auto, "
                              "each relay serving and offering its host's shard)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="run every flodl_trio process under py-spy record (collapsed stacks in DIR, "
+                        "summarized at the end)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -184,6 +187,8 @@ def main() -> int:
         print("scale.py builds network namespaces: run it as root", file=sys.stderr)
         return 2
     rate_bps = parse_rate(args.rate)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="flodl-scale-") as tmp:
         bench = Bench(bench_args(args), Path(tmp))
@@ -204,6 +209,8 @@ def main() -> int:
               f"{flodl.median_ms / gloo.median_ms:.2f}x | {star_floor_ms(count, mib, rate_bps):.0f} ms | "
               f"{ring_floor_ms(count, mib, rate_bps):.0f} ms | {cpu_floor:.0f} ms | "
               f"{received(flodl)} | {received(gloo)} | {peak_rss(flodl)} |")
+    if args.profile:
+        print("\n" + summarize_profiles(Path(args.profile)))
     return 0
 
 

@@ -161,3 +161,35 @@ async def test_a_host_sigkilled_with_the_shard_its_relay_offered_costs_only_its_
             assert got == want, cluster.logs()
         with trio.fail_after(10):
             await cluster.controller.wait_log("controller: shard 2 lost (")
+
+
+@pytest.mark.deadline(120)
+async def test_diloco_trainers_step_on_the_relays_shards_and_finish_together_after_a_shard_host_is_sigkilled(salt):
+    """Default daemons with ``--outer diloco``, three hosts of window trainers: the controller
+    takes the relays' shards, which step the outer optimizer on their lanes. Host 2 - its
+    relay daemon with the shard it serves, and its rank - is SIGKILLed once rank 0 finished
+    window 3: the survivors train every window and end on the same bytes."""
+    from flodl_trio.testing.matrix import diagnose
+
+    windows = 8
+    args = ["--train-windows", str(windows), "--sync-every", "3", "--step-time", "0.01"]
+    with trio.fail_after(110):
+        async with open_process_cluster(
+            world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=10.0, daemons=True,
+            numel=NUMEL, worker_args={r: args for r in range(3)}, controller_args=["--outer", "diloco"],
+        ) as cluster:
+            with diagnose(cluster):
+                await cluster.wait_event(0, "window", window=3)
+                cluster.kill(2)
+                cluster.kill_relay(2)
+                await cluster.wait_exit(2)
+                outcomes = [await cluster.wait_outcome(rank) for rank in (0, 1)]
+            assert all(o["event"] == "done" for o in outcomes), cluster.logs()
+            trained = [next(e for e in cluster.ranks[r].events if e["event"] == "trained") for r in (0, 1)]
+            assert all(t["windows"] == windows for t in trained), trained
+            assert len({t["digest"] for t in trained}) == 1, trained
+            assert "reducing with the 3 shards the relays offered" in cluster.controller.text, cluster.logs()
+            assert "shard 2 lost" in cluster.controller.text, cluster.logs()
+            for host in (0, 1):  # each survivor's shard was told the optimizer (its log is its relay's)
+                assert any("steps its lanes with DiLoCoNesterov" in relay.text
+                           for relay in cluster.relay_processes(host)), cluster.logs()
