@@ -33,7 +33,7 @@ from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.stream import MessageStream
 from ..transport.tasks import ChangeSignal
-from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for, sharded_lane_count
+from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
 from ..wire.mux import MuxKind
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_delta_dtype
 from ..wire.salt import SessionSalt
@@ -188,8 +188,10 @@ class LaneFrames:
         delta = isinstance(frame, PendingHostDelta) or any(is_delta_dtype(t.dtype) for t in frame.tensors)
         self.sharded_round = self.shards is not None and not delta
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
-        count = sharded_lane_count(self.count, len(self._config.shards)) if self.sharded_round else self.count
-        layout = LaneLayout.of(schema, count, self._min_bytes, lane0_empty=self.sharded_round)
+        if self.sharded_round:  # (it goes in lanes: goes_in_lanes said so with the cluster's count)
+            layout = LaneLayout.through_shards(schema, self.count, len(self._config.shards), self._min_bytes)
+        else:
+            layout = LaneLayout.of(schema, self.count, self._min_bytes)
         if self._assembler is None or self._assembler.layout != layout:
             self._assembler = LaneAssembler(layout)
             # The consensus lanes come back the size these go up (at most): room for the largest, once.

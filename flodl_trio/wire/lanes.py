@@ -58,13 +58,17 @@ def lanes_for(payload_bytes: int, count: int, min_bytes: int) -> int:
     return max(1, min(count, payload_bytes // min_bytes))
 
 
-def sharded_lane_count(lanes: int, shards: int) -> int:
+def sharded_lane_count(lanes: int, shards: int, payload_bytes: int | None = None, min_bytes: int = 0) -> int:
     """The lanes a round through ``shards`` shards goes in, ``lanes`` being the cluster's
     count: lane 0 and the fewest payload lanes, no fewer than ``lanes - 1``, that every
     shard gets as many of (at most MAX_LANES), so no shard's link carries more than its
-    share (docs/wire.md, "Shards")."""
-    payload = shards * -(-(lanes - 1) // shards)
-    return min(1 + payload, MAX_LANES)
+    share (docs/wire.md, "Shards"). With ``min_bytes`` a smaller frame gives each shard
+    fewer lanes (one per ``min_bytes`` of its share), but always one each: a frame that
+    goes in lanes at all goes to every shard."""
+    per_shard = -(-(lanes - 1) // shards)
+    if min_bytes > 0 and payload_bytes is not None:
+        per_shard = max(1, min(per_shard, payload_bytes // (shards * min_bytes)))
+    return min(1 + shards * per_shard, MAX_LANES)
 
 
 def lane_owner(lane: int, shards: int, lost: Collection[int] = ()) -> int | None:
@@ -211,6 +215,13 @@ class LaneLayout:
         if not 1 <= count <= MAX_LANES:
             raise ConfigError(f"lanes must be 1..{MAX_LANES}, got {count}")
         return _layout_for(schema, lanes_for(_payload_bytes(schema), count, min_bytes), lane0_empty)
+
+    @classmethod
+    def through_shards(cls, frame: RoundFrame, lanes: int, shards: int, min_bytes: int = 0) -> LaneLayout:
+        """The layout of a round in lanes through ``shards`` shards: lane 0 empty, the
+        payload over :func:`sharded_lane_count` lanes."""
+        schema = tuple((t.dtype, tuple(t.shape)) for t in frame.tensors)
+        return _layout_for(schema, sharded_lane_count(lanes, shards, _payload_bytes(schema), min_bytes), True)
 
     @classmethod
     def for_schema(

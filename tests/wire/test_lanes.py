@@ -273,3 +273,18 @@ def test_a_round_through_shards_goes_in_lanes_every_shard_gets_as_many_of():
             else:
                 assert count == MAX_LANES
     assert sharded_lane_count(8, 4) == 9 and sharded_lane_count(8, 3) == 10 and sharded_lane_count(8, 8) == 9
+
+
+def test_a_small_frame_through_shards_still_gives_every_shard_a_lane():
+    """Lanes of at least min_bytes while the frame allows it; below that, one a shard."""
+    from flodl_trio.wire.lanes import LaneLayout, lane_owner, sharded_lane_count
+
+    KiB = 1024
+    assert sharded_lane_count(8, 16, 2048 * KiB, 256 * KiB) == 17  # 8 lanes of 256 KiB would leave 9 shards idle
+    assert sharded_lane_count(8, 4, 2048 * KiB, 256 * KiB) == 9  # two a shard, each 256 KiB
+    assert sharded_lane_count(8, 4, 1024 * KiB, 256 * KiB) == 5  # one a shard
+    assert sharded_lane_count(8, 4, 64 << 20, 256 * KiB) == 9  # the cluster's count caps it
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (512 * 1024,), np.zeros(512 * 1024, np.float32))], RoundKind.MODEL)
+    layout = LaneLayout.through_shards(frame, 8, 16, 256 * KiB)
+    assert layout.count == 17 and not layout.lanes[0][0].numel
+    assert {lane_owner(k, 16) for k in range(1, 17)} == set(range(16))
