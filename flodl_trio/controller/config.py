@@ -115,6 +115,7 @@ def membership_policy(
 
 
 __all__ = [
-    "AUTO_SHARDS_MIN_RELAYS", "DEFAULT_LANES", "ControllerConfig", "check_lanes", "check_shards", "lanes_or_default", "membership_policy",
+    "AUTO_SHARDS_MIN_RELAYS", "DEFAULT_LANES", "ControllerConfig", "check_lanes", "check_shards", "lanes_or_default",
+    "membership_policy",
     "why_no_shards",
 ]

@@ -340,7 +340,8 @@ class _Controller:
 
     def _shard_outer(self) -> ShardOuter | None:
         """What the shards step each params round's lanes with (None: nothing to step)."""
-        config = shard_outer_config(self.windows.outer_optimizer) if self.windows.outer_optimizer else None
+        outer = self.windows.outer_optimizer
+        config = None if outer is None else shard_outer_config(outer)
         return None if config is None or config[0] == 0 else ShardOuter(*config)
 
     def use_shards(self, shards: ShardSet) -> None:

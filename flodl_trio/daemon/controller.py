@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="outer momentum [env FLODL_OUTER_MOMENTUM; default 0.5 slowmo, 0.9 diloco]")
     parser.add_argument("--shards", default=env_default("FLODL_SHARDS", "auto"),
                         help="reduction shards that reduce lanes 1.. of each round in lanes: auto (the shards the "
-                        "relays offer, once three or more have; none with --checkpoint-dir or --lanes 1; they step --outer), "
+                        "relays offer, once three or more have; none with --checkpoint-dir or --lanes 1; they "
+                        "step --outer), "
                         "off (this controller reduces every lane), or host:port,... [env FLODL_SHARDS; default auto]")
     parser.add_argument("--checkpoint-dir", default=env_default("FLODL_CHECKPOINT_DIR"),
                         help="write each window's consensus here as safetensors, and the run's resume record: a controller "
