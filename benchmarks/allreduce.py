@@ -524,6 +524,19 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """:func:`proc_cpu_seconds` of a process and every live descendant (a relay daemon's child
+    shard): what the process's wait4 rusage counts at its end, its reaped children included."""
+    total = proc_cpu_seconds(pid)
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        total += sum(tree_cpu_seconds(int(child)) for child in children)
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -707,7 +720,7 @@ class Bench:
 
         def sample_daemons() -> None:
             if not warm_cpu and any(marks.iterdir()):
-                warm_cpu.update({p.name: proc_cpu_seconds(p.popen.pid) for p in (ctl, *relays, *shards)})
+                warm_cpu.update({p.name: tree_cpu_seconds(p.popen.pid) for p in (ctl, *relays, *shards)})
 
         try:
             L.wait(ranks, PROCESS_TIMEOUT_S, poll=sample_daemons)
