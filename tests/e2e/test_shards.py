@@ -86,8 +86,8 @@ async def test_a_round_through_shards_is_the_weighted_mean(salt, shards):
             np.testing.assert_allclose(tensors[0].numpy(), want, rtol=1e-5, atol=1e-6)
         assert all(np.array_equal(got[r, round_][0][0].numpy(), got[0, round_][0][0].numpy()) for r in range(world))
     assert all(h.rounds == 3 for h in handles)
-    # lanes=5 through 3 shards goes in 7 lanes: two a shard (1 and 2 shards: 4 payload lanes)
-    assert [h.lanes_summed for h in handles] == [3 * {1: 4, 2: 2, 3: 2}[shards]] * shards
+    # lanes=5 and lane_min_bytes=0: each shard gets SHARD_PIPELINE_LANES (4) lanes a round
+    assert [h.lanes_summed for h in handles] == [3 * 4] * shards
 
 
 async def two_ranks_rounds(relays, numel: int, rounds: int, salt) -> dict[int, list[np.ndarray]]:
@@ -117,13 +117,13 @@ class RawHost:
     """Rank 2's host, played by the test with raw records: its connections to the
     controller and to each shard, and the lanes of its frame (every value 100.0)."""
 
-    def __init__(self, salt, name: str, numel: int, lanes: int) -> None:
+    def __init__(self, salt, name: str, numel: int, lanes: int, shards: int) -> None:
         from flodl_trio.wire import DTYPE_F32, RoundFrame, TensorPayload
         from flodl_trio.wire.lanes import LaneLayout
 
         self.salt, self.name = salt, name
         frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, 100.0, "<f4"))])
-        self.parts = LaneLayout.of(frame, lanes, 0, lane0_empty=True).split(frame)
+        self.parts = LaneLayout.through_shards(frame, lanes, shards).split(frame)  # (lane_min_bytes=0)
         self.to_shards: list = []
         self.to_controller = None
 
@@ -219,19 +219,19 @@ async def test_a_host_lost_after_its_shard_lanes_and_before_lane_0_counts_nowher
         async with trio.open_nursery() as nursery:
             handles = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
             async with host_beside_a_raw_one(nursery, salt, handles, lanes) as (ctl, relay):
-                lost = RawHost(salt, "lost", numel, lanes)
+                lost = RawHost(salt, "lost", numel, lanes, len(handles))
                 said = await lost.join(ctl.port, handles)
                 assert isinstance(said[1], Shards) and said[2] == HelloAck()
                 await lost.send_pieces()
                 acks = await lost.acks()
-                assert sorted(a.lane for a in acks if isinstance(a, ShardAck)) == list(range(1, lanes))
+                assert sorted(a.lane for a in acks if isinstance(a, ShardAck)) == list(range(1, len(lost.parts)))
                 await lost.aclose()  # lost before its lane 0
                 got = await survivors_round(relay, numel, salt)
                 assert ctl.dead_ranks.is_dead(2)
             nursery.cancel_scope.cancel()
     for rank in (0, 1):
         assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
-    assert sum(h.pieces_dropped for h in handles) == lanes - 1
+    assert sum(h.pieces_dropped for h in handles) == len(lost.parts) - 1
 
 
 async def _one_round(salt, shards: int, *, deterministic: bool, bf16: bool = False) -> dict[int, bytes]:
@@ -420,7 +420,7 @@ async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_th
             async with host_beside_a_raw_one(nursery, salt, shards, lanes) as (ctl, relay):
 
                 async def lost_host() -> None:
-                    lost = RawHost(salt, "lost", numel, lanes)
+                    lost = RawHost(salt, "lost", numel, lanes, len(shards))
                     await lost.join(ctl.port, shards)
                     await lost.send_pieces()
                     assert all(isinstance(ack, ShardAck) for ack in await lost.acks())
@@ -436,7 +436,10 @@ async def test_a_host_lost_after_lane_0_whose_pieces_died_with_a_shard_leaves_th
             nursery.cancel_scope.cancel()
     for rank in (0, 1):
         assert np.array_equal(got[rank], np.full(numel, 0.5, np.float32))
-    assert shards[0].pieces_dropped == 2  # the lost host's two pieces it held
+    from flodl_trio.wire.lanes import sharded_lane_count
+
+    # The lost host's pieces shard 0 held: half of its lanes 1.. (two shards own as many).
+    assert shards[0].pieces_dropped == (sharded_lane_count(lanes, 2) - 1) // 2
 
 
 async def test_a_shard_sending_a_forged_lane_costs_only_that_shard(salt, monkeypatch):
@@ -482,7 +485,7 @@ async def test_a_relay_sending_a_shard_a_misshapen_piece_costs_only_that_relay(s
             async with host_beside_a_raw_one(nursery, salt, shards, lanes) as (ctl, relay):
 
                 async def bad_host() -> None:
-                    bad = RawHost(salt, "bad", numel, lanes)
+                    bad = RawHost(salt, "bad", numel, lanes, len(shards))
                     short = bad.parts[1].tensors[0]
                     bad.parts[1] = RoundFrame([TensorPayload(DTYPE_F32, (short.shape[0] - 1,), short.data[:-1]),
                                                *bad.parts[1].tensors[1:]])
@@ -600,7 +603,7 @@ async def test_a_relay_saying_the_last_live_shard_is_lost_is_dropped_not_the_sha
         async with trio.open_nursery() as nursery:
             shard = await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt))
             async with host_beside_a_raw_one(nursery, salt, [shard], lanes) as (ctl, relay):
-                liar = RawHost(salt, "liar", numel, lanes)
+                liar = RawHost(salt, "liar", numel, lanes, 1)
                 await liar.join(ctl.port, [shard])
                 await liar.to_controller.send_chunks([encode_control_record(ShardLost(0), salt)])
                 got = await survivors_round(relay, numel, salt)

@@ -19,6 +19,7 @@ import trio
 from flodl_trio import RoundKind, connect_reduce_client
 from flodl_trio.fold.outer import DiLoCoNesterov, SlowMo
 from flodl_trio.testing import open_local_cluster
+from flodl_trio.wire import RoundFrame, TensorPayload
 from flodl_trio.wire.constants import DTYPE_F32
 from flodl_trio.wire.lanes import LaneLayout, lane_owner
 
@@ -108,9 +109,10 @@ async def test_a_lost_shards_lanes_start_their_state_again_at_the_new_owner(salt
     sharded, cluster, _ = await _windows(salt, 2, DiLoCoNesterov, windows, lose_shard_after=lost_after)
     star, _, _ = await _windows(salt, 0, DiLoCoNesterov, windows)
     assert cluster.controller.stats.shards_lost == 1
-    layout = LaneLayout.for_schema([(DTYPE_F32, (n,)) for n in SIZES.values()], LANES, lane0_empty=True)
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (n,)) for n in SIZES.values()], RoundKind.MODEL)
+    layout = LaneLayout.through_shards(frame, LANES, 2)  # (the cluster's lane_min_bytes is 0)
     moved = [np.zeros(n, dtype=bool) for n in SIZES.values()]  # the elements shard 1 stepped
-    for lane in range(1, LANES):
+    for lane in range(1, layout.count):
         if lane_owner(lane, 2, set()) == 1:
             for piece in layout.lanes[lane]:
                 moved[piece.tensor][piece.start:piece.stop] = True

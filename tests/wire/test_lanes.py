@@ -261,18 +261,19 @@ def test_with_lane_0_empty_the_payload_goes_over_the_other_lanes(salt):
 
 
 def test_a_round_through_shards_goes_in_lanes_every_shard_gets_as_many_of():
-    from flodl_trio.wire.lanes import MAX_LANES, lane_owner, sharded_lane_count
+    from flodl_trio.wire.lanes import MAX_LANES, SHARD_PIPELINE_LANES, lane_owner, sharded_lane_count
 
     for lanes in (2, 3, 5, 8, 9, 17, 64):
-        for shards in range(1, 40):
+        for shards in range(1, 70):
             count = sharded_lane_count(lanes, shards)
-            if count < MAX_LANES:
-                owned = [sum(lane_owner(k, shards) == s for k in range(1, count)) for s in range(shards)]
-                assert len(set(owned)) == 1 and count - 1 >= lanes - 1  # even, and no fewer payload lanes
-                assert count - 1 - shards < lanes - 1  # the fewest such
-            else:
-                assert count == MAX_LANES
-    assert sharded_lane_count(8, 4) == 9 and sharded_lane_count(8, 3) == 10 and sharded_lane_count(8, 8) == 9
+            owned = [sum(lane_owner(k, shards) == s for k in range(1, count)) for s in range(shards)]
+            if shards < MAX_LANES:
+                assert len(set(owned)) == 1 and owned[0] >= 1  # even: no shard's link carries more
+                assert count - 1 >= min(lanes - 1, MAX_LANES - 1 - (MAX_LANES - 1) % shards)
+                assert owned[0] >= min(SHARD_PIPELINE_LANES, (MAX_LANES - 1) // shards)  # pipelined
+            assert count <= MAX_LANES
+    assert sharded_lane_count(8, 4) == 17 and sharded_lane_count(8, 3) == 13 and sharded_lane_count(8, 8) == 33
+    assert sharded_lane_count(8, 16) == 49 and sharded_lane_count(64, 4) == 61  # 15 a shard: 63 lanes at most
 
 
 def test_a_small_frame_through_shards_still_gives_every_shard_a_lane():
@@ -283,7 +284,8 @@ def test_a_small_frame_through_shards_still_gives_every_shard_a_lane():
     assert sharded_lane_count(8, 16, 2048 * KiB, 256 * KiB) == 17  # 8 lanes of 256 KiB would leave 9 shards idle
     assert sharded_lane_count(8, 4, 2048 * KiB, 256 * KiB) == 9  # two a shard, each 256 KiB
     assert sharded_lane_count(8, 4, 1024 * KiB, 256 * KiB) == 5  # one a shard
-    assert sharded_lane_count(8, 4, 64 << 20, 256 * KiB) == 9  # the cluster's count caps it
+    assert sharded_lane_count(8, 4, 64 << 20, 256 * KiB) == 17  # four a shard: the pipeline's
+    assert sharded_lane_count(24, 4, 64 << 20, 256 * KiB) == 25  # the cluster's count, when more
     frame = RoundFrame([TensorPayload(DTYPE_F32, (512 * 1024,), np.zeros(512 * 1024, np.float32))], RoundKind.MODEL)
     layout = LaneLayout.through_shards(frame, 8, 16, 256 * KiB)
     assert layout.count == 17 and not layout.lanes[0][0].numel
