@@ -1,4 +1,6 @@
-"""Outer optimizers: what the controller does with each window's params consensus.
+"""Outer optimizers: what the controller does with each window's params consensus
+(with reduction shards, what each shard does with the lanes it reduces:
+:class:`ShardLanesOuter`).
 
 Local SGD / DiLoCo ranks train alone for a window, then average. The
 controller can treat the averaged params not as the new params but as the
