@@ -204,14 +204,23 @@ class _MomentumOuter:
             for p, c in zip(pieces, values):
                 state.x[p.tensor].reshape(-1)[p.start:p.stop] = c
             return consensus
-        out: list[TensorPayload] = []
-        with np.errstate(over="ignore", invalid="ignore"):
-            for p, t, c in zip(pieces, consensus.tensors, values):
-                x, m = (a.reshape(-1)[p.start:p.stop] for a in (state.x[p.tensor], state.m[p.tensor]))
-                out.append(TensorPayload(t.dtype, t.shape, encode_f32_as(self._step(x, m, c), t.dtype)))
+        xs = [state.x[p.tensor].reshape(-1)[p.start:p.stop] for p in pieces]  # views: the step updates the state
+        ms = [state.m[p.tensor].reshape(-1)[p.start:p.stop] for p in pieces]
+        stepped = self._step_pieces(consensus, xs, ms, values)
         if lane == layout.count - 1:
             state.windows += 1
-        return RoundFrame([*out, *consensus.tensors[len(pieces):]], consensus.kind, consensus.weight)
+        return stepped
+
+    def _step_pieces(
+        self, consensus: RoundFrame, xs: Sequence[F32Array], ms: Sequence[F32Array], values: Sequence[F32Array]
+    ) -> RoundFrame:
+        """A lane's consensus with its pieces stepped: each piece's ``x`` and ``m`` (flat)
+        updated in place from its value; the tensors after the pieces (the tag) kept."""
+        out: list[TensorPayload] = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for t, x, m, c in zip(consensus.tensors, xs, ms, values):
+                out.append(TensorPayload(t.dtype, t.shape, encode_f32_as(self._step(x, m, c.reshape(-1)), t.dtype)))
+        return RoundFrame([*out, *consensus.tensors[len(xs):]], consensus.kind, consensus.weight)
 
     def _step(self, x: F32Array, m: F32Array, c: F32Array) -> F32Array:
         """Update ``x`` and ``m`` in place; return a fresh array holding the new ``x``."""
@@ -438,11 +447,6 @@ class ShardLanesOuter:
         if state is None:  # these elements' first window here only starts their state
             self._pending[key] = ([v.reshape(-1).copy() for v in values], [np.zeros(v.size, dtype=F32) for v in values])
             return consensus
-        xs, ms = [x.copy() for x in state[0]], [m.copy() for m in state[1]]
-        out: list[TensorPayload] = []
-        with np.errstate(over="ignore", invalid="ignore"):
-            for t, x, m, c in zip(consensus.tensors, xs, ms, values):
-                out.append(TensorPayload(t.dtype, t.shape, encode_f32_as(self.optimizer._step(x, m, c.reshape(-1)),
-                                                                         t.dtype)))
+        xs, ms = [x.copy() for x in state[0]], [m.copy() for m in state[1]]  # the round's pending state
         self._pending[key] = (xs, ms)
-        return RoundFrame([*out, *consensus.tensors[len(pieces):]], consensus.kind, consensus.weight)
+        return self.optimizer._step_pieces(consensus, xs, ms, values)

@@ -162,20 +162,12 @@ async def hold_open(
             raise
 
 
-async def _held_until_closed(
-    role: AbstractAsyncContextManager[H], *, task_status: trio.TaskStatus[tuple[H, trio.CancelScope]]
+async def _held_in(
+    scope: trio.CancelScope, role: AbstractAsyncContextManager[H], *, task_status: trio.TaskStatus[H]
 ) -> None:
-    """:func:`hold_open`, handing back with the handle the scope that closes the role."""
-    with trio.CancelScope() as scope:
-        await hold_open(role, task_status=_WithScope(task_status, scope))
-
-
-class _WithScope:
-    def __init__(self, status: trio.TaskStatus[tuple[Any, trio.CancelScope]], scope: trio.CancelScope) -> None:
-        self.status, self.scope = status, scope
-
-    def started(self, value: Any = None) -> None:
-        self.status.started((value, self.scope))
+    """:func:`hold_open` inside ``scope``: cancelling it closes the role alone."""
+    with scope:
+        await hold_open(role, task_status=task_status)
 
 
 @asynccontextmanager
@@ -227,12 +219,12 @@ async def open_local_cluster(
     async with AsyncExitStack() as stack:
         shard_nursery = await stack.enter_async_context(service_nursery())
         offered = shards == "auto"
-        held = [
-            await shard_nursery.start(_held_until_closed, open_shard(LOOPBACK, 0, salt=session, bounds=bounds,
-                                                                     **listeners()))
-            for _ in range(len(hosts) if offered else int(shards))
+        shard_scopes = [trio.CancelScope() for _ in range(len(hosts) if offered else int(shards))]
+        shard_handles: list[ShardHandle] = [
+            await shard_nursery.start(_held_in, scope, open_shard(LOOPBACK, 0, salt=session, bounds=bounds,
+                                                                  **listeners()))
+            for scope in shard_scopes
         ]
-        shard_handles: list[ShardHandle] = [handle for handle, _ in held]
         here = LOOPBACK if network is None else MEMORY_HOST
         if shards:
             controller_options = {**controller_options, "connect": connect,
@@ -277,5 +269,5 @@ async def open_local_cluster(
                 relays[kind].append(await hosts_nursery.start(hold_open, relay))
         yield LocalCluster(
             controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
-            relays.get(ChannelKind.CONTROL, []), proxies, network, shard_handles, [scope for _, scope in held],
+            relays.get(ChannelKind.CONTROL, []), proxies, network, shard_handles, shard_scopes,
         )
