@@ -261,6 +261,31 @@ class ConsensusCheckpointer:
         except Exception as exc:  # a checkpoint problem must never stop training
             self._record_failure(f"could not record round {round_index}", exc)
 
+    def wants_round(self, kind: RoundKind) -> bool:
+        """Whether the next round of ``kind`` is one this checkpointer records. With
+        reduction shards the controller holds a round whole only when asked (the shards
+        copy it there), so it asks this first: a due window's params and buffers rounds,
+        every round of a run that syncs fragments (each fragment's newest params make
+        the model), and every Control round."""
+        if kind == RoundKind.CONTROL:
+            return True
+        if not self._window_open or self._fragment is not None:
+            return self._window_open
+        if self._model_rounds == 0:
+            return self.next_window % self.every == 0
+        return self._model_rounds == 1 and self._current is not None
+
+    def skip_round(self, round_index: int, kind: RoundKind, weight: float) -> None:
+        """A round :meth:`wants_round` said no to went by without its consensus here:
+        its window is counted as if it had come."""
+        try:
+            if kind == RoundKind.CONTROL:  # (never skipped: wants_round takes every Control round)
+                self._on_control(None)
+            else:
+                self._on_model(round_index, None)
+        except Exception as exc:
+            self._record_failure(f"could not count round {round_index}", exc)
+
     def reopen_window(self, model_rounds: int, fragment: FragmentTag | None) -> None:
         """A controller started again on its resume record goes on inside the window that
         was open (``model_rounds`` of its Model rounds done, syncing ``fragment``): its
@@ -281,7 +306,9 @@ class ConsensusCheckpointer:
         if fragment is not None and len(self._fragments) != fragment.count:
             self._fragments = [None] * fragment.count  # a new fragment layout: start over
 
-    def _on_model(self, round_index: int, consensus: RoundFrame) -> None:
+    def _on_model(self, round_index: int, consensus: RoundFrame | None) -> None:
+        """A Model round (None: one the controller did not hold whole, which
+        :meth:`wants_round` did not want)."""
         if not self._window_open:
             if not self._warned_unwindowed:
                 self._warned_unwindowed = True
@@ -299,9 +326,11 @@ class ConsensusCheckpointer:
             self._warned_extra = True
             log.info("checkpoint: round %d is a third Model round in one window; ignored", round_index)
 
-    def _on_params(self, round_index: int, consensus: RoundFrame) -> None:
+    def _on_params(self, round_index: int, consensus: RoundFrame | None) -> None:
         window = self.next_window
         self.next_window += 1
+        if consensus is None:
+            return  # (not due)
         if not consensus.weight > 0:
             log.info("checkpoint: window %d had zero accepted mass (the ranks kept their params); not saved", window)
             return
@@ -369,8 +398,10 @@ class ConsensusCheckpointer:
         config = getattr(self.outer, "config", None)
         return owned, (config() if callable(config) else {"type": type(self.outer).__name__})
 
-    def _on_buffers(self, round_index: int, consensus: RoundFrame) -> None:
+    def _on_buffers(self, round_index: int, consensus: RoundFrame | None) -> None:
         snap, self._current = self._current, None
+        if consensus is None:
+            return  # (no window due)
         buffers = consensus_as_f32(consensus, copy=True) if consensus.weight > 0 and (
             snap is not None or self._fragment is not None) else None
         if self._fragment is not None and buffers is not None:

@@ -70,15 +70,15 @@ def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
         )
 
 
-def why_no_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object) -> str | None:
+def why_no_shards(*, lanes: int, outer_optimizer: object, resume_dir: object) -> str | None:
     """Why this controller cannot reduce with shards (None: it can). Shards reduce lanes
-    1.. elsewhere: what needs every round's every lane here cannot have them."""
+    1.. elsewhere: what needs every round's every lane here cannot have them (a
+    checkpoint sink can: the shards copy it the rounds it records)."""
     custom_outer = outer_optimizer is not None and shard_outer_config(outer_optimizer) is None
     needs_every_lane = [
         what for what, given in (
             (f"the outer optimizer {type(outer_optimizer).__name__} (shards step SlowMo and DiLoCoNesterov only)",
              custom_outer),
-            ("a checkpoint sink", checkpoint is not None),
             ("a resume record (resume_dir / --checkpoint-dir)", resume_dir is not None),
         ) if given
     ]
@@ -89,9 +89,9 @@ def why_no_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, re
     return None
 
 
-def check_shards(*, lanes: int, outer_optimizer: object, checkpoint: object, resume_dir: object) -> None:
+def check_shards(*, lanes: int, outer_optimizer: object, resume_dir: object) -> None:
     """ConfigError if this controller cannot reduce with the shards it was given."""
-    why = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir)
+    why = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, resume_dir=resume_dir)
     if why is not None:
         raise ConfigError(why)
 

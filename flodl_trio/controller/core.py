@@ -68,6 +68,9 @@ from ..wire.constants import (
 )
 from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, read_lane_tag, sharded_lane_count
 from ..wire.mux import (
+    COPY_LANES,
+    COPY_NONE,
+    COPY_WITH_STATE,
     DeclareDead,
     HelloAck,
     LanesIn,
@@ -121,7 +124,7 @@ from .round import (
     WindowStore,
 )
 from .seats import Seats
-from .shards import Seat, ShardSet
+from .shards import Committed, Seat, ShardSet
 from .stats import ControllerStats
 from .status import serve_status
 from .windows import rounds_and_windows
@@ -247,8 +250,8 @@ async def open_controller(
     if offered and shards != "auto":
         raise ConfigError(f"shards takes (host, port) pairs or 'auto', got {shards!r}")
     if shards and not offered:
-        check_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir)
-    why_not = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, checkpoint=checkpoint, resume_dir=resume_dir)
+        check_shards(lanes=lanes, outer_optimizer=outer_optimizer, resume_dir=resume_dir)
+    why_not = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, resume_dir=resume_dir)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
@@ -387,19 +390,25 @@ class _Controller:
             return False
         return not is_delta_schema(LaneLayout.declared_by(consensus.outgoing).schema)
 
-    async def _decide(self, consensus: Consensus, targets: list[int]) -> tuple[list[int], list[RoundFrame] | None]:
+    async def _decide(self, consensus: Consensus, targets: list[int]) -> Committed:
         """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces;
         the targets still live once every one holds them (lane 0, the commit, goes to
-        those), and - while a rank rejoins - the round's other lanes, copied here."""
+        those), and - while a rank rejoins, or a checkpoint is due - the round's other
+        lanes, copied here (a checkpoint's params round with their outer state)."""
         assert self.shards is not None and isinstance(consensus.outgoing, RoundFrame)
-        tag = read_lane_tag(consensus.outgoing)
+        lane0 = consensus.outgoing
+        tag = read_lane_tag(lane0)
         assert tag is not None
-        step = self.shards.outer is not None and self.windows.steps_round(consensus.outgoing)
+        step = self.shards.outer is not None and self.windows.steps_round(lane0)
+        if self.windows.checkpoint_wants(lane0):
+            copy = COPY_WITH_STATE if step else COPY_LANES
+        else:
+            copy = COPY_LANES if self.returns.needs_whole_rounds() else COPY_NONE
         return await self.shards.decide(
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in consensus.delivered_by],
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
-            LaneLayout.of_lane0(consensus.outgoing, lane0_empty=True).schema,
-            copy=self.returns.needs_whole_rounds(), step=step, fragment=self.windows.round_fragment if step else None,
+            LaneLayout.of_lane0(lane0, lane0_empty=True).schema,
+            copy=copy, step=step, fragment=self.windows.round_fragment if step else None,
         )
 
     def _drop_relay_named(self, lowest_rank: int, why: str) -> None:
@@ -847,8 +856,9 @@ class _Controller:
             targets = self.seats.broadcast_targets(consensus.delivered_by)
             if lane == 0 and self._sharded(out.consensus):
                 # The shards' commit first: the round ends with it (whole, if they sent a copy).
-                targets, copied = await self._decide(out.consensus, targets)
-                out = self.windows.end_sharded(out, copied)
+                committed = await self._decide(out.consensus, targets)
+                targets = committed.targets
+                out = self.windows.end_sharded(out, committed)
             elif out.opens_round and self.take_offered_shards:
                 await self._fix_offered_shards()  # before this consensus: the relays' next rounds use them
             consensus, part = out.consensus, out.part

@@ -39,6 +39,7 @@ from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
 from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame
 from ..wire.salt import SessionSalt
 from .round import CheckpointSink, Consensus, OuterOptimizer, WindowCounter, WindowPart
+from .shards import Committed, LaneState
 
 log = logging.getLogger("flodl_trio.controller")
 
@@ -192,25 +193,53 @@ class LaneWindows:
             self._assembler.begin()  # a frame of its own: a hook or the joiners may keep it
         self._next_lane = 0
 
-    def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut:
+    def checkpoint_wants(self, lane0: RoundFrame) -> bool:
+        """Whether the checkpoint sink records the round lane 0 opened, so the shards copy
+        it here (a sink that cannot say gets every round)."""
+        if self.checkpoint is None:
+            return False
+        wants = getattr(self.checkpoint, "wants_round", None)
+        return True if wants is None else bool(wants(lane0.kind))
+
+    def end_sharded(self, lane0: LaneOut, committed: Committed) -> LaneOut:
         """With shards, a round's commit ends it here: joined whole from its lane 0 and
-        the copy of its other lanes the shards sent (``lanes``), or - no copy - held
-        nowhere here (``not_held``: its window keeps no state)."""
+        the copy of its other lanes the shards sent (``committed.lanes``), or - no copy -
+        held nowhere here (``not_held``: its window keeps no state, the checkpoint sink
+        is told it skipped the round). A stepped round's window is counted in the
+        controller's optimizer, and the lanes' state the shards copied is adopted there."""
         layout, part = self._layout, self._part
         if layout is None or self._next_lane != 1:
             return lane0  # abandoned meanwhile (every rank died)
-        if lanes is None:
+        assert isinstance(lane0.consensus.outgoing, RoundFrame)
+        frame = lane0.consensus.outgoing
+        if self._sharded and self._steps(part, frame):
+            self._adopt_shards_state(layout, committed.states)
+        if committed.lanes is None:
             self.rounds += 1
             self._layout, self._assembler = None, None
+            skip = getattr(self.checkpoint, "skip_round", None)
+            if skip is not None:
+                skip(self.rounds, frame.kind, frame.weight)
             return attrs.evolve(lane0, part=part, ends_round=True, not_held=True)
-        assert isinstance(lane0.consensus.outgoing, RoundFrame)
         self._assembler = LaneAssembler(layout)
         self._assembler.begin()
-        self._assembler.add(lane0.consensus.outgoing)
+        self._assembler.add(frame)
         last = lane0
-        for lane, frame in enumerate(lanes, 1):
-            last = self.take(lane, Consensus(frame))
+        for lane, lane_frame in enumerate(committed.lanes, 1):
+            last = self.take(lane, Consensus(lane_frame))
         return attrs.evolve(last, consensus=lane0.consensus, opens_round=True)
+
+    def _adopt_shards_state(self, layout: LaneLayout, states: Sequence[LaneState] | None) -> None:
+        """The shards stepped this window: the controller's optimizer counts it, and takes
+        each lane's state when they sent it (a checkpoint saves the optimizer's state)."""
+        fragment = self.round_fragment
+        count = getattr(self.outer_optimizer, "count_sharded_window", None)
+        if count is not None:
+            count(fragment)
+        adopt = getattr(self.outer_optimizer, "adopt_lane", None)
+        if states is not None and adopt is not None:
+            for lane, state in enumerate(states, 1):
+                adopt(layout, lane, fragment, state)
 
     def _outer_step(self, frame: RoundFrame, layout: LaneLayout, lane: int, part: WindowPart) -> RoundFrame:
         step_lane = getattr(self.outer_optimizer, "step_lane")

@@ -61,6 +61,12 @@ class CheckpointSink(Protocol):
     window, the first Model round after it is the params round (already
     transformed by the outer optimizer: what the ranks receive), the second
     the buffers round. See ``flodl_trio.controller.checkpointer.ConsensusCheckpointer``.
+
+    With reduction shards the controller holds a round whole only when it asks the
+    shards for a copy. A sink may say which rounds it records: ``wants_round(kind) ->
+    bool`` before each such round, and ``skip_round(round_index, kind, weight)`` for a
+    round it said no to (it then gets no ``__call__`` for it). A sink without them is
+    sent every round, each copied to the controller.
     """
 
     def __call__(self, round_index: int, consensus: RoundFrame) -> None: ...

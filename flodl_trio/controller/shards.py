@@ -11,9 +11,12 @@ round is decided again under a new number; so is a round one of whose decided
 relays is lost (its pieces may never come). No relay has used a lane before
 the commit, so every rank gets one consensus.
 
-While a rank is rejoining, the controller needs rounds whole (a joiner starts
-from a window's consensus): those decisions ask the shards for a copy
-(``Decide.copy``), and the commit waits for every lane of it here too.
+While a rank is rejoining, or a checkpoint is due, the controller needs rounds
+whole (a joiner starts from a window's consensus; a checkpoint saves it):
+those decisions ask the shards for a copy (``Decide.copy``), and the commit
+waits for every lane of it here too. A checkpoint's params round also asks
+for each stepped lane's outer state (``copy`` 2), so the checkpoint holds the
+optimizer state a single controller would.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from ..errors import ConnectFailed, FlodlError, ProtocolError
+from ..errors import ConnectFailed, FlodlError, ProtocolError, SchemaError
+from ..fold.outer import F32Array, lane_state_bytes, read_lane_state
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
@@ -33,6 +37,9 @@ from ..wire.constants import CHANNEL_MAGIC_SHARD
 from ..wire.fragment import FragmentTag
 from ..wire.lanes import LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
+    COPY_LANES,
+    COPY_NONE,
+    COPY_WITH_STATE,
     Decide,
     Decided,
     MuxKind,
@@ -51,6 +58,30 @@ from .config import ControllerConfig
 from .stats import ControllerStats
 
 log = logging.getLogger("flodl_trio.controller")
+
+
+LaneState = tuple[list[F32Array], list[F32Array]]  # a stepped lane's x_prev and momentum pieces
+
+
+@attrs.frozen
+class Committed:
+    """A round's commit: the seats to send lane 0 to, and what the shards copied here (None:
+    nothing asked, or nobody was left to sum)."""
+
+    targets: list[int]
+    lanes: list[RoundFrame] | None = None  # lanes 1.., as the shards sent them
+    states: list[LaneState] | None = None  # each lane's outer state after the step (copy 2)
+
+
+def _copy_limit(layout: LaneLayout | None, with_state: bool) -> int:
+    """The longest record a shard may send its controller while a copy is due: a lane,
+    or with the state, a lane's state (f32, twice the pieces)."""
+    if layout is None:
+        return SMALL_MESSAGE
+    longest = layout.max_frame_bytes
+    if with_state:
+        longest = max(longest, *(lane_state_bytes(layout, k) for k in range(1, layout.count)))
+    return SMALL_MESSAGE + longest
 
 
 @attrs.frozen
@@ -89,9 +120,13 @@ class ShardSet:
         self._lanes_in: set[int] = set()  # seats that sent LanesIn for the pending decision
         self._pending: int | None = None
         self._again = False  # the pending decision must be made again
-        # A copy of the pending decision's lanes, when it asked for one (else None).
+        # A copy of the pending decision's lanes, when it asked for one (else None), and
+        # with copy 2 each lane's outer state, which follows that lane from its shard.
         self._copy: dict[int, RoundFrame] | None = None
         self._copy_layout: LaneLayout | None = None
+        self._states: dict[int, LaneState] | None = None
+        self._state_due: dict[int, int] = {}  # shard -> the lane whose state comes next from it
+        self._copy_limit = SMALL_MESSAGE  # the longest record a shard may send here now
         self._marks: dict[int, int] = {}  # shard -> the decision its copy lanes are of (Decided)
 
     def _record(self, msg: RelayControlMsg) -> EncodedFrame:
@@ -197,18 +232,21 @@ class ShardSet:
     def _check_length(self, index: int, length: int) -> None:
         """A record longer than a control message only while a copy is due, and never
         longer than the copy's largest lane could be (no untrusted allocation)."""
-        layout = self._copy_layout
-        limit = SMALL_MESSAGE if layout is None else SMALL_MESSAGE + layout.max_frame_bytes
+        limit = self._copy_limit
         if length > limit:
             raise ProtocolError(f"shard {index} sent a {length}-byte record where at most {limit} bytes could be due")
 
     def _copy_lane(self, index: int, frame: RoundFrame) -> None:
         """A lane of a copy: kept if it is of the pending decision (an older one's are
-        late, and dropped), owned by the shard that sent it, and what the schema says."""
+        late, and dropped), owned by the shard that sent it, and what the schema says;
+        with copy 2, the record after it is its outer state."""
         tag = read_lane_tag(frame)
         copy, layout = self._copy, self._copy_layout
         if self._marks.get(index) != self._pending or copy is None or layout is None:
+            self._state_due.pop(index, None)
             return  # of a decision made again since
+        if index in self._state_due:
+            return self._copy_state(index, frame, layout, self._state_due.pop(index))
         if tag is None or not 1 <= tag.index < layout.count or tag.count != layout.count:
             raise ProtocolError(f"shard {index} sent the controller lane tag {tag} in a round of {layout.count} lanes")
         owner = lane_owner(tag.index, len(self.addresses), self.lost)
@@ -217,6 +255,20 @@ class ShardSet:
                                 f"(or sent it twice)")
         layout.check_lane(tag.index, frame)
         copy[tag.index] = frame
+        if self._states is not None:
+            self._state_due[index] = tag.index
+        self._changed.notify()
+
+    def _copy_state(self, index: int, frame: RoundFrame, layout: LaneLayout, lane: int) -> None:
+        """Lane ``lane``'s outer state, right after the lane: its tag and shapes checked."""
+        assert self._states is not None
+        tag = read_lane_tag(frame)
+        if tag is None or tag.index != lane or tag.count != layout.count:
+            raise ProtocolError(f"shard {index} sent lane tag {tag} where lane {lane}'s outer state was due")
+        try:
+            self._states[lane] = read_lane_state(frame, layout, lane)
+        except SchemaError as exc:
+            raise ProtocolError(f"shard {index}: {exc}") from None
         self._changed.notify()
 
     async def _lose(self, index: int, why: str) -> None:
@@ -249,12 +301,12 @@ class ShardSet:
 
     async def decide(
         self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int, schema: Sequence[tuple[int, tuple[int, ...]]],
-        *, copy: bool = False, step: bool = False, fragment: FragmentTag | None = None,
-    ) -> tuple[list[int], list[RoundFrame] | None]:
+        *, copy: int = COPY_NONE, step: bool = False, fragment: FragmentTag | None = None,
+    ) -> Committed:
         """Decide the round (hosts: its contributors) until every live target holds the
-        decision's lanes; the seats of the targets to send lane 0 to, the commit, and
-        with ``copy`` the decision's lanes 1.. as the shards sent them (None: no copy,
-        or nobody was left to sum).
+        decision's lanes: the seats of the targets to send lane 0 to, the commit, and
+        with ``copy`` the decision's lanes 1.. as the shards sent them (and with
+        ``COPY_WITH_STATE`` of a stepped round, each lane's outer state).
 
         A round is decided from the live relays only, and decided again when a shard or
         a decided relay is lost before the commit: a lost relay's pieces may never reach
@@ -264,7 +316,9 @@ class ShardSet:
         round_ = self._rounds
         self._rounds += 1
         layout = LaneLayout.for_schema(schema, lanes, lane0_empty=True) if copy else None
+        with_state = copy == COPY_WITH_STATE and step
         copied: list[RoundFrame] | None = None
+        states: list[LaneState] | None = None
         while True:
             hosts = [seat for seat in hosts if self._live(seat.id)]
             live_targets = [seat for seat in targets if self._live(seat.id)]
@@ -272,20 +326,25 @@ class ShardSet:
                 break  # nobody left to sum, or to send to
             self._pending, self._hosts, self._lanes_in, self._again = self._decisions, hosts, set(), False
             self._copy, self._copy_layout = ({}, layout) if copy else (None, None)
+            self._states, self._state_due = ({} if with_state else None), {}
+            self._copy_limit = _copy_limit(layout, with_state)
             self._decisions += 1
             await self._tell_shards(Decide(
                 self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
-                sorted(seat.lowest_rank for seat in live_targets), copy,
+                sorted(seat.lowest_rank for seat in live_targets), copy if copy != COPY_WITH_STATE or step else COPY_LANES,
                 step, None if fragment is None else (fragment.index, fragment.count),
             ))
             if await self._committed(live_targets):
                 if self._copy is not None:
                     copied = [self._copy[lane] for lane in range(1, lanes)]
                     self._stats.rounds_copied += 1
+                if self._states is not None:
+                    states = [self._states[lane] for lane in range(1, lanes)]
                 break
             self._stats.decisions_again += 1
-        self._pending, self._copy, self._copy_layout = None, None, None
-        return [seat.id for seat in targets if self._live(seat.id)], copied
+        self._pending, self._copy, self._copy_layout, self._states = None, None, None, None
+        self._copy_limit = SMALL_MESSAGE
+        return Committed([seat.id for seat in targets if self._live(seat.id)], copied, states)
 
     async def _committed(self, targets: Sequence[Seat]) -> bool:
         """Wait for every live target's LanesIn and the copy's every lane, if one is due
@@ -293,7 +352,10 @@ class ShardSet:
         while True:
             if self._again:
                 return False
-            copied = self._copy is None or self._copy_layout is None or len(self._copy) == self._copy_layout.count - 1
+            layout = self._copy_layout
+            copied = self._copy is None or layout is None or (
+                len(self._copy) == layout.count - 1 and (self._states is None or len(self._states) == layout.count - 1)
+            )
             if copied and all(seat.id in self._lanes_in or not self._live(seat.id) for seat in targets):
                 return True
             await self._changed.wait()
@@ -312,4 +374,4 @@ class ShardSet:
         self._changed.notify()
 
 
-__all__ = ["Seat", "ShardSet"]
+__all__ = ["Committed", "LaneState", "Seat", "ShardSet"]

@@ -12,7 +12,7 @@ work lane by lane. No I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 from ..errors import FlodlError
@@ -23,6 +23,7 @@ from ..wire.salt import SessionSalt
 from .lane_windows import LaneOut, LaneWindows
 from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer, WindowCounter
 from .seats import Seats
+from .shards import Committed
 from .stats import ControllerStats
 
 
@@ -53,9 +54,11 @@ class Windows(Protocol):
 
     def take(self, lane: int, consensus: Consensus) -> LaneOut: ...
 
-    def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut: ...
+    def end_sharded(self, lane0: LaneOut, committed: Committed) -> LaneOut: ...
 
     def steps_round(self, lane0: RoundFrame) -> bool: ...
+
+    def checkpoint_wants(self, lane0: RoundFrame) -> bool: ...
 
     @property
     def round_fragment(self) -> FragmentTag | None: ...
@@ -109,10 +112,13 @@ class WholeFrameWindows:
     def take(self, lane: int, consensus: Consensus) -> LaneOut:
         return LaneOut(consensus, consensus.part)
 
-    def end_sharded(self, lane0: LaneOut, lanes: Sequence[RoundFrame] | None) -> LaneOut:
+    def end_sharded(self, lane0: LaneOut, committed: Committed) -> LaneOut:
         raise FlodlError("shards reduce rounds in lanes: a controller without lanes has none to end")
 
     def steps_round(self, lane0: RoundFrame) -> bool:
+        return False  # (no lanes: no shards)
+
+    def checkpoint_wants(self, lane0: RoundFrame) -> bool:
         return False  # (no lanes: no shards)
 
     round_fragment = None

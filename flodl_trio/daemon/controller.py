@@ -172,6 +172,15 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     return settings
 
 
+def resume_dir_of(settings: ControllerDaemonSettings) -> str | None:
+    """Where the run's resume record is kept: the checkpoint directory, unless relays and
+    ranks are told not to hold for a lost controller (``--controller-outage 0``), when
+    nobody would be left to resume with (and the record would keep the shards away)."""
+    if settings.bounds.controller_outage == 0:
+        return None
+    return settings.checkpoint_dir or None
+
+
 async def serve_controller_daemon(
     settings: ControllerDaemonSettings, *, ceiling: int, keep_serving: bool, metrics: tuple[str, int] | None = None
 ) -> None:
@@ -189,7 +198,7 @@ async def serve_controller_daemon(
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
                 rejoin_timeout=settings.rejoin_timeout, min_ranks=settings.min_ranks,
                 formation_timeout=settings.formation_timeout, deterministic=settings.deterministic,
-                lanes=settings.lanes, resume_dir=settings.checkpoint_dir, shards=settings.shards,
+                lanes=settings.lanes, resume_dir=resume_dir_of(settings), shards=settings.shards,
             )
         )
         if metrics is not None:
@@ -200,10 +209,11 @@ async def serve_controller_daemon(
         coordinator = handle.coordinator
         log.info(
             "controller started: listening on %s:%d world_size=%d heartbeat_timeout=%.1fs rejoin_timeout=%gs "
-            "outer=%s checkpoints=%s",
+            "outer=%s checkpoints=%s resume_record=%s",
             settings.host, handle.port, settings.world_size,
             coordinator.heartbeat_timeout, settings.rejoin_timeout,
             type(settings.outer).__name__ if settings.outer else "none", settings.checkpoint_dir or "off",
+            "on" if resume_dir_of(settings) else "off",
         )
         await handle.wait_finished()
         log.info(

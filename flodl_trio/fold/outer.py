@@ -34,18 +34,18 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, SchemaError
+from ..errors import ConfigError, FlodlError, SchemaError
 from ..wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
 from ..wire.constants import DTYPE_F32
 from ..wire.fragment import FragmentTag
 from ..wire.lanes import LaneLayout
-from ..wire.round_frame import RoundFrame, TensorPayload, check_payload
+from ..wire.round_frame import RoundFrame, TensorPayload, check_payload, schema_frame_len
 
 F32Array = npt.NDArray[np.float32]
 
 __all__ = [
     "SHARD_OUTER_KINDS", "DiLoCoNesterov", "PlainAverage", "ShardLanesOuter", "SlowMo", "consensus_as_f32",
-    "shard_outer_config",
+    "lane_state_bytes", "lane_state_frame", "read_lane_state", "shard_outer_config",
 ]
 
 
@@ -147,6 +147,7 @@ class _MomentumOuter:
         self.lr = _check_hyper("lr", lr, positive=True)
         self.momentum = _check_hyper("momentum", momentum, positive=False)
         self._states: dict[FragmentTag | None, _OuterState] = {}
+        self._uncounted: dict[FragmentTag | None, int] = {}  # windows the shards stepped, no state here yet
 
     @property
     def windows(self) -> int:
@@ -183,6 +184,36 @@ class _MomentumOuter:
         state.windows += 1
         return RoundFrame(out, consensus.kind, consensus.weight)
 
+    def adopt_lane(
+        self, layout: LaneLayout, lane: int, fragment: FragmentTag | None,
+        state: tuple[Sequence[F32Array], Sequence[F32Array]],
+    ) -> None:
+        """Take lane ``lane``'s state as the shard that reduces it stepped it (its copy for
+        a checkpoint), so :meth:`state_dict` holds what stepping every lane here would."""
+        whole = self._state_for(layout, fragment)
+        whole.unfilled.discard((lane, layout.count))
+        for p, x, m in zip(layout.lanes[lane], *state):
+            whole.x[p.tensor].reshape(-1)[p.start:p.stop] = x
+            whole.m[p.tensor].reshape(-1)[p.start:p.stop] = m
+
+    def count_sharded_window(self, fragment: FragmentTag | None) -> None:
+        """A window the shards stepped: the state's window count moves as stepping its
+        lanes here would move it. No state is held for it here until a shard's copy
+        brings one (:meth:`adopt_lane`): the count waits for it meanwhile."""
+        state = self._states.get(fragment)
+        if state is None:
+            self._uncounted[fragment] = self._uncounted.get(fragment, 0) + 1
+        else:
+            state.windows += 1
+
+    def _state_for(self, layout: LaneLayout, fragment: FragmentTag | None) -> _OuterState:
+        state = self._states.get(fragment)
+        if state is None:
+            state = self._states[fragment] = _OuterState.zeros(layout)
+            state.windows = self._uncounted.pop(fragment, 1)
+        self._check_shapes(layout.schema, state, fragment)
+        return state
+
     def step_lane(
         self, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
     ) -> RoundFrame:
@@ -193,10 +224,7 @@ class _MomentumOuter:
         (checkpoints do not depend on lanes)."""
         if not consensus.weight > 0:
             return consensus
-        state = self._states.get(fragment)
-        if state is None:
-            state = self._states[fragment] = _OuterState.zeros(layout)
-        self._check_shapes(layout.schema, state, fragment)
+        state = self._state_for(layout, fragment)
         pieces = layout.lanes[lane]
         values = consensus_as_f32(RoundFrame(consensus.tensors[:len(pieces)], consensus.kind), copy=False)
         if (lane, layout.count) in state.unfilled:  # these elements' first window only initializes them
@@ -294,7 +322,7 @@ class _MomentumOuter:
                 s.windows = windows[fragment]
         if None in states:  # the unfragmented state's count is what the total leaves
             states[None].windows = total - sum(windows.values())
-        self._states = states
+        self._states, self._uncounted = states, {}
 
     def config(self) -> dict[str, object]:
         return {"type": type(self).__name__, "lr": self.lr, "momentum": self.momentum}
@@ -450,3 +478,45 @@ class ShardLanesOuter:
         xs, ms = [x.copy() for x in state[0]], [m.copy() for m in state[1]]  # the round's pending state
         self._pending[key] = (xs, ms)
         return self.optimizer._step_pieces(consensus, xs, ms, values)
+
+    def lane_state(
+        self, round_: int, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> tuple[list[F32Array], list[F32Array]]:
+        """Lane ``lane``'s state as round ``round_``'s step left it (flat f32 ``x_prev``
+        and momentum per piece; never changed afterwards): what a checkpoint saves."""
+        key: _LaneKey = (fragment, layout.count, lane, tuple(layout.lanes[lane]))
+        if round_ != self._round or key not in self._pending:
+            raise FlodlError(f"lane {lane} of round {round_} was not stepped here (the last round stepped: "
+                             f"{self._round})")
+        return self._pending[key]
+
+
+def lane_state_frame(stepped: RoundFrame, pieces: int, state: tuple[list[F32Array], list[F32Array]]) -> RoundFrame:
+    """A stepped lane's outer state as a frame a shard sends its controller (``Decide.copy``
+    2): the ``pieces`` pieces' f32 ``x_prev``, then their momentum, then the lane's tag."""
+    xs, ms = state
+    arrays = [TensorPayload(DTYPE_F32, (a.size,), a) for a in (*xs, *ms)]
+    return RoundFrame([*arrays, *stepped.tensors[pieces:]], stepped.kind, stepped.weight)
+
+
+def lane_state_bytes(layout: LaneLayout, lane: int) -> int:
+    """The length of lane ``lane``'s state frame (what a controller may receive for it)."""
+    pieces = [(DTYPE_F32, (p.numel,)) for p in layout.lanes[lane]]
+    return schema_frame_len([*pieces, *pieces, *((t.dtype, tuple(t.shape)) for t in layout.trailer(lane))])
+
+
+def read_lane_state(frame: RoundFrame, layout: LaneLayout, lane: int) -> tuple[list[F32Array], list[F32Array]]:
+    """The ``x_prev`` and momentum pieces of lane ``lane``'s state frame (views), or a
+    SchemaError saying which tensor is not what the layout says."""
+    pieces = layout.lanes[lane]
+    want = 2 * len(pieces) + len(layout.trailer(lane))
+    if len(frame.tensors) != want:
+        raise SchemaError(f"lane {lane}'s outer state has {len(frame.tensors)} tensors, its layout says {want}")
+    arrays: list[F32Array] = []
+    for i, (t, p) in enumerate(zip(frame.tensors, (*pieces, *pieces))):
+        if t.dtype != DTYPE_F32 or tuple(t.shape) != (p.numel,):
+            raise SchemaError(f"lane {lane}'s outer state: tensor {i} is dtype {t.dtype} shape {list(t.shape)}, "
+                              f"its layout says f32 shape [{p.numel}]")
+        check_payload(t, i, f"lane {lane}'s outer state")
+        arrays.append(np.zeros(p.numel, dtype=F32) if t.elided else np.frombuffer(t.data, dtype=F32))
+    return arrays[:len(pieces)], arrays[len(pieces):]

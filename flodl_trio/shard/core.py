@@ -12,7 +12,8 @@ Task structure::
                     decider --once every decided host's pieces are in--> each owned lane summed
                               over ``hosts`` in host order, divided once, stepped (``Decide.step``: the
                               outer optimizer ``ShardOuter`` named), signed, queued to the targets
-                              (and, with ``Decide.copy``, to the controller after its own mark)
+                              (and, with ``Decide.copy``, to the controller after its own mark;
+                              copy 2 adds each stepped lane's outer state: a checkpoint)
                     heartbeat --ShardAlive--> the controller (a frozen shard is noticed)
 
 A shard folds nothing before the controller decides the round's contributors:
@@ -25,6 +26,7 @@ committed) is summed again from them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -36,7 +38,7 @@ import trio
 
 from ..errors import ConfigError, FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
-from ..fold.outer import SHARD_OUTER_KINDS, ShardLanesOuter
+from ..fold.outer import SHARD_OUTER_KINDS, ShardLanesOuter, lane_state_frame
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import Listeners, listener_port, peer_host, tune_socket
 from ..transport.hashing import encode_enveloped_frame
@@ -48,6 +50,7 @@ from ..wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_SHARD, DEFAULT_FR
 from ..wire.fragment import FragmentTag
 from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
+    COPY_WITH_STATE,
     Decide,
     Decided,
     MuxKind,
@@ -246,6 +249,8 @@ class _Shard:
         except FlodlError as exc:  # the controller broke the protocol: this shard's work ends, saying why
             log.warning("shard %s: ends: %s", self.index, exc)
             error = exc
+        except CONNECTION_LOST as exc:  # the controller dropped this shard (lost it), or died
+            log.info("shard %s: the controller's connection ended: %s", self.index, exc)
         finally:
             await conn.aclose()
             self.handle.outcome.end(error)  # its controller is gone: the shard's work is over
@@ -271,8 +276,10 @@ class _Shard:
 
     async def _controller_writer(self, conn: MessageStream, outbox: trio.MemoryReceiveChannel[EncodedFrame]) -> None:
         """The one writer to the controller: what the shard has to say (refused pieces),
-        and ``ShardAlive`` whenever a quarter of its heartbeat timeout passes in silence."""
-        await self._write_keeping_alive(conn, outbox, self._heartbeat_s / 4)
+        and ``ShardAlive`` whenever a quarter of its heartbeat timeout passes in silence.
+        A connection that breaks ends it quietly: the reader sees the end too."""
+        with contextlib.suppress(*CONNECTION_LOST):
+            await self._write_keeping_alive(conn, outbox, self._heartbeat_s / 4)
 
     async def _write_keeping_alive(
         self, conn: MessageStream, outbox: trio.MemoryReceiveChannel[EncodedFrame], idle: float
@@ -350,9 +357,9 @@ class _Shard:
             relay.used_in = msg.round
             acc.add(relay.pieces[lane], relay.name)
         consensus = finish_consensus(acc)
+        fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
         if msg.step:
             assert self.outer is not None  # (checked as the decision came in)
-            fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
             consensus = self.outer.step(msg.round, consensus, layout, lane, fragment)
         record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.salt)
         mark = self._control(Decided(msg.decision))
@@ -364,13 +371,24 @@ class _Shard:
                 self._marked.add(rank)
                 target.queue(mark)
             self._queue_lane(target, record)
-        if msg.copy:  # the controller keeps this round whole (a rank rejoins from it)
+        if msg.copy:  # the controller keeps this round whole (a rank rejoins, a checkpoint is due)
             if not self._controller_marked:
                 self._controller_marked = True
                 self._to_controller.send_nowait(mark)
             self._to_controller.send_nowait(record)
+            if msg.copy == COPY_WITH_STATE and msg.step:
+                await self._copy_state(msg, consensus, layout, lane, fragment)
         self._lanes_sent.add(lane)
         self.handle.lanes_summed += 1
+
+    async def _copy_state(
+        self, msg: Decide, stepped: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> None:
+        """After a stepped lane's copy, its outer state (a checkpoint saves it)."""
+        assert self.outer is not None
+        state = self.outer.lane_state(msg.round, layout, lane, fragment)
+        frame = lane_state_frame(stepped, len(layout.lanes[lane]), state)
+        self._to_controller.send_nowait(await encode_enveloped_frame(MuxKind.BROADCAST, frame, self.salt))
 
     def _refuse_piece(self, relay: _Relay, reason: str) -> None:
         log.warning("shard %s: %s sent a piece the round's schema does not allow: %s", self.index, relay.name, reason)

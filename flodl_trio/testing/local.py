@@ -203,7 +203,7 @@ async def open_local_cluster(
     ``local_leg`` to the data relays (default: on
     unless ``FLODL_NO_UNIX`` is set). ``shards``: start that many reduction
     shards first (on the memory network too) and give them to the controller
-    (which then takes no custom outer optimizer, checkpoint or resume record;
+    (which then takes no custom outer optimizer or resume record;
     ``close_shard(i)`` stops one);
     ``"auto"``: one per host, which its data relay offers to the controller,
     started with ``shards="auto"`` (the daemons' default).

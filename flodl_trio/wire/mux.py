@@ -213,6 +213,12 @@ class ShardSetup:
     heartbeat_ms: int
 
 
+# Decide.copy: what a shard sends its controller besides its relays' lanes.
+COPY_NONE = 0  # nothing
+COPY_LANES = 1  # each lane it sums (the controller keeps the round whole)
+COPY_WITH_STATE = 2  # ... and after each stepped lane, that lane's outer state (a checkpoint)
+
+
 @attrs.frozen
 class Decide:
     """flodl_trio extension (variant 208), controller -> shard: decision number
@@ -221,8 +227,10 @@ class Decide:
     whose lane 0 finished, of ``lanes`` lanes cut from a frame of ``schema`` ((dtype,
     shape) per tensor, which lane 0 carried: every piece is checked against it): sum
     the pieces of ``hosts`` (each named by its lowest rank, in host order) and send
-    each lane to ``targets`` (the same naming); ``copy``: send them to the controller
-    too (it needs the whole consensus of this round: a rank is rejoining); ``step``:
+    each lane to ``targets`` (the same naming); ``copy``: 1 (``COPY_LANES``), send them to
+    the controller too (it needs the whole consensus of this round: a rank is rejoining,
+    or a checkpoint is due); 2 (``COPY_WITH_STATE``), and after each stepped lane its outer
+    state (a checkpoint of a params round); ``step``:
     the round is a window's params round, whose lanes the shard steps with the outer
     optimizer ``ShardOuter`` named, in the state of params fragment ``fragment``
     ((index, count); None: the whole model's)."""
@@ -233,9 +241,13 @@ class Decide:
     schema: tuple[tuple[int, tuple[int, ...]], ...] = attrs.field(converter=_schema)
     hosts: tuple[int, ...] = attrs.field(converter=_ranks)
     targets: tuple[int, ...] = attrs.field(converter=_ranks)
-    copy: bool = False
+    copy: int = attrs.field(default=0, converter=int)
     step: bool = False
     fragment: tuple[int, int] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.copy not in (COPY_NONE, COPY_LANES, COPY_WITH_STATE):
+            raise FramingError(f"Decide copy must be 0, 1 or 2, got {self.copy}")
 
 
 @attrs.frozen
@@ -506,7 +518,7 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
                 reader.count(f"Decide schema {i} ndim", 1))]))
         hosts = [reader.varint(f"Decide host {i}") for i in range(reader.count("Decide host count", 1))]
         targets = [reader.varint(f"Decide target {i}") for i in range(reader.count("Decide target count", 1))]
-        copy = bool(reader.varint("Decide copy", limit=1))
+        copy = reader.varint("Decide copy", limit=COPY_WITH_STATE)
         step = reader.varint("Decide step", limit=2)
         fragment = None
         if step == 2:

@@ -434,12 +434,18 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
     (3, ("--outer", "diloco"), (), True, "INFO"),  # the shards step a built-in outer optimizer: still used
     (3, ("--shards", "off"), (), False, "INFO"),  # a star, whatever the relays offer
     (3, (), ("--shard", "off"), False, "INFO"),  # one relay offers none: nothing is fixed
-], ids=["defaults", "two-hosts", "quiet-relays", "outer", "controller-off", "one-relay-off"])
+    # checkpoints go through the shards; a resume record (the checkpoint directory's, kept
+    # unless nobody holds for a lost controller) keeps the star
+    (3, ("--outer", "diloco", "--checkpoint-dir", "{tmp}", "--controller-outage", "0"), (), True, "INFO"),
+    (3, ("--checkpoint-dir", "{tmp}"), (), False, "INFO"),
+], ids=["defaults", "two-hosts", "quiet-relays", "outer", "controller-off", "one-relay-off", "checkpoints",
+        "resume-record"])
 async def test_shards_by_default_and_both_ways_to_turn_them_off(hosts, controller_flags, relay_b_flags, sharded,
-                                                                 relay_log):
+                                                                 relay_log, tmp_path):
     """One rank a host: rounds exact and every daemon exits 0 in each case; the
     controller's log says whether it took the relays' shards, and a relay's shard that
     was used says so."""
+    controller_flags = [flag.replace("{tmp}", str(tmp_path)) for flag in controller_flags]
     ctl_port, *ports = free_ports(1 + hosts)
     async with trio.open_nursery() as nursery:
         controller = await start_daemon(
@@ -457,5 +463,7 @@ async def test_shards_by_default_and_both_ways_to_turn_them_off(hosts, controlle
                 await relay.wait_for(" started: ranks=")
         await _three_exact_rounds_then_clean_exits(ports, [controller, *relays])
     assert ("reducing with the 3 shards the relays offered" in controller.text) == sharded, controller.text
+    if "--checkpoint-dir" in controller_flags:
+        assert f"resume_record={'off' if sharded else 'on'}" in controller.text
     if relay_log == "INFO":
         assert ("shard finished: 2 rounds" in relays[0].text) == sharded, relays[0].text  # rounds 1 and 2

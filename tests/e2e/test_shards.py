@@ -286,12 +286,12 @@ class CustomOuter:
         return consensus
 
 
-async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt):
+async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt, tmp_path):
     from flodl_trio import ConfigError
 
     for options, named in (({"lanes": 1}, "lanes >= 2"),
                            ({"outer_optimizer": CustomOuter()}, "the outer optimizer CustomOuter"),
-                           ({"checkpoint": lambda rounds, frame: None}, "a checkpoint sink")):
+                           ({"resume_dir": tmp_path}, "a resume record")):
         with pytest.raises(ConfigError, match=named):
             async with open_controller(LOOP, 0, world_size=1, salt=salt, shards=[(LOOP, 1)], **options):
                 pass

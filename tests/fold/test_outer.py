@@ -337,3 +337,52 @@ def test_a_shards_lanes_step_to_the_controllers_bytes_and_a_round_decided_again_
         for a, b in zip(layout.join(got).tensors, want.tensors, strict=True):
             assert bytes(a.data) == bytes(b.data), window
     assert sum(s.lanes_held for s in shards) == 4  # each shard holds its own lanes' state only
+
+
+@pytest.mark.parametrize("make", [SlowMo, DiLoCoNesterov])
+def test_the_shards_lane_states_adopted_by_a_controller_are_its_own_state_dict_bit_for_bit(make):
+    """Each shard's lane state after a round's step, sent as a state frame and read back
+    (``lane_state_frame`` / ``read_lane_state``), adopted lane by lane into a controller's
+    optimizer that counted the shards' windows: its state_dict is the one stepping the
+    whole frame there gives, window after window."""
+    from flodl_trio.fold.outer import ShardLanesOuter, lane_state_bytes, lane_state_frame, read_lane_state
+    from flodl_trio.wire.lanes import LaneLayout, lane_owner
+    from flodl_trio.wire.round_frame import decode_round_frame, encode_round_frame_chunks
+    from flodl_trio.wire.salt import SessionSalt
+
+    whole, controller, shards = make(), make(), [ShardLanesOuter(make()), ShardLanesOuter(make())]
+    salt = SessionSalt(b"\x05" * 16)
+    for window, values in enumerate(consensus_sequence(4, seed=5)):
+        frame = make_frame(values)
+        layout = LaneLayout.of(frame, 5, lane0_empty=True)
+        whole.step(frame, None)
+        parts = layout.split(frame)
+        controller.count_sharded_window(None)
+        for k in range(1, 5):
+            shard = shards[lane_owner(k, 2, set())]
+            stepped = shard.step(window, parts[k], layout, k, None)
+            state = lane_state_frame(stepped, len(layout.lanes[k]), shard.lane_state(window, layout, k, None))
+            wire = b"".join(bytes(memoryview(c).cast("B")) for c in encode_round_frame_chunks(state, salt).chunks)
+            assert len(wire) == lane_state_bytes(layout, k)
+            controller.adopt_lane(layout, k, None, read_lane_state(decode_round_frame(wire, salt), layout, k))
+        got, want = controller.state_dict(), whole.state_dict()
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert np.array_equal(got[key], want[key]), (window, key)
+
+
+def test_a_lane_state_frame_that_is_not_what_the_layout_says_is_refused_naming_the_tensor():
+    from flodl_trio.errors import SchemaError
+    from flodl_trio.fold.outer import read_lane_state
+    from flodl_trio.wire.lanes import LaneLayout
+
+    frame = make_frame(consensus_sequence(1, seed=1)[0])
+    layout = LaneLayout.of(frame, 3, lane0_empty=True)
+    lane = layout.split(frame)[1]
+    with pytest.raises(SchemaError, match="lane 1's outer state has .* tensors, its layout says"):
+        read_lane_state(lane, layout, 1)  # the lane itself: no momentum
+    pieces = len(layout.lanes[1])
+    bf16 = [TensorPayload(DTYPE_BF16, t.shape, bytes(t.nbytes // 2)) for t in lane.tensors[:pieces]]
+    doubled = RoundFrame([*lane.tensors[:pieces], *bf16, *lane.tensors[pieces:]], lane.kind, lane.weight)
+    with pytest.raises(SchemaError, match=f"tensor {pieces} is dtype {DTYPE_BF16}"):
+        read_lane_state(doubled, layout, 1)

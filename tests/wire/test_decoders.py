@@ -776,8 +776,14 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     assert decode_control_msg(encode_control_msg(decide)) == decide
     copy = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], copy=True)
     assert encode_control_msg(copy)[-2:] == b"\x01\x00" and decode_control_msg(encode_control_msg(copy)) == copy
+    # copy 2: the lanes and each stepped lane's outer state (a checkpoint); 3 is no copy at all
+    with_state = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], copy=2, step=True)
+    assert encode_control_msg(with_state)[-2:] == b"\x02\x01"
+    assert decode_control_msg(encode_control_msg(with_state)) == with_state
     with pytest.raises(FramingError, match="Decide copy"):
-        decode_control_msg(encode_control_msg(decide)[:-2] + b"\x02\x00")
+        decode_control_msg(encode_control_msg(decide)[:-2] + b"\x03\x00")
+    with pytest.raises(FramingError, match="Decide copy must be 0, 1 or 2, got 3"):
+        Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], copy=3)
     # The outer step: 1 steps the whole model's state, 2 a fragment's (index, count).
     step = Decide(300, 7, 9, [(0, [3, 2])], [0, 2], [0, 2, 4], step=True)
     assert encode_control_msg(step)[-2:] == b"\x00\x01" and decode_control_msg(encode_control_msg(step)) == step
