@@ -79,7 +79,8 @@ def why_no_shards(*, lanes: int, outer_optimizer: object, resume_dir: object) ->
         what for what, given in (
             (f"the outer optimizer {type(outer_optimizer).__name__} (shards step SlowMo and DiLoCoNesterov only)",
              custom_outer),
-            ("a resume record (resume_dir / --checkpoint-dir)", resume_dir is not None),
+            ("a resume record (resume_dir; the daemon's --checkpoint-dir keeps one unless --controller-outage 0, "
+             "which keeps checkpoints only)", resume_dir is not None),
         ) if given
     ]
     if lanes < 2:

@@ -193,3 +193,43 @@ async def test_diloco_trainers_step_on_the_relays_shards_and_finish_together_aft
             for host in (0, 1):  # each survivor's shard was told the optimizer (its log is its relay's)
                 assert any("steps its lanes with DiLoCoNesterov" in relay.text
                            for relay in cluster.relay_processes(host)), cluster.logs()
+
+
+@pytest.mark.deadline(120)
+async def test_diloco_windows_checkpointed_through_the_relays_shards_are_the_consensus_every_rank_got(salt, tmp_path):
+    """Default daemons, the controller with ``--outer diloco --checkpoint-dir`` and no resume
+    record (``--controller-outage 0``): it still takes the relays' shards, and each checkpoint
+    it writes (every 2nd window) holds the params and buffers every rank got that window,
+    byte for byte, with the outer state the shards stepped (DiLoCo's ``x_prev`` is the
+    consensus it sent)."""
+    import hashlib
+
+    import numpy as np
+
+    from flodl_trio.testing.matrix import diagnose
+    from flodl_trio.wire.checkpoint import list_checkpoints, load_checkpoint
+
+    windows = 6
+    with trio.fail_after(110):
+        async with open_process_cluster(
+            world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=10.0, daemons=True,
+            numel=NUMEL, worker_args={r: ["--windows", str(windows)] for r in range(3)},
+            controller_args=["--outer", "diloco", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2",
+                             "--controller-outage", "0"],
+        ) as cluster:
+            with diagnose(cluster):
+                outcomes = [await cluster.wait_outcome(rank) for rank in range(3)]
+            assert all(o["event"] == "done" for o in outcomes), cluster.logs()
+            got = [{e["window"]: e["digest"] for e in cluster.ranks[r].events if e["event"] == "window"}
+                   for r in range(3)]
+            assert got[0] == got[1] == got[2] and len(got[0]) == windows, got
+            assert "reducing with the 3 shards the relays offered" in cluster.controller.text, cluster.logs()
+    checkpoints = list_checkpoints(tmp_path)
+    assert [w for w, _ in checkpoints] == [0, 2, 4], checkpoints
+    for window, path in checkpoints:
+        saved = load_checkpoint(path)
+        digest = hashlib.sha256(saved.params[0].tobytes() + saved.buffers[0].tobytes()).hexdigest()[:32]
+        assert digest == got[0][window], (window, path)
+        np.testing.assert_array_equal(saved.outer["x_prev.0"], saved.params[0])
+        assert int(saved.outer["windows"][0]) == window + 1
+    assert np.abs(load_checkpoint(checkpoints[-1][1]).outer["momentum.0"]).max() > 0  # the shards' momentum
