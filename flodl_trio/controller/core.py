@@ -85,6 +85,7 @@ from ..wire.mux import (
     RelayControlMsg,
     Resume,
     ShardLost,
+    ShardBack,
     ShardOffer,
     ShardOuter,
     Shards,
@@ -272,7 +273,7 @@ async def open_controller(
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
     controller.connect = connect
     if isinstance(shards, str):
-        controller.take_offered_shards = why_not is None
+        controller.take_offered_shards = controller.offered_shards = why_not is None
         if why_not is not None:
             log.info("controller: the shards relays offer will not be used: %s", why_not)
     elif shards:
@@ -334,6 +335,7 @@ class _Controller:
 
     shards: ShardSet | None = None  # the reduction shards, if any (docs/wire.md, "Shards")
     take_offered_shards = False  # shards="auto": fix the relays' offered shards once the cluster formed
+    offered_shards = False  # shards="auto": a lost shard is served again by a relay's later offer
     connect: Connector = staticmethod(trio.open_tcp_stream)  # how shards are dialed
     _nursery: trio.Nursery | None = None
 
@@ -379,6 +381,27 @@ class _Controller:
                 link.sharded_next = True
         log.info("controller: reducing with the %d shards the relays offered (%s)", len(shards.addresses),
                  ", ".join(f"{h}:{p}" for h, p in shards.addresses))
+
+    async def _serve_lost_shards_again(self) -> None:
+        """shards="auto", between rounds: a live relay's offer that no shard is at (a host
+        brought back, its relay serving a new shard) serves the lowest lost shard again,
+        and every relay is told before the commit, for its next round (docs/wire.md, "A
+        lost shard served again"). Each address is tried once (``ShardSet.serve_again``)."""
+        shards = self.shards
+        if shards is None or not shards.lost or not self.offered_shards:
+            return
+        for link in sorted(self.links.values(), key=lambda link: min(link.ranks)):
+            offer = link.shard_offer
+            if offer is None or not self._relay_live(link.id):
+                continue
+            index = await shards.serve_again(offer)
+            if index is None:
+                continue
+            for other in self.links.values():
+                if not other.closed and other.takes_extensions:
+                    other.queue_control(ShardBack(index, *offer), self.config.salt)
+            if not shards.lost:
+                return
 
     def _sharded(self, consensus: Consensus) -> bool:
         """Whether this lane-0 consensus is of a round the shards reduce (several lanes,
@@ -859,6 +882,7 @@ class _Controller:
                 committed = await self._decide(out.consensus, targets)
                 targets = committed.targets
                 out = self.windows.end_sharded(out, committed)
+                await self._serve_lost_shards_again()  # between rounds: each relay takes it for its next
             elif out.opens_round and self.take_offered_shards:
                 await self._fix_offered_shards()  # before this consensus: the relays' next rounds use them
             consensus, part = out.consensus, out.part

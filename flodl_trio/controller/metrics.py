@@ -96,8 +96,13 @@ class ControllerCollector(Collector):
         )
         yield counter(
             "flodl_controller_rounds_copied",
-            "Sharded rounds whose lanes the shards also sent the controller, for a rank rejoining",
+            "Sharded rounds whose lanes the shards also sent the controller (a rank rejoining, a checkpoint)",
             stats.rounds_copied,
+        )
+        yield counter(
+            "flodl_controller_shards_served_again",
+            "Lost reduction shards served again by a shard a relay offered (a host brought back)",
+            stats.shards_served_again,
         )
 
 

@@ -46,6 +46,7 @@ from ..wire.mux import (
     PieceRefused,
     RelayControlMsg,
     ShardAlive,
+    ShardBack,
     ShardLost,
     ShardOuter,
     ShardSetup,
@@ -102,6 +103,7 @@ class ShardSet:
         outer: ShardOuter | None = None,
     ) -> None:
         self.addresses = tuple(addresses)
+        self._used = set(self.addresses)  # every address a shard was set up at (none is set up twice)
         self.outer = outer  # how the shards step a params round's lanes (None: no outer optimizer)
         self._config = config
         self._live = live  # whether a relay is still connected with a live rank
@@ -144,23 +146,57 @@ class ShardSet:
                              + "; ".join(f"shard {i}: {why}" for i, why in sorted(self.lost.items())))
 
     async def _dial_one(self, index: int, address: tuple[str, int]) -> None:
-        host, port = address
         try:
-            stream = await connect_with_retry(host, port, f"controller: shard {index}", self._config.bounds,
-                                              self._connect)
-            conn = MessageStream(stream, f"shard {index} {host}:{port}", self._config.bounds)
-            heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
-            setup = [self._record(ShardSetup(index, len(self.addresses), heartbeat_ms))]
-            if self.outer is not None:
-                setup.append(self._record(self.outer))
-            await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *(c for r in setup for c in r.chunks)])
+            conn = await self._set_up(index, address)
         except (ConnectFailed, *CONNECTION_LOST) as exc:
-            log.warning("controller: shard %d at %s:%d lost from the start: %s", index, host, port, exc)
+            log.warning("controller: shard %d at %s:%d lost from the start: %s", index, *address, exc)
             self.lost[index] = f"unreachable at the start ({exc})"
             self._stats.shards_lost += 1
             return
         self.conns[index] = conn
         self._locks[index] = trio.Lock()
+
+    async def _set_up(self, index: int, address: tuple[str, int]) -> MessageStream:
+        """Dial the shard at ``address`` and say it is shard ``index``: its setup, the outer
+        step, and the shards already lost (all in one write)."""
+        host, port = address
+        stream = await connect_with_retry(host, port, f"controller: shard {index}", self._config.bounds, self._connect)
+        conn = MessageStream(stream, f"shard {index} {host}:{port}", self._config.bounds)
+        heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
+        setup: list[RelayControlMsg] = [ShardSetup(index, len(self.addresses), heartbeat_ms)]
+        if self.outer is not None:
+            setup.append(self.outer)
+        setup += [ShardLost(lost) for lost in sorted(self.lost) if lost != index]
+        records = [self._record(msg) for msg in setup]
+        await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *(c for r in records for c in r.chunks)])
+        return conn
+
+    async def serve_again(self, address: tuple[str, int]) -> int | None:
+        """A relay offers a shard at ``address`` while some are lost (a host brought back):
+        it becomes the lowest lost shard, and the live shards are told (``ShardBack``).
+        Only between rounds (the caller's commit): every relay takes it for its next round.
+        None - nothing taken - when no shard is lost, a shard was set up at ``address``
+        before (live, or lost: a shard that comes back holds a state nobody follows), or it
+        cannot be reached within the connect bounds."""
+        if not self.lost or address in self._used:
+            return None
+        self._used.add(address)
+        index = min(self.lost)
+        try:
+            conn = await self._set_up(index, address)
+        except (ConnectFailed, *CONNECTION_LOST) as exc:
+            log.warning("controller: the offered shard at %s:%d could not serve shard %d: %s", *address, index, exc)
+            return None
+        await self._tell_shards(ShardBack(index, *address))  # (the new one knows)
+        del self.lost[index]
+        self.addresses = (*self.addresses[:index], address, *self.addresses[index + 1:])
+        self.conns[index], self._locks[index] = conn, trio.Lock()
+        self._marks.pop(index, None)
+        self._stats.shards_served_again += 1
+        if self._nursery is not None:
+            self._nursery.start_soon(self._watch, index)
+        log.info("controller: shard %d is served again, at %s:%d", index, *address)
+        return index
 
     def start_watching(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery

@@ -46,7 +46,8 @@ class ControllerStats:
     fold_images_reused: int = 0  # rounds folded into an earlier round's f32 images instead of new ones
     shards_lost: int = 0  # reduction shards lost (closed, or silent for a heartbeat timeout)
     decisions_again: int = 0  # rounds decided again for the shards (one was lost before the round committed)
-    rounds_copied: int = 0  # sharded rounds the shards also sent here whole (a rank was rejoining)
+    rounds_copied: int = 0  # sharded rounds the shards also sent here whole (a rank rejoining, a checkpoint)
+    shards_served_again: int = 0  # lost shards a relay's offer served again (a host brought back)
 
 
 __all__ = ["ControllerStats", "LatencyHistogram"]

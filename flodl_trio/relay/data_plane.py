@@ -45,6 +45,7 @@ from ..wire.mux import (
     RankJoin,
     RelayControlMsg,
     Resume,
+    ShardBack,
     ShardLost,
     Shards,
     decode_control_msg,
@@ -398,10 +399,13 @@ class DataPlane:
             log.info("relay %s: the controller fixed %d reduction shards; rounds go through them from the next",
                      self.config.host_name, len(msg.addresses))
             return self.frames.use_shards(msg.addresses)
-        if isinstance(msg, ShardLost):
+        if isinstance(msg, ShardLost | ShardBack):
             shards = self.frames.shards if isinstance(self.frames, LaneFrames) else None
             if shards is None:
-                raise ProtocolError(f"relay {self.config.host_name}: ShardLost, and the controller named no shards")
+                raise ProtocolError(f"relay {self.config.host_name}: {type(msg).__name__}, and the controller named "
+                                    "no shards")
+            if isinstance(msg, ShardBack):
+                return shards.shard_back(msg.shard, (msg.host, msg.port))
             return await shards.shard_lost(msg.shard)
         if isinstance(msg, RankAway):
             return await self._on_away(msg.rank, out)

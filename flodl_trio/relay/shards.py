@@ -17,9 +17,10 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+import attrs
 import trio
 
-from ..errors import FlodlError, ProtocolError
+from ..errors import ConnectFailed, FlodlError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
@@ -90,6 +91,7 @@ class ShardLinks:
         self._receiving = trio.Lock()
         self._failed: set[int] = set()  # shards whose connection failed here, not yet said lost
         self._told_controller: set[int] = set()  # ... and told to the controller
+        self._back: dict[int, tuple[str, int]] = {}  # lost shards served again from the next round, and where
 
     @property
     def count(self) -> int:
@@ -111,6 +113,7 @@ class ShardLinks:
         round is decided while the pieces go up, and each shard sends a lane down as soon
         as every host's piece of it is in."""
         await self._connect()
+        await self._take_back_served_again()
         self._round += 1
         self._count = len(records)
         self._sent_to.clear()
@@ -178,6 +181,7 @@ class ShardLinks:
         lanes of a round not yet committed go to their new owner."""
         if not 0 <= shard < self.count:
             raise ProtocolError(f"relay {self._config.host_name}: ShardLost for shard {shard} of {self.count}")
+        self._back.pop(shard, None)  # served again and lost again before this relay took it back
         if shard in self.lost:
             return
         self.lost.add(shard)
@@ -188,6 +192,33 @@ class ShardLinks:
         if conn is not None:
             await conn.aclose()  # a write to it in progress ends; its reader ends
         self.changed.notify()
+
+    def shard_back(self, shard: int, address: tuple[str, int]) -> None:
+        """The controller says lost ``shard`` is served again at ``address``: from this
+        relay's next round (the one in progress keeps the owners it began with)."""
+        if not 0 <= shard < self.count or shard not in self.lost:
+            raise ProtocolError(f"relay {self._config.host_name}: ShardBack for shard {shard} of {self.count}, "
+                                f"which is not lost (lost: {sorted(self.lost)})")
+        self._back[shard] = address
+
+    async def _take_back_served_again(self) -> None:
+        """Between rounds: each shard served again owns its lanes again, at its new address."""
+        back, self._back = self._back, {}
+        for shard, address in sorted(back.items()):
+            self.lost.discard(shard)
+            self._failed.discard(shard)
+            self._told_controller.discard(shard)
+            for told in self._told.values():
+                told.discard(shard)
+            shards = list(self._config.shards)
+            shards[shard] = address
+            self._config = attrs.evolve(self._config, shards=tuple(shards))
+            log.info("relay %s: shard %d is served again, at %s:%d", self._config.host_name, shard, *address)
+            try:
+                await self._dial(shard)
+            except (ConnectFailed, *CONNECTION_LOST) as exc:  # told to the controller, which loses it again
+                log.warning("relay %s: shard %d could not be reached (%s)", self._config.host_name, shard, exc)
+                self._failed.add(shard)
 
     def commit(self) -> None:
         """The controller's lane 0 came: the round is over."""
@@ -201,17 +232,21 @@ class ShardLinks:
         if self._connected:
             return
         self._connected = True
+        for index in range(self.count):
+            if index not in self.lost:
+                await self._dial(index)
+
+    async def _dial(self, index: int) -> None:
+        """Dial shard ``index`` with this relay's Hello, and start its reader."""
         config = self._config
+        host, port = config.shards[index]
         hello = self._record(Hello(config.host_name, config.ranks, [EXTENSIONS_MARK]))
-        for index, (host, port) in enumerate(config.shards):
-            if index in self.lost:
-                continue
-            stream = await connect_with_retry(host, port, f"relay {config.host_name} shard {index}", config.bounds,
-                                              config.connect)
-            conn = MessageStream(stream, f"shard {index} {host}:{port}", config.bounds)
-            await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), *hello.chunks])
-            self.conns[index] = conn
-            self._start_task(self._read, index, conn)
+        stream = await connect_with_retry(host, port, f"relay {config.host_name} shard {index}", config.bounds,
+                                          config.connect)
+        conn = MessageStream(stream, f"shard {index} {host}:{port}", config.bounds)
+        await conn.send_chunks([CHANNEL_MAGIC_DATA.to_bytes(4, "little"), *hello.chunks])
+        self.conns[index] = conn
+        self._start_task(self._read, index, conn)
 
     async def _read(self, index: int, conn: MessageStream) -> None:
         """A shard's acks, marks and consensus lanes. Its connection ending, or bytes from

@@ -59,6 +59,7 @@ from ..wire.mux import (
     RelayControlMsg,
     ShardAck,
     ShardAlive,
+    ShardBack,
     ShardLost,
     ShardOuter,
     ShardSetup,
@@ -201,6 +202,14 @@ class _Shard:
             self.lost.add(shard)
             self._changed.notify()
 
+    def _shard_back(self, shard: int) -> None:
+        """A lost shard is served again (a new one, between rounds): its lanes are its own
+        again from the next round."""
+        if shard in self.lost:
+            log.info("shard %s: shard %d is served again; its lanes are its own again", self.index, shard)
+            self.lost.discard(shard)
+            self._changed.notify()
+
     async def route(self, stream: trio.abc.Stream) -> None:
         tune_socket(stream)
         conn = MessageStream(stream, f"connection from {peer_host(stream)}", self.bounds)
@@ -268,6 +277,8 @@ class _Shard:
                 self._changed.notify()
             elif isinstance(msg, ShardLost):
                 self._shard_lost(msg.shard)
+            elif isinstance(msg, ShardBack):
+                self._shard_back(msg.shard)
             elif isinstance(msg, ShardOuter) and self.outer is None:
                 self.outer = _outer_of(msg)
                 log.info("shard %s: steps its lanes with %r", self.index, self.outer.optimizer)

@@ -203,6 +203,18 @@ class ShardOffer:
 
 
 @attrs.frozen
+class ShardBack:
+    """flodl_trio extension (variant 218), controller -> relays and shards: shard ``shard``,
+    lost, is served again at ``host:port`` (a relay's offer, set up by the controller as
+    that shard) from each relay's round after the one in progress (docs/wire.md, "A lost
+    shard served again")."""
+
+    shard: int
+    host: str
+    port: int
+
+
+@attrs.frozen
 class ShardSetup:
     """flodl_trio extension (variant 207), controller -> shard, the first record on the
     controller's connection to a shard: it is shard ``index`` of ``count``, and says it is
@@ -326,14 +338,14 @@ NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had n
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
     | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
-    | ShardOffer | ShardOuter
+    | ShardOffer | ShardOuter | ShardBack
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
     ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215, ShardOffer: 216,
-    ShardOuter: 217,
+    ShardOuter: 217, ShardBack: 218,
 }
 
 
@@ -391,6 +403,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += _address(host, port)
         case ShardOffer(host=host, port=port):
             out += _address(host, port)
+        case ShardBack(shard=shard, host=host, port=port):
+            out += _varint(shard) + _address(host, port)
         case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
             out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
         case Decide(decision=decision, round=round_, lanes=lanes, schema=schema, hosts=hosts, targets=targets,
@@ -505,6 +519,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = Shards([_read_address(reader, f"shard {i}") for i in range(reader.count("shard count", 2))])
     elif variant == 216:
         msg = ShardOffer(*_read_address(reader, "ShardOffer"))
+    elif variant == 218:
+        msg = ShardBack(reader.varint("ShardBack shard"), *_read_address(reader, "ShardBack"))
     elif variant == 207:
         msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"),
                          reader.varint("ShardSetup heartbeat_ms"))

@@ -26,6 +26,19 @@ async def _all_hold_before(cluster, ranks, round_index: int) -> None:
         await cluster.wait_event(rank, "paused", round=round_index)
 
 
+def _three_hosts(salt, **options):
+    """Default daemons (each relay serving a shard), one rank on each of three hosts."""
+    return open_process_cluster(world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=10.0,
+                                daemons=True, numel=NUMEL, **options)
+
+
+async def _sigkill_host_2(cluster) -> None:
+    """The machine goes down: its rank, and its relay daemon with the shard it serves."""
+    cluster.kill(2)
+    cluster.kill_relay(2)
+    await cluster.wait_exit(2)
+
+
 async def _expect_exact_rounds(cluster, ranks, rounds: int) -> None:
     for rank in ranks:
         outcome = await cluster.wait_outcome(rank)
@@ -174,15 +187,11 @@ async def test_diloco_trainers_step_on_the_relays_shards_and_finish_together_aft
     windows = 8
     args = ["--train-windows", str(windows), "--sync-every", "3", "--step-time", "0.01"]
     with trio.fail_after(110):
-        async with open_process_cluster(
-            world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=10.0, daemons=True,
-            numel=NUMEL, worker_args={r: args for r in range(3)}, controller_args=["--outer", "diloco"],
-        ) as cluster:
+        async with _three_hosts(salt, worker_args={r: args for r in range(3)},
+                                controller_args=["--outer", "diloco"]) as cluster:
             with diagnose(cluster):
                 await cluster.wait_event(0, "window", window=3)
-                cluster.kill(2)
-                cluster.kill_relay(2)
-                await cluster.wait_exit(2)
+                await _sigkill_host_2(cluster)
                 outcomes = [await cluster.wait_outcome(rank) for rank in (0, 1)]
             assert all(o["event"] == "done" for o in outcomes), cluster.logs()
             trained = [next(e for e in cluster.ranks[r].events if e["event"] == "trained") for r in (0, 1)]
@@ -211,9 +220,8 @@ async def test_diloco_windows_checkpointed_through_the_relays_shards_are_the_con
 
     windows = 6
     with trio.fail_after(110):
-        async with open_process_cluster(
-            world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=10.0, daemons=True,
-            numel=NUMEL, worker_args={r: ["--windows", str(windows)] for r in range(3)},
+        async with _three_hosts(
+            salt, worker_args={r: ["--windows", str(windows)] for r in range(3)},
             controller_args=["--outer", "diloco", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2",
                              "--controller-outage", "0"],
         ) as cluster:
@@ -233,3 +241,52 @@ async def test_diloco_windows_checkpointed_through_the_relays_shards_are_the_con
         np.testing.assert_array_equal(saved.outer["x_prev.0"], saved.params[0])
         assert int(saved.outer["windows"][0]) == window + 1
     assert np.abs(load_checkpoint(checkpoints[-1][1]).outer["momentum.0"]).max() > 0  # the shards' momentum
+
+
+@pytest.mark.deadline(150)
+async def test_a_host_brought_back_serves_its_lost_shard_again_and_every_window_is_exact(salt):
+    """Host 2 - its rank, its relay daemon and the shard that relay serves - is SIGKILLed:
+    shard 2 is lost, its lanes go to the next shard. The operator brings the host back
+    (relay daemon, then rank, which rejoins): its relay offers a new shard, which the
+    controller sets up as shard 2 between two rounds, and every relay sends it shard 2's
+    lanes again from its next round. Every window is exact over its contributors, all
+    end on the same bytes, and the new shard summed lanes."""
+    import re
+
+    from flodl_trio.testing.matrix import diagnose
+    from flodl_trio.testing.windows import check_final_and_joins, check_windows
+
+    windows, hold = 16, 10
+    held = ["--pause-before", f"{hold}:inf", "--pause-before", f"{hold + 2}:inf"]
+    with trio.fail_after(140):
+        async with _three_hosts(
+            salt, pause=0.3, worker_args={r: ["--windows", str(windows), *(held if r in (0, 1) else [])] for r in range(3)},
+        ) as cluster:
+            with diagnose(cluster):
+                await cluster.wait_event(2, "window", window=3)
+                await _sigkill_host_2(cluster)
+                await cluster.controller.wait_log("controller: shard 2 lost (")
+                await cluster.wait_event(0, "window", window=6)
+                await cluster.restart_relay(2)
+                await cluster.restart(2)
+                # With shards a returning rank's state is a window that ends after it asked:
+                # the survivors hold before window 10 until it asked, and before 12 until it has it.
+                await cluster.wait_returns_joining([2])
+                for rank in (0, 1):
+                    await cluster.resume(rank)
+                await cluster.wait_returns_primed([2])
+                for rank in (0, 1):
+                    await cluster.resume(rank)
+                outcomes = [await cluster.wait_outcome(rank) for rank in range(3)]
+                assert all(o["event"] == "done" for o in outcomes), cluster.logs()
+                await cluster.controller.wait_log("controller: shard 2 is served again, at ")
+                for host in (0, 1):
+                    assert any("shard 2 is served again" in relay.text for relay in cluster.relay_processes(host))
+                for relay in cluster.relay_processes(2):  # the run over, it exits with its shard's count
+                    with trio.fail_after(20):
+                        assert await relay.wait() == 0, relay.text[-3000:]
+    contributors = check_windows(cluster, windows, NUMEL, {4: {2}})
+    check_final_and_joins(cluster, windows, contributors)
+    summed = [int(m) for relay in cluster.relay_processes(2) for m in re.findall(r"shard finished: (\d+) rounds",
+                                                                                   relay.text)]
+    assert summed and summed[0] > 0, cluster.logs()

@@ -794,6 +794,10 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
         decode_control_msg(encode_control_msg(decide)[:-1] + b"\x03")
     with pytest.raises(FramingError, match="fragment 4 of 4"):
         decode_control_msg(encode_control_msg(decide)[:-1] + b"\x02\x04\x04")
+    from flodl_trio.wire.mux import ShardBack
+    back = ShardBack(2, "10.0.0.3", 4242)
+    assert encode_control_msg(back) == b"\xda\x02" + b"\x08" + b"10.0.0.3" + b"\xfb\x92\x10"  # shard, host, port
+    assert decode_control_msg(encode_control_msg(back)) == back
     from flodl_trio.wire.mux import ShardOuter
     outer = ShardOuter(2, 0.7, 0.9)
     assert encode_control_msg(outer) == b"\xd9\x02" + struct.pack("<dd", 0.7, 0.9)
