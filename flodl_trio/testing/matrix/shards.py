@@ -1,17 +1,20 @@
 """Cases: reduction shard daemons (``--shards``) killed or frozen mid-round, alone or
-with the host they run beside. A lost shard's lanes go to the next live shard, and
+with the host they run beside, and a host brought back serving its lost shard again. A lost shard's lanes go to the next live shard, and
 a round that was decided but not yet committed is decided again (docs/wire.md,
 "A lost shard"): every rank gets one exact consensus."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import trio
+
 from ..processes import ProcessCluster
 from .clusters import daemon_cluster, diagnose, pause
-from .oracle import after, check_rounds, expect_consensus, expected, last_outcome, mono
+from .oracle import all_done, after, check_rounds, expect_consensus, expected, last_outcome, mono, windows_exact
 from .registry import MatrixFailure, Outcome, case
 
 # 1.2 MB frames: 4 lanes of at least 256 KiB, so every round goes through the shards.
@@ -127,3 +130,54 @@ async def shard_relay_freeze() -> Outcome:
         seconds = last_outcome(rounds, HELD) - t0
     return Outcome(f"host 1's ranks declared dead after the heartbeat timeout; round {HELD} and later were "
                    "ranks 0,1's, exact", seconds)
+
+
+HOST_BACK_WINDOWS, HOST_BACK_HOLD = 16, 10
+
+
+@case("shard-host-restart",
+      fault="a host of 3 (its rank, its relay daemon and the shard that relay serves) SIGKILLed, then restarted",
+      leg="host (relay + shard + rank)", deadline=60)
+async def shard_host_restart() -> Outcome:
+    """Default daemons: every relay serves a shard (``--shard auto``), so host 2 is shard 2.
+    It dies whole: shard 2 is lost, its lanes go to shard 0. Brought back (relay daemon,
+    then its rank, which rejoins), its relay offers a new shard, which the controller
+    sets up as shard 2 between two rounds; every relay sends it shard 2's lanes from
+    its next round. The survivors hold before window HOLD until the rank asked back in,
+    and before HOLD + 2 until it has its state (with shards, a window that ended after
+    it asked)."""
+    holds = ["--pause-before", f"{HOST_BACK_HOLD}:inf", "--pause-before", f"{HOST_BACK_HOLD + 2}:inf"]
+    args = {r: ["--windows", str(HOST_BACK_WINDOWS), *(holds if r < 2 else [])] for r in range(3)}
+    async with daemon_cluster(world_size=3, hosts=[[0], [1], [2]], backend="torch", numel=SHARDED["numel"],
+                              pause=0.3, heartbeat_timeout=10.0, worker_args=args) as c:
+        with diagnose(c):
+            assert c.controller is not None
+            await c.controller.wait_log("reducing with the 3 shards the relays offered")
+            await c.wait_event(2, "window", window=3)
+            t0 = mono()
+            c.kill(2)
+            c.kill_relay(2)
+            await c.wait_exit(2)
+            await c.controller.wait_log("controller: shard 2 lost (")
+            await c.restart_relay(2)
+            await c.restart(2)
+            await c.wait_returns_joining([2])
+            for rank in (0, 1):
+                await c.resume(rank)
+            await c.wait_returns_primed([2])
+            for rank in (0, 1):
+                await c.resume(rank)
+            start = (await c.wait_event(2, "joined"))["start"]
+            first = await c.wait_event(2, "window", window=start)
+            await all_done(c)
+            await c.controller.wait_log("controller: shard 2 is served again, at ")
+            for relay in c.relay_processes(2):  # the run over, it exits with its new shard's count
+                with trio.fail_after(20):
+                    await relay.wait()
+            summed = [int(m) for relay in c.relay_processes(2)
+                      for m in re.findall(r"shard finished: (\d+) rounds", relay.text)]
+            if not summed or summed[0] == 0:
+                raise MatrixFailure(f"host 2's new shard summed no lanes ({summed})")
+    windows_exact(c, HOST_BACK_WINDOWS, SHARDED["numel"], {4: {2}})
+    return Outcome(f"shard 2 lost with its host; back at window {start}, its relay's new shard served shard 2 again "
+                   f"({summed[0]} rounds); every window exact; all 3 end bit-identical", first["time"] - t0)
