@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -117,4 +117,71 @@ async def child_shard(
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["ChildShard", "child_shard", "shard_command"]
+# How many times a relay daemon starts its shard again after it exits on its own.
+MAX_SHARD_RESTARTS = 3
+
+
+async def _until_either(*waits: Callable[[], Awaitable[object]]) -> None:
+    """Return once the first of ``waits`` returns."""
+    async with trio.open_nursery() as nursery:
+        for wait in waits:
+            async def one(wait: Callable[[], Awaitable[object]] = wait) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(one)
+
+
+@attrs.define(eq=False)
+class ShardKeeper:
+    """A relay daemon's shard process, kept running while the relay runs: one that exits
+    on its own (a crash, the OOM killer) is started again on a free port and offered to
+    the controller again (``offer``), which serves a lost shard with it (docs/wire.md, "A
+    lost shard served again"), at most MAX_SHARD_RESTARTS times. ``stop()`` lets the
+    current one end as :func:`child_shard` ends it."""
+
+    host: str
+    port: int
+    salt: SessionSalt
+    ceiling: int
+    bounds: NetBounds
+    log_level: str = "INFO"
+    log_format: str = "logfmt"
+    offer: Callable[[int], bool] | None = None  # the data relay's offer_shard, once it runs
+    restarts: int = 0
+    _stopping: trio.Event = attrs.field(factory=trio.Event)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the shard (``task_status`` gets the first one's port) until ``stop()``."""
+        while True:
+            try:
+                async with child_shard(self.host, self.port, salt=self.salt, ceiling=self.ceiling,
+                                       bounds=self.bounds, log_level=self.log_level,
+                                       log_format=self.log_format) as shard:
+                    if self.restarts == 0:
+                        task_status.started(shard.port)
+                    elif self.offer is None or not self.offer(shard.port):
+                        log.warning("relay: its shard listens again on port %d, but no data channel runs to "
+                                    "offer it", shard.port)
+                    else:
+                        log.info("relay: its shard listens again on port %d; offered to the controller", shard.port)
+                    await _until_either(shard.process.wait, self._stopping.wait)
+                    if self._stopping.is_set():
+                        return
+            except ConfigError as exc:
+                if self.restarts == 0:
+                    raise
+                log.warning("relay: its shard could not be started again (%s); it serves none now", exc)
+                return
+            log.warning("relay: its shard process exited (status %s)%s", shard.process.returncode,
+                        "; starting it again" if self.restarts < MAX_SHARD_RESTARTS else
+                        f"; {MAX_SHARD_RESTARTS} restarts already: it serves none now")
+            if self.restarts >= MAX_SHARD_RESTARTS:
+                return
+            self.restarts += 1
+
+
+__all__ = ["MAX_SHARD_RESTARTS", "ChildShard", "ShardKeeper", "child_shard", "shard_command"]

@@ -8,6 +8,7 @@ import socket
 from contextlib import AsyncExitStack
 
 import attrs
+import trio
 
 from ..errors import ConfigError
 from ..relay.config import ChannelKind, RelayConfig
@@ -16,7 +17,7 @@ from ..relay.host_ranks import HostRanks
 from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
 from ..transport.settings import OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
-from .child_shard import child_shard
+from .child_shard import ShardKeeper
 from .common import (
     add_common_flags,
     configure_logging,
@@ -177,12 +178,11 @@ async def serve_relay_daemon(
     until they finish; raise the first failure."""
     async with AsyncExitStack() as stack:
         offer = None
+        keeper = None
         if settings.shard is not None:  # first: a controller naming it dials it before it serves the relays
-            shard = await stack.enter_async_context(child_shard(
-                *settings.shard, salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, log_level=log_level,
-                log_format=log_format,
-            ))
-            offer = (settings.shard[0], shard.port)
+            keeper = ShardKeeper(*settings.shard, settings.salt, ceiling, settings.bounds, log_level, log_format)
+            shard_tasks = await stack.enter_async_context(trio.open_nursery())
+            offer = (settings.shard[0], await shard_tasks.start(keeper.run))
         handles = {}
         host = HostRanks(settings.ranks)  # shared by the host's channels
         for kind, port in settings.channels.items():
@@ -197,6 +197,8 @@ async def serve_relay_daemon(
                     shard_offer=offer if kind is ChannelKind.DATA else None,
                 )
             )
+        if keeper is not None and ChannelKind.DATA in handles:
+            keeper.offer = handles[ChannelKind.DATA].offer_shard  # a shard started again is offered again
         if metrics is not None:
             from .metrics import serve_relay_metrics
 
@@ -212,6 +214,8 @@ async def serve_relay_daemon(
         for handle in handles.values():
             await handle.wait_finished()
         log.info("relay %s finished: every channel closed", settings.host_name)
+        if keeper is not None:
+            keeper.stop()  # its shard then ends as before (once its controller lets go)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -109,6 +109,17 @@ class RelayHandle:
         self.stats = RelayStats()
         self.rejections = Refusals()
         self.outcome = RunOutcome()
+        self._offer: Callable[[int], None] | None = None  # set once the data channel runs
+
+    def offer_shard(self, port: int) -> bool:
+        """Offer the controller this host's shard again, now listening on ``port`` (its
+        process was started again): it goes up before the next HostFrame, and a
+        controller with ``shards="auto"`` serves a lost shard with it (docs/wire.md, "A
+        lost shard served again"). False when the data channel is not running."""
+        if self._offer is None:
+            return False
+        self._offer(port)
+        return True
 
     @property
     def host_name(self) -> str:
@@ -226,6 +237,7 @@ class _Relay:
         self.announced: dict[int, bytes] = {}  # signatures the control Hello gave each rank
         self.channel: Channel | None = None
         self._shards_said: tuple[tuple[str, int], ...] = ()  # the reduction shards the controller named
+        self._offered_host: str | None = None  # the host this relay's shard was offered at
 
     async def run(self) -> None:
         try:
@@ -238,6 +250,10 @@ class _Relay:
                         config, upstream, self.handle.stats, self.host, self._released, DataPlane,
                         redial=partial(self._redial_data, config),
                     )
+                    if self._offered_host is not None:
+                        plane = self.channel.role
+                        assert isinstance(plane, DataPlane)
+                        self.handle._offer = partial(plane.offer_shard, self._offered_host)
                 else:
                     ranks, away = await self._control_formation()
                     if not ranks:
@@ -515,6 +531,7 @@ class _Relay:
         offer = self.config.shard_offer
         if offer is not None and lanes is not None and self.config.kind is ChannelKind.DATA:
             offered = ShardOffer(offer[0] if offer[0] not in _ANY_HOST else local_host(stream) or host, offer[1])
+            self._offered_host = offered.host
             await upstream.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(offered), salt).chunks)
         return upstream, lanes
 

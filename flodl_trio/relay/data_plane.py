@@ -47,8 +47,10 @@ from ..wire.mux import (
     Resume,
     ShardBack,
     ShardLost,
+    ShardOffer,
     Shards,
     decode_control_msg,
+    encode_control_msg,
     encode_mux_record,
     mux_signed_header,
 )
@@ -96,6 +98,7 @@ class DataPlane:
         self._budget_refused = False
         # What a new connection to a controller that came back needs (Channel.holds only).
         self._in_flight: InFlight | None = None
+        self._offer: ShardOffer | None = None  # a new shard offer, sent before the next HostFrame
         self.last_broadcast = NO_BROADCAST  # the MAC of the last Broadcast record taken whole
 
     # -- the role's side of the channel ---------------------------------------
@@ -124,10 +127,20 @@ class DataPlane:
         self.fold.rejoin(rank)
         await out.send(RankJoin(rank))
 
+    def offer_shard(self, host: str, port: int) -> None:
+        """This host's shard listens again (on ``port``): the offer goes up before the next
+        HostFrame, from the writer (the only writer upstream)."""
+        self._offer = ShardOffer(host, port)
+
     async def write(self, item: Outbound) -> None:
-        """The host's frame for this round, as the channel's way of moving frames has it."""
+        """The host's frame for this round, as the channel's way of moving frames has it
+        (after a new shard offer, if one waits)."""
         if isinstance(item, DataRecord | RankNotice):
             raise TypeError(f"the data channel cannot send {type(item).__name__}")
+        offer, self._offer = self._offer, None
+        if offer is not None:
+            record = encode_mux_record(MuxKind.CONTROL, encode_control_msg(offer), self.config.salt)
+            await self.channel.upstream.send_chunks(record.chunks)
         self.fold.host_frame_sent()  # before the write: the answer may beat our resumption
         self._let_go_in_flight()
         frames = self.frames

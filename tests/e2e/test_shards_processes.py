@@ -241,3 +241,57 @@ async def test_diloco_windows_checkpointed_through_the_relays_shards_are_the_con
         np.testing.assert_array_equal(saved.outer["x_prev.0"], saved.params[0])
         assert int(saved.outer["windows"][0]) == window + 1
     assert np.abs(load_checkpoint(checkpoints[-1][1]).outer["momentum.0"]).max() > 0  # the shards' momentum
+
+
+def _shard_processes_under(pid: int) -> list[int]:
+    """The ``flodl_trio.shard`` processes descended from ``pid`` (from /proc)."""
+    import glob
+
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for path in glob.glob(f"/proc/{parent}/task/*/children"):
+            with open(path) as f:
+                for child in map(int, f.read().split()):
+                    todo.append(child)
+                    with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                        if b"flodl_trio.shard" in cmd.read():
+                            found.append(child)
+    return found
+
+
+@pytest.mark.deadline(120)
+async def test_a_relays_shard_process_sigkilled_is_started_again_and_serves_its_shard_again(salt):
+    """Host 1's shard process (its relay daemon's child) is SIGKILLed mid-run: the
+    controller loses shard 1 and its lanes move; the relay daemon starts its shard
+    again on a free port and offers it, and the controller serves shard 1 with it from
+    a later round. Every window is exact and all end on the same bytes; no rank and
+    no relay restarted."""
+    import os
+    import signal
+
+    from flodl_trio.testing.matrix import diagnose
+    from flodl_trio.testing.windows import check_final_and_joins, check_windows
+
+    windows, hold = 12, 8
+    args = {r: ["--windows", str(windows), "--pause-before", f"{hold}:inf"] for r in range(3)}
+    with trio.fail_after(110):
+        async with _three_hosts(salt, pause=0.3, worker_args=args) as cluster:
+            with diagnose(cluster):
+                await cluster.controller.wait_log("reducing with the 3 shards the relays offered")
+                await cluster.wait_event(0, "window", window=3)
+                [relay] = cluster.relay_processes(1)
+                [shard] = _shard_processes_under(relay.pid)
+                os.kill(shard, signal.SIGKILL)
+                await cluster.controller.wait_log("controller: shard 1 lost (")
+                await relay.wait_log("its shard listens again on port")
+                for rank in range(3):  # the next rounds come once it is offered (before host 1's next HostFrame)
+                    await cluster.wait_event(rank, "paused", round=hold)
+                    await cluster.resume(rank)
+                outcomes = [await cluster.wait_outcome(rank) for rank in range(3)]
+                assert all(o["event"] == "done" for o in outcomes), cluster.logs()
+                await cluster.controller.wait_log("controller: shard 1 is served again, at ")
+                assert relay.returncode is None or relay.returncode == 0, relay.text[-3000:]
+    contributors = check_windows(cluster, windows, NUMEL)
+    assert all(contributors[w] == {0, 1, 2} for w in range(windows)), contributors
+    check_final_and_joins(cluster, windows, contributors)
