@@ -37,7 +37,6 @@ from ..wire.constants import CHANNEL_MAGIC_SHARD
 from ..wire.fragment import FragmentTag
 from ..wire.lanes import LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
-    COPY_LANES,
     COPY_NONE,
     COPY_WITH_STATE,
     Decide,
@@ -367,7 +366,7 @@ class ShardSet:
             self._decisions += 1
             await self._tell_shards(Decide(
                 self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
-                sorted(seat.lowest_rank for seat in live_targets), copy if copy != COPY_WITH_STATE or step else COPY_LANES,
+                sorted(seat.lowest_rank for seat in live_targets), copy,
                 step, None if fragment is None else (fragment.index, fragment.count),
             ))
             if await self._committed(live_targets):

@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -121,17 +121,6 @@ async def child_shard(
 MAX_SHARD_RESTARTS = 3
 
 
-async def _until_either(*waits: Callable[[], Awaitable[object]]) -> None:
-    """Return once the first of ``waits`` returns."""
-    async with trio.open_nursery() as nursery:
-        for wait in waits:
-            async def one(wait: Callable[[], Awaitable[object]] = wait) -> None:
-                await wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(one)
-
-
 @attrs.define(eq=False)
 class ShardKeeper:
     """A relay daemon's shard process, kept running while the relay runs: one that exits
@@ -149,14 +138,16 @@ class ShardKeeper:
     log_format: str = "logfmt"
     offer: Callable[[int], bool] | None = None  # the data relay's offer_shard, once it runs
     restarts: int = 0
-    _stopping: trio.Event = attrs.field(factory=trio.Event)
+    _stopping: bool = attrs.field(default=False, init=False)
+    _waiting: trio.CancelScope = attrs.field(factory=trio.CancelScope, init=False)  # the wait for its exit
 
     def stop(self) -> None:
-        self._stopping.set()
+        self._stopping = True
+        self._waiting.cancel()
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the shard (``task_status`` gets the first one's port) until ``stop()``."""
-        while True:
+        while not self._stopping:
             try:
                 async with child_shard(self.host, self.port, salt=self.salt, ceiling=self.ceiling,
                                        bounds=self.bounds, log_level=self.log_level,
@@ -168,9 +159,11 @@ class ShardKeeper:
                                     "offer it", shard.port)
                     else:
                         log.info("relay: its shard listens again on port %d; offered to the controller", shard.port)
-                    await _until_either(shard.process.wait, self._stopping.wait)
-                    if self._stopping.is_set():
+                    with self._waiting:
+                        await shard.process.wait()
+                    if self._stopping:
                         return
+                    self._waiting = trio.CancelScope()
             except ConfigError as exc:
                 if self.restarts == 0:
                     raise
