@@ -5,6 +5,7 @@ completed round and window, and what the resume record costs each round. Prints 
     python benchmarks/controller_restart.py --mib 16 --windows 8
     python benchmarks/controller_restart.py --lanes 8    # every daemon with --lanes 8
     python benchmarks/controller_restart.py --codec int8:1024   # params rounds as int8 deltas
+    python benchmarks/controller_restart.py --hosts 3 --lanes 8  # 3 hosts x 1 rank: the relays' shards
 
 Daemons (the controller with ``--outer diloco --checkpoint-dir``, a relay per host)
 and four rank processes (``rank_worker --windows``) holding through a lost
@@ -48,6 +49,11 @@ SALT = b"bench-ctl-restrt"
 HOLD = 4
 
 
+def layout(hosts: int) -> list[list[int]]:
+    """Two hosts of two ranks, or ``hosts`` hosts of one (three or more: the relays' shards reduce)."""
+    return [[0, 1], [2, 3]] if hosts == 2 else [[h] for h in range(hosts)]
+
+
 async def until_host0_delivered(cluster) -> None:
     while not any(r["host"] == "host0" and r["delivered"] for r in (await cluster.status())["relays"]):
         await trio.sleep(0.02)
@@ -55,25 +61,30 @@ async def until_host0_delivered(cluster) -> None:
 
 async def run(
     mib: int, windows: int, pause: float, checkpoint_dir: Path, lanes: int = 1, codec: str | None = None,
-) -> dict[str, float]:
+    hosts: int = 2,
+) -> dict[str, Any]:
     numel = mib * (1 << 20) // 4
+    placed = layout(hosts)
+    world = sum(len(ranks) for ranks in placed)
+    held_ranks = placed[-1]
     env = {"FLODL_CONTROLLER_OUTAGE": "120"}
     held = ["--pause-before", f"{HOLD}:inf"]
     coded = ["--codec", codec] if codec else []
     async with open_process_cluster(
-        world_size=4, hosts=[[0, 1], [2, 3]], salt=SALT, control=True, heartbeat_timeout=60.0, daemons=True,
+        world_size=world, hosts=placed, salt=SALT, control=True, heartbeat_timeout=60.0, daemons=True,
         numel=numel, pause=pause,
         controller_args=["--outer", "diloco", "--checkpoint-dir", str(checkpoint_dir), "--lanes", str(lanes)],
-        relay_args={h: ["--lanes", str(lanes)] for h in range(2)},
-        worker_args={r: ["--windows", str(windows), *coded, *(held if r >= 2 else [])] for r in range(4)},
-        worker_env={r: env for r in range(4)}, relay_env={h: env for h in range(2)},
+        relay_args={h: ["--lanes", str(lanes)] for h in range(hosts)},
+        worker_args={r: ["--windows", str(windows), *coded, *(held if r in held_ranks else [])] for r in range(world)},
+        worker_env={r: env for r in range(world)}, relay_env={h: env for h in range(hosts)},
     ) as cluster:
-        for rank in (2, 3):
+        for rank in held_ranks:
             await cluster.wait_event(rank, "paused", round=HOLD)
         await until_host0_delivered(cluster)
         cluster.kill_controller()
         await cluster.controller.wait()
-        for rank in (2, 3):
+        sharded = "reducing with the" in cluster.controller.text
+        for rank in held_ranks:
             await cluster.resume(rank)  # their frames wait at their relay for the new controller
         restarted = time.monotonic()
         await cluster.restart_controller()
@@ -84,11 +95,11 @@ async def run(
                 await relay.wait_log(both_channels)
         resumed = time.monotonic()
         first = await cluster.wait_event(0, "window", window=HOLD)
-        for rank in range(4):
+        for rank in range(world):
             outcome = await cluster.wait_outcome(rank)
             if outcome["event"] != "done":
                 raise SystemExit(f"rank {rank} did not finish: {outcome}")
-    finals = {windows_of(cluster, r)[windows - 1]["digest"] for r in range(4)}
+    finals = {windows_of(cluster, r)[windows - 1]["digest"] for r in range(world)}
     if len(finals) != 1:
         raise SystemExit("the ranks do not end bit-identical")
     done = {w: e["time"] for w, e in windows_of(cluster, 0).items()}
@@ -97,6 +108,7 @@ async def run(
         "mib": mib,
         "lanes": lanes,
         "codec": codec or "f32",
+        "hosts": f"{world} ranks on {hosts} hosts" + (", through the relays' shards" if sharded else ""),
         "to_listening_s": listening - restarted,
         "to_resumed_s": resumed - restarted,
         "to_window_s": first["time"] - restarted,
@@ -138,7 +150,7 @@ def table(r: dict[str, Any], write_s: float) -> str:
     ]
     width = max(len(row[0]) for row in rows)
     lines = [f"controller restart, {r['mib']:.0f} MiB model, DiLoCo, {r['codec']} params, lanes {r['lanes']}, "
-             "4 ranks on 2 hosts (loopback):"]
+             f"{r['hosts']} (loopback):"]
     lines += [f"  {name:<{width}}  {value:<10} {note}" for name, value, note in rows]
     return "\n".join(lines)
 
@@ -150,9 +162,11 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.5, help="each rank's 'training' per window, seconds")
     parser.add_argument("--lanes", type=int, default=1, help="--lanes of the controller and relays (default 1)")
     parser.add_argument("--codec", default=None, help="the ranks' params rounds as coded deltas (int8:1024, fp4:256)")
+    parser.add_argument("--hosts", type=int, default=2,
+                        help="2: two hosts of two ranks (default); 3 or more: one rank a host, the relays' shards")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flodl-restart-") as tmp:
-        result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp), args.lanes, args.codec)
+        result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp), args.lanes, args.codec, args.hosts)
     print(table(result, record_write_seconds(args.mib, delta=args.codec is not None)))
 
 

@@ -70,29 +70,22 @@ def check_lanes(lanes: int, *, outer_optimizer: object) -> None:
         )
 
 
-def why_no_shards(*, lanes: int, outer_optimizer: object, resume_dir: object) -> str | None:
+def why_no_shards(*, lanes: int, outer_optimizer: object) -> str | None:
     """Why this controller cannot reduce with shards (None: it can). Shards reduce lanes
-    1.. elsewhere: what needs every round's every lane here cannot have them (a
-    checkpoint sink can: the shards copy it the rounds it records)."""
-    custom_outer = outer_optimizer is not None and shard_outer_config(outer_optimizer) is None
-    needs_every_lane = [
-        what for what, given in (
-            (f"the outer optimizer {type(outer_optimizer).__name__} (shards step SlowMo and DiLoCoNesterov only)",
-             custom_outer),
-            ("a resume record (resume_dir; the daemon's --checkpoint-dir keeps one unless --controller-outage 0, "
-             "which keeps checkpoints only)", resume_dir is not None),
-        ) if given
-    ]
+    1.. elsewhere, and step them with an outer optimizer they know (a checkpoint sink
+    and a resume record can have them: the shards copy the rounds a checkpoint records,
+    and hold through a controller started again)."""
     if lanes < 2:
         return f"shards reduce lanes 1.. of a round: they need lanes >= 2, got {lanes}"
-    if needs_every_lane:
-        return "shards do not work yet with " + ", ".join(needs_every_lane)
+    if outer_optimizer is not None and shard_outer_config(outer_optimizer) is None:
+        return (f"shards do not work yet with the outer optimizer {type(outer_optimizer).__name__} (shards step "
+                "SlowMo and DiLoCoNesterov only)")
     return None
 
 
-def check_shards(*, lanes: int, outer_optimizer: object, resume_dir: object) -> None:
+def check_shards(*, lanes: int, outer_optimizer: object) -> None:
     """ConfigError if this controller cannot reduce with the shards it was given."""
-    why = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, resume_dir=resume_dir)
+    why = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer)
     if why is not None:
         raise ConfigError(why)
 

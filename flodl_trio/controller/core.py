@@ -251,8 +251,8 @@ async def open_controller(
     if offered and shards != "auto":
         raise ConfigError(f"shards takes (host, port) pairs or 'auto', got {shards!r}")
     if shards and not offered:
-        check_shards(lanes=lanes, outer_optimizer=outer_optimizer, resume_dir=resume_dir)
-    why_not = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer, resume_dir=resume_dir)
+        check_shards(lanes=lanes, outer_optimizer=outer_optimizer)
+    why_not = why_no_shards(lanes=lanes, outer_optimizer=outer_optimizer)
     membership = membership_policy(world_size, rejoin_timeout, min_ranks, formation_timeout)
     ledger = dead_ranks if dead_ranks is not None else DeadRanks(world_size)
     if ledger.world_size != world_size:
@@ -332,16 +332,20 @@ class _Controller:
             membership=membership, dead=self.dead, coordinator=handle.coordinator, stats=self.stats,
         )
         handle.coordinator.outage_ms = self.resumption.announced_outage_ms(config.bounds)
+        self._after_record = []
 
     shards: ShardSet | None = None  # the reduction shards, if any (docs/wire.md, "Shards")
     take_offered_shards = False  # shards="auto": fix the relays' offered shards once the cluster formed
     offered_shards = False  # shards="auto": a lost shard is served again by a relay's later offer
     connect: Connector = staticmethod(trio.open_tcp_stream)  # how shards are dialed
+    # Shard news for relays, queued once the round's record is written (_tell_after_record).
+    _after_record: list[tuple[RelayLink, RelayControlMsg]]
     _nursery: trio.Nursery | None = None
 
     def shard_set(self, addresses: Sequence[tuple[str, int]]) -> ShardSet:
         return ShardSet(addresses, self.config, self._relay_live, self._tell_relays, self.stats,
-                        self._drop_relay_named, self.connect, outer=self._shard_outer())
+                        self._drop_relay_named, self.connect, outer=self._shard_outer(),
+                        outage_ms=self.handle.coordinator.outage_ms)
 
     def _shard_outer(self) -> ShardOuter | None:
         """What the shards step each params round's lanes with (None: nothing to step)."""
@@ -353,6 +357,7 @@ class _Controller:
         """From now on lane 0 of a round in several lanes carries no payload (the shards
         carry it all), and the controller keeps a window whole only while a rank rejoins."""
         self.shards = shards
+        self.resumption.shards = shards
         self.windows.lane0_empty = True
         self.returns.kept_state_may_be_old = True
 
@@ -375,9 +380,7 @@ class _Controller:
         shards.start_watching(self._nursery)
         for link in self.links.values():
             if not link.closed and link.takes_extensions:
-                link.queue_control(Shards(shards.addresses), self.config.salt)
-                for msg in shards.told_at_hello():
-                    link.queue_control(msg, self.config.salt)
+                self._after_record += [(link, msg) for msg in [Shards(shards.addresses), *shards.told_at_hello()]]
                 link.sharded_next = True
         log.info("controller: reducing with the %d shards the relays offered (%s)", len(shards.addresses),
                  ", ".join(f"{h}:{p}" for h, p in shards.addresses))
@@ -397,11 +400,18 @@ class _Controller:
             index = await shards.serve_again(offer)
             if index is None:
                 continue
-            for other in self.links.values():
-                if not other.closed and other.takes_extensions:
-                    other.queue_control(ShardBack(index, *offer), self.config.salt)
+            self._after_record += [(other, ShardBack(index, *offer)) for other in self.links.values()
+                                   if not other.closed and other.takes_extensions]
             if not shards.lost:
                 return
+
+    def _tell_after_record(self) -> None:
+        """What relays are told of the shards (fixed, or one served again) once the round's
+        record names it: a relay never holds shards a controller started again lacks."""
+        told, self._after_record = self._after_record, []
+        for link, msg in told:
+            if not link.closed:
+                link.queue_control(msg, self.config.salt)
 
     def _sharded(self, consensus: Consensus) -> bool:
         """Whether this lane-0 consensus is of a round the shards reduce (several lanes,
@@ -452,6 +462,8 @@ class _Controller:
                 link.queue_control(msg, self.config.salt)
 
     async def run(self) -> None:
+        self.resumption.restore()
+        self._resume_shards()
         if self.shards is not None:
             await self.shards.dial()
         try:
@@ -460,8 +472,20 @@ class _Controller:
             if self.shards is not None:
                 await self.shards.aclose()
 
+    def _resume_shards(self) -> None:
+        """A record of a run with shards: the same shards, taken on where it left them
+        (docs/wire.md, "Shards through a lost controller")."""
+        run = self.resumption.restored
+        if run is None or not run.shards:
+            return
+        shards = self.shard_set(run.shards)
+        shards.resume(run.shards_lost, run.sharded_rounds, run.decisions)
+        self.use_shards(shards)
+        self.take_offered_shards = False
+        log.info("controller: resuming with the record's %d shards (lost: %s)", len(run.shards),
+                 list(run.shards_lost) or "none")
+
     async def _serve(self) -> None:
-        self.resumption.restore()
         async with self._consensus_send, trio.open_nursery() as nursery:
             self.returns.nursery = nursery
             self._nursery = nursery
@@ -918,6 +942,7 @@ class _Controller:
             )
             if tell_returns is not None:
                 tell_returns()
+            self._tell_after_record()
             if whole_record is not None:
                 for seat_id in whole_targets:
                     self.links[seat_id].queue(whole_record, before_write=partial(self._whole_going_out, seat_id))
@@ -1012,6 +1037,8 @@ class _Controller:
             if deadline is not None and trio.current_time() >= deadline:
                 log.info("controller: every rank is dead or has exited; finished after %d rounds", self.stats.rounds)
                 self.resumption.run_over()
+                if self.shards is not None:
+                    await self.shards.close_cleanly()  # they hold for no controller now
                 await self.handle.coordinator.say_run_over()  # before the connections close
                 self.handle.outcome.end()
                 return

@@ -109,6 +109,12 @@ class RunRecord:
     delta_file: str | None = None
     # The model's parameter shapes the current window's fragment tag carries.
     fragment_shapes: tuple[tuple[int, ...], ...] = ()
+    # With shards: their addresses (one per shard, as served last), those lost, the
+    # rounds decided (the next Decide's round) and decision numbers given so far.
+    shards: tuple[tuple[str, int], ...] = ()
+    shards_lost: tuple[int, ...] = ()
+    sharded_rounds: int = 0
+    decisions: int = 0
 
     def to_json(self) -> str:
         fields = attrs.asdict(self)
@@ -129,6 +135,8 @@ class RunRecord:
                 fields["fragment"] = tuple(fields["fragment"])
             fields["window_shapes"] = tuple(tuple(int(v) for v in shape) for shape in fields.get("window_shapes", ()))
             fields["fragment_shapes"] = tuple(tuple(int(d) for d in s) for s in fields.get("fragment_shapes", ()))
+            fields["shards"] = tuple((str(host), int(port)) for host, port in fields.get("shards", ()))
+            fields["shards_lost"] = tuple(int(i) for i in fields.get("shards_lost", ()))
             return cls(**fields)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{where}: the resume record is not readable: {exc}") from exc

@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Mapping
 
+import attrs
 import numpy as np
 import trio
 
@@ -38,6 +39,7 @@ from .coordinator import Coordinator
 from .dead_ranks import DeadRanks
 from .membership import Membership
 from .resume import BroadcastTags, Resumed, ResumeLog, RunRecord, broadcast_tag, record_bytes
+from .shards import ShardSet
 from .round import CheckpointSink, WindowPart, WindowState, WindowStore
 from .stats import ControllerStats
 from .windows import Windows
@@ -79,6 +81,8 @@ class Resumption:
         self._lanes_out: list[np.ndarray] = []  # the bytes of the round's lanes gone out so far
         # Why this run cannot be resumed (a record that says so: one written by an older version).
         self.not_resumable: str | None = None
+        self.restored: RunRecord | None = None  # the run a record gave back at start
+        self.shards: ShardSet | None = None  # the reduction shards, once used (their state is recorded)
 
     def announced_outage_ms(self, bounds: NetBounds) -> int:
         """What relays and ranks are told to hold for this controller if it is lost (ms):
@@ -103,6 +107,7 @@ class Resumption:
             log.error("controller: the record in %s cannot be resumed (%s); relays that resume will be refused",
                       self.log.path, run.not_resumable)
             return
+        self.restored = run
         now = trio.current_time()
         self.stats.rounds = run.rounds
         self.windows.rounds = run.rounds if run.whole_rounds is None else run.whole_rounds
@@ -222,7 +227,7 @@ class Resumption:
         state_window = window.window if window is not None else self._window[1] if self._window else None
         m = self.membership
         fragment = counter.fragment
-        return RunRecord(
+        record = RunRecord(
             rounds=self.stats.rounds,
             whole_rounds=self.windows.rounds,
             windows=counter.windows,
@@ -249,6 +254,13 @@ class Resumption:
             ),
             delta_file=self._delta_file,
         )
+        return record if self.shards is None else self._with_shards(record, self.shards)
+
+    @staticmethod
+    def _with_shards(record: RunRecord, shards: ShardSet) -> RunRecord:
+        """Where the shards are: a controller started again takes them on from there."""
+        return attrs.evolve(record, shards=shards.addresses, shards_lost=tuple(sorted(shards.lost)),
+                            sharded_rounds=shards.rounds, decisions=shards.decisions)
 
     def _delta_state(self) -> Mapping[str, np.ndarray] | None:
         """The delta lineages' state, if a round moved it since it was last written."""

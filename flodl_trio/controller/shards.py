@@ -21,6 +21,7 @@ optimizer state a single controller would.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -42,6 +43,7 @@ from ..wire.mux import (
     Decide,
     Decided,
     MuxKind,
+    Outage,
     PieceRefused,
     RelayControlMsg,
     ShardAlive,
@@ -59,6 +61,9 @@ from .stats import ControllerStats
 
 log = logging.getLogger("flodl_trio.controller")
 
+
+# The longest a lost shard's connection is written its last word (Outage 0) before it closes.
+LET_GO_S = 1.0
 
 LaneState = tuple[list[F32Array], list[F32Array]]  # a stepped lane's x_prev and momentum pieces
 
@@ -99,9 +104,12 @@ class ShardSet:
         self, addresses: Sequence[tuple[str, int]], config: ControllerConfig,
         live: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
         drop_relay: Callable[[int, str], None], connect: Connector = trio.open_tcp_stream,
-        outer: ShardOuter | None = None,
+        outer: ShardOuter | None = None, outage_ms: int = 0,
     ) -> None:
         self.addresses = tuple(addresses)
+        self.outage_ms = outage_ms  # how long shards hold for this controller if it is lost (0: not at all)
+        self.resumed = False  # taken on from a resume record: each shard says where it is first
+        self._closing = False  # the run is over
         self._used = set(self.addresses)  # every address a shard was set up at (none is set up twice)
         self.outer = outer  # how the shards step a params round's lanes (None: no outer optimizer)
         self._config = config
@@ -114,8 +122,8 @@ class ShardSet:
         self._nursery: trio.Nursery | None = None
         self._locks: dict[int, trio.Lock] = {}
         self.lost: dict[int, str] = {}  # shard -> why
-        self._decisions = 0  # numbers given so far
-        self._rounds = 0  # rounds decided so far (a round decided again counts once)
+        self.decisions = 0  # numbers given so far
+        self.rounds = 0  # rounds decided so far (a round decided again counts once)
         self._changed = ChangeSignal()
         self._hosts: list[Seat] = []  # the pending decision's
         self._lanes_in: set[int] = set()  # seats that sent LanesIn for the pending decision
@@ -139,15 +147,19 @@ class ShardSet:
         HelloAck); none reachable is an error."""
         async with trio.open_nursery() as nursery:
             for index, address in enumerate(self.addresses):
-                nursery.start_soon(self._dial_one, index, address)
+                if index not in self.lost:
+                    nursery.start_soon(self._dial_one, index, address)
         if len(self.lost) == len(self.addresses):
             raise FlodlError(f"controller: none of the {len(self.addresses)} shards could be reached: "
                              + "; ".join(f"shard {i}: {why}" for i, why in sorted(self.lost.items())))
 
     async def _dial_one(self, index: int, address: tuple[str, int]) -> None:
         try:
-            conn = await self._set_up(index, address)
-        except (ConnectFailed, *CONNECTION_LOST) as exc:
+            if self.resumed:
+                conn = await self._take_on_again(index, address)
+            else:
+                conn = await self._set_up(index, address)
+        except (ConnectFailed, ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             log.warning("controller: shard %d at %s:%d lost from the start: %s", index, *address, exc)
             self.lost[index] = f"unreachable at the start ({exc})"
             self._stats.shards_lost += 1
@@ -155,16 +167,62 @@ class ShardSet:
         self.conns[index] = conn
         self._locks[index] = trio.Lock()
 
-    async def _set_up(self, index: int, address: tuple[str, int]) -> MessageStream:
-        """Dial the shard at ``address`` and say it is shard ``index``: its setup, the outer
-        step, and the shards already lost (all in one write)."""
+    def resume(self, lost: Sequence[int], rounds: int, decisions: int) -> None:
+        """Take the shards on where the resume record left them: the same shards (the
+        addresses this set was made with), lost ones, and rounds; decisions are numbered
+        above the record's and above the newest any shard says it was given."""
+        self.resumed = True
+        self.lost = {index: "lost before this controller was started again" for index in lost}
+        self.rounds, self.decisions = rounds, decisions
+
+    async def _take_on_again(self, index: int, address: tuple[str, int]) -> MessageStream:
+        """A shard of the record set up again: one dial, and its word, within half the
+        handshake bound. A shard that holds for this controller is listening; relays
+        redialing meanwhile wait for their HelloAck within the handshake bound, so a
+        shard that is gone must not hold up the start."""
+        with trio.fail_after(self._config.bounds.handshake / 2):
+            conn = await self._set_up(index, address, attempts=1)
+            try:
+                await self._take_where_it_is(index, conn)
+            except BaseException:
+                await conn.aclose()
+                raise
+        return conn
+
+    async def _take_where_it_is(self, index: int, conn: MessageStream) -> None:
+        """A shard taken on again says first the newest decision it was given (``Decided``);
+        a shard that says anything else was started anew, holds nothing of this run, and
+        is lost (ProtocolError)."""
+        header = await conn.receive_mux_header(SMALL_MESSAGE)
+        if header is None:
+            raise ProtocolError(f"shard {index} closed the connection when taken on again")
+        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), self._config.salt)
+        msg = decode_control_msg(payload) if kind is MuxKind.CONTROL else None
+        if not isinstance(msg, Decided):
+            raise ProtocolError(f"shard {index} holds nothing of this run (its first word was {msg or kind.name}, "
+                                "not the newest decision it was given): it was started anew")
+        self.decisions = max(self.decisions, msg.decision + 1)
+
+    async def close_cleanly(self) -> None:
+        """The run is over: shards told not to hold for this controller, then closed."""
+        self._closing = True  # (their connections ending is no loss now)
+        if self.outage_ms > 0:
+            await self._tell_shards(Outage(0))
+        await self.aclose()
+
+    async def _set_up(self, index: int, address: tuple[str, int], attempts: int | None = None) -> MessageStream:
+        """Dial the shard at ``address`` (``attempts``: at most that many tries) and say it is
+        shard ``index``: its setup, the outer step, and the shards already lost (all in one write)."""
         host, port = address
-        stream = await connect_with_retry(host, port, f"controller: shard {index}", self._config.bounds, self._connect)
+        bounds = self._config.bounds if attempts is None else attrs.evolve(self._config.bounds, connect_attempts=attempts)
+        stream = await connect_with_retry(host, port, f"controller: shard {index}", bounds, self._connect)
         conn = MessageStream(stream, f"shard {index} {host}:{port}", self._config.bounds)
         heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
         setup: list[RelayControlMsg] = [ShardSetup(index, len(self.addresses), heartbeat_ms)]
         if self.outer is not None:
             setup.append(self.outer)
+        if self.outage_ms > 0:
+            setup.append(Outage(self.outage_ms))  # hold for a controller started again (docs/wire.md)
         setup += [ShardLost(lost) for lost in sorted(self.lost) if lost != index]
         records = [self._record(msg) for msg in setup]
         await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *(c for r in records for c in r.chunks)])
@@ -307,12 +365,12 @@ class ShardSet:
         self._changed.notify()
 
     async def _lose(self, index: int, why: str) -> None:
-        if index in self.lost:
+        if index in self.lost or self._closing:
             return
         self.lost[index] = why
         self._stats.shards_lost += 1
         conn = self.conns.pop(index)
-        await conn.aclose()  # its watcher ends too (and finds it lost already)
+        await self._let_go(index, conn)  # its watcher ends too (and finds it lost already)
         if len(self.lost) == len(self.addresses):
             raise FlodlError(f"controller: every one of the {len(self.addresses)} shards is lost "
                              f"(shard {index}: {why})")
@@ -322,6 +380,17 @@ class ShardSet:
         self._tell_relays(ShardLost(index))
         await self._tell_shards(ShardLost(index))
         self._changed.notify()
+
+    async def _let_go(self, index: int, conn: MessageStream) -> None:
+        """Close a lost shard's connection; one told to hold for this controller is told
+        first not to, if that costs no wait (a shard still running then ends now, not
+        after the outage bound; a frozen one whose socket is full is not waited for)."""
+        lock = self._locks[index]
+        if self.outage_ms > 0 and not lock.locked():
+            with trio.move_on_after(LET_GO_S), contextlib.suppress(*CONNECTION_LOST, trio.ClosedResourceError):
+                async with lock:
+                    await conn.send_chunks(self._record(Outage(0)).chunks)
+        await conn.aclose()
 
     async def _tell_shards(self, msg: RelayControlMsg) -> None:
         record = self._record(msg)
@@ -348,8 +417,8 @@ class ShardSet:
         the shards (lane 0 goes up first), or may have been only on the lost shard.
         ``step``: a params round, whose lanes the shards step (``fragment``'s state)."""
         hosts = sorted(hosts, key=lambda seat: seat.lowest_rank)
-        round_ = self._rounds
-        self._rounds += 1
+        round_ = self.rounds
+        self.rounds += 1
         layout = LaneLayout.for_schema(schema, lanes, lane0_empty=True) if copy else None
         with_state = copy == COPY_WITH_STATE and step
         copied: list[RoundFrame] | None = None
@@ -359,11 +428,11 @@ class ShardSet:
             live_targets = [seat for seat in targets if self._live(seat.id)]
             if not hosts or not live_targets:
                 break  # nobody left to sum, or to send to
-            self._pending, self._hosts, self._lanes_in, self._again = self._decisions, hosts, set(), False
+            self._pending, self._hosts, self._lanes_in, self._again = self.decisions, hosts, set(), False
             self._copy, self._copy_layout = ({}, layout) if copy else (None, None)
             self._states, self._state_due = ({} if with_state else None), {}
             self._copy_limit = _copy_limit(layout, with_state)
-            self._decisions += 1
+            self.decisions += 1
             await self._tell_shards(Decide(
                 self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
                 sorted(seat.lowest_rank for seat in live_targets), copy,

@@ -175,7 +175,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
 def resume_dir_of(settings: ControllerDaemonSettings) -> str | None:
     """Where the run's resume record is kept: the checkpoint directory, unless relays and
     ranks are told not to hold for a lost controller (``--controller-outage 0``), when
-    nobody would be left to resume with (and the record would keep the shards away)."""
+    nobody would be left to resume with."""
     if settings.bounds.controller_outage == 0:
         return None
     return settings.checkpoint_dir or None

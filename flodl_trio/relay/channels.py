@@ -109,6 +109,13 @@ class ChannelRole(Protocol):
     def asks_again(self) -> list[RelayControlMsg]:
         """Requests still unanswered, said again on a new connection (after the goodbyes)."""
 
+    def write_goes_on(self) -> bool:
+        """Whether the write a lost connection broke goes on over the new one (a round
+        whose commit is still to come), instead of being sent again whole."""
+
+    async def go_on_writing(self) -> None:
+        """Go on with that write over the new connection (called by the sole upstream writer)."""
+
 
 class Channel:
     """A channel's nursery, its ranks joining and leaving, the sole upstream
@@ -309,11 +316,12 @@ class Channel:
     async def _outbound_writer(self, inbox: trio.MemoryReceiveChannel[Outbound]) -> None:
         async with inbox:
             async for item in inbox:
+                resumed = False
                 while True:
                     async with self._write_lock:
                         epoch = self._epoch
                         try:
-                            await self._write(item)
+                            await (self.role.go_on_writing() if resumed else self._write(item))
                             break
                         except CONNECTION_LOST as exc:
                             lost: BaseException = exc
@@ -323,6 +331,9 @@ class Channel:
                         # sees EOF first - a shutdown, not a failure.
                         return self._stop_after_shutdown(f"the controller closed the upstream connection ({lost})")
                     await self._upstream_lost(epoch, lost)
+                    resumed = self.role.write_goes_on()
+                    if resumed:
+                        continue  # a round through the shards: its commit comes on the new connection
                     if not isinstance(item, RankJoin):
                         break  # resent by the reconnect (a HostFrame, a goodbye), or stale (a heartbeat)
                 del item  # a sent HostFrame must not outlive its write while we wait for the next

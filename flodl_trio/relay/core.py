@@ -486,6 +486,9 @@ class _Relay:
                 f"relay {self.config.host_name}: the controller came back reducing in {count} lane(s) of "
                 f"{min_bytes} bytes, the channel in {config.lanes} of {config.lane_min_bytes}: start it as it was started"
             )
+        plane = None if self.channel is None else self.channel.role
+        if self._shards_said and isinstance(plane, DataPlane):
+            plane.shards_said_again(self._shards_said)
         return upstream
 
     async def _redial_control(self, ranks: tuple[int, ...]) -> MessageStream:
@@ -500,6 +503,20 @@ class _Relay:
         bounds = self.config.bounds
         stream = await connect_with_retry(host, port, f"relay {self.config.host_name} upstream", bounds, self.connect)
         upstream = MessageStream(stream, f"controller {host}:{port}", bounds)
+        try:
+            return await self._say_hello(upstream, ranks)
+        except BaseException:
+            # Never left open: a controller that reads this Hello late (from its listen
+            # backlog, while it started) would seat a relay that is gone.
+            await upstream.aclose()
+            raise
+
+    async def _say_hello(
+        self, upstream: MessageStream, ranks: tuple[int, ...]
+    ) -> tuple[MessageStream, tuple[int, int] | None]:
+        """Hello, then what the controller says up to its HelloAck (and this relay's shard offer)."""
+        host, port = self.config.upstream
+        bounds = self.config.bounds
         salt = self.config.salt
         if self.config.kind is ChannelKind.CONTROL:
             sigs = [self._announced_signature(r) for r in ranks]
@@ -530,7 +547,7 @@ class _Relay:
                  f" in {lanes[0]} lanes" if lanes else "")
         offer = self.config.shard_offer
         if offer is not None and lanes is not None and self.config.kind is ChannelKind.DATA:
-            offered = ShardOffer(offer[0] if offer[0] not in _ANY_HOST else local_host(stream) or host, offer[1])
+            offered = ShardOffer(offer[0] if offer[0] not in _ANY_HOST else local_host(upstream.stream) or host, offer[1])
             self._offered_host = offered.host
             await upstream.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(offered), salt).chunks)
         return upstream, lanes

@@ -127,6 +127,15 @@ class DataPlane:
         self.fold.rejoin(rank)
         await out.send(RankJoin(rank))
 
+    def shards_said_again(self, addresses: tuple[tuple[str, int], ...]) -> None:
+        """A controller started again names the shards its record has: a channel that
+        never heard of them (the old controller was lost as it fixed them) takes them
+        from its next round; one that has them keeps its own view (it is as new)."""
+        if isinstance(self.frames, LaneFrames) and self.frames.shards is None:
+            log.info("relay %s: the controller started again names %d reduction shards; rounds go through them "
+                     "from the next", self.config.host_name, len(addresses))
+            self.frames.use_shards(addresses)
+
     def offer_shard(self, host: str, port: int) -> None:
         """This host's shard listens again (on ``port``): the offer goes up before the next
         HostFrame, from the writer (the only writer upstream)."""
@@ -201,8 +210,24 @@ class DataPlane:
         if held is None:
             return None
         if isinstance(held.record, LaneUplink):
-            return await held.record.every_record()
+            assert isinstance(self.frames, LaneFrames)
+            return await self.frames.sent_again(held.record)
         return held.record
+
+    def write_goes_on(self) -> bool:
+        """A round through the shards whose commit has not come: its pieces stay on the
+        shards, lane 0 went again with the resumption, and the writer waits for the commit
+        on the new connection (docs/wire.md, "Shards through a lost controller")."""
+        return isinstance(self.frames, LaneFrames) and self.frames.round_goes_on()
+
+    async def go_on_writing(self) -> None:
+        assert isinstance(self.frames, LaneFrames) and self.frames.shards is not None
+        try:
+            await self.frames.shards.finish_round(self.channel.upstream)
+        finally:
+            if not self.channel.holds:
+                self._let_go_in_flight()
+        self._count_round(0)
 
     def upstream_lost(self) -> None:
         """The writer stops waiting for consensus lanes on the lost connection."""

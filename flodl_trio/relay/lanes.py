@@ -70,6 +70,13 @@ class LaneUplink:
         self.records.append(record)
         return record
 
+    async def first_record(self) -> EncodedFrame:
+        """Lane 0's record (cut now if it was not): all a round through the shards sends
+        the controller."""
+        if not self.records:
+            await self.next_record()
+        return self.records[0]
+
     async def every_record(self) -> EncodedFrame:
         """All the HostFrame's lane records back to back, as one (the lanes not cut yet
         are cut now): what a new connection sends again."""
@@ -254,9 +261,23 @@ class LaneFrames:
             await self._lane_down.wait()
 
     def connection_lost(self) -> None:
-        """The controller's connection broke: a writer waiting for consensus lanes stops."""
+        """The controller's connection broke: a writer waiting for consensus lanes (or for
+        the shards' commit) stops."""
         self._lost = True
         self._lane_down.notify()
+        if self.shards is not None:
+            self.shards.upstream_lost()
+
+    def round_goes_on(self) -> bool:
+        """Whether a round through the shards waits for its commit (it outlives a lost controller)."""
+        return self.shards is not None and self.sharded_round and not self.shards.committed
+
+    async def sent_again(self, uplink: LaneUplink) -> EncodedFrame:
+        """What a new connection carries again of the HostFrame in flight: every lane, or
+        with shards lane 0 alone (the shards hold the others)."""
+        if self.round_goes_on():
+            return await uplink.first_record()
+        return await uplink.every_record()
 
     def downlink_buffer(self, length: int) -> ReceiveBuffer | None:
         """A large consensus lane lands in the lane buffer: the pool's are for frames and the joined consensus."""
@@ -268,6 +289,10 @@ class LaneFrames:
         How many lanes were let go."""
         abandoned = 0
         self._lost = False
+        if self.shards is not None:
+            self.shards.upstream_back()
+        if self.round_goes_on():
+            return 0  # the shards' lanes stay: the commit (or a newer decision's lanes) comes
         if self._assembler is not None and self._assembler.begun:
             abandoned = self._assembler.lanes_in
             self._assembler.abandon()

@@ -83,5 +83,11 @@ class ControlRouter:
     def asks_again(self) -> list[RelayControlMsg]:
         return []
 
+    def write_goes_on(self) -> bool:
+        return False  # a blob is sent again whole, or is stale
+
+    async def go_on_writing(self) -> None:
+        raise AssertionError("a control channel's write never goes on over a new connection")
+
 
 __all__ = ["CONTROL_BLOB_CEILING", "ControlRouter"]

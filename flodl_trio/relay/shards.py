@@ -14,6 +14,7 @@ lanes of a decision that a newer one replaced are taken back out.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -55,6 +56,10 @@ log = logging.getLogger("flodl_trio.relay")
 OWN_LANE_BUFFERS_MAX = 16 << 20
 
 
+def _nothing(nbytes: int) -> None:
+    pass
+
+
 class ShardLanes(Protocol):
     """What the shard links need of the consensus being joined (the channel's LaneFrames)."""
 
@@ -92,6 +97,11 @@ class ShardLinks:
         self._failed: set[int] = set()  # shards whose connection failed here, not yet said lost
         self._told_controller: set[int] = set()  # ... and told to the controller
         self._back: dict[int, tuple[str, int]] = {}  # lost shards served again from the next round, and where
+        self._records: list[EncodedFrame] = []  # the round's lane records
+        self._sent: Callable[[int], None] = _nothing  # counts the bytes each one took
+        self._reported = -1  # the newest decision whose LanesIn went to the controller
+        self._retell = False  # a new controller connection: say again every shard lost here
+        self._upstream_down = False  # the controller's connection is lost, the next not up yet
 
     @property
     def count(self) -> int:
@@ -116,24 +126,52 @@ class ShardLinks:
         await self._take_back_served_again()
         self._round += 1
         self._count = len(records)
+        self._records, self._sent = records, sent
         self._sent_to.clear()
         self._lane_decision.clear()
-        self.want, self.committed, reported = -1, False, -1
+        self.want, self.committed, self._reported = -1, False, -1
         await self._tell_failed(upstream)
         await upstream.send_chunks(records[0].chunks)
         sent(records[0].nbytes)
-        await self._send_missing(records, sent)
+        await self.finish_round(upstream)
+
+    async def finish_round(self, upstream: MessageStream) -> None:
+        """The round's pieces to their owners, and ``LanesIn`` to the controller on
+        ``upstream`` for each newer decision whose lanes are all in; until the commit.
+        ClosedResourceError once ``upstream`` is lost: the round goes on over the next
+        connection (the pieces stay on the shards, which hold for a controller that keeps
+        a record; docs/wire.md, "Shards through a lost controller")."""
+        await self._send_missing(self._records, self._sent)
         while not self.committed:
+            if upstream.closed:
+                raise trio.ClosedResourceError("the controller's connection was lost before the round's commit")
             await self._tell_failed(upstream)
-            if self.want > reported and self._all_in():
-                reported = self.want
+            if self.want > self._reported and self._all_in():
+                self._reported = self.want
                 await upstream.send_chunks(self._record(LanesIn(self.want)).chunks)
             await self.changed.wait()
-            await self._send_missing(records, sent)
+            await self._send_missing(self._records, self._sent)
+
+    def upstream_lost(self) -> None:
+        """The controller's connection broke: the one that replaces it is told again which
+        shards are lost here, and which decision's lanes are in."""
+        self._reported, self._retell, self._upstream_down = -1, True, True
+        self.changed.notify()
+
+    def upstream_back(self) -> None:
+        """A new connection to the controller is up (and resumed)."""
+        self._upstream_down = False
+        self.changed.notify()
 
     async def _tell_failed(self, upstream: MessageStream) -> None:
-        """Shards whose connection failed here, told to the controller once each."""
-        for shard in sorted(self._failed - self._told_controller - self.lost):
+        """Shards whose connection failed here, told to the controller once each; after a
+        new connection, every shard lost here (a controller started again may not know)."""
+        if self._retell:
+            self._retell, self._told_controller = False, set()
+            news = sorted(self._failed | self.lost)
+        else:
+            news = sorted(self._failed - self._told_controller - self.lost)
+        for shard in news:
             self._told_controller.add(shard)
             await upstream.send_chunks(self._record(ShardLost(shard)).chunks)
 
@@ -269,12 +307,24 @@ class ShardLinks:
         self.conns.pop(index, None)
         self._failed.add(index)
         self.changed.notify()
-        with trio.move_on_after(self._config.bounds.handshake):
-            while index not in self.lost:
+        await self._until_said_lost(index, why)
+
+    async def _until_said_lost(self, index: int, why: BaseException | str) -> None:
+        """Until the controller says shard ``index`` is lost; ProtocolError if it has not
+        within the handshake bound of its connection being up (a controller that is lost
+        meanwhile is waited for as the channel waits for it: the new one hears of it)."""
+        bound = self._config.bounds.handshake
+        deadline: float | None = None  # (counted from when a connection is up)
+        while index not in self.lost:
+            if self._upstream_down:
+                deadline = None
+            elif deadline is None:
+                deadline = trio.current_time() + bound
+            elif trio.current_time() >= deadline:
+                raise ProtocolError(f"relay {self._config.host_name}: lost shard {index} ({why}), and the controller "
+                                    f"did not say so within {bound:g} s")
+            with trio.move_on_at(math.inf if deadline is None else deadline):
                 await self.changed.wait()
-            return
-        raise ProtocolError(f"relay {self._config.host_name}: lost shard {index} ({why}), and the controller did not "
-                            f"say so within {self._config.bounds.handshake:g} s")
 
     async def _read_records(self, index: int, conn: MessageStream, buf: ReceiveBuffer) -> None:
         """Until the shard is lost or its connection ends. A shard that says nothing (not

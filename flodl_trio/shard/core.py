@@ -54,6 +54,7 @@ from ..wire.mux import (
     Decide,
     Decided,
     MuxKind,
+    Outage,
     PieceRefused,
     Pieces,
     RelayControlMsg,
@@ -144,6 +145,7 @@ class ShardHandle:
         self.pieces_dropped = 0  # pieces of hosts a decision left out
         self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
         self.refused_pieces = 0  # pieces that were not what their round's schema says (their relay was named)
+        self.controllers_resumed = 0  # controllers that took it on again after one was lost
 
 
 @asynccontextmanager
@@ -188,6 +190,13 @@ class _Shard:
         self._to_controller: trio.MemorySendChannel[EncodedFrame]  # set once the controller connected
         self._changed = ChangeSignal()  # a piece, a decision or a lost shard came in
         self.outer: ShardLanesOuter | None = None  # the outer step of its lanes (ShardOuter)
+        self._outer_said: ShardOuter | None = None
+        # Through a lost controller (docs/wire.md, "Shards through a lost controller"):
+        self._outage_s = 0.0  # how long to hold for it (Outage; 0: the shard ends with it)
+        self._session: trio.CancelScope | None = None  # the current controller's session
+        self._sessions = 0  # controller sessions so far
+        self._controller_changed = ChangeSignal()  # a controller set this shard up
+        self._latest_decision = 0  # the newest decision number any controller gave
 
     def _control(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.salt)
@@ -231,30 +240,42 @@ class _Shard:
 
     async def _serve_controller(self, conn: MessageStream) -> None:
         """Its setup, then its decisions, one per round in several lanes. A connection whose
-        first record is not a signed ``ShardSetup`` is refused and costs nothing else."""
+        first record is not a signed ``ShardSetup`` is refused and costs nothing else; so is
+        one that would make a shard set up before another shard (docs/wire.md, "Shards
+        through a lost controller")."""
         try:
             with trio.fail_after(self.bounds.handshake):
                 setup = await self._control_record(conn)
             if not isinstance(setup, ShardSetup) or not 0 <= setup.index < setup.count:
                 raise ProtocolError(f"the first record must be a ShardSetup with index < count, got {setup}")
+            if self.index is not None and (setup.index, setup.count) != (self.index, self.count):
+                raise ProtocolError(f"it set up shard {setup.index} of {setup.count}; this one is shard {self.index} "
+                                    f"of {self.count}")
         except (FlodlError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             self._refuse(f"controller connection {conn.peer} refused: {exc or 'no ShardSetup in time'}")
             await conn.aclose()
             return
+        resumed = self.index is not None
         self.index, self.count, self._heartbeat_s = setup.index, setup.count, setup.heartbeat_ms / 1000
         self.handle.index = setup.index
         self.handle.set_up.set()
-        log.info("shard %d of %d: set up by the controller", setup.index, setup.count)
         conn.peer = "the controller"
-        self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
+        if self._session is not None:  # one controller at a time: the newest (the old is gone, or lost us)
+            self._session.cancel()
+        self._session = session = trio.CancelScope()
+        self._sessions += 1
+        self._controller_changed.notify()
+        if resumed:
+            log.info("shard %d of %d: a controller took it on again (its relays, pieces and outer state kept)",
+                     setup.index, setup.count)
+            self.handle.controllers_resumed += 1
+            self._decision = self._summing = None  # the lost controller's; the new one decides again
+        else:
+            log.info("shard %d of %d: set up by the controller", setup.index, setup.count)
         error: FlodlError | None = None
         try:
-            with one_error():
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._controller_writer, conn, to_controller)
-                    nursery.start_soon(self._decider)
-                    await self._follow_controller(conn)
-                    nursery.cancel_scope.cancel()
+            with session:
+                await self._controller_session(conn, resumed)
         except FlodlError as exc:  # the controller broke the protocol: this shard's work ends, saying why
             log.warning("shard %s: ends: %s", self.index, exc)
             error = exc
@@ -262,7 +283,38 @@ class _Shard:
             log.info("shard %s: the controller's connection ended: %s", self.index, exc)
         finally:
             await conn.aclose()
+        if session.cancelled_caught:
+            return  # a newer controller took over
+        if error is None and self._outage_s > 0:
+            error = await self._hold_for_a_controller()
+        if error is not None or session is self._session:
             self.handle.outcome.end(error)  # its controller is gone: the shard's work is over
+
+    async def _controller_session(self, conn: MessageStream, resumed: bool) -> None:
+        """One controller's session: its decisions followed, the lanes summed, its writer.
+        A shard it takes on again says first the newest decision it was given, so the new
+        controller numbers its own above it (a relay takes only a newer decision's lanes)."""
+        self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
+        if resumed:
+            await conn.send_chunks(self._control(Decided(self._latest_decision)).chunks)
+        with one_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._controller_writer, conn, to_controller)
+                nursery.start_soon(self._decider)
+                await self._follow_controller(conn)
+                nursery.cancel_scope.cancel()
+
+    async def _hold_for_a_controller(self) -> FlodlError | None:
+        """The controller said it keeps a resume record (``Outage``): hold the relays, their
+        pieces and the outer state for as long as it said, for the controller started again.
+        None once one took over; else why the shard ends."""
+        sessions, outage = self._sessions, self._outage_s
+        log.warning("shard %s: lost its controller; holding for up to %g s for it to come back", self.index, outage)
+        with trio.move_on_after(outage):
+            while self._sessions == sessions:
+                await self._controller_changed.wait()
+            return None
+        return FlodlError(f"shard {self.index}: the controller did not come back within its outage bound ({outage:g} s)")
 
     async def _follow_controller(self, conn: MessageStream) -> None:
         while True:
@@ -274,16 +326,22 @@ class _Shard:
                 if msg.step and self.outer is None:
                     raise ProtocolError(f"decision {msg.decision} steps its lanes, and no ShardOuter said how")
                 self._decision = msg
+                self._latest_decision = max(self._latest_decision, msg.decision)
                 self._changed.notify()
             elif isinstance(msg, ShardLost):
                 self._shard_lost(msg.shard)
             elif isinstance(msg, ShardBack):
                 self._shard_back(msg.shard)
+            elif isinstance(msg, Outage):
+                self._outage_s = msg.millis / 1000
             elif isinstance(msg, ShardOuter) and self.outer is None:
-                self.outer = _outer_of(msg)
+                self.outer, self._outer_said = _outer_of(msg), msg
                 log.info("shard %s: steps its lanes with %r", self.index, self.outer.optimizer)
+            elif isinstance(msg, ShardOuter) and msg == self._outer_said:
+                continue  # a controller that took this shard on again says it again: the state stays
             else:
-                raise ProtocolError(f"the controller sent a shard {type(msg).__name__}")
+                raise ProtocolError(f"the controller sent a shard {type(msg).__name__}"
+                                    + (" unlike the one it said before" if isinstance(msg, ShardOuter) else ""))
 
     async def _controller_writer(self, conn: MessageStream, outbox: trio.MemoryReceiveChannel[EncodedFrame]) -> None:
         """The one writer to the controller: what the shard has to say (refused pieces),

@@ -276,6 +276,11 @@ class MessageStream:
             await self.stream.aclose()
         self._closed.set()
 
+    @property
+    def closed(self) -> bool:
+        """Whether someone closed this stream (here: nothing more goes over it)."""
+        return self._closed.is_set()
+
     async def wait_closed(self) -> None:
         """Until someone closed this stream (a server's handler waits here while
         another task serves the connection)."""

@@ -64,6 +64,18 @@ def test_a_record_reads_back_as_written_with_its_outer_state(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == [] and log.load() is None
 
 
+def test_a_record_of_a_sharded_run_keeps_where_the_shards_are(tmp_path: Path) -> None:
+    """Their addresses, the lost ones, the rounds decided and the decision numbers given."""
+    log = ResumeLog(tmp_path, SALT, WORLD)
+    record = broadcast(b"lane 0")
+    written = log.write(run_record(12, broadcast_tag(record), None, shards=(("10.0.0.1", 7001), ("10.0.0.2", 7002)),
+                                   shards_lost=(1,), sharded_rounds=11, decisions=14), record)
+    back = log.load()
+    assert back is not None and back.run == written
+    assert back.run.shards == (("10.0.0.1", 7001), ("10.0.0.2", 7002)) and back.run.shards_lost == (1,)
+    assert (back.run.sharded_rounds, back.run.decisions) == (11, 14)
+
+
 def test_another_sessions_or_worlds_record_is_not_resumed(tmp_path: Path) -> None:
     ResumeLog(tmp_path, SALT, WORLD).write(run_record(3, b"\1" * 8, None), broadcast(b"a"))
     assert ResumeLog(tmp_path, SessionSalt(b"another-salt-16b"), WORLD).load() is None

@@ -434,10 +434,10 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
     (3, ("--outer", "diloco"), (), True, "INFO"),  # the shards step a built-in outer optimizer: still used
     (3, ("--shards", "off"), (), False, "INFO"),  # a star, whatever the relays offer
     (3, (), ("--shard", "off"), False, "INFO"),  # one relay offers none: nothing is fixed
-    # checkpoints go through the shards; a resume record (the checkpoint directory's, kept
-    # unless nobody holds for a lost controller) keeps the star
+    # checkpoints go through the shards, and so does a run with a resume record (the
+    # checkpoint directory's, kept unless nobody holds for a lost controller)
     (3, ("--outer", "diloco", "--checkpoint-dir", "{tmp}", "--controller-outage", "0"), (), True, "INFO"),
-    (3, ("--checkpoint-dir", "{tmp}"), (), False, "INFO"),
+    (3, ("--checkpoint-dir", "{tmp}"), (), True, "INFO"),
 ], ids=["defaults", "two-hosts", "quiet-relays", "outer", "controller-off", "one-relay-off", "checkpoints",
         "resume-record"])
 async def test_shards_by_default_and_both_ways_to_turn_them_off(hosts, controller_flags, relay_b_flags, sharded,
@@ -464,6 +464,6 @@ async def test_shards_by_default_and_both_ways_to_turn_them_off(hosts, controlle
         await _three_exact_rounds_then_clean_exits(ports, [controller, *relays])
     assert ("reducing with the 3 shards the relays offered" in controller.text) == sharded, controller.text
     if "--checkpoint-dir" in controller_flags:
-        assert f"resume_record={'off' if sharded else 'on'}" in controller.text
+        assert f"resume_record={'off' if '--controller-outage' in controller_flags else 'on'}" in controller.text
     if relay_log == "INFO":
         assert ("shard finished: 2 rounds" in relays[0].text) == sharded, relays[0].text  # rounds 1 and 2

@@ -29,6 +29,7 @@ from flodl_trio.controller import ControllerHandle
 from flodl_trio.fold.outer import DiLoCoNesterov
 from flodl_trio.relay import ChannelKind, RelayHandle
 from flodl_trio.relay.lanes import LANES_AHEAD
+from flodl_trio.shard import ShardHandle, open_shard
 from flodl_trio.testing import DropRecord, FaultProxy, hold_open
 from flodl_trio.testing.local import LOOPBACK
 from flodl_trio.client.tensors import fragment_pieces
@@ -57,9 +58,13 @@ class Controller:
     """A controller a test can stop as a crash would (its connections close) and start
     again on the same port: a fresh outer optimizer and all, as a new process has."""
 
-    def __init__(self, resume_dir: Path, lanes: int = 1) -> None:
+    def __init__(
+        self, resume_dir: Path, lanes: int = 1, shards: list[tuple[str, int]] | None = None, bounds: NetBounds = BOUNDS,
+    ) -> None:
         self.resume_dir = resume_dir
+        self.bounds = bounds
         self.lanes = lanes
+        self.shards = shards
         self.port = 0
         self.handle: ControllerHandle | None = None
         self._scope: trio.CancelScope | None = None
@@ -81,7 +86,8 @@ class Controller:
         with scope:
             async with open_controller(
                 LOOPBACK, self.port, world_size=WORLD, salt=SALT, outer_optimizer=DiLoCoNesterov(lr=0.7, momentum=0.9),
-                deterministic=True, bounds=BOUNDS, resume_dir=self.resume_dir, lanes=self.lanes, lane_min_bytes=0,
+                deterministic=True, bounds=self.bounds, resume_dir=self.resume_dir, lanes=self.lanes, lane_min_bytes=0,
+                shards=self.shards,
             ) as handle:
                 task_status.started(handle)
                 await handle.wait_finished()
@@ -98,6 +104,9 @@ class Run:
 
     params: dict[tuple[int, int], list[np.ndarray]] = attrs.field(factory=dict)
     relays: list[RelayHandle] = attrs.field(factory=list)
+    shards: list[ShardHandle] = attrs.field(factory=list)
+    shard_scopes: list[trio.CancelScope] = attrs.field(factory=list)  # cancelling one stops that shard
+    proxy: FaultProxy | None = None
     controller: ControllerHandle = attrs.field(default=None)  # the last one started
 
 
@@ -113,29 +122,34 @@ Interruption = Callable[[Controller, Run, trio.Event], Awaitable[None]]
 async def run_cluster(
     tmp_path: Path, interrupt: Interruption | None, *, gated: tuple[int, ...] = (1,),
     proxy_faults: list[DropRecord] | None = None, bf16: bool = False, lanes: int = 1, codec: str | None = None,
-    fragments: int = 1,
+    fragments: int = 1, shards: int = 0, bounds: NetBounds = BOUNDS,
 ) -> Run:
     """Train WINDOWS windows on 2 hosts x 2 ranks; the ranks of the ``gated`` hosts wait
     before window PAUSE_AT while ``interrupt`` (if any) stops and restarts the controller.
     ``proxy_faults``: host 1's data relay reaches the controller through a proxy with them.
     ``lanes``: every round in that many lanes (however small its frame). ``codec``: the
     params go as coded deltas. ``fragments``: window ``w`` syncs fragment ``w % fragments``
-    of the params (and no buffers)."""
+    of the params (and no buffers). ``shards``: that many reduction shards reduce lanes 1..
+    (they outlive the controller)."""
     run = Run()
     gate = trio.Event()
-    controller = Controller(tmp_path / "ckpt", lanes)
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
+            for _ in range(shards):
+                run.shard_scopes.append(scope := trio.CancelScope())
+                run.shards.append(await nursery.start(_shard_in, scope, bounds))
+            controller = Controller(tmp_path / "ckpt", lanes, [(LOOPBACK, s.port) for s in run.shards] or None, bounds)
             await controller.start(nursery)
             upstreams = [(LOOPBACK, controller.port)] * len(HOSTS)
             if proxy_faults is not None:
                 proxy = FaultProxy((LOOPBACK, controller.port), proxy_faults)
                 await nursery.start(proxy.serve)
                 upstreams[1] = proxy.address
+                run.proxy = proxy
             for index, ranks in enumerate(HOSTS):
                 relay = await nursery.start(hold_open, open_relay(
                     ChannelKind.DATA, listen=(LOOPBACK, 0), upstream=upstreams[index], host_name=f"host{index}",
-                    ranks=ranks, world_size=WORLD, salt=SALT, bounds=BOUNDS, deterministic=True, lanes=lanes,
+                    ranks=ranks, world_size=WORLD, salt=SALT, bounds=bounds, deterministic=True, lanes=lanes,
                 ))
                 run.relays.append(relay)
 
@@ -144,7 +158,7 @@ async def run_cluster(
                 relay = run.relays[0 if rank in HOSTS[0] else 1]
                 pieces = fragment_pieces(params, fragments) if fragments > 1 else [params]
                 shapes = tuple(tuple(p.shape) for p in params)
-                async with connect_reduce_client((LOOPBACK, relay.port), rank, WORLD, SALT, bounds=BOUNDS) as client:
+                async with connect_reduce_client((LOOPBACK, relay.port), rank, WORLD, SALT, bounds=bounds) as client:
                     client.bf16_wire = bf16
                     client.delta_codec = None if codec is None else DeltaCodec.parse(codec)
                     for window in range(WINDOWS):
@@ -168,6 +182,16 @@ async def run_cluster(
             run.controller = controller.handle
             nursery.cancel_scope.cancel()
     return run
+
+
+async def _shard_in(
+    scope: trio.CancelScope, bounds: NetBounds, *, task_status: trio.TaskStatus[ShardHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A reduction shard that runs until ``scope`` is cancelled (its connections then close)."""
+    with scope:
+        async with open_shard(LOOPBACK, 0, salt=SALT, bounds=bounds) as handle:
+            task_status.started(handle)
+            await trio.sleep_forever()
 
 
 def assert_same_run(expected: Run, got: Run, *, fragmented: bool = False) -> None:

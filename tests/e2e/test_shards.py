@@ -290,8 +290,7 @@ async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt, tmp
     from flodl_trio import ConfigError
 
     for options, named in (({"lanes": 1}, "lanes >= 2"),
-                           ({"outer_optimizer": CustomOuter()}, "the outer optimizer CustomOuter"),
-                           ({"resume_dir": tmp_path}, "a resume record")):
+                           ({"outer_optimizer": CustomOuter()}, "the outer optimizer CustomOuter")):
         with pytest.raises(ConfigError, match=named):
             async with open_controller(LOOP, 0, world_size=1, salt=salt, shards=[(LOOP, 1)], **options):
                 pass

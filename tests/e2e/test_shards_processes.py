@@ -295,3 +295,47 @@ async def test_a_relays_shard_process_sigkilled_is_started_again_and_serves_its_
     contributors = check_windows(cluster, windows, NUMEL)
     assert all(contributors[w] == {0, 1, 2} for w in range(windows)), contributors
     check_final_and_joins(cluster, windows, contributors)
+
+
+@pytest.mark.deadline(150)
+async def test_diloco_through_the_relays_shards_resumed_after_a_controller_sigkill_ends_bit_identical(salt, tmp_path):
+    """Default daemons and a controller with ``--checkpoint-dir`` (a resume record) and
+    DiLoCo, deterministic: the controller takes the relays' shards, is SIGKILLed while host
+    0's round is up and host 2's rank holds, and is started again with the same command
+    line. The shards hold their relays, pieces and outer state for it, the new controller
+    takes them on from its record, and the run ends bit-identical, window by window, to
+    the same run uninterrupted. No rank, relay or shard restarted."""
+    from flodl_trio.testing.matrix import diagnose
+    from flodl_trio.testing.windows import windows_of
+    from tests.e2e.test_controller_restart_processes import kill_and_restart, until_host0_delivered
+
+    windows, hold = 8, 4
+    args = {r: ["--windows", str(windows), *(["--pause-before", f"{hold}:inf"] if r == 2 else [])] for r in range(3)}
+
+    async def run(directory, fault):
+        async with _three_hosts(
+            salt, pause=0.05, worker_args=args, relay_args={h: ["--deterministic"] for h in range(3)},
+            controller_args=["--outer", "diloco", "--deterministic", "--checkpoint-dir", str(directory)],
+        ) as cluster:
+            with diagnose(cluster):
+                await cluster.controller.wait_log("reducing with the 3 shards the relays offered")
+                await cluster.wait_event(2, "paused", round=hold)
+                await until_host0_delivered(cluster)
+                if fault is not None:
+                    await fault(cluster)
+                await cluster.resume(2)
+                for rank in range(3):
+                    outcome = await cluster.wait_outcome(rank)
+                    assert outcome["event"] == "done", outcome
+            return cluster
+
+    with trio.fail_after(140):
+        reference = await run(tmp_path / "reference", None)
+        resumed = await run(tmp_path / "resumed", kill_and_restart)
+    assert "resuming with the record's 3 shards" in resumed.controller.text, resumed.logs()
+    assert " lost (" not in resumed.controller.text and "dropped" not in resumed.controller.text, resumed.logs()
+    assert sum("a controller took it on again" in relay.text for h in range(3)
+               for relay in resumed.relay_processes(h)) == 3, resumed.logs()
+    for rank in range(3):
+        want, got = windows_of(reference, rank), windows_of(resumed, rank)
+        assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank

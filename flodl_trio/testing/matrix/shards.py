@@ -1,11 +1,13 @@
 """Cases: reduction shard daemons (``--shards``) killed or frozen mid-round, alone or
-with the host they run beside, and a host brought back serving its lost shard again. A lost shard's lanes go to the next live shard, and
+with the host they run beside, a host brought back serving its lost shard again, and
+the controller killed and started again while the shards hold. A lost shard's lanes go to the next live shard, and
 a round that was decided but not yet committed is decided again (docs/wire.md,
 "A lost shard"): every rank gets one exact consensus."""
 
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -181,3 +183,45 @@ async def shard_host_restart() -> Outcome:
     windows_exact(c, HOST_BACK_WINDOWS, SHARDED["numel"], {4: {2}})
     return Outcome(f"shard 2 lost with its host; back at window {start}, its relay's new shard served shard 2 again "
                    f"({summed[0]} rounds); every window exact; all 3 end bit-identical", first["time"] - t0)
+
+
+CTL_RESTART_WINDOWS, CTL_RESTART_HOLD = 8, 4
+
+
+@case("shard-controller-restart",
+      fault="controller daemon (default --shards auto, --checkpoint-dir) SIGKILLed while a host's round is up, "
+      "started again with the same command", leg="controller process", deadline=60)
+async def shard_controller_restart() -> Outcome:
+    """Default daemons on 3 hosts: the controller takes the relays' shards. It is
+    SIGKILLed while host 2's rank holds before window CTL_RESTART_HOLD and the others'
+    round is up; the shards hold their relays, pieces and outer state, and the controller
+    started again takes them on from its record (docs/wire.md, "Shards through a lost
+    controller")."""
+    held = ["--pause-before", f"{CTL_RESTART_HOLD}:inf"]
+    args = {r: ["--windows", str(CTL_RESTART_WINDOWS), *(held if r == 2 else [])] for r in range(3)}
+    with tempfile.TemporaryDirectory(prefix="flodl-matrix-") as tmp:
+        async with daemon_cluster(world_size=3, hosts=[[0], [1], [2]], backend="torch", numel=SHARDED["numel"],
+                                  pause=0.05, heartbeat_timeout=10.0, worker_args=args,
+                                  controller_args=["--checkpoint-dir", tmp]) as c:
+            with diagnose(c):
+                assert c.controller is not None
+                await c.controller.wait_log("reducing with the 3 shards the relays offered")
+                await c.wait_event(2, "paused", round=CTL_RESTART_HOLD)
+                t0 = mono()
+                c.kill_controller()
+                await c.controller.wait()
+                await c.restart_controller()
+                await c.resume(2)
+                first = await c.wait_event(0, "window", window=CTL_RESTART_HOLD)
+                await all_done(c)
+                if "resuming with the record's 3 shards" not in c.controller.text:
+                    raise MatrixFailure("the restarted controller did not take the record's shards on")
+                taken = sum("a controller took it on again" in relay.text for h in range(3)
+                            for relay in c.relay_processes(h))
+                if taken != 3:
+                    raise MatrixFailure(f"{taken} of the 3 shards were taken on again by the new controller")
+    contributors = windows_exact(c, CTL_RESTART_WINDOWS, SHARDED["numel"], {})
+    if any(contributors[w] != {0, 1, 2} for w in range(CTL_RESTART_WINDOWS)):
+        raise MatrixFailure(f"a window lost a contributor over the restart: {contributors}")
+    return Outcome("the shards held for the controller, which took all 3 on again from its record; every window "
+                   "exact over all 3 ranks, all end bit-identical, nothing else restarted", first["time"] - t0)
