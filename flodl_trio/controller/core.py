@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Literal
@@ -86,6 +86,7 @@ from ..wire.mux import (
     Resume,
     ShardLost,
     ShardBack,
+    ShardMoved,
     ShardOffer,
     ShardOuter,
     Shards,
@@ -125,7 +126,7 @@ from .round import (
     WindowStore,
 )
 from .seats import Seats
-from .shards import Committed, Seat, ShardSet
+from .shards import Committed, HereOnListener, Seat, ShardServer, ShardSet
 from .stats import ControllerStats
 from .status import serve_status
 from .windows import rounds_and_windows
@@ -210,6 +211,7 @@ async def open_controller(
     resume_dir: str | os.PathLike[str] | None = None,
     shards: Sequence[tuple[str, int]] | Literal["auto"] = (),
     connect: Connector = trio.open_tcp_stream,
+    serve_shard: ShardServer | None = None,
 ) -> AsyncIterator[ControllerHandle]:
     """Serve the cluster's controller on ``host:port`` (0 = any free port), or on the
     given ``listeners``, for the block.
@@ -272,6 +274,7 @@ async def open_controller(
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
     controller.connect = connect
+    controller.serve_shard = serve_shard
     if isinstance(shards, str):
         controller.take_offered_shards = controller.offered_shards = why_not is None
         if why_not is not None:
@@ -338,14 +341,33 @@ class _Controller:
     take_offered_shards = False  # shards="auto": fix the relays' offered shards once the cluster formed
     offered_shards = False  # shards="auto": a lost shard is served again by a relay's later offer
     connect: Connector = staticmethod(trio.open_tcp_stream)  # how shards are dialed
+    serve_shard: ShardServer | None = None  # how it serves the last live shard itself (None: it stops)
+    _own_shards: trio.Nursery | None = None  # where a shard of its own runs
     # Shard news for relays, queued once the round's record is written (_tell_after_record).
     _after_record: list[tuple[RelayLink, RelayControlMsg]]
+    _here_shards: HereOnListener | None = None
     _nursery: trio.Nursery | None = None
 
     def shard_set(self, addresses: Sequence[tuple[str, int]]) -> ShardSet:
         return ShardSet(addresses, self.config, self._relay_live, self._tell_relays, self.stats,
                         self._drop_relay_named, self.connect, outer=self._shard_outer(),
-                        outage_ms=self.handle.coordinator.outage_ms)
+                        outage_ms=self.handle.coordinator.outage_ms, here=self._here())
+
+    def _here(self) -> HereOnListener | None:
+        """How this controller serves a shard itself: on the host its TCP listener is bound
+        to (None: no ``serve_shard``, or a test's memory network)."""
+        listener = self.listeners[0]
+        if self.serve_shard is None or not isinstance(listener, trio.SocketListener):
+            return None
+        bound = str(listener.socket.getsockname()[0])
+        salt = self.config.salt
+
+        def relays() -> list[tuple[MessageStream, Callable[[RelayControlMsg], None]]]:
+            return [(link.conn, partial(link.queue_control, salt=salt)) for link in self.links.values()
+                    if not link.closed and link.takes_extensions]
+
+        self._here_shards = HereOnListener(self.serve_shard, bound, lambda: self._own_shards, relays)
+        return self._here_shards
 
     def _shard_outer(self) -> ShardOuter | None:
         """What the shards step each params round's lanes with (None: nothing to step)."""
@@ -404,6 +426,20 @@ class _Controller:
                                    if not other.closed and other.takes_extensions]
             if not shards.lost:
                 return
+
+    def _served_here(self) -> dict[int, int]:
+        """The shards this controller serves itself, and their ports."""
+        here, shards = self._here_shards, self.shards
+        return {} if here is None or shards is None else {i: here.ports[i] for i in sorted(shards.served_here)}
+
+    def _shard_addresses_for(self, link: RelayLink) -> list[tuple[str, int]]:
+        """The shards' addresses as ``link``'s relay reaches them (one this controller serves:
+        the address its connection here has)."""
+        assert self.shards is not None
+        addresses = list(self.shards.addresses)
+        for index, port in self._served_here().items():
+            addresses[index] = self._here_shards.address_for(link.conn, port)  # type: ignore[union-attr]
+        return addresses
 
     def _tell_after_record(self) -> None:
         """What relays are told of the shards (fixed, or one served again) once the round's
@@ -464,13 +500,16 @@ class _Controller:
     async def run(self) -> None:
         self.resumption.restore()
         self._resume_shards()
-        if self.shards is not None:
-            await self.shards.dial()
-        try:
-            await self._serve()
-        finally:
-            if self.shards is not None:
-                await self.shards.aclose()
+        async with trio.open_nursery() as own_shards:  # a shard this controller serves itself, if any
+            self._own_shards = own_shards
+            try:
+                if self.shards is not None:
+                    await self.shards.dial()
+                await self._serve()
+            finally:
+                if self.shards is not None:
+                    await self.shards.aclose()
+                own_shards.cancel_scope.cancel()
 
     def _resume_shards(self) -> None:
         """A record of a run with shards: the same shards, taken on where it left them
@@ -600,12 +639,16 @@ class _Controller:
         if self.config.lanes > 1 and link.takes_extensions:
             link.queue_control(Lanes(self.config.lanes, self.config.lane_min_bytes), self.config.salt)
             if self.shards is not None:
-                link.queue_control(Shards(self.shards.addresses), self.config.salt)
+                link.queue_control(Shards(self._shard_addresses_for(link)), self.config.salt)
                 link.sharded = True
         link.queue_control(HelloAck(), self.config.salt)
         if self.shards is not None and link.takes_extensions:  # once its channel is up to take them
             for msg in self.shards.told_at_hello():
                 link.queue_control(msg, self.config.salt)
+            for index, port in self._served_here().items():  # (a relay resuming may know of another)
+                assert self._here_shards is not None
+                link.queue_control(ShardMoved(index, *self._here_shards.address_for(link.conn, port)),
+                                   self.config.salt)
         if link.takes_extensions:
             self.handle.coordinator.host_takes_extensions(link.host)
             if self.handle.coordinator.outage_ms > 0:  # it keeps a resume record: hold for it if it is lost

@@ -104,6 +104,11 @@ class ControllerCollector(Collector):
             "Lost reduction shards served again by a shard a relay offered (a host brought back)",
             stats.shards_served_again,
         )
+        yield counter(
+            "flodl_controller_shards_served_here",
+            "Reduction shards the controller served itself, every other one being lost",
+            stats.shards_served_here,
+        )
 
 
 __all__ = ["ControllerCollector"]

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Protocol
 
 import attrs
 import trio
@@ -31,7 +32,7 @@ import trio
 from ..errors import ConnectFailed, FlodlError, ProtocolError, SchemaError
 from ..fold.outer import F32Array, lane_state_bytes, read_lane_state
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import Connector, connect_with_retry
+from ..transport.connect import Connector, connect_with_retry, local_host
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import CHANNEL_MAGIC_SHARD
@@ -49,6 +50,7 @@ from ..wire.mux import (
     ShardAlive,
     ShardBack,
     ShardLost,
+    ShardMoved,
     ShardOuter,
     ShardSetup,
     decode_control_msg,
@@ -64,6 +66,60 @@ log = logging.getLogger("flodl_trio.controller")
 
 # The longest a lost shard's connection is written its last word (Outage 0) before it closes.
 LET_GO_S = 1.0
+
+# Decision numbers skipped when a shard holding nothing comes in at a controller's start:
+# relays may have marks of decisions a lost controller made after its record.
+DECISIONS_AFTER_A_NEW_SHARD = 1 << 20
+
+
+class ShardHere(Protocol):
+    """How the controller serves a shard itself (when every other is lost)."""
+
+    async def start(self) -> tuple[str, int]:
+        """A new shard of its own, listening: where the controller dials it, and its port."""
+
+    def tell_relays(self, index: int, port: int) -> None:
+        """Every relay told (``ShardMoved``) that shard ``index`` is on the controller's host at ``port``."""
+
+
+# How a controller starts a shard of its own: given its nursery and the host to listen on,
+# the port it listens at (the daemon passes one that runs ``flodl_trio.shard.open_shard``).
+ShardServer = Callable[[trio.Nursery, str], Awaitable[int]]
+
+# Where this process dials a shard of its own listening on every address.
+_LOOPBACK_OF_ANY = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+class HereOnListener:
+    """:class:`ShardHere` for a controller on TCP: its shard listens on the host the
+    controller's listener is bound to; each relay is told the address its own connection
+    to the controller has."""
+
+    def __init__(self, serve: ShardServer, bound_host: str, nursery: Callable[[], trio.Nursery | None],
+                 relays: Callable[[], Iterable[tuple[MessageStream, Callable[[RelayControlMsg], None]]]]) -> None:
+        self._serve = serve
+        self._bound = bound_host
+        self._nursery = nursery
+        self._relays = relays  # each live relay's connection, and how to queue it a control message
+        self.ports: dict[int, int] = {}  # shard -> the port the controller serves it at
+
+    async def start(self) -> tuple[str, int]:
+        nursery = self._nursery()
+        if nursery is None:
+            raise FlodlError("controller: no nursery to serve a shard in yet")
+        port = await self._serve(nursery, self._bound)
+        return _LOOPBACK_OF_ANY.get(self._bound, self._bound), port
+
+    def address_for(self, conn: MessageStream, port: int) -> tuple[str, int]:
+        """Where a relay on ``conn`` reaches the controller's shard."""
+        host = local_host(conn.stream) or self._bound
+        return host, port
+
+    def tell_relays(self, index: int, port: int) -> None:
+        self.ports[index] = port
+        for conn, queue in self._relays():
+            queue(ShardMoved(index, *self.address_for(conn, port)))
+
 
 LaneState = tuple[list[F32Array], list[F32Array]]  # a stepped lane's x_prev and momentum pieces
 
@@ -104,10 +160,12 @@ class ShardSet:
         self, addresses: Sequence[tuple[str, int]], config: ControllerConfig,
         live: Callable[[int], bool], tell_relays: Callable[[RelayControlMsg], None], stats: ControllerStats,
         drop_relay: Callable[[int, str], None], connect: Connector = trio.open_tcp_stream,
-        outer: ShardOuter | None = None, outage_ms: int = 0,
+        outer: ShardOuter | None = None, outage_ms: int = 0, here: ShardHere | None = None,
     ) -> None:
         self.addresses = tuple(addresses)
         self.outage_ms = outage_ms  # how long shards hold for this controller if it is lost (0: not at all)
+        self._here = here  # how the controller serves the last live shard itself (None: it cannot)
+        self.served_here: set[int] = set()  # the shards this controller serves itself
         self.resumed = False  # taken on from a resume record: each shard says where it is first
         self._closing = False  # the run is over
         self._used = set(self.addresses)  # every address a shard was set up at (none is set up twice)
@@ -150,8 +208,13 @@ class ShardSet:
                 if index not in self.lost:
                     nursery.start_soon(self._dial_one, index, address)
         if len(self.lost) == len(self.addresses):
-            raise FlodlError(f"controller: none of the {len(self.addresses)} shards could be reached: "
-                             + "; ".join(f"shard {i}: {why}" for i, why in sorted(self.lost.items())))
+            why = "; ".join(f"shard {i}: {why}" for i, why in sorted(self.lost.items()))
+            if self._here is None:
+                raise FlodlError(f"controller: none of the {len(self.addresses)} shards could be reached: {why}")
+            index = min(self.lost)
+            del self.lost[index]
+            self.decisions += DECISIONS_AFTER_A_NEW_SHARD  # (relays may have marks of a lost controller's)
+            await self._serve_here(index, f"no shard could be reached ({why})")
 
     async def _dial_one(self, index: int, address: tuple[str, int]) -> None:
         try:
@@ -267,7 +330,12 @@ class ShardSet:
         the relay is dropped instead)."""
         if not 0 <= shard < len(self.addresses):
             raise ProtocolError(f"said shard {shard} is lost; there are {len(self.addresses)}")
-        if shard not in self.lost and len(self.lost) == len(self.addresses) - 1:
+        if shard in self.served_here:
+            # This process serves it: up while the controller is (its own watcher sees it end).
+            # Such a word is of the shard it replaced (a relay says again, after a new
+            # connection, what it found lost), or the relay's alone to bear.
+            return log.info("controller: %s says shard %d is lost; it is served here, and is not", relay, shard)
+        if shard not in self.lost and len(self.lost) == len(self.addresses) - 1 and self._here is None:
             # The last live shard is lost only on the controller's own evidence: one relay's
             # word would stop the run, so the relay that cannot reach it is the one dropped.
             raise ProtocolError(f"said shard {shard}, the last live one, is lost; its connection here is fine, so "
@@ -320,7 +388,8 @@ class ShardSet:
                     raise ProtocolError(f"shard {index} sent the controller {msg or kind.name}, not ShardAlive")
         except (ProtocolError, *CONNECTION_LOST) as exc:
             why = str(exc)
-        await self._lose(index, why)
+        if self.conns.get(index) is conn:  # (not one that was replaced meanwhile)
+            await self._lose(index, why)
 
     def _check_length(self, index: int, length: int) -> None:
         """A record longer than a control message only while a copy is due, and never
@@ -365,9 +434,12 @@ class ShardSet:
         self._changed.notify()
 
     async def _lose(self, index: int, why: str) -> None:
-        if index in self.lost or self._closing:
+        if index in self.lost or self._closing or index not in self.conns:
             return
+        if len(self.lost) == len(self.addresses) - 1 and self._here is not None:
+            return await self._move_here(index, why)
         self.lost[index] = why
+        self.served_here.discard(index)
         self._stats.shards_lost += 1
         conn = self.conns.pop(index)
         await self._let_go(index, conn)  # its watcher ends too (and finds it lost already)
@@ -380,6 +452,37 @@ class ShardSet:
         self._tell_relays(ShardLost(index))
         await self._tell_shards(ShardLost(index))
         self._changed.notify()
+
+    async def _move_here(self, index: int, why: str) -> None:
+        """The last live shard is lost: the controller serves it itself from now on, rather
+        than stop the run (docs/wire.md, "When every shard is lost"). The round in progress
+        is decided again; every relay sends the new shard its lanes of it."""
+        log.warning("controller: shard %d, the last live one, is lost (%s); the controller serves it itself", index, why)
+        self._stats.shards_lost += 1
+        old = self.conns.pop(index)
+        await self._let_go(index, old)
+        await self._serve_here(index, why)
+        if self._pending is not None:
+            self._again = True
+        self._changed.notify()
+
+    async def _serve_here(self, index: int, why: str) -> None:
+        """Shard ``index`` served by a shard of the controller's own, set up, watched, and
+        told to every relay (``ShardMoved``)."""
+        assert self._here is not None
+        address = await self._here.start()
+        port = address[1]
+        conn = await self._set_up(index, address)
+        self.addresses = (*self.addresses[:index], address, *self.addresses[index + 1:])
+        self._used.add(address)
+        self.conns[index], self._locks[index] = conn, trio.Lock()
+        self._marks.pop(index, None)
+        self.served_here.add(index)
+        self._stats.shards_served_here += 1
+        if self._nursery is not None:
+            self._nursery.start_soon(self._watch, index)
+        self._here.tell_relays(index, port)
+        log.info("controller: shard %d is served by the controller, on port %d (%s)", index, port, why)
 
     async def _let_go(self, index: int, conn: MessageStream) -> None:
         """Close a lost shard's connection; one told to hold for this controller is told
@@ -478,4 +581,4 @@ class ShardSet:
         self._changed.notify()
 
 
-__all__ = ["Committed", "LaneState", "Seat", "ShardSet"]
+__all__ = ["Committed", "HereOnListener", "LaneState", "Seat", "ShardHere", "ShardServer", "ShardSet"]

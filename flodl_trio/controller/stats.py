@@ -48,6 +48,7 @@ class ControllerStats:
     decisions_again: int = 0  # rounds decided again for the shards (one was lost before the round committed)
     rounds_copied: int = 0  # sharded rounds the shards also sent here whole (a rank rejoining, a checkpoint)
     shards_served_again: int = 0  # lost shards a relay's offer served again (a host brought back)
+    shards_served_here: int = 0  # shards the controller served itself (every other one lost)
 
 
 __all__ = ["ControllerStats", "LatencyHistogram"]

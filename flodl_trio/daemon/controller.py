@@ -16,6 +16,7 @@ from ..controller.config import check_lanes, lanes_or_default, membership_policy
 from ..controller.core import OuterOptimizer, open_controller
 from ..errors import ConfigError
 from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
+from ..shard import shard_server
 from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .common import (
@@ -199,6 +200,7 @@ async def serve_controller_daemon(
                 rejoin_timeout=settings.rejoin_timeout, min_ranks=settings.min_ranks,
                 formation_timeout=settings.formation_timeout, deterministic=settings.deterministic,
                 lanes=settings.lanes, resume_dir=resume_dir_of(settings), shards=settings.shards,
+                serve_shard=shard_server(salt=settings.salt, ceiling=ceiling, bounds=settings.bounds),
             )
         )
         if metrics is not None:

@@ -46,6 +46,7 @@ from ..wire.mux import (
     RelayControlMsg,
     Resume,
     ShardBack,
+    ShardMoved,
     ShardLost,
     ShardOffer,
     Shards,
@@ -437,13 +438,15 @@ class DataPlane:
             log.info("relay %s: the controller fixed %d reduction shards; rounds go through them from the next",
                      self.config.host_name, len(msg.addresses))
             return self.frames.use_shards(msg.addresses)
-        if isinstance(msg, ShardLost | ShardBack):
+        if isinstance(msg, ShardLost | ShardBack | ShardMoved):
             shards = self.frames.shards if isinstance(self.frames, LaneFrames) else None
             if shards is None:
                 raise ProtocolError(f"relay {self.config.host_name}: {type(msg).__name__}, and the controller named "
                                     "no shards")
             if isinstance(msg, ShardBack):
                 return shards.shard_back(msg.shard, (msg.host, msg.port))
+            if isinstance(msg, ShardMoved):
+                return await shards.shard_moved(msg.shard, (msg.host, msg.port))
             return await shards.shard_lost(msg.shard)
         if isinstance(msg, RankAway):
             return await self._on_away(msg.rank, out)

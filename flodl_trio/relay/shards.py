@@ -239,6 +239,43 @@ class ShardLinks:
                                 f"which is not lost (lost: {sorted(self.lost)})")
         self._back[shard] = address
 
+    async def shard_moved(self, shard: int, address: tuple[str, int]) -> None:
+        """The controller serves ``shard`` itself now, at ``address`` (every other shard was
+        lost, or it is the one this relay knew lost and the controller started again): at
+        once, its lanes of the round in progress go there, dialed now (docs/wire.md, "When
+        every shard is lost")."""
+        if not 0 <= shard < self.count:
+            raise ProtocolError(f"relay {self._config.host_name}: ShardMoved for shard {shard} of {self.count}")
+        self._back.pop(shard, None)
+        self.lost.discard(shard)
+        self._failed.discard(shard)
+        self._told_controller.discard(shard)
+        self._told.pop(shard, None)  # the new shard hears of the lost ones with its first lanes
+        self._decision.pop(shard, None)
+        self._set_address(shard, address)
+        log.warning("relay %s: shard %d is served by the controller now, at %s:%d", self._config.host_name, shard,
+                    *address)
+        if not self._connected:
+            return  # dialed with the others before this relay's first round
+        old = self.conns.get(shard)
+        try:
+            await self._dial(shard)  # (its connection replaces the old one: the old one's reader ends quietly)
+        except (ConnectFailed, *CONNECTION_LOST) as exc:
+            log.warning("relay %s: shard %d could not be reached (%s)", self._config.host_name, shard, exc)
+            self.conns.pop(shard, None)
+            self._failed.add(shard)
+        if old is not None:
+            await old.aclose()
+        for lane, owner in list(self._sent_to.items()):
+            if owner == shard:
+                del self._sent_to[lane]  # sent again, to it
+        self.changed.notify()
+
+    def _set_address(self, shard: int, address: tuple[str, int]) -> None:
+        shards = list(self._config.shards)
+        shards[shard] = address
+        self._config = attrs.evolve(self._config, shards=tuple(shards))
+
     async def _take_back_served_again(self) -> None:
         """Between rounds: each shard served again owns its lanes again, at its new address."""
         back, self._back = self._back, {}
@@ -248,9 +285,7 @@ class ShardLinks:
             self._told_controller.discard(shard)
             for told in self._told.values():
                 told.discard(shard)
-            shards = list(self._config.shards)
-            shards[shard] = address
-            self._config = attrs.evolve(self._config, shards=tuple(shards))
+            self._set_address(shard, address)
             log.info("relay %s: shard %d is served again, at %s:%d", self._config.host_name, shard, *address)
             try:
                 await self._dial(shard)
@@ -299,8 +334,8 @@ class ShardLinks:
             why = "it closed its connection"
         finally:
             await conn.aclose()
-        if index in self.lost:
-            return
+        if index in self.lost or self.conns.get(index, conn) is not conn:
+            return  # lost, or moved (its new connection has its own reader)
         # Told to the controller (which then loses the shard for everyone): bad bytes from a
         # shard cost that shard, not this relay.
         log.warning("relay %s: shard %d failed (%s); telling the controller", self._config.host_name, index, why)
@@ -310,12 +345,13 @@ class ShardLinks:
         await self._until_said_lost(index, why)
 
     async def _until_said_lost(self, index: int, why: BaseException | str) -> None:
-        """Until the controller says shard ``index`` is lost; ProtocolError if it has not
-        within the handshake bound of its connection being up (a controller that is lost
-        meanwhile is waited for as the channel waits for it: the new one hears of it)."""
+        """Until the controller says shard ``index`` is lost (or moved it: it has a new
+        connection); ProtocolError if it has not within the handshake bound of its
+        connection being up (a controller that is lost meanwhile is waited for as the
+        channel waits for it: the new one hears of it)."""
         bound = self._config.bounds.handshake
         deadline: float | None = None  # (counted from when a connection is up)
-        while index not in self.lost:
+        while index not in self.lost and index not in self.conns:
             if self._upstream_down:
                 deadline = None
             elif deadline is None:

@@ -30,7 +30,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -168,6 +168,30 @@ async def open_shard(
     shard = _Shard(SessionSalt.coerce(salt), ceiling, bounds or NetBounds.from_env(), handle)
     async with serving(lambda: trio.serve_listeners(shard.route, bound), handle.outcome, log, "shard"):
         yield handle
+
+
+def shard_server(
+    *, salt: SessionSalt | bytes, ceiling: int = DEFAULT_FRAME_CEILING, bounds: NetBounds | None = None,
+) -> Callable[[trio.Nursery, str], Awaitable[int]]:
+    """What a controller starts a shard of its own with (``open_controller(serve_shard=)``):
+    given a nursery and a host, a shard serving in that nursery on a free port of that
+    host, and the port."""
+
+    async def serve(nursery: trio.Nursery, host: str) -> int:
+        port: int = await nursery.start(_serve_until_cancelled, host, salt, ceiling, bounds)
+        return port
+
+    return serve
+
+
+async def _serve_until_cancelled(
+    host: str, salt: SessionSalt | bytes, ceiling: int, bounds: NetBounds | None, *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    async with open_shard(host, 0, salt=salt, ceiling=ceiling, bounds=bounds) as handle:
+        task_status.started(handle.port)
+        with contextlib.suppress(FlodlError):  # (logged by the shard; its controller loses it)
+            await handle.outcome.wait()
 
 
 class _Shard:
@@ -567,4 +591,4 @@ class _Shard:
         self._changed.notify()
 
 
-__all__ = ["ShardHandle", "open_shard"]
+__all__ = ["ShardHandle", "open_shard", "shard_server"]

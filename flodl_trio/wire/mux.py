@@ -333,19 +333,31 @@ class ShardAlive:
     shard is told from a slow one."""
 
 
+@attrs.frozen
+class ShardMoved:
+    """flodl_trio extension (variant 219), controller -> relays: shard ``shard``, the last
+    live one, is now served at ``host:port`` by the controller itself (the shard it was
+    is lost), at once: each relay sends it its lanes of the round in progress, which is
+    decided again (docs/wire.md, "When every shard is lost")."""
+
+    shard: int
+    host: str
+    port: int
+
+
 NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
 
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
     | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
-    | ShardOffer | ShardOuter | ShardBack
+    | ShardOffer | ShardOuter | ShardBack | ShardMoved
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
     ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215, ShardOffer: 216,
-    ShardOuter: 217, ShardBack: 218,
+    ShardOuter: 217, ShardBack: 218, ShardMoved: 219,
 }
 
 
@@ -403,7 +415,7 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                 out += _address(host, port)
         case ShardOffer(host=host, port=port):
             out += _address(host, port)
-        case ShardBack(shard=shard, host=host, port=port):
+        case ShardBack(shard=shard, host=host, port=port) | ShardMoved(shard=shard, host=host, port=port):
             out += _varint(shard) + _address(host, port)
         case ShardSetup(index=index, count=count, heartbeat_ms=heartbeat_ms):
             out += _varint(index) + _varint(count) + _varint(heartbeat_ms)
@@ -521,6 +533,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = ShardOffer(*_read_address(reader, "ShardOffer"))
     elif variant == 218:
         msg = ShardBack(reader.varint("ShardBack shard"), *_read_address(reader, "ShardBack"))
+    elif variant == 219:
+        msg = ShardMoved(reader.varint("ShardMoved shard"), *_read_address(reader, "ShardMoved"))
     elif variant == 207:
         msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"),
                          reader.varint("ShardSetup heartbeat_ms"))

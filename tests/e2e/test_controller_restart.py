@@ -29,7 +29,7 @@ from flodl_trio.controller import ControllerHandle
 from flodl_trio.fold.outer import DiLoCoNesterov
 from flodl_trio.relay import ChannelKind, RelayHandle
 from flodl_trio.relay.lanes import LANES_AHEAD
-from flodl_trio.shard import ShardHandle, open_shard
+from flodl_trio.shard import ShardHandle, open_shard, shard_server
 from flodl_trio.testing import DropRecord, FaultProxy, hold_open
 from flodl_trio.testing.local import LOOPBACK
 from flodl_trio.client.tensors import fragment_pieces
@@ -60,8 +60,10 @@ class Controller:
 
     def __init__(
         self, resume_dir: Path, lanes: int = 1, shards: list[tuple[str, int]] | None = None, bounds: NetBounds = BOUNDS,
+        outer: bool = True,
     ) -> None:
         self.resume_dir = resume_dir
+        self.outer = outer
         self.bounds = bounds
         self.lanes = lanes
         self.shards = shards
@@ -85,9 +87,10 @@ class Controller:
     async def _run(self, scope: trio.CancelScope, task_status: trio.TaskStatus[ControllerHandle]) -> None:
         with scope:
             async with open_controller(
-                LOOPBACK, self.port, world_size=WORLD, salt=SALT, outer_optimizer=DiLoCoNesterov(lr=0.7, momentum=0.9),
+                LOOPBACK, self.port, world_size=WORLD, salt=SALT,
+                outer_optimizer=DiLoCoNesterov(lr=0.7, momentum=0.9) if self.outer else None,
                 deterministic=True, bounds=self.bounds, resume_dir=self.resume_dir, lanes=self.lanes, lane_min_bytes=0,
-                shards=self.shards,
+                shards=self.shards, serve_shard=shard_server(salt=SALT, bounds=self.bounds),
             ) as handle:
                 task_status.started(handle)
                 await handle.wait_finished()
@@ -122,7 +125,7 @@ Interruption = Callable[[Controller, Run, trio.Event], Awaitable[None]]
 async def run_cluster(
     tmp_path: Path, interrupt: Interruption | None, *, gated: tuple[int, ...] = (1,),
     proxy_faults: list[DropRecord] | None = None, bf16: bool = False, lanes: int = 1, codec: str | None = None,
-    fragments: int = 1, shards: int = 0, bounds: NetBounds = BOUNDS,
+    fragments: int = 1, shards: int = 0, bounds: NetBounds = BOUNDS, outer: bool = True,
 ) -> Run:
     """Train WINDOWS windows on 2 hosts x 2 ranks; the ranks of the ``gated`` hosts wait
     before window PAUSE_AT while ``interrupt`` (if any) stops and restarts the controller.
@@ -138,7 +141,8 @@ async def run_cluster(
             for _ in range(shards):
                 run.shard_scopes.append(scope := trio.CancelScope())
                 run.shards.append(await nursery.start(_shard_in, scope, bounds))
-            controller = Controller(tmp_path / "ckpt", lanes, [(LOOPBACK, s.port) for s in run.shards] or None, bounds)
+            controller = Controller(tmp_path / "ckpt", lanes, [(LOOPBACK, s.port) for s in run.shards] or None, bounds,
+                                    outer)
             await controller.start(nursery)
             upstreams = [(LOOPBACK, controller.port)] * len(HOSTS)
             if proxy_faults is not None:
@@ -207,6 +211,20 @@ def assert_same_run(expected: Run, got: Run, *, fragmented: bool = False) -> Non
         for rank in range(1, WORLD):
             for a, b in zip(got.params[0, window], got.params[rank, window]):
                 np.testing.assert_array_equal(a, b)
+
+
+def assert_same_until_then_one_consensus(expected: Run, got: Run, until: int) -> None:
+    """Every rank's params are the expected run's, bit for bit, for the windows before
+    ``until`` (after it the two runs part: an outer state started again); and every window
+    is one consensus, the same on every rank."""
+    for window in range(until):
+        for rank in range(WORLD):
+            for a, b in zip(expected.params[rank, window], got.params[rank, window]):
+                np.testing.assert_array_equal(b, a)
+    for window in range(WINDOWS):
+        for rank in range(1, WORLD):
+            for a, b in zip(got.params[0, window], got.params[rank, window]):
+                np.testing.assert_array_equal(b, a)
 
 
 @pytest.fixture

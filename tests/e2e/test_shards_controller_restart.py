@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 
 import attrs
-import numpy as np
 import pytest
 import trio
 
@@ -23,8 +22,8 @@ from flodl_trio.shard import open_shard
 from flodl_trio.testing import DropRecord, hold_open
 from flodl_trio.testing.local import LOOPBACK
 from tests.e2e.test_controller_restart import (
-    BOUNDS, FIRST_ROUND_OF_PAUSE, LANES, PAUSE_AT, ROUNDS_PER_WINDOW, SALT, WINDOWS, WORLD, Controller, Run, assert_same_run, restart_when, run_cluster,
-    wait_until,
+    BOUNDS, FIRST_ROUND_OF_PAUSE, LANES, PAUSE_AT, ROUNDS_PER_WINDOW, SALT, Controller, Run, assert_same_run,
+    assert_same_until_then_one_consensus, restart_when, run_cluster, wait_until,
 )
 
 SHARDS = 2
@@ -163,14 +162,7 @@ async def test_a_shard_lost_while_the_controller_is_down_is_lost_to_the_new_one_
     got = await run_cluster(tmp_path, controller_and_shard_1_die, lanes=LANES, shards=SHARDS, bounds=bounds)
     assert got.controller.stats.resumed_runs == 1 and got.controller.stats.shards_lost == 1
     assert got.shards[0].controllers_resumed == 1
-    for window in range(PAUSE_AT):
-        for rank in range(WORLD):
-            for a, b in zip(reference.params[rank, window], got.params[rank, window]):
-                np.testing.assert_array_equal(b, a)
-    for window in range(WINDOWS):
-        for rank in range(1, WORLD):
-            for a, b in zip(got.params[0, window], got.params[rank, window]):
-                np.testing.assert_array_equal(b, a)
+    assert_same_until_then_one_consensus(reference, got, PAUSE_AT)
 
 
 async def test_a_shard_whose_controller_does_not_come_back_within_its_outage_ends_naming_it() -> None:

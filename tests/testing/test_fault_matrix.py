@@ -47,10 +47,10 @@ REQUIRED = {
     "wrong-salt-local-leg",
     # a wrong schema folded first costs its sender, not the ranks folded after it
     "rank-schema-change-first",
-    # reduction shards: lost alone or with their host, frozen, served again by a host brought back, and
-    # holding for a controller started again
+    # reduction shards: lost alone, with their host or all of them, frozen, served again by a host
+    # brought back, and holding for a controller started again
     "shard-kill-mid-round", "shard-freeze", "shard-host-kill-mid-round", "shard-relay-freeze", "shard-host-restart",
-    "shard-controller-restart",
+    "shard-controller-restart", "shard-all-killed",
 }
 
 

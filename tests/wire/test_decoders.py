@@ -798,6 +798,10 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     back = ShardBack(2, "10.0.0.3", 4242)
     assert encode_control_msg(back) == b"\xda\x02" + b"\x08" + b"10.0.0.3" + b"\xfb\x92\x10"  # shard, host, port
     assert decode_control_msg(encode_control_msg(back)) == back
+    from flodl_trio.wire.mux import ShardMoved
+    moved = ShardMoved(1, "10.0.0.1", 4242)
+    assert encode_control_msg(moved) == b"\xdb" + b"\x01" + b"\x08" + b"10.0.0.1" + b"\xfb\x92\x10"
+    assert decode_control_msg(encode_control_msg(moved)) == moved
     from flodl_trio.wire.mux import ShardOuter
     outer = ShardOuter(2, 0.7, 0.9)
     assert encode_control_msg(outer) == b"\xd9\x02" + struct.pack("<dd", 0.7, 0.9)

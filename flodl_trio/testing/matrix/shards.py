@@ -1,6 +1,7 @@
 """Cases: reduction shard daemons (``--shards``) killed or frozen mid-round, alone or
-with the host they run beside, a host brought back serving its lost shard again, and
-the controller killed and started again while the shards hold. A lost shard's lanes go to the next live shard, and
+with the host they run beside, all of them (the controller then serves one itself), a
+host brought back serving its lost shard again, and the controller killed and started
+again while the shards hold. A lost shard's lanes go to the next live shard, and
 a round that was decided but not yet committed is decided again (docs/wire.md,
 "A lost shard"): every rank gets one exact consensus."""
 
@@ -71,6 +72,23 @@ async def shard_kill_mid_round() -> Outcome:
 @case("shard-freeze", fault="shard daemon (1 of 3) SIGSTOPped mid-run and left frozen", leg="shard process")
 async def shard_freeze() -> Outcome:
     return await _shard_fault(kill=False)
+
+
+@case("shard-all-killed", fault="every shard daemon (3 of 3) SIGKILLed as a round began", leg="shard process")
+async def shard_all_killed() -> Outcome:
+    """No shard left: the controller serves the last one lost itself (docs/wire.md, "When
+    every shard is lost"); the round in progress is decided again and every rank gets
+    every 4-rank consensus."""
+    async with _held_cluster(shards=3) as c:
+        t0 = mono()
+        for shard in range(3):
+            c.kill_shard(shard)
+        await _let_go(c)
+        rounds = await expect_consensus(c, range(4), SHARDED["rounds"], lambda _k: range(4))
+        assert c.controller is not None
+        await c.controller.wait_log("the controller serves it itself")
+        seconds = last_outcome(rounds, HELD) - t0
+    return Outcome("the controller served the last shard lost itself; every rank got every 4-rank consensus", seconds)
 
 
 @case("shard-host-kill-mid-round",
