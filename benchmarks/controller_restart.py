@@ -6,6 +6,7 @@ completed round and window, and what the resume record costs each round. Prints 
     python benchmarks/controller_restart.py --lanes 8    # every daemon with --lanes 8
     python benchmarks/controller_restart.py --codec int8:1024   # params rounds as int8 deltas
     python benchmarks/controller_restart.py --hosts 3 --lanes 8  # 3 hosts x 1 rank: the relays' shards
+    python benchmarks/controller_restart.py --hosts 3 --lanes 8 --star  # the same without them
 
 Daemons (the controller with ``--outer diloco --checkpoint-dir``, a relay per host)
 and four rank processes (``rank_worker --windows``) holding through a lost
@@ -61,7 +62,7 @@ async def until_host0_delivered(cluster) -> None:
 
 async def run(
     mib: int, windows: int, pause: float, checkpoint_dir: Path, lanes: int = 1, codec: str | None = None,
-    hosts: int = 2,
+    hosts: int = 2, star: bool = False,
 ) -> dict[str, Any]:
     numel = mib * (1 << 20) // 4
     placed = layout(hosts)
@@ -73,7 +74,8 @@ async def run(
     async with open_process_cluster(
         world_size=world, hosts=placed, salt=SALT, control=True, heartbeat_timeout=60.0, daemons=True,
         numel=numel, pause=pause,
-        controller_args=["--outer", "diloco", "--checkpoint-dir", str(checkpoint_dir), "--lanes", str(lanes)],
+        controller_args=["--outer", "diloco", "--checkpoint-dir", str(checkpoint_dir), "--lanes", str(lanes),
+                         *(["--shards", "off"] if star else [])],
         relay_args={h: ["--lanes", str(lanes)] for h in range(hosts)},
         worker_args={r: ["--windows", str(windows), *coded, *(held if r in held_ranks else [])] for r in range(world)},
         worker_env={r: env for r in range(world)}, relay_env={h: env for h in range(hosts)},
@@ -164,9 +166,11 @@ def main() -> None:
     parser.add_argument("--codec", default=None, help="the ranks' params rounds as coded deltas (int8:1024, fp4:256)")
     parser.add_argument("--hosts", type=int, default=2,
                         help="2: two hosts of two ranks (default); 3 or more: one rank a host, the relays' shards")
+    parser.add_argument("--star", action="store_true", help="the controller without shards (--shards off)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flodl-restart-") as tmp:
-        result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp), args.lanes, args.codec, args.hosts)
+        result = trio.run(run, args.mib, args.windows, args.pause, Path(tmp), args.lanes, args.codec, args.hosts,
+                          args.star)
     print(table(result, record_write_seconds(args.mib, delta=args.codec is not None)))
 
 
