@@ -1103,6 +1103,7 @@ class _Controller:
                 {"host": self.links[sid].host, "ranks": list(seat.ranks), "delivered": sid in self.rounds[0].delivered}
                 for sid, seat in self.seats.connected()
             ],
+            "shards": None if self.shards is None else self.shards.status(),
             "stats": attrs.asdict(self.stats),
         }
 

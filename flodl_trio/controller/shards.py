@@ -347,6 +347,15 @@ class ShardSet:
         for conn in self.conns.values():
             await conn.aclose()  # a shard ends with its controller
 
+    def status(self) -> dict[str, object]:
+        """For the status page: each shard's address, which are lost (and why), and which
+        this controller serves itself."""
+        return {
+            "addresses": [f"{host}:{port}" for host, port in self.addresses],
+            "lost": {str(index): why for index, why in sorted(self.lost.items())},
+            "served_here": sorted(self.served_here),
+        }
+
     def told_at_hello(self) -> list[RelayControlMsg]:
         """What a relay seated now must know: the shards already lost."""
         return [ShardLost(index) for index in sorted(self.lost)]

@@ -323,6 +323,8 @@ async def test_diloco_through_the_relays_shards_resumed_after_a_controller_sigki
                 await until_host0_delivered(cluster)
                 if fault is not None:
                     await fault(cluster)
+                    shards = (await cluster.status())["shards"]  # the new controller's
+                    assert len(shards["addresses"]) == 3 and shards["lost"] == {} and shards["served_here"] == []
                 await cluster.resume(2)
                 for rank in range(3):
                     outcome = await cluster.wait_outcome(rank)
