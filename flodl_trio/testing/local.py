@@ -33,7 +33,7 @@ from ..controller import ControllerHandle, open_controller
 from ..controller.dead_ranks import DeadRanks
 from ..errors import ConfigError, FlodlError
 from ..relay import ChannelKind, HostRanks, RelayHandle, open_relay
-from ..shard import ShardHandle, open_shard
+from ..shard import ShardHandle, open_shard, shard_server
 from ..transport.connect import Connector
 from ..transport.settings import NetBounds
 from ..transport.tasks import service_nursery
@@ -229,6 +229,7 @@ async def open_local_cluster(
         if shards:
             controller_options = {**controller_options, "connect": connect,
                                   "shards": "auto" if offered else [(here, h.port) for h in shard_handles]}
+            controller_options.setdefault("serve_shard", shard_server(salt=session, bounds=bounds))  # as the daemon
         controller = await stack.enter_async_context(
             open_controller(LOOPBACK, 0, world_size=world_size, salt=session, dead_ranks=dead_ranks, bounds=bounds,
                             deterministic=deterministic, lanes=lanes, **listeners(), **controller_options)
