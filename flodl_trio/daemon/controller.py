@@ -66,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="outer momentum [env FLODL_OUTER_MOMENTUM; default 0.5 slowmo, 0.9 diloco]")
     parser.add_argument("--shards", default=env_default("FLODL_SHARDS", "auto"),
                         help="reduction shards that reduce lanes 1.. of each round in lanes: auto (the shards the "
-                        "relays offer, once three or more have; none with --checkpoint-dir or --lanes 1; they "
-                        "step --outer), "
-                        "off (this controller reduces every lane), or host:port,... [env FLODL_SHARDS; default auto]")
+                        "relays offer, once three or more have; none with --lanes 1; they step --outer and hold "
+                        "through a restart with --checkpoint-dir), "
+                        "off or 1 (this controller reduces every lane), or host:port,... "
+                        "[env FLODL_SHARDS; default auto]")
     parser.add_argument("--checkpoint-dir", default=env_default("FLODL_CHECKPOINT_DIR"),
                         help="write each window's consensus here as safetensors, and the run's resume record: a controller "
                         "started again with it takes the run on [env FLODL_CHECKPOINT_DIR; default off]")
@@ -118,12 +119,16 @@ class ControllerDaemonSettings:
 
 
 def parse_shards(text: str) -> tuple[tuple[str, int], ...] | Literal["auto"]:
-    """``--shards``: auto, off (or empty), or host:port,..."""
+    """``--shards``: auto, off (or empty, none, 1: one reducer, this controller - the
+    star, flodl's bytes), or host:port,..."""
     text = text.strip()
     if text == "auto":
         return "auto"
-    if text in ("", "off", "none"):
+    if text in ("", "off", "none", "1"):
         return ()
+    if text.isdigit():
+        raise ConfigError(f"--shards {text}: a count other than 1 names no shard; give auto, off (or 1), or "
+                          "host:port,... (each a flodl_trio.shard daemon, or a relay daemon's --shard)")
     return tuple(parse_host_port(part.strip(), "--shards") for part in text.split(",") if part.strip())
 
 

@@ -433,13 +433,14 @@ async def test_relay_daemons_serving_the_shards_reduce_and_exit_with_the_control
     (3, (), (), True, "WARNING"),  # quiet relays: the child shard's port does not depend on its log level
     (3, ("--outer", "diloco"), (), True, "INFO"),  # the shards step a built-in outer optimizer: still used
     (3, ("--shards", "off"), (), False, "INFO"),  # a star, whatever the relays offer
+    (3, ("--shards", "1"), (), False, "INFO"),  # one reducer, the controller: the star too
     (3, (), ("--shard", "off"), False, "INFO"),  # one relay offers none: nothing is fixed
     # checkpoints go through the shards, and so does a run with a resume record (the
     # checkpoint directory's, kept unless nobody holds for a lost controller)
     (3, ("--outer", "diloco", "--checkpoint-dir", "{tmp}", "--controller-outage", "0"), (), True, "INFO"),
     (3, ("--checkpoint-dir", "{tmp}"), (), True, "INFO"),
-], ids=["defaults", "two-hosts", "quiet-relays", "outer", "controller-off", "one-relay-off", "checkpoints",
-        "resume-record"])
+], ids=["defaults", "two-hosts", "quiet-relays", "outer", "controller-off", "controller-one", "one-relay-off",
+        "checkpoints", "resume-record"])
 async def test_shards_by_default_and_both_ways_to_turn_them_off(hosts, controller_flags, relay_b_flags, sharded,
                                                                  relay_log, tmp_path):
     """One rank a host: rounds exact and every daemon exits 0 in each case; the

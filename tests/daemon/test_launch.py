@@ -51,3 +51,17 @@ def test_defaults_and_errors():
         rank_from_env({**TORCHRUN, "WORLD_SIZE": "eight"})
     with pytest.raises(ConfigError, match="host:port"):
         controller_address({"FLODL_CONTROLLER": "nohost"})
+
+
+def test_shards_flag_takes_auto_off_one_or_addresses():
+    """``--shards 1`` is one reducer, the controller (flodl's bytes), like ``off``; another
+    bare count names no shard and is refused naming the flag."""
+    from flodl_trio.daemon.controller import parse_shards
+
+    assert parse_shards("auto") == "auto"
+    for star in ("off", "1", "", "none", " 1 "):
+        assert parse_shards(star) == ()
+    assert parse_shards("10.0.0.1:7001,10.0.0.2:7002") == (("10.0.0.1", 7001), ("10.0.0.2", 7002))
+    for bad in ("2", "0", "8"):
+        with pytest.raises(ConfigError, match=f"--shards {bad}: a count other than 1 names no shard"):
+            parse_shards(bad)
