@@ -309,12 +309,8 @@ class ShardSet:
             return None
         await self._tell_shards(ShardBack(index, *address))  # (the new one knows)
         del self.lost[index]
-        self.addresses = (*self.addresses[:index], address, *self.addresses[index + 1:])
-        self.conns[index], self._locks[index] = conn, trio.Lock()
-        self._marks.pop(index, None)
+        self._install(index, address, conn)
         self._stats.shards_served_again += 1
-        if self._nursery is not None:
-            self._nursery.start_soon(self._watch, index)
         log.info("controller: shard %d is served again, at %s:%d", index, *address)
         return index
 
@@ -482,16 +478,20 @@ class ShardSet:
         address = await self._here.start()
         port = address[1]
         conn = await self._set_up(index, address)
-        self.addresses = (*self.addresses[:index], address, *self.addresses[index + 1:])
         self._used.add(address)
-        self.conns[index], self._locks[index] = conn, trio.Lock()
-        self._marks.pop(index, None)
+        self._install(index, address, conn)
         self.served_here.add(index)
         self._stats.shards_served_here += 1
-        if self._nursery is not None:
-            self._nursery.start_soon(self._watch, index)
         self._here.tell_relays(index, port)
         log.info("controller: shard %d is served by the controller, on port %d (%s)", index, port, why)
+
+    def _install(self, index: int, address: tuple[str, int], conn: MessageStream) -> None:
+        """A shard set up anew as ``index`` at ``address``: its connection, lock and watcher."""
+        self.addresses = (*self.addresses[:index], address, *self.addresses[index + 1:])
+        self.conns[index], self._locks[index] = conn, trio.Lock()
+        self._marks.pop(index, None)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._watch, index)
 
     async def _let_go(self, index: int, conn: MessageStream) -> None:
         """Close a lost shard's connection; one told to hold for this controller is told

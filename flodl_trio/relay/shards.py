@@ -247,23 +247,13 @@ class ShardLinks:
         if not 0 <= shard < self.count:
             raise ProtocolError(f"relay {self._config.host_name}: ShardMoved for shard {shard} of {self.count}")
         self._back.pop(shard, None)
-        self.lost.discard(shard)
-        self._failed.discard(shard)
-        self._told_controller.discard(shard)
-        self._told.pop(shard, None)  # the new shard hears of the lost ones with its first lanes
-        self._decision.pop(shard, None)
-        self._set_address(shard, address)
+        self._readdress(shard, address)
         log.warning("relay %s: shard %d is served by the controller now, at %s:%d", self._config.host_name, shard,
                     *address)
         if not self._connected:
             return  # dialed with the others before this relay's first round
         old = self.conns.get(shard)
-        try:
-            await self._dial(shard)  # (its connection replaces the old one: the old one's reader ends quietly)
-        except (ConnectFailed, *CONNECTION_LOST) as exc:
-            log.warning("relay %s: shard %d could not be reached (%s)", self._config.host_name, shard, exc)
-            self.conns.pop(shard, None)
-            self._failed.add(shard)
+        await self._dial_or_report(shard)  # (its connection replaces the old one: the old one's reader ends quietly)
         if old is not None:
             await old.aclose()
         for lane, owner in list(self._sent_to.items()):
@@ -271,27 +261,35 @@ class ShardLinks:
                 del self._sent_to[lane]  # sent again, to it
         self.changed.notify()
 
-    def _set_address(self, shard: int, address: tuple[str, int]) -> None:
+    def _readdress(self, shard: int, address: tuple[str, int]) -> None:
+        """Shard ``shard`` is a new process at ``address``: live, and told nothing yet."""
+        self.lost.discard(shard)
+        self._failed.discard(shard)
+        self._told_controller.discard(shard)
+        self._told.pop(shard, None)  # it hears of the lost ones with its first lanes
+        for told in self._told.values():
+            told.discard(shard)
+        self._decision.pop(shard, None)
         shards = list(self._config.shards)
         shards[shard] = address
         self._config = attrs.evolve(self._config, shards=tuple(shards))
+
+    async def _dial_or_report(self, shard: int) -> None:
+        """Dial ``shard``; one that cannot be reached is told to the controller (which loses it)."""
+        try:
+            await self._dial(shard)
+        except (ConnectFailed, *CONNECTION_LOST) as exc:
+            log.warning("relay %s: shard %d could not be reached (%s)", self._config.host_name, shard, exc)
+            self.conns.pop(shard, None)
+            self._failed.add(shard)
 
     async def _take_back_served_again(self) -> None:
         """Between rounds: each shard served again owns its lanes again, at its new address."""
         back, self._back = self._back, {}
         for shard, address in sorted(back.items()):
-            self.lost.discard(shard)
-            self._failed.discard(shard)
-            self._told_controller.discard(shard)
-            for told in self._told.values():
-                told.discard(shard)
-            self._set_address(shard, address)
+            self._readdress(shard, address)
             log.info("relay %s: shard %d is served again, at %s:%d", self._config.host_name, shard, *address)
-            try:
-                await self._dial(shard)
-            except (ConnectFailed, *CONNECTION_LOST) as exc:  # told to the controller, which loses it again
-                log.warning("relay %s: shard %d could not be reached (%s)", self._config.host_name, shard, exc)
-                self._failed.add(shard)
+            await self._dial_or_report(shard)
 
     def commit(self) -> None:
         """The controller's lane 0 came: the round is over."""
