@@ -43,6 +43,7 @@ from ..wire.mux import (
     COPY_WITH_STATE,
     Decide,
     Decided,
+    Mirrored,
     MuxKind,
     Outage,
     PieceRefused,
@@ -52,6 +53,7 @@ from ..wire.mux import (
     ShardLost,
     ShardMoved,
     ShardOuter,
+    Shards,
     ShardSetup,
     decode_control_msg,
     encode_control_msg,
@@ -195,6 +197,10 @@ class ShardSet:
         self._state_due: dict[int, int] = {}  # shard -> the lane whose state comes next from it
         self._copy_limit = SMALL_MESSAGE  # the longest record a shard may send here now
         self._marks: dict[int, int] = {}  # shard -> the decision its copy lanes are of (Decided)
+        # A stepped decision commits once every live shard mirrored its predecessors' lanes
+        # (docs/wire.md, "The outer state through a lost shard"):
+        self._mirror_due = False
+        self._mirrored: set[int] = set()  # shards that said Mirrored for the pending decision
 
     def _record(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self._config.salt)
@@ -283,13 +289,20 @@ class ShardSet:
         heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
         setup: list[RelayControlMsg] = [ShardSetup(index, len(self.addresses), heartbeat_ms)]
         if self.outer is not None:
-            setup.append(self.outer)
+            setup += [self.outer, Shards(self._addresses_for(conn))]  # (where its backup is)
         if self.outage_ms > 0:
             setup.append(Outage(self.outage_ms))  # hold for a controller started again (docs/wire.md)
         setup += [ShardLost(lost) for lost in sorted(self.lost) if lost != index]
         records = [self._record(msg) for msg in setup]
         await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *(c for r in records for c in r.chunks)])
         return conn
+
+    def _addresses_for(self, conn: MessageStream) -> list[tuple[str, int]]:
+        """Every shard's address as the shard on ``conn`` reaches it: one this controller
+        serves is on the address that connection has here."""
+        here = local_host(conn.stream)
+        return [(here, port) if index in self.served_here and here else (host, port)
+                for index, (host, port) in enumerate(self.addresses)]
 
     async def serve_again(self, address: tuple[str, int]) -> int | None:
         """A relay offers a shard at ``address`` while some are lost (a host brought back):
@@ -389,6 +402,15 @@ class ShardSet:
                     self._drop_relay(msg.host, f"shard {index} refused its piece: {msg.reason}")
                 elif isinstance(msg, Decided):
                     self._marks[index] = msg.decision
+                elif isinstance(msg, Mirrored):
+                    if msg.decision == self._pending:
+                        self._mirrored.add(index)
+                        self._changed.notify()
+                elif isinstance(msg, ShardLost):  # it cannot mirror to its backup, or its backup to it
+                    if msg.shard in self.served_here:  # (up while this controller is: the fault is the sender's)
+                        raise ProtocolError(f"shard {index} cannot mirror to shard {msg.shard}, which the "
+                                            "controller serves")
+                    self.reported_lost(msg.shard, f"shard {index}")
                 elif not isinstance(msg, ShardAlive):
                     raise ProtocolError(f"shard {index} sent the controller {msg or kind.name}, not ShardAlive")
         except (ProtocolError, *CONNECTION_LOST) as exc:
@@ -541,6 +563,7 @@ class ShardSet:
             if not hosts or not live_targets:
                 break  # nobody left to sum, or to send to
             self._pending, self._hosts, self._lanes_in, self._again = self.decisions, hosts, set(), False
+            self._mirror_due, self._mirrored = step and self.outer is not None, set()
             self._copy, self._copy_layout = ({}, layout) if copy else (None, None)
             self._states, self._state_due = ({} if with_state else None), {}
             self._copy_limit = _copy_limit(layout, with_state)
@@ -572,7 +595,8 @@ class ShardSet:
             copied = self._copy is None or layout is None or (
                 len(self._copy) == layout.count - 1 and (self._states is None or len(self._states) == layout.count - 1)
             )
-            if copied and all(seat.id in self._lanes_in or not self._live(seat.id) for seat in targets):
+            mirrored = not self._mirror_due or len(self.conns) < 2 or self._mirrored.issuperset(self.conns)
+            if copied and mirrored and all(seat.id in self._lanes_in or not self._live(seat.id) for seat in targets):
                 return True
             await self._changed.wait()
 

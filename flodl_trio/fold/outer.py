@@ -458,18 +458,46 @@ class ShardLanesOuter:
     def lanes_held(self) -> int:
         return len(self._committed.keys() | self._pending.keys())
 
-    def step(
-        self, round_: int, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
-    ) -> RoundFrame:
-        """Lane ``lane`` of round ``round_``'s params consensus, stepped."""
+    def _advance(self, round_: int) -> None:
+        """Round ``round_`` steps now: the state of a round before it is the one it starts from."""
         if round_ != self._round:
             if round_ > self._round:  # the controller decides a round only once the one before committed
                 self._committed.update(self._pending)
             self._pending, self._round = {}, round_
+
+    def start_state(
+        self, round_: int, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> tuple[list[F32Array], list[F32Array]] | None:
+        """The state lane ``lane``'s step in round ``round_`` starts from (None: none here)."""
+        self._advance(round_)
+        return self._committed.get(lane_key(layout, lane, fragment))
+
+    def adopt(
+        self, round_: int, layout: LaneLayout, lane: int, fragment: FragmentTag | None,
+        state: tuple[list[F32Array], list[F32Array]],
+    ) -> None:
+        """Lane ``lane`` starts round ``round_`` from ``state`` (a mirror's, or the one its
+        owner said): a lost shard's lanes step on where they were."""
+        self._advance(round_)
+        key = lane_key(layout, lane, fragment)
+        self._committed[key] = state
+        self._pending.pop(key, None)
+
+    def forget(self, layout: LaneLayout, lane: int, fragment: FragmentTag | None) -> None:
+        """Lane ``lane``'s state is another shard's to keep now."""
+        key = lane_key(layout, lane, fragment)
+        self._committed.pop(key, None)
+        self._pending.pop(key, None)
+
+    def step(
+        self, round_: int, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> RoundFrame:
+        """Lane ``lane`` of round ``round_``'s params consensus, stepped."""
+        self._advance(round_)
         if not consensus.weight > 0:
             return consensus
         pieces = layout.lanes[lane]
-        key: _LaneKey = (fragment, layout.count, lane, tuple(pieces))
+        key = lane_key(layout, lane, fragment)
         values = consensus_as_f32(RoundFrame(consensus.tensors[:len(pieces)], consensus.kind), copy=False)
         state = self._committed.get(key)
         if state is None:  # these elements' first window here only starts their state
@@ -484,11 +512,16 @@ class ShardLanesOuter:
     ) -> tuple[list[F32Array], list[F32Array]]:
         """Lane ``lane``'s state as round ``round_``'s step left it (flat f32 ``x_prev``
         and momentum per piece; never changed afterwards): what a checkpoint saves."""
-        key: _LaneKey = (fragment, layout.count, lane, tuple(layout.lanes[lane]))
+        key = lane_key(layout, lane, fragment)
         if round_ != self._round or key not in self._pending:
             raise FlodlError(f"lane {lane} of round {round_} was not stepped here (the last round stepped: "
                              f"{self._round})")
         return self._pending[key]
+
+
+def lane_key(layout: LaneLayout, lane: int, fragment: FragmentTag | None) -> _LaneKey:
+    """What names a lane's state: its fragment, the layout's lane count, the lane and its pieces."""
+    return (fragment, layout.count, lane, tuple(layout.lanes[lane]))
 
 
 def lane_state_frame(stepped: RoundFrame, pieces: int, state: tuple[list[F32Array], list[F32Array]]) -> RoundFrame:

@@ -7,6 +7,8 @@ Task structure::
 
     relay session:  reader  --Pieces{round}, lane frames (verified)--> kept (per relay, per lane);
                               ShardAck back; ShardLost: a lost shard's lanes are ours now
+    mirror:         each stepped lane, divided, to the backup (the next live shard), which
+                    steps a mirror of its state (mirror.py); a lost shard's lanes go on from it
                     writer  <--ShardAck / Decided{d} + consensus lanes-- outbox channel
     controller:     reader  --Decide / ShardLost--> the latest decision
                     decider --once every decided host's pieces are in--> each owned lane summed
@@ -38,21 +40,23 @@ import trio
 
 from ..errors import ConfigError, FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
-from ..fold.outer import SHARD_OUTER_KINDS, ShardLanesOuter, lane_state_frame
+from ..fold.outer import SHARD_OUTER_KINDS, F32Array, ShardLanesOuter, lane_key, lane_state_frame
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import Listeners, listener_port, peer_host, tune_socket
+from ..transport.connect import Connector, Listeners, listener_port, peer_host, tune_socket
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.hello import receive_hello
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal, RunOutcome, one_error, serving
-from ..wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_SHARD, DEFAULT_FRAME_CEILING
+from ..wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_MIRROR, CHANNEL_MAGIC_SHARD, DEFAULT_FRAME_CEILING
 from ..wire.fragment import FragmentTag
 from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
     COPY_WITH_STATE,
     Decide,
     Decided,
+    Mirror,
+    Mirrored,
     MuxKind,
     Outage,
     PieceRefused,
@@ -63,6 +67,7 @@ from ..wire.mux import (
     ShardBack,
     ShardLost,
     ShardOuter,
+    Shards,
     ShardSetup,
     decode_control_msg,
     encode_control_msg,
@@ -70,6 +75,7 @@ from ..wire.mux import (
 )
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_delta_dtype
 from ..wire.salt import SessionSalt
+from .mirror import MirrorBook, MirrorLink, backup_of, layout_of, mirror_records, new_lane
 
 log = logging.getLogger("flodl_trio.shard")
 
@@ -124,12 +130,7 @@ def _outer_of(msg: ShardOuter) -> ShardLanesOuter:
 
 def _layout(msg: Decide) -> LaneLayout:
     """The round's lanes, from the schema its decision carries."""
-    return _layout_of(msg.schema, msg.lanes)
-
-
-@functools.lru_cache(maxsize=8)
-def _layout_of(schema: tuple[tuple[int, tuple[int, ...]], ...], lanes: int) -> LaneLayout:
-    return LaneLayout.for_schema(schema, lanes, lane0_empty=True)
+    return layout_of(msg.schema, msg.lanes)
 
 
 class ShardHandle:
@@ -146,6 +147,8 @@ class ShardHandle:
         self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
         self.refused_pieces = 0  # pieces that were not what their round's schema says (their relay was named)
         self.controllers_resumed = 0  # controllers that took it on again after one was lost
+        self.lanes_mirrored = 0  # lanes of other shards whose step it mirrored (it backs them up)
+        self.lanes_taken_over = 0  # lanes of a lost shard it went on stepping from its mirror
 
 
 @asynccontextmanager
@@ -157,15 +160,17 @@ async def open_shard(
     ceiling: int = DEFAULT_FRAME_CEILING,
     bounds: NetBounds | None = None,
     listeners: Listeners | None = None,
+    connect: Connector = trio.open_tcp_stream,
 ) -> AsyncIterator[ShardHandle]:
     """Serve one reduction shard on ``host:port`` (0: any free port), or on the given
     ``listeners`` (a test's memory network), for the block. The controller that names it
-    in ``shards=`` dials it and says which shard it is."""
+    in ``shards=`` dials it and says which shard it is; ``connect`` is how it dials the
+    shard it mirrors its lanes' outer state to."""
     bound: list[trio.abc.Listener[trio.abc.Stream]] = (
         list(listeners) if listeners is not None else list(await trio.open_tcp_listeners(port, host=host))
     )
     handle = ShardHandle(listener_port(bound[0]))
-    shard = _Shard(SessionSalt.coerce(salt), ceiling, bounds or NetBounds.from_env(), handle)
+    shard = _Shard(SessionSalt.coerce(salt), ceiling, bounds or NetBounds.from_env(), handle, connect)
     async with serving(lambda: trio.serve_listeners(shard.route, bound), handle.outcome, log, "shard"):
         yield handle
 
@@ -195,8 +200,11 @@ async def _serve_until_cancelled(
 
 
 class _Shard:
-    def __init__(self, salt: SessionSalt, ceiling: int, bounds: NetBounds, handle: ShardHandle) -> None:
+    def __init__(
+        self, salt: SessionSalt, ceiling: int, bounds: NetBounds, handle: ShardHandle, connect: Connector,
+    ) -> None:
         self.salt = salt
+        self._connect = connect
         self.ceiling = ceiling
         self.bounds = bounds
         self.handle = handle
@@ -221,6 +229,11 @@ class _Shard:
         self._sessions = 0  # controller sessions so far
         self._controller_changed = ChangeSignal()  # a controller set this shard up
         self._latest_decision = 0  # the newest decision number any controller gave
+        # The outer state through a lost shard (mirror.py):
+        self.addresses: list[tuple[str, int]] = []  # every shard's, as the controller said (Shards)
+        self.mirrors: MirrorBook | None = None  # the mirror of the lanes this shard backs up
+        self._link: MirrorLink | None = None  # to this shard's backup
+        self._nursery: trio.Nursery | None = None  # the controller session's
 
     def _control(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.salt)
@@ -234,6 +247,7 @@ class _Shard:
             log.info("shard %s: shard %d is lost; its lanes are the next live shard's", self.index, shard)
             self.lost.add(shard)
             self._changed.notify()
+            self._say_mirrored()
 
     def _shard_back(self, shard: int) -> None:
         """A lost shard is served again (a new one, between rounds): its lanes are its own
@@ -242,6 +256,7 @@ class _Shard:
             log.info("shard %s: shard %d is served again; its lanes are its own again", self.index, shard)
             self.lost.discard(shard)
             self._changed.notify()
+            self._say_mirrored()
 
     async def route(self, stream: trio.abc.Stream) -> None:
         tune_socket(stream)
@@ -256,6 +271,8 @@ class _Shard:
             await self._serve_controller(conn)
         elif magic == CHANNEL_MAGIC_DATA:
             await self._serve_relay(conn)
+        elif magic == CHANNEL_MAGIC_MIRROR:
+            await self._serve_mirror(conn)
         else:
             log.warning("shard: %s: unknown channel magic %08x; closed", conn.peer, magic)
             await conn.aclose()
@@ -319,10 +336,12 @@ class _Shard:
         A shard it takes on again says first the newest decision it was given, so the new
         controller numbers its own above it (a relay takes only a newer decision's lanes)."""
         self._to_controller, to_controller = trio.open_memory_channel[EncodedFrame](math.inf)
+        self._link = None  # (a link of an earlier session ended with it)
         if resumed:
             await conn.send_chunks(self._control(Decided(self._latest_decision)).chunks)
         with one_error():
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._controller_writer, conn, to_controller)
                 nursery.start_soon(self._decider)
                 await self._follow_controller(conn)
@@ -352,14 +371,19 @@ class _Shard:
                 self._decision = msg
                 self._latest_decision = max(self._latest_decision, msg.decision)
                 self._changed.notify()
+                self._mirror_decided(msg)
             elif isinstance(msg, ShardLost):
                 self._shard_lost(msg.shard)
             elif isinstance(msg, ShardBack):
+                self._readdress(msg.shard, (msg.host, msg.port))
                 self._shard_back(msg.shard)
+            elif isinstance(msg, Shards):
+                self.addresses = list(msg.addresses)
             elif isinstance(msg, Outage):
                 self._outage_s = msg.millis / 1000
             elif isinstance(msg, ShardOuter) and self.outer is None:
                 self.outer, self._outer_said = _outer_of(msg), msg
+                self.mirrors = MirrorBook(_outer_of(msg))
                 log.info("shard %s: steps its lanes with %r", self.index, self.outer.optimizer)
             elif isinstance(msg, ShardOuter) and msg == self._outer_said:
                 continue  # a controller that took this shard on again says it again: the state stays
@@ -451,8 +475,10 @@ class _Shard:
             acc.add(relay.pieces[lane], relay.name)
         consensus = finish_consensus(acc)
         fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
+        mean = consensus
         if msg.step:
             assert self.outer is not None  # (checked as the decision came in)
+            start = self._start_state(msg, layout, lane, fragment)
             consensus = self.outer.step(msg.round, consensus, layout, lane, fragment)
         record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.salt)
         mark = self._control(Decided(msg.decision))
@@ -471,6 +497,8 @@ class _Shard:
             self._to_controller.send_nowait(record)
             if msg.copy == COPY_WITH_STATE and msg.step:
                 await self._copy_state(msg, consensus, layout, lane, fragment)
+        if msg.step:
+            await self._mirror_lane(msg, layout, lane, fragment, mean, start)
         self._lanes_sent.add(lane)
         self.handle.lanes_summed += 1
 
@@ -508,6 +536,146 @@ class _Shard:
             self.handle.pieces_dropped += len(relay.pieces)
         relay.pieces.clear()
         relay.decided, relay.used_in = False, None
+
+    # -- the outer state's mirror (mirror.py) --------------------------------
+
+    def _readdress(self, shard: int, address: tuple[str, int]) -> None:
+        if 0 <= shard < len(self.addresses):
+            self.addresses[shard] = address
+
+    def _start_state(
+        self, msg: Decide, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> tuple[list[F32Array], list[F32Array]] | None:
+        """The state lane ``lane`` steps from in this round: a lost shard's lane this shard
+        backed up goes on from the mirror (adopted here), any other from its own."""
+        assert self.outer is not None
+        if self.mirrors is not None:
+            taken = self.mirrors.take(msg.round, layout, lane, fragment)
+            if taken is not None:
+                log.info("shard %s: lane %d goes on from its mirrored outer state", self.index, lane)
+                self.handle.lanes_taken_over += 1
+                self.outer.adopt(msg.round, layout, lane, fragment, taken)
+                return taken
+        return self.outer.start_state(msg.round, layout, lane, fragment)
+
+    async def _mirror_lane(
+        self, msg: Decide, layout: LaneLayout, lane: int, fragment: FragmentTag | None, mean: RoundFrame,
+        start: tuple[list[F32Array], list[F32Array]] | None,
+    ) -> None:
+        """Lane ``lane``, divided and not yet stepped, to the backup (with its state as the
+        round started, if the backup does not hold it): the backup steps the same state."""
+        link = self._mirror_link()
+        if link is None:
+            return
+        key = lane_key(layout, lane, fragment)
+        assert self.index is not None
+        records = await mirror_records(self.salt, self.index, msg.decision, mean, len(layout.lanes[lane]), start,
+                                       key in link.seeded)
+        if link.queue(records):
+            link.seeded.add(key)
+        else:
+            self._backup_failed(link, "it reads its mirror too slowly")
+
+    def _mirror_link(self) -> MirrorLink | None:
+        """The connection to this shard's backup as the lost set says now (None: no other
+        live shard); a new backup gets a new one, and every lane's state again."""
+        assert self.index is not None and self._nursery is not None
+        backup = backup_of(self.index, self.count, self.lost)
+        link = self._link
+        address = self.addresses[backup] if backup is not None and backup < len(self.addresses) else None
+        if link is not None and address is not None and (link.backup, link.address) == (backup, address):
+            return link
+        if link is not None:
+            link.close()
+        if backup is None or address is None:
+            self._link = None
+            return None
+        self._link = link = MirrorLink(backup, address, self.index)
+        self._nursery.start_soon(link.run, self.salt, self.bounds, self._connect,
+                                 functools.partial(self._backup_failed, link))
+        return link
+
+    def _backup_failed(self, link: MirrorLink, why: str) -> None:
+        """This shard cannot mirror to its backup: the controller is told it is lost (a
+        round cannot commit without its mirror), and decides."""
+        log.warning("shard %s: its backup, shard %d, failed: %s", self.index, link.backup, why)
+        link.close()
+        self._say(ShardLost(link.backup))
+
+    def _say(self, msg: RelayControlMsg) -> None:
+        with contextlib.suppress(AttributeError, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._to_controller.send_nowait(self._control(msg))
+
+    def _mirror_decided(self, msg: Decide) -> None:
+        """A new decision: mirrored lanes that came before it are stepped now."""
+        if self.mirrors is None:
+            return
+        for lane in self.mirrors.decided(msg):
+            self._step_mirror(lane.shard, lane)
+        self._say_mirrored()
+
+    def _step_mirror(self, sender: int, lane: object) -> None:
+        """A mirrored lane stepped; a lane that breaks the protocol costs its sender (the
+        controller is told it is lost), not this shard."""
+        assert self.mirrors is not None and self.index is not None
+        try:
+            self.mirrors.step(lane, self.index, self.count, self.lost)  # type: ignore[arg-type]
+        except ProtocolError as exc:
+            log.warning("shard %s: shard %d mirrored a lane wrongly: %s", self.index, sender, exc)
+            self._say(ShardLost(sender))
+            return
+        self.handle.lanes_mirrored += 1
+        self._say_mirrored()
+
+    def _say_mirrored(self) -> None:
+        if self.mirrors is None or self.index is None:
+            return
+        decision = self.mirrors.due(self.index, self.count, self.lost)
+        if decision is not None:
+            self._say(Mirrored(decision))
+
+    async def _serve_mirror(self, conn: MessageStream) -> None:
+        """A shard that this one backs up: each lane it steps, divided (and maybe its state
+        as the round started), verified and stepped on the mirror. Bytes that break the
+        protocol end the connection and cost the sender."""
+        sender: int | None = None
+        buf = ReceiveBuffer()
+        try:
+            while True:
+                first = await self._mirror_record(conn, buf)
+                if first is None:
+                    return
+                if not isinstance(first, Mirror) or self.mirrors is None or first.shard == self.index:
+                    raise ProtocolError(f"sent a mirror connection {type(first).__name__}"
+                                        + (" before this shard steps lanes" if self.mirrors is None else ""))
+                sender = first.shard
+                conn.peer = f"shard {sender} (mirror)"
+                state = await self._mirror_record(conn, buf) if first.start == 1 else None
+                mean = await self._mirror_record(conn, buf)
+                if (state is not None and not isinstance(state, RoundFrame)) or not isinstance(mean, RoundFrame):
+                    raise ProtocolError("sent a mirror connection something other than a lane where one was due")
+                lane = new_lane(first, state, mean)
+                if self.mirrors.arrived(lane):
+                    self._step_mirror(sender, lane)
+        except (FlodlError, *CONNECTION_LOST) as exc:
+            log.warning("shard %s: %s: mirror connection ended: %s", self.index, conn.peer, exc)
+            if sender is not None and isinstance(exc, FlodlError):
+                self._say(ShardLost(sender))
+        finally:
+            await conn.aclose()
+
+    async def _mirror_record(self, conn: MessageStream, buf: ReceiveBuffer) -> object | None:
+        """The next record on a mirror connection: a control message or a lane frame (None: it ended)."""
+        header = await conn.receive_mux_header(self.ceiling)
+        if header is None:
+            return None
+        kind, payload = await conn.receive_mux_payload(header, buf, self.salt)
+        if kind is MuxKind.CONTROL:
+            return decode_control_msg(payload)
+        if kind is not MuxKind.BROADCAST:
+            raise ProtocolError(f"sent a {kind.name} record on a mirror connection")
+        return decode_round_frame(bytes(payload), self.salt, ceiling=self.ceiling, source=conn.peer,
+                                  authenticated=True)
 
     # -- the relays ----------------------------------------------------------
 

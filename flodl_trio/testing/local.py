@@ -222,7 +222,7 @@ async def open_local_cluster(
         shard_scopes = [trio.CancelScope() for _ in range(len(hosts) if offered else int(shards))]
         shard_handles: list[ShardHandle] = [
             await shard_nursery.start(_held_in, scope, open_shard(LOOPBACK, 0, salt=session, bounds=bounds,
-                                                                  **listeners()))
+                                                                  connect=connect, **listeners()))
             for scope in shard_scopes
         ]
         here = LOOPBACK if network is None else MEMORY_HOST

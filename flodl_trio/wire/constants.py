@@ -24,6 +24,8 @@ STATE_REPLY_MAGIC: Final = 0xF10D17E9
 STATE_CHALLENGE_MAGIC: Final = 0xF10D17EA
 # flodl_trio extension (docs/wire.md, "Shards"): the controller's connection to a reduction shard.
 CHANNEL_MAGIC_SHARD: Final = 0xF10D17EE
+# ... and a shard's connection to its backup, the next live shard ("The outer state through a lost shard").
+CHANNEL_MAGIC_MIRROR: Final = 0xF10D17EF
 STATE_ANSWER_MAGIC: Final = 0xF10D17EB
 STATE_RECEIPT_MAGIC: Final = 0xF10D17EC
 STATE_ENTRY_MAGIC: Final = 0xF10D17ED

@@ -345,19 +345,42 @@ class ShardMoved:
     port: int
 
 
+@attrs.frozen
+class Mirror:
+    """flodl_trio extension (variant 220), shard -> its backup (the next live shard), on the
+    mirror connection: the lane record that follows is shard ``shard``'s divided lane of
+    decision ``decision``, before its outer step. ``start`` says where the backup's step
+    of it starts: 0 its own mirror of the lane, 1 the lane's outer state as the round
+    started, in a record right before the lane, 2 nothing (the lane's first params
+    window) (docs/wire.md, "The outer state through a lost shard")."""
+
+    shard: int
+    decision: int
+    start: int
+
+
+@attrs.frozen
+class Mirrored:
+    """flodl_trio extension (variant 221), shard -> controller: this shard stepped a mirror
+    of every lane of decision ``decision`` that its predecessors step; the controller
+    commits a stepped round only once every live shard said so."""
+
+    decision: int
+
+
 NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
 
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
     | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
-    | ShardOffer | ShardOuter | ShardBack | ShardMoved
+    | ShardOffer | ShardOuter | ShardBack | ShardMoved | Mirror | Mirrored
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
     Hello: 0, HelloAck: 1, RankExit: 2, DeclareDead: 3, RankJoin: 200, RankFinished: 201, RankAway: 202, Lanes: 203,
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
     ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215, ShardOffer: 216,
-    ShardOuter: 217, ShardBack: 218, ShardMoved: 219,
+    ShardOuter: 217, ShardBack: 218, ShardMoved: 219, Mirror: 220, Mirrored: 221,
 }
 
 
@@ -439,7 +462,10 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             out += _varint(kind) + struct.pack("<dd", lr, momentum)
         case ShardAck(lane=lane):
             out += _varint(lane)
-        case ShardLost(shard=number) | Decided(decision=number) | LanesIn(decision=number) | Pieces(round=number):
+        case Mirror(shard=shard, decision=decision, start=start):
+            out += _varint(shard) + _varint(decision) + _varint(start)
+        case (ShardLost(shard=number) | Decided(decision=number) | LanesIn(decision=number) | Pieces(round=number)
+              | Mirrored(decision=number)):
             out += _varint(number)
         case Resume(last_broadcast=last, awaiting=awaiting, resends=resends):
             out += last + _varint(int(awaiting)) + _varint(int(resends))
@@ -502,6 +528,7 @@ _ONE_VARINT: dict[int, tuple[Callable[[int], RelayControlMsg], str]] = {
         (2, RankExit, "rank"), (3, DeclareDead, "rank"), (200, RankJoin, "rank"), (201, RankFinished, "rank"),
         (202, RankAway, "rank"), (205, Outage, "millis"), (209, ShardAck, "lane"), (210, ShardLost, "shard"),
         (211, Decided, "decision"), (212, LanesIn, "decision"), (213, Pieces, "round"),
+        (221, Mirrored, "decision"),
     )
 }
 
@@ -535,6 +562,9 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = ShardBack(reader.varint("ShardBack shard"), *_read_address(reader, "ShardBack"))
     elif variant == 219:
         msg = ShardMoved(reader.varint("ShardMoved shard"), *_read_address(reader, "ShardMoved"))
+    elif variant == 220:
+        msg = Mirror(reader.varint("Mirror shard"), reader.varint("Mirror decision"),
+                     reader.varint("Mirror start", limit=2))
     elif variant == 207:
         msg = ShardSetup(reader.varint("ShardSetup index"), reader.varint("ShardSetup count"),
                          reader.varint("ShardSetup heartbeat_ms"))

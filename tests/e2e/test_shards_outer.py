@@ -2,19 +2,19 @@
 
 The oracle is a controller without shards (the star) given the same contributions in
 deterministic mode: the ranks must get its bytes, window after window, f32 and bf16,
-whole model and fragments. A lost shard's lanes start their state again at the new
-owner: that window they are the plain average (docs/wire.md, "The outer step on the
-shards").
+whole model and fragments, and through a lost shard, whose backup steps its lanes on
+from the state it mirrored (docs/wire.md, "The outer state through a lost shard").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
 import torch
 import trio
+import trio.testing
 
 from flodl_trio import RoundKind, connect_reduce_client
 from flodl_trio.fold.outer import DiLoCoNesterov, SlowMo
@@ -43,11 +43,12 @@ def _params(rank: int, window: int, fragments: bool) -> list[torch.Tensor]:
 
 async def _windows(
     salt, shards: int, make_outer: Callable[[], object], windows: int, *, bf16: bool = False, fragments: bool = False,
-    lose_shard_after: int | None = None,
+    lose_shard_after: int | None = None, meanwhile: Callable[..., Awaitable[None]] | None = None,
 ) -> tuple[dict[tuple[int, int], list[bytes]], object, object]:
     """``windows`` windows of every rank (a Control round, then a weighted params round);
     per (rank, window) the params consensus's tensors as bytes. ``lose_shard_after``:
-    shard 1 is closed once every rank has that window's consensus."""
+    shard 1 is closed once every rank has that window's consensus; ``meanwhile`` runs
+    beside the ranks, given the cluster and what the ranks got so far."""
     got: dict[tuple[int, int], list[bytes]] = {}
     outer = make_outer()
     with trio.fail_after(60):
@@ -79,6 +80,8 @@ async def _windows(
                     nursery.start_soon(rank_main, rank)
                 if lose_shard_after is not None:
                     nursery.start_soon(lose_shard_1)
+                if meanwhile is not None:
+                    nursery.start_soon(meanwhile, cluster, got)
     return got, cluster, outer
 
 
@@ -101,36 +104,30 @@ async def test_shards_step_their_lanes_to_the_bytes_of_a_controller_without_shar
     assert sorted(outer.state_dict()) == ["windows"]  # the controller's optimizer held no lane
 
 
-async def test_a_lost_shards_lanes_start_their_state_again_at_the_new_owner(salt):
-    """Shard 1 of 2 closes after window 2: in window 3 the lanes it stepped are the plain
-    weighted average (their new owner starts their state), the others still the
-    controller's step; from window 4 on every lane is stepped again."""
+@pytest.mark.parametrize("shards", [2, 3])
+async def test_a_lost_shards_lanes_step_on_from_its_backups_mirror(salt, shards):
+    """Shard 1 closes after window 2: its backup (the next live shard) takes its lanes
+    over with the outer state it mirrored, so every window - the one after the loss
+    included - is the bytes a deterministic controller without shards sends."""
     lost_after, windows = 2, 5
-    sharded, cluster, _ = await _windows(salt, 2, DiLoCoNesterov, windows, lose_shard_after=lost_after)
+    sharded, cluster, _ = await _windows(salt, shards, DiLoCoNesterov, windows, lose_shard_after=lost_after)
     star, _, _ = await _windows(salt, 0, DiLoCoNesterov, windows)
     assert cluster.controller.stats.shards_lost == 1
+    assert sharded == star
     frame = RoundFrame([TensorPayload(DTYPE_F32, (n,)) for n in SIZES.values()], RoundKind.MODEL)
-    layout = LaneLayout.through_shards(frame, LANES, 2)  # (the cluster's lane_min_bytes is 0)
-    moved = [np.zeros(n, dtype=bool) for n in SIZES.values()]  # the elements shard 1 stepped
-    for lane in range(1, layout.count):
-        if lane_owner(lane, 2, set()) == 1:
-            for piece in layout.lanes[lane]:
-                moved[piece.tensor][piece.start:piece.stop] = True
-    mass = sum(rank + 1 for rank in range(WORLD))  # (the consensus: the frames' sum over the accepted mass)
-    for window in range(windows):
-        for t, mask in enumerate(moved):
-            got = np.frombuffer(sharded[0, window][t], dtype=np.float32)
-            want = np.frombuffer(star[0, window][t], dtype=np.float32)
-            np.testing.assert_array_equal(got[~mask], want[~mask])  # shard 0's own lanes: its state throughout
-            if window <= lost_after:
-                np.testing.assert_array_equal(got[mask], want[mask])
-            elif window == lost_after + 1:
-                average = sum(_params(rank, window, False)[t].numpy() for rank in range(WORLD)) / mass
-                np.testing.assert_allclose(got[mask], average[mask], rtol=1e-5, atol=1e-5)
-                assert not np.allclose(want[mask], average[mask], rtol=1e-3)  # the star stepped them
-            else:  # stepped again, from the state window 3 started
-                average = sum(_params(rank, window, False)[t].numpy() for rank in range(WORLD)) / mass
-                assert not np.allclose(got[mask], average[mask], rtol=1e-3)
+    layout = LaneLayout.through_shards(frame, LANES, shards)  # (the cluster's lane_min_bytes is 0)
+    moved = [lane for lane in range(1, layout.count) if lane_owner(lane, shards, set()) == 1]
+    backup = cluster.shards[2 % shards]
+    assert backup.lanes_taken_over == len(moved)  # each of shard 1's lanes, once, from the mirror
+    assert backup.lanes_mirrored >= len(moved) * (lost_after + 1)
+    # The run really stepped those lanes after the loss (not the plain average).
+    mass = sum(rank + 1 for rank in range(WORLD))
+    window = lost_after + 1
+    for lane in moved:
+        for piece in layout.lanes[lane]:
+            got = np.frombuffer(sharded[0, window][piece.tensor], dtype=np.float32)[piece.start:piece.stop]
+            average = (sum(_params(rank, window, False)[piece.tensor].numpy() for rank in range(WORLD)) / mass)
+            assert not np.allclose(got, average[piece.start:piece.stop], rtol=1e-3)
 
 
 @pytest.mark.parametrize(("records", "named"), [
@@ -160,3 +157,94 @@ async def test_a_controller_that_asks_a_shard_to_step_wrongly_ends_that_shard_na
                 await shard.outcome.wait()
             await stream.aclose()
             nursery.cancel_scope.cancel()
+
+
+def _stall_shard_1_mid_window(monkeypatch, window: int) -> tuple[trio.Event, trio.Event]:
+    """Shard 1 steps (and mirrors) its first lane of ``window``'s params round, then never
+    sums another, as a shard that dies mid-round: the first event is set once it stalls,
+    the second once its backup stepped the mirror of that lane."""
+    from flodl_trio.shard import core as shard_core
+
+    sum_lane, step_mirror = shard_core._Shard._sum_lane, shard_core._Shard._step_mirror
+    stalled, mirrored = trio.Event(), trio.Event()
+    seen: dict[int, int] = {}  # stepping decision -> lanes shard 1 summed of it
+
+    async def stalling(self, msg, lane: int) -> None:
+        if self.index == 1 and msg.step:
+            if msg.decision not in seen:
+                seen[msg.decision] = 0
+            if len(seen) == window + 1 and seen[msg.decision] == 1:
+                stalled.set()
+                await trio.sleep_forever()
+            seen[msg.decision] += 1
+        await sum_lane(self, msg, lane)
+
+    def stepping(self, sender: int, lane) -> None:
+        step_mirror(self, sender, lane)
+        if sender == 1 and len(seen) == window + 1 and lane.decision == max(seen):
+            mirrored.set()
+
+    monkeypatch.setattr(shard_core._Shard, "_sum_lane", stalling)
+    monkeypatch.setattr(shard_core._Shard, "_step_mirror", stepping)
+    return stalled, mirrored
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+async def test_a_shard_lost_mid_round_after_stepping_some_lanes_leaves_every_window_exact(salt, monkeypatch, bf16):
+    """Shard 1 of 3 steps one lane of window 3's params round - its backup mirrors that
+    step - and stalls; it is then closed. The round is decided again: its backup steps
+    shard 1's lanes from the state the round started with (not the mirrored step of the
+    round decided again), and every window is the bytes of a controller without shards."""
+    windows = 5
+    star, _, _ = await _windows(salt, 0, DiLoCoNesterov, windows, bf16=bf16)
+    stalled, mirrored = _stall_shard_1_mid_window(monkeypatch, window=3)
+
+    async def lose_shard_1(cluster, _got) -> None:
+        await stalled.wait()
+        await mirrored.wait()
+        cluster.close_shard(1)
+
+    sharded, cluster, _ = await _windows(salt, 3, DiLoCoNesterov, windows, bf16=bf16, meanwhile=lose_shard_1)
+    assert (cluster.controller.stats.shards_lost, cluster.controller.stats.decisions_again) == (1, 1)
+    assert sharded == star
+    assert cluster.shards[2].lanes_taken_over > 0
+
+
+async def test_a_round_commits_only_once_its_backup_mirrored_it_and_a_backup_that_did_not_is_lost(salt, monkeypatch):
+    """Shard 2 drops the mirror of shard 1's lanes of window 3's params round, as a backup
+    that never got it: the round does not commit though every relay holds its lanes (a
+    later loss of shard 1 would lose that step). Shard 2 is then closed: shard 1 mirrors
+    to shard 0 from the state the round started with, and every window is exact."""
+    from flodl_trio.controller import shards as controller_shards
+    from flodl_trio.shard import mirror
+
+    windows = 5
+    star, _, _ = await _windows(salt, 0, DiLoCoNesterov, windows)
+    step, lanes_in = mirror.MirrorBook.step, controller_shards.ShardSet.lanes_in
+    dropped, all_in = trio.Event(), trio.Event()
+    stepping: dict[int, int] = {}  # stepping decision -> (first seen)
+
+    def dropping(self, lane, me, count, lost) -> None:
+        stepping.setdefault(lane.decision, len(stepping))
+        if me == 2 and lane.shard == 1 and stepping[lane.decision] == 3 and not all_in.is_set():
+            dropped.set()
+            return
+        step(self, lane, me, count, lost)
+
+    def counting(self, seat_id: int, decision: int) -> None:
+        lanes_in(self, seat_id, decision)
+        if dropped.is_set() and decision == self._pending and len(self._lanes_in) == len(HOSTS):
+            all_in.set()
+
+    monkeypatch.setattr(mirror.MirrorBook, "step", dropping)
+    monkeypatch.setattr(controller_shards.ShardSet, "lanes_in", counting)
+
+    async def lose_shard_2_once_held(cluster, got) -> None:
+        await all_in.wait()
+        await trio.testing.wait_all_tasks_blocked(0.05)
+        assert not any(window == 3 for (_, window) in got)  # held: no rank has window 3
+        cluster.close_shard(2)
+
+    sharded, cluster, _ = await _windows(salt, 3, DiLoCoNesterov, windows, meanwhile=lose_shard_2_once_held)
+    assert cluster.controller.stats.shards_lost == 1
+    assert sharded == star

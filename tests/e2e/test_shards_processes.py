@@ -341,3 +341,45 @@ async def test_diloco_through_the_relays_shards_resumed_after_a_controller_sigki
     for rank in range(3):
         want, got = windows_of(reference, rank), windows_of(resumed, rank)
         assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank
+
+
+@pytest.mark.deadline(150)
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identical(salt, fault):
+    """Three shard daemons, DiLoCo, deterministic: shard 1 is SIGKILLed (or SIGSTOPped until
+    the controller's heartbeat timeout loses it) while host 0's round is up. Shard 2, its
+    backup, steps shard 1's lanes on from the outer state it mirrored, and the run ends
+    bit-identical, window by window, to the same run with no shard lost."""
+    from flodl_trio.testing.matrix import diagnose
+    from flodl_trio.testing.windows import windows_of
+    from tests.e2e.test_controller_restart_processes import until_host0_delivered
+
+    windows, hold = 8, 4
+    args = {r: ["--windows", str(windows), *(["--pause-before", f"{hold}:inf"] if r == 2 else [])] for r in range(3)}
+
+    async def run(lose):
+        async with open_process_cluster(
+            world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=3.0, daemons=True,
+            numel=NUMEL, shards=3, pause=0.05, worker_args=args, relay_args={h: ["--deterministic"] for h in range(3)},
+            controller_args=["--outer", "diloco", "--deterministic"],
+        ) as cluster:
+            with diagnose(cluster):
+                await cluster.wait_event(2, "paused", round=hold)
+                await until_host0_delivered(cluster)
+                if lose:
+                    (cluster.kill_shard if fault == "sigkill" else cluster.freeze_shard)(1)
+                    await cluster.controller.wait_log("controller: shard 1 lost (")
+                await cluster.resume(2)
+                for rank in range(3):
+                    outcome = await cluster.wait_outcome(rank)
+                    assert outcome["event"] == "done", outcome
+            return cluster
+
+    with trio.fail_after(140):
+        reference = await run(False)
+        lost = await run(True)
+    assert "shard 1 lost" not in reference.controller.text, reference.logs()
+    assert "goes on from its mirrored outer state" in lost.shards[2].text, lost.logs()
+    for rank in range(3):
+        want, got = windows_of(reference, rank), windows_of(lost, rank)
+        assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank

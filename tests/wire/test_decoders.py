@@ -802,6 +802,13 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     moved = ShardMoved(1, "10.0.0.1", 4242)
     assert encode_control_msg(moved) == b"\xdb" + b"\x01" + b"\x08" + b"10.0.0.1" + b"\xfb\x92\x10"
     assert decode_control_msg(encode_control_msg(moved)) == moved
+    from flodl_trio.wire.mux import Mirror, Mirrored
+    mirror = Mirror(2, 300, 1)  # shard 2's lane of decision 300 follows, its state before it
+    assert encode_control_msg(mirror) == b"\xdc" + b"\x02" + b"\xfb\x2c\x01" + b"\x01"
+    assert decode_control_msg(encode_control_msg(mirror)) == mirror
+    with pytest.raises(FramingError, match="Mirror start"):
+        decode_control_msg(b"\xdc\x02\x07\x03")  # start is 0, 1 or 2
+    assert encode_control_msg(Mirrored(7)) == b"\xdd\x07" and decode_control_msg(b"\xdd\x07") == Mirrored(7)
     from flodl_trio.wire.mux import ShardOuter
     outer = ShardOuter(2, 0.7, 0.9)
     assert encode_control_msg(outer) == b"\xd9\x02" + struct.pack("<dd", 0.7, 0.9)

@@ -1,0 +1,241 @@
+"""A shard's outer state, mirrored to the shard that would take its lanes over.
+
+Lane k's owner is the first live shard from (k - 1) mod S on; if it is lost, the
+next live one after it takes its lanes - its **backup**. So each shard, as it
+steps a lane, sends its backup the lane divided but not yet stepped (the round's
+bytes of that lane, in the round's dtype), and the backup steps a mirror of the
+same state with the same math. A shard that takes a lost shard's lanes over starts
+them from its mirror, and the run goes on with the bytes a single controller would
+send (docs/wire.md, "The outer state through a lost shard").
+
+Task structure (one mirror connection per owner, to its current backup)::
+
+    owner:  decider --Mirror{shard, decision, start} [+ lane state] + lane--> MirrorLink.outbox
+            MirrorLink.run: dial the backup, write the outbox; a backup it cannot reach
+                            or write to is reported to the controller (ShardLost)
+    backup: route --CHANNEL_MAGIC_MIRROR--> read records --> MirrorBook: each lane of the
+            latest decision stepped on the mirror; all of them in -> Mirrored{decision}
+
+The controller commits a stepped round only once every live shard said ``Mirrored``
+for its decision, so a backup never misses a committed step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from ..errors import ProtocolError, SchemaError
+from ..fold.outer import F32Array, ShardLanesOuter, lane_state_frame, read_lane_state
+from ..transport.connect import Connector, connect_with_retry
+from ..transport.hashing import encode_enveloped_frame
+from ..transport.settings import NetBounds
+from ..transport.stream import CONNECTION_LOST, MessageStream
+from ..wire.constants import CHANNEL_MAGIC_MIRROR
+from ..wire.fragment import FragmentTag
+from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, read_lane_tag
+from ..wire.mux import Decide, Mirror, MuxKind, encode_control_msg, encode_mux_record
+from ..wire.round_frame import EncodedFrame, RoundFrame
+from ..wire.salt import SessionSalt
+
+log = logging.getLogger("flodl_trio.shard")
+
+LaneState = tuple[list[F32Array], list[F32Array]]
+
+# Mirror.start: how the lane's step at the backup starts.
+START_MIRRORED = 0  # from the backup's own mirror (it stepped every earlier round of the lane)
+START_SENT = 1  # from the lane state record that follows (a new backup, or lanes taken over)
+START_AFRESH = 2  # from nothing: the lane's first params window (its step only starts its state)
+
+# Lanes of decisions the backup has not been told of yet that it keeps (a decision's
+# Decide may come after its first mirrored lanes): at most two decisions' worth.
+_EARLY_LIMIT = 2 * MAX_LANES
+# Records an owner's mirror writer may lag behind before its backup counts as not reading.
+_OUTBOX_DEPTH = 3 * MAX_LANES
+
+
+def backup_of(shard: int, count: int, lost: set[int]) -> int | None:
+    """The shard that takes ``shard``'s lanes over if it is lost: the next live one after
+    it, cyclically (None: it is the only live one)."""
+    for step in range(1, count):
+        other = (shard + step) % count
+        if other not in lost:
+            return other
+    return None
+
+
+class MirrorLink:
+    """An owner's connection to its backup: the records to send, which lanes' state the
+    backup holds, and the task that dials and writes."""
+
+    def __init__(self, backup: int, address: tuple[str, int], owner: int) -> None:
+        self.backup = backup
+        self.address = address
+        self.owner = owner
+        self.seeded: set[object] = set()  # lane keys whose state the backup holds
+        self.broken = False
+        self._send, self._receive = trio.open_memory_channel[EncodedFrame](_OUTBOX_DEPTH)
+        self.scope = trio.CancelScope()
+
+    def queue(self, records: list[EncodedFrame]) -> bool:
+        """False if the backup reads too slowly to keep (the caller reports it)."""
+        if self.broken:
+            return True
+        try:
+            for record in records:
+                self._send.send_nowait(record)
+        except trio.WouldBlock:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.broken = True
+        self.scope.cancel()
+
+    async def run(self, salt: SessionSalt, bounds: NetBounds, connect: Connector, report: Callable[[str], None]) -> None:
+        """Dial the backup and write what is queued, until closed; ``report(why)`` once if
+        the backup cannot be reached or written to."""
+        with self.scope:
+            try:
+                host, port = self.address
+                stream = await connect_with_retry(host, port, f"shard {self.owner}: its backup, shard {self.backup}",
+                                                  bounds, connect)
+                conn = MessageStream(stream, f"shard {self.backup} (backup)", bounds)
+                try:
+                    await conn.send_chunks([CHANNEL_MAGIC_MIRROR.to_bytes(4, "little")])
+                    async for record in self._receive:
+                        await conn.send_chunks(record.chunks)
+                finally:
+                    await conn.aclose()
+            except (OSError, *CONNECTION_LOST) as exc:
+                self.broken = True
+                report(f"its mirror connection failed: {exc}")
+            except ProtocolError as exc:  # (ConnectFailed is one)
+                self.broken = True
+                report(str(exc))
+
+
+@attrs.define
+class _Lane:
+    """One mirrored lane as it came: its decision, where its step starts, and its bytes."""
+
+    shard: int
+    decision: int
+    start: int
+    state: RoundFrame | None
+    mean: RoundFrame
+
+
+class MirrorBook:
+    """A backup's side: the mirror of its predecessors' lane state, stepped as they step."""
+
+    def __init__(self, outer: ShardLanesOuter) -> None:
+        self.outer = outer
+        self._early: list[_Lane] = []  # lanes of decisions not decided here yet
+        self._decision: Decide | None = None  # the latest decision this shard was told of
+        self._done: set[int] = set()  # its lanes stepped on the mirror
+        self._said: int | None = None  # the decision Mirrored was said for
+
+    def decided(self, msg: Decide) -> list[_Lane]:
+        """A new decision: the lanes that came early for it, to step now."""
+        if self._decision is None or msg.decision != self._decision.decision:
+            self._decision, self._done = msg, set()
+        ready = [lane for lane in self._early if lane.decision == msg.decision]
+        self._early = [lane for lane in self._early if lane.decision > msg.decision]
+        return ready
+
+    def arrived(self, lane: _Lane) -> bool:
+        """True if ``lane`` is of the latest decision (step it now); an older one's is
+        dropped, a newer one's kept until its decision comes."""
+        latest = -1 if self._decision is None else self._decision.decision
+        if lane.decision == latest:
+            return True
+        if lane.decision > latest:
+            if len(self._early) >= _EARLY_LIMIT:
+                raise ProtocolError(f"sent lanes of {len(self._early) + 1} decisions this shard was not told of")
+            self._early.append(lane)
+        return False
+
+    def step(self, lane: _Lane, me: int, count: int, lost: set[int]) -> None:
+        """Step the mirror of ``lane`` (of the latest decision), if it is a lane this shard
+        backs up under the lost set it knows (another view is a passing one: the round
+        is decided again)."""
+        msg = self._decision
+        assert msg is not None and lane.decision == msg.decision
+        layout = _layout(msg)
+        tag = read_lane_tag(lane.mean)
+        if tag is None or not 1 <= tag.index < layout.count or tag.count != layout.count:
+            raise ProtocolError(f"mirrored lane tag {tag} in a round of {layout.count} lanes")
+        owner = lane_owner(tag.index, count, lost)
+        if owner != lane.shard or backup_of(owner, count, lost) != me:
+            log.info("shard %d: a mirror of lane %d from shard %d, which it does not back up now; ignored",
+                     me, tag.index, lane.shard)
+            return
+        fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
+        try:
+            layout.check_lane(tag.index, lane.mean)
+            if lane.start == START_SENT:
+                assert lane.state is not None
+                self.outer.adopt(msg.round, layout, tag.index, fragment, read_lane_state(lane.state, layout, tag.index))
+            elif lane.start == START_AFRESH:
+                self.outer.forget(layout, tag.index, fragment)
+        except SchemaError as exc:
+            raise ProtocolError(f"mirrored lane {tag.index}: {exc}") from None
+        self.outer.step(msg.round, lane.mean, layout, tag.index, fragment)
+        self._done.add(tag.index)
+
+    def due(self, me: int, count: int, lost: set[int]) -> int | None:
+        """The decision to say ``Mirrored`` for now: the latest, stepped, once every lane
+        this shard backs up in it is stepped here (None: not yet, or said)."""
+        msg = self._decision
+        if msg is None or not msg.step or self._said == msg.decision:
+            return None
+        for lane in range(1, msg.lanes):
+            owner = lane_owner(lane, count, lost)
+            if owner != me and backup_of(owner, count, lost) == me and lane not in self._done:  # type: ignore[arg-type]
+                return None
+        self._said = msg.decision
+        return msg.decision
+
+    def take(self, round_: int, layout: LaneLayout, lane: int, fragment: FragmentTag | None) -> LaneState | None:
+        """A lost shard's lane this shard steps now: its mirrored state as the round
+        starts (None: none mirrored), no longer kept here."""
+        state = self.outer.start_state(round_, layout, lane, fragment)
+        if state is not None:
+            self.outer.forget(layout, lane, fragment)
+        return state
+
+
+async def mirror_records(
+    salt: SessionSalt, me: int, decision: int, mean: RoundFrame, pieces: int, start: LaneState | None, seeded: bool,
+) -> list[EncodedFrame]:
+    """The records that mirror one lane to the backup: ``Mirror``, the lane's state if the
+    backup does not hold it (``seeded`` False), and the lane, divided, not yet stepped."""
+    how = START_AFRESH if start is None else START_MIRRORED if seeded else START_SENT
+    records = [encode_mux_record(MuxKind.CONTROL, encode_control_msg(Mirror(me, decision, how)), salt)]
+    if how == START_SENT:
+        assert start is not None
+        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, lane_state_frame(mean, pieces, start), salt))
+    records.append(await encode_enveloped_frame(MuxKind.BROADCAST, mean, salt))
+    return records
+
+
+def _layout(msg: Decide) -> LaneLayout:
+    """The round's lanes, from the schema its decision carries."""
+    return layout_of(msg.schema, msg.lanes)
+
+
+@functools.lru_cache(maxsize=8)
+def layout_of(schema: tuple[tuple[int, tuple[int, ...]], ...], lanes: int) -> LaneLayout:
+    return LaneLayout.for_schema(schema, lanes, lane0_empty=True)
+
+
+def new_lane(msg: Mirror, state: RoundFrame | None, mean: RoundFrame) -> _Lane:
+    return _Lane(msg.shard, msg.decision, msg.start, state, mean)
+
+
+__all__ = ["MirrorBook", "MirrorLink", "backup_of", "layout_of", "mirror_records", "new_lane"]
