@@ -279,9 +279,12 @@ class ShardSet:
             await self._tell_shards(Outage(0))
         await self.aclose()
 
-    async def _set_up(self, index: int, address: tuple[str, int], attempts: int | None = None) -> MessageStream:
+    async def _set_up(
+        self, index: int, address: tuple[str, int], attempts: int | None = None, again: bool = False,
+    ) -> MessageStream:
         """Dial the shard at ``address`` (``attempts``: at most that many tries) and say it is
-        shard ``index``: its setup, the outer step, and the shards already lost (all in one write)."""
+        shard ``index``: its setup, the outer step, and the shards already lost (all in one write);
+        ``again``: it serves a lost shard again, and is told so (its lanes' state is handed to it)."""
         host, port = address
         bounds = self._config.bounds if attempts is None else attrs.evolve(self._config.bounds, connect_attempts=attempts)
         stream = await connect_with_retry(host, port, f"controller: shard {index}", bounds, self._connect)
@@ -293,6 +296,8 @@ class ShardSet:
         if self.outage_ms > 0:
             setup.append(Outage(self.outage_ms))  # hold for a controller started again (docs/wire.md)
         setup += [ShardLost(lost) for lost in sorted(self.lost) if lost != index]
+        if again and self.outer is not None:
+            setup.append(ShardBack(index, host, port))
         records = [self._record(msg) for msg in setup]
         await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *(c for r in records for c in r.chunks)])
         return conn
@@ -316,7 +321,7 @@ class ShardSet:
         self._used.add(address)
         index = min(self.lost)
         try:
-            conn = await self._set_up(index, address)
+            conn = await self._set_up(index, address, again=True)
         except (ConnectFailed, *CONNECTION_LOST) as exc:
             log.warning("controller: the offered shard at %s:%d could not serve shard %d: %s", *address, index, exc)
             return None

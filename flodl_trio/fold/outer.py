@@ -433,7 +433,7 @@ def shard_outer_config(optimizer: object) -> tuple[int, float, float] | None:
 
 
 # One lane's state at a shard: (params fragment, lane count, lane, its pieces).
-_LaneKey = tuple[FragmentTag | None, int, int, tuple[object, ...]]
+LaneKey = tuple[FragmentTag | None, int, int, tuple[object, ...]]
 
 
 class ShardLanesOuter:
@@ -450,8 +450,8 @@ class ShardLanesOuter:
 
     def __init__(self, optimizer: _MomentumOuter) -> None:
         self.optimizer = optimizer
-        self._committed: dict[_LaneKey, tuple[list[F32Array], list[F32Array]]] = {}
-        self._pending: dict[_LaneKey, tuple[list[F32Array], list[F32Array]]] = {}
+        self._committed: dict[LaneKey, tuple[list[F32Array], list[F32Array]]] = {}
+        self._pending: dict[LaneKey, tuple[list[F32Array], list[F32Array]]] = {}
         self._round = -1  # the round the pending state is of
 
     @property
@@ -485,9 +485,16 @@ class ShardLanesOuter:
 
     def forget(self, layout: LaneLayout, lane: int, fragment: FragmentTag | None) -> None:
         """Lane ``lane``'s state is another shard's to keep now."""
-        key = lane_key(layout, lane, fragment)
+        self.forget_key(lane_key(layout, lane, fragment))
+
+    def forget_key(self, key: LaneKey) -> None:
         self._committed.pop(key, None)
         self._pending.pop(key, None)
+
+    def held(self) -> dict[LaneKey, tuple[list[F32Array], list[F32Array]]]:
+        """Every lane's state as its newest step left it (between rounds: the state the
+        next round starts from)."""
+        return {**self._committed, **self._pending}
 
     def step(
         self, round_: int, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
@@ -519,7 +526,7 @@ class ShardLanesOuter:
         return self._pending[key]
 
 
-def lane_key(layout: LaneLayout, lane: int, fragment: FragmentTag | None) -> _LaneKey:
+def lane_key(layout: LaneLayout, lane: int, fragment: FragmentTag | None) -> LaneKey:
     """What names a lane's state: its fragment, the layout's lane count, the lane and its pieces."""
     return (fragment, layout.count, lane, tuple(layout.lanes[lane]))
 

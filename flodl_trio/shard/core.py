@@ -40,9 +40,9 @@ import trio
 
 from ..errors import ConfigError, FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
-from ..fold.outer import SHARD_OUTER_KINDS, F32Array, ShardLanesOuter, lane_key, lane_state_frame
+from ..fold.outer import SHARD_OUTER_KINDS, F32Array, LaneKey, ShardLanesOuter, lane_key, lane_state_frame
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import Connector, Listeners, listener_port, peer_host, tune_socket
+from ..transport.connect import Connector, Listeners, connect_with_retry, listener_port, peer_host, tune_socket
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.hello import receive_hello
 from ..transport.settings import NetBounds
@@ -55,6 +55,8 @@ from ..wire.mux import (
     COPY_WITH_STATE,
     Decide,
     Decided,
+    HandedBack,
+    Handoff,
     Mirror,
     Mirrored,
     MuxKind,
@@ -75,7 +77,17 @@ from ..wire.mux import (
 )
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_delta_dtype
 from ..wire.salt import SessionSalt
-from .mirror import MirrorBook, MirrorLink, backup_of, layout_of, mirror_records, new_lane
+from .mirror import (
+    Handback,
+    MirrorBook,
+    MirrorLink,
+    backup_of,
+    handback_records,
+    handback_states,
+    layout_of,
+    mirror_records,
+    new_lane,
+)
 
 log = logging.getLogger("flodl_trio.shard")
 
@@ -234,6 +246,7 @@ class _Shard:
         self.mirrors: MirrorBook | None = None  # the mirror of the lanes this shard backs up
         self._link: MirrorLink | None = None  # to this shard's backup
         self._nursery: trio.Nursery | None = None  # the controller session's
+        self.handback = Handback()  # served again: the lane states its lanes' holder hands it
 
     def _control(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.salt)
@@ -247,7 +260,7 @@ class _Shard:
             log.info("shard %s: shard %d is lost; its lanes are the next live shard's", self.index, shard)
             self.lost.add(shard)
             self._changed.notify()
-            self._say_mirrored()
+            self._backups_changed()
 
     def _shard_back(self, shard: int) -> None:
         """A lost shard is served again (a new one, between rounds): its lanes are its own
@@ -256,7 +269,7 @@ class _Shard:
             log.info("shard %s: shard %d is served again; its lanes are its own again", self.index, shard)
             self.lost.discard(shard)
             self._changed.notify()
-            self._say_mirrored()
+            self._backups_changed()
 
     async def route(self, stream: trio.abc.Stream) -> None:
         tune_socket(stream)
@@ -374,8 +387,11 @@ class _Shard:
                 self._mirror_decided(msg)
             elif isinstance(msg, ShardLost):
                 self._shard_lost(msg.shard)
+            elif isinstance(msg, ShardBack) and msg.shard == self.index:  # this one serves a lost shard again
+                self.handback.expect(backup_of(self.index, self.count, self.lost))
             elif isinstance(msg, ShardBack):
                 self._readdress(msg.shard, (msg.host, msg.port))
+                self._hand_back(msg.shard)
                 self._shard_back(msg.shard)
             elif isinstance(msg, Shards):
                 self.addresses = list(msg.addresses)
@@ -438,7 +454,9 @@ class _Shard:
             owned = [lane for lane in range(1, msg.lanes) if self._owns(lane)]
             ready = [lane for lane in owned
                      if lane not in self._lanes_sent | self._blocked and self._pieces_in(msg, lane)]
-            if ready:
+            if ready and msg.step and self.handback.waiting(self.lost):
+                await self._changed.wait()  # served again: its lanes' state comes first
+            elif ready:
                 for lane in ready:
                     await self._sum_lane(msg, lane)
             elif self._lanes_sent.issuperset(owned):
@@ -549,6 +567,14 @@ class _Shard:
         """The state lane ``lane`` steps from in this round: a lost shard's lane this shard
         backed up goes on from the mirror (adopted here), any other from its own."""
         assert self.outer is not None
+        try:
+            handed = self.handback.take(layout, lane, fragment)
+        except SchemaError as exc:
+            log.warning("shard %s: the state handed back for lane %d is not its layout's: %s", self.index, lane, exc)
+            handed = None
+        if handed is not None:
+            self.outer.adopt(msg.round, layout, lane, fragment, handed)
+            return handed
         if self.mirrors is not None:
             taken = self.mirrors.take(msg.round, layout, lane, fragment)
             if taken is not None:
@@ -627,6 +653,42 @@ class _Shard:
         self.handle.lanes_mirrored += 1
         self._say_mirrored()
 
+    def _backups_changed(self) -> None:
+        if self.mirrors is not None and self.index is not None:
+            self.mirrors.backups_changed(self.index, self.count, self.lost)
+        self._say_mirrored()
+
+    def _hand_back(self, shard: int) -> None:
+        """Shard ``shard`` is served again: if this shard held its lanes, it hands their
+        outer state to the new one (then ``HandedBack``), which steps them on from it."""
+        if self.outer is None or self.mirrors is None or self.index is None or self._nursery is None:
+            return
+        after = self.lost - {shard}
+        if backup_of(shard, self.count, after) != self.index or not 0 <= shard < len(self.addresses):
+            return
+        states = handback_states(self.index, shard, self.count, self.lost, after, self.mirrors.held(), self.outer.held())
+        self._nursery.start_soon(self._send_handback, shard, self.addresses[shard], states)
+
+    async def _send_handback(
+        self, shard: int, address: tuple[str, int], states: dict[LaneKey, tuple[list[F32Array], list[F32Array]]],
+    ) -> None:
+        assert self.index is not None
+        records = await handback_records(self.salt, self.index, states)
+        try:
+            stream = await connect_with_retry(*address, f"shard {self.index}: shard {shard} served again",
+                                              self.bounds, self._connect)
+            conn = MessageStream(stream, f"shard {shard} (served again)", self.bounds)
+            try:
+                await conn.send_chunks([CHANNEL_MAGIC_MIRROR.to_bytes(4, "little"),
+                                        *(chunk for record in records for chunk in record.chunks)])
+            finally:
+                await conn.aclose()
+        except (OSError, FlodlError, *CONNECTION_LOST) as exc:
+            log.warning("shard %s: could not hand shard %d its lanes' state: %s", self.index, shard, exc)
+            self._say(ShardLost(shard))
+            return
+        log.info("shard %s: handed shard %d, served again, the state of %d lanes", self.index, shard, len(states))
+
     def _say_mirrored(self) -> None:
         if self.mirrors is None or self.index is None:
             return
@@ -645,6 +707,10 @@ class _Shard:
                 first = await self._mirror_record(conn, buf)
                 if first is None:
                     return
+                if isinstance(first, Handoff | HandedBack):
+                    sender = first.shard
+                    await self._take_handback(conn, buf, first)
+                    continue
                 if not isinstance(first, Mirror) or self.mirrors is None or first.shard == self.index:
                     raise ProtocolError(f"sent a mirror connection {type(first).__name__}"
                                         + (" before this shard steps lanes" if self.mirrors is None else ""))
@@ -663,6 +729,17 @@ class _Shard:
                 self._say(ShardLost(sender))
         finally:
             await conn.aclose()
+
+    async def _take_handback(self, conn: MessageStream, buf: ReceiveBuffer, msg: Handoff | HandedBack) -> None:
+        if isinstance(msg, HandedBack):
+            log.info("shard %s: shard %d handed back the state of %d lanes", self.index, msg.shard, msg.lanes)
+            self.handback.finished(msg)
+            self._changed.notify()
+            return
+        state = await self._mirror_record(conn, buf)
+        if not isinstance(state, RoundFrame):
+            raise ProtocolError("sent a Handoff with no lane state after it")
+        self.handback.keep(msg, state)
 
     async def _mirror_record(self, conn: MessageStream, buf: ReceiveBuffer) -> object | None:
         """The next record on a mirror connection: a control message or a lane frame (None: it ended)."""

@@ -30,16 +30,17 @@ import attrs
 import trio
 
 from ..errors import ProtocolError, SchemaError
-from ..fold.outer import F32Array, ShardLanesOuter, lane_state_frame, read_lane_state
+from ..fold.outer import F32Array, LaneKey, ShardLanesOuter, lane_key, lane_state_frame, read_lane_state
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import CHANNEL_MAGIC_MIRROR
 from ..wire.fragment import FragmentTag
-from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, read_lane_tag
-from ..wire.mux import Decide, Mirror, MuxKind, encode_control_msg, encode_mux_record
-from ..wire.round_frame import EncodedFrame, RoundFrame
+from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, lane_tag, read_lane_tag
+from ..wire.mux import Decide, HandedBack, Handoff, Mirror, MuxKind, encode_control_msg, encode_mux_record
+from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, TensorPayload
+from ..wire.constants import DTYPE_F32
 from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.shard")
@@ -76,7 +77,7 @@ class MirrorLink:
         self.backup = backup
         self.address = address
         self.owner = owner
-        self.seeded: set[object] = set()  # lane keys whose state the backup holds
+        self.seeded: set[LaneKey] = set()  # lane keys whose state the backup holds
         self.broken = False
         self._send, self._receive = trio.open_memory_channel[EncodedFrame](_OUTBOX_DEPTH)
         self.scope = trio.CancelScope()
@@ -139,6 +140,7 @@ class MirrorBook:
         self._decision: Decide | None = None  # the latest decision this shard was told of
         self._done: set[int] = set()  # its lanes stepped on the mirror
         self._said: int | None = None  # the decision Mirrored was said for
+        self._from: dict[LaneKey, int] = {}  # each mirrored lane's owner
 
     def decided(self, msg: Decide) -> list[_Lane]:
         """A new decision: the lanes that came early for it, to step now."""
@@ -186,7 +188,19 @@ class MirrorBook:
         except SchemaError as exc:
             raise ProtocolError(f"mirrored lane {tag.index}: {exc}") from None
         self.outer.step(msg.round, lane.mean, layout, tag.index, fragment)
+        self._from[lane_key(layout, tag.index, fragment)] = lane.shard
         self._done.add(tag.index)
+
+    def backups_changed(self, me: int, count: int, lost: set[int]) -> None:
+        """The lost set changed: the mirror of a shard this one no longer backs up goes
+        (its new backup is sent its state; a stale copy here must never be taken)."""
+        for key, owner in list(self._from.items()):
+            if backup_of(owner, count, lost) != me:
+                self.outer.forget_key(key)
+                del self._from[key]
+
+    def held(self) -> dict[LaneKey, LaneState]:
+        return self.outer.held()
 
     def due(self, me: int, count: int, lost: set[int]) -> int | None:
         """The decision to say ``Mirrored`` for now: the latest, stepped, once every lane
@@ -207,6 +221,7 @@ class MirrorBook:
         state = self.outer.start_state(round_, layout, lane, fragment)
         if state is not None:
             self.outer.forget(layout, lane, fragment)
+            self._from.pop(lane_key(layout, lane, fragment), None)
         return state
 
 
@@ -224,6 +239,75 @@ async def mirror_records(
     return records
 
 
+# -- a shard served again: its lanes' state handed back ---------------------------
+
+# Lane states a served-again shard keeps from its handback: a lane per fragment and lane.
+_HANDED_LIMIT = 64 * MAX_LANES
+
+
+def handback_states(
+    me: int, shard: int, count: int, lost_before: set[int], lost_after: set[int], *held: dict[LaneKey, LaneState],
+) -> dict[LaneKey, LaneState]:
+    """The lane states this shard hands ``shard`` (served again): of every lane it owned
+    and ``shard`` owns now, the first of ``held`` that has it."""
+    out: dict[LaneKey, LaneState] = {}
+    for states in reversed(held):  # (the first wins)
+        for key, state in states.items():
+            lane = key[2]
+            if lane_owner(lane, count, lost_before) == me and lane_owner(lane, count, lost_after) == shard:
+                out[key] = state
+    return out
+
+
+async def handback_records(salt: SessionSalt, me: int, states: dict[LaneKey, LaneState]) -> list[EncodedFrame]:
+    """``Handoff`` and the lane's state, per lane, then ``HandedBack``."""
+    records = []
+    for (fragment, lanes, lane, _), (xs, ms) in states.items():
+        say = Handoff(me, None if fragment is None else (fragment.index, fragment.count))
+        records.append(encode_mux_record(MuxKind.CONTROL, encode_control_msg(say), salt))
+        tensors = [TensorPayload(DTYPE_F32, (a.size,), a) for a in (*xs, *ms)]
+        frame = RoundFrame([*tensors, lane_tag(lane, lanes)], RoundKind.MODEL)
+        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, frame, salt))
+    records.append(encode_mux_record(MuxKind.CONTROL, encode_control_msg(HandedBack(me, len(states))), salt))
+    return records
+
+
+class Handback:
+    """A served-again shard's side: the lane states its lanes' holder hands it, which its
+    first steps of them start from; it steps no lane until the holder said it is done
+    (or is lost)."""
+
+    def __init__(self) -> None:
+        self.holder: int | None = None  # the shard that held its lanes (None: not served again)
+        self._states: dict[tuple[FragmentTag | None, int, int], RoundFrame] = {}
+        self._done: set[int] = set()  # holders that said HandedBack
+
+    def expect(self, holder: int | None) -> None:
+        self.holder = holder
+
+    def waiting(self, lost: set[int]) -> bool:
+        """Whether a stepped lane must wait for the handback now."""
+        return self.holder is not None and self.holder not in self._done and self.holder not in lost
+
+    def keep(self, msg: Handoff, frame: RoundFrame) -> None:
+        tag = read_lane_tag(frame)
+        if tag is None:
+            raise ProtocolError("handed a lane state with no lane tag")
+        if len(self._states) >= _HANDED_LIMIT:
+            raise ProtocolError(f"handed more than {_HANDED_LIMIT} lane states")
+        fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
+        self._states[fragment, tag.index, tag.count] = frame
+
+    def finished(self, msg: HandedBack) -> None:
+        self._done.add(msg.shard)
+
+    def take(self, layout: LaneLayout, lane: int, fragment: FragmentTag | None) -> LaneState | None:
+        """The handed state of lane ``lane`` (None: none was handed); SchemaError if it is
+        not what the layout says."""
+        frame = self._states.pop((fragment, lane, layout.count), None)
+        return None if frame is None else read_lane_state(frame, layout, lane)
+
+
 def _layout(msg: Decide) -> LaneLayout:
     """The round's lanes, from the schema its decision carries."""
     return layout_of(msg.schema, msg.lanes)
@@ -238,4 +322,7 @@ def new_lane(msg: Mirror, state: RoundFrame | None, mean: RoundFrame) -> _Lane:
     return _Lane(msg.shard, msg.decision, msg.start, state, mean)
 
 
-__all__ = ["MirrorBook", "MirrorLink", "backup_of", "layout_of", "mirror_records", "new_lane"]
+__all__ = [
+    "Handback", "MirrorBook", "MirrorLink", "backup_of", "handback_records", "handback_states", "layout_of",
+    "mirror_records", "new_lane",
+]

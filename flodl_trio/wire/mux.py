@@ -368,12 +368,31 @@ class Mirrored:
     decision: int
 
 
+@attrs.frozen
+class Handoff:
+    """flodl_trio extension (variant 222), shard -> a shard served again, on a mirror
+    connection: the record that follows is the outer state of one of its lanes (of params
+    fragment ``fragment``, or the whole model's: None), as the newest step left it."""
+
+    shard: int
+    fragment: tuple[int, int] | None = None
+
+
+@attrs.frozen
+class HandedBack:
+    """flodl_trio extension (variant 223), shard -> a shard served again: every lane state
+    it had for it went (``lanes`` of them); the served-again shard steps its lanes now."""
+
+    shard: int
+    lanes: int
+
+
 NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
 
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
     | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
-    | ShardOffer | ShardOuter | ShardBack | ShardMoved | Mirror | Mirrored
+    | ShardOffer | ShardOuter | ShardBack | ShardMoved | Mirror | Mirrored | Handoff | HandedBack
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
@@ -381,6 +400,7 @@ _VARIANT = {
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
     ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215, ShardOffer: 216,
     ShardOuter: 217, ShardBack: 218, ShardMoved: 219, Mirror: 220, Mirrored: 221,
+    Handoff: 222, HandedBack: 223,
 }
 
 
@@ -462,6 +482,11 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
             out += _varint(kind) + struct.pack("<dd", lr, momentum)
         case ShardAck(lane=lane):
             out += _varint(lane)
+        case Handoff(shard=shard, fragment=fragment):
+            out += _varint(shard) + (_varint(0) if fragment is None else _varint(1) + _varint(fragment[0])
+                                     + _varint(fragment[1]))
+        case HandedBack(shard=shard, lanes=lanes):
+            out += _varint(shard) + _varint(lanes)
         case Mirror(shard=shard, decision=decision, start=start):
             out += _varint(shard) + _varint(decision) + _varint(start)
         case (ShardLost(shard=number) | Decided(decision=number) | LanesIn(decision=number) | Pieces(round=number)
@@ -562,6 +587,16 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = ShardBack(reader.varint("ShardBack shard"), *_read_address(reader, "ShardBack"))
     elif variant == 219:
         msg = ShardMoved(reader.varint("ShardMoved shard"), *_read_address(reader, "ShardMoved"))
+    elif variant == 222:
+        shard = reader.varint("Handoff shard")
+        handed: tuple[int, int] | None = None
+        if reader.varint("Handoff fragment", limit=1):
+            handed = (reader.varint("Handoff fragment index"), reader.varint("Handoff fragment count"))
+            if not handed[0] < handed[1]:
+                raise FramingError(f"RelayControlMsg Handoff: fragment {handed[0]} of {handed[1]}")
+        msg = Handoff(shard, handed)
+    elif variant == 223:
+        msg = HandedBack(reader.varint("HandedBack shard"), reader.varint("HandedBack lanes"))
     elif variant == 220:
         msg = Mirror(reader.varint("Mirror shard"), reader.varint("Mirror decision"),
                      reader.varint("Mirror start", limit=2))

@@ -383,3 +383,54 @@ async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identica
     for rank in range(3):
         want, got = windows_of(reference, rank), windows_of(lost, rank)
         assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank
+
+
+@pytest.mark.deadline(150)
+async def test_diloco_through_a_relays_shard_sigkilled_and_served_again_ends_bit_identical(salt):
+    """Default daemons, DiLoCo, deterministic: host 1's shard process is SIGKILLed mid-run.
+    Shard 2 steps its lanes on from the outer state it mirrored; the relay daemon starts
+    its shard again, the controller serves shard 1 with it, and shard 2 hands it back the
+    state of those lanes. The run ends bit-identical, window by window, to the same run
+    with no shard lost. No rank and no relay restarted."""
+    import os
+    import signal
+
+    from flodl_trio.testing.matrix import diagnose
+    from flodl_trio.testing.windows import windows_of
+
+    windows, hold = 10, 6
+    args = {r: ["--windows", str(windows), "--pause-before", f"{hold}:inf"] for r in range(3)}
+
+    async def run(lose: bool):
+        async with _three_hosts(
+            salt, pause=0.05, worker_args=args, relay_args={h: ["--deterministic"] for h in range(3)},
+            controller_args=["--outer", "diloco", "--deterministic"],
+        ) as cluster:
+            with diagnose(cluster):
+                await cluster.controller.wait_log("reducing with the 3 shards the relays offered")
+                await cluster.wait_event(0, "window", window=3)
+                [relay] = cluster.relay_processes(1)
+                if lose:
+                    [shard] = _shard_processes_under(relay.pid)
+                    os.kill(shard, signal.SIGKILL)
+                    await cluster.controller.wait_log("controller: shard 1 lost (")
+                    await relay.wait_log("its shard listens again on port")
+                for rank in range(3):
+                    await cluster.wait_event(rank, "paused", round=hold)
+                    await cluster.resume(rank)
+                for rank in range(3):
+                    outcome = await cluster.wait_outcome(rank)
+                    assert outcome["event"] == "done", outcome
+                if lose:
+                    await cluster.controller.wait_log("controller: shard 1 is served again, at ")
+            return cluster
+
+    with trio.fail_after(140):
+        reference = await run(False)
+        lost = await run(True)
+    texts = "".join(relay.text for h in range(3) for relay in lost.relay_processes(h))
+    assert "goes on from its mirrored outer state" in texts, lost.logs()
+    assert "handed back the state of" in texts, lost.logs()
+    for rank in range(3):
+        want, got = windows_of(reference, rank), windows_of(lost, rank)
+        assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank

@@ -809,6 +809,16 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
     with pytest.raises(FramingError, match="Mirror start"):
         decode_control_msg(b"\xdc\x02\x07\x03")  # start is 0, 1 or 2
     assert encode_control_msg(Mirrored(7)) == b"\xdd\x07" and decode_control_msg(b"\xdd\x07") == Mirrored(7)
+    from flodl_trio.wire.mux import HandedBack, Handoff
+    whole, fragment = Handoff(2), Handoff(2, (1, 4))  # a lane state of the whole model's, of fragment 1 of 4
+    assert encode_control_msg(whole) == b"\xde\x02\x00" and encode_control_msg(fragment) == b"\xde\x02\x01\x01\x04"
+    assert [decode_control_msg(encode_control_msg(m)) for m in (whole, fragment)] == [whole, fragment]
+    with pytest.raises(FramingError, match="Handoff: fragment 4 of 4"):
+        decode_control_msg(b"\xde\x02\x01\x04\x04")
+    with pytest.raises(FramingError, match="Handoff fragment"):
+        decode_control_msg(b"\xde\x02\x02")
+    assert encode_control_msg(HandedBack(2, 5)) == b"\xdf\x02\x05"
+    assert decode_control_msg(b"\xdf\x02\x05") == HandedBack(2, 5)
     from flodl_trio.wire.mux import ShardOuter
     outer = ShardOuter(2, 0.7, 0.9)
     assert encode_control_msg(outer) == b"\xd9\x02" + struct.pack("<dd", 0.7, 0.9)
