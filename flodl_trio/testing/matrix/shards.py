@@ -1,7 +1,8 @@
 """Cases: reduction shard daemons (``--shards``) killed or frozen mid-round, alone or
 with the host they run beside, all of them (the controller then serves one itself), a
 host brought back serving its lost shard again, and the controller killed and started
-again while the shards hold. A lost shard's lanes go to the next live shard, and
+again while the shards hold; and a shard lost under DiLoCo, whose backup steps its
+lanes on from its mirror. A lost shard's lanes go to the next live shard, and
 a round that was decided but not yet committed is decided again (docs/wire.md,
 "A lost shard"): every rank gets one exact consensus."""
 
@@ -16,6 +17,7 @@ from typing import Any
 import trio
 
 from ..processes import ProcessCluster
+from ..windows import windows_of
 from .clusters import daemon_cluster, diagnose, pause
 from .oracle import all_done, after, check_rounds, expect_consensus, expected, last_outcome, mono, windows_exact
 from .registry import MatrixFailure, Outcome, case
@@ -243,3 +245,48 @@ async def shard_controller_restart() -> Outcome:
         raise MatrixFailure(f"a window lost a contributor over the restart: {contributors}")
     return Outcome("the shards held for the controller, which took all 3 on again from its record; every window "
                    "exact over all 3 ranks, all end bit-identical, nothing else restarted", first["time"] - t0)
+
+
+DILOCO_WINDOWS, DILOCO_HOLD = 8, 4
+
+
+async def _diloco_digests(lose_shard: bool) -> tuple[dict[int, list[str]], float, str]:
+    """Three shard daemons under DiLoCo, deterministic; rank 2 holds before window
+    DILOCO_HOLD while the others' round goes up, and (``lose_shard``) shard 1 is SIGKILLed
+    then. Each rank's window digests, the seconds from the kill to rank 0's held window,
+    and the shards' logs."""
+    held = ["--pause-before", f"{DILOCO_HOLD}:inf"]
+    args = {r: ["--windows", str(DILOCO_WINDOWS), *(held if r == 2 else [])] for r in range(3)}
+    async with daemon_cluster(world_size=3, hosts=[[0], [1], [2]], backend="torch", numel=SHARDED["numel"],
+                              pause=0.05, shards=3, worker_args=args,
+                              relay_args={h: ["--deterministic"] for h in range(3)},
+                              controller_args=["--outer", "diloco", "--deterministic"]) as c:
+        with diagnose(c):
+            assert c.controller is not None
+            await c.wait_event(2, "paused", round=DILOCO_HOLD)
+            t0 = mono()
+            if lose_shard:
+                c.kill_shard(1)
+                await c.controller.wait_log("controller: shard 1 lost (")
+            await c.resume(2)
+            first = await c.wait_event(0, "window", window=DILOCO_HOLD)
+            await all_done(c)
+    digests = {rank: [windows_of(c, rank)[w]["digest"] for w in range(DILOCO_WINDOWS)] for rank in range(3)}
+    return digests, first["time"] - t0, "".join(shard.text for shard in c.shards)
+
+
+@case("shard-kill-diloco",
+      fault="shard daemon (1 of 3) SIGKILLed while a DiLoCo round is up (deterministic); the same run unfaulted",
+      leg="shard process", deadline=60)
+async def shard_kill_diloco() -> Outcome:
+    """The outer state through a lost shard (docs/wire.md): shard 2, shard 1's backup,
+    mirrored the state of shard 1's lanes and steps them on, so every window's params are
+    bit-identical to the run with no shard lost."""
+    reference, _, _ = await _diloco_digests(lose_shard=False)
+    lost, seconds, logs = await _diloco_digests(lose_shard=True)
+    if lost != reference:
+        raise MatrixFailure(f"the windows differ from the unfaulted run's: {lost} vs {reference}")
+    if "goes on from its mirrored outer state" not in logs:
+        raise MatrixFailure("no shard took shard 1's lanes over from its mirror")
+    return Outcome(f"shard 2 stepped shard 1's lanes on from its mirror; all {DILOCO_WINDOWS} windows bit-identical "
+                   "to the unfaulted run for every rank", seconds)
