@@ -211,6 +211,8 @@ def worker_flodl(args: argparse.Namespace) -> None:
                 if codec is not None:  # a window's change, so every delta round codes real values
                     t.add_(torch.randn(t.shape, generator=drift), alpha=1e-3)
                 t0 = time.perf_counter()
+                if args.windows:  # a window's Control round first: the params round after it is stepped
+                    await client.all_reduce_weighted([torch.tensor([float(i)])], flodl_trio.RoundKind.CONTROL, 1.0)
                 if codec is None:
                     out = await client.all_reduce_tensors([t], in_place=True)
                 else:  # a delta round (the first, in the warm-up, starts the lineage in f32)
@@ -627,6 +629,8 @@ class Bench:
             self.env["FLODL_DETERMINISTIC"] = "1"
         if args.lanes is not None:  # else the daemons' default (the controller's 8, taken by the relays)
             self.env["FLODL_LANES"] = str(args.lanes)
+        if getattr(args, "outer", None):  # the controller's outer optimizer (with shards: stepped, and mirrored, there)
+            self.env["FLODL_OUTER"] = args.outer
         if getattr(args, "star", False):  # no shards: the controller sums every lane (else the daemons' auto)
             self.env["FLODL_SHARDS"] = self.env["FLODL_SHARD"] = "off"
         # Ranks reach their relay over the Unix-socket local leg (no MACs) unless turned off.
@@ -675,6 +679,7 @@ class Bench:
             sys.executable, str(Path(__file__).resolve()), "--worker", system,
             "--rank", str(rank), "--world", str(world), "--addr", addr, "--numel", str(numel),
             "--dtype", dtype, "--warmup", str(warmup), "--rounds", str(rounds),
+            *(["--windows"] if getattr(self.args, "outer", None) and system == "flodl" else []),
         ]
 
     def run_flodl(self, hosts: list[Host], numel: int, dtype: str, warmup: int, rounds: int, tag: str) -> RunResult:
@@ -1369,6 +1374,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=5, help=argparse.SUPPRESS)
     ap.add_argument("--cprofile", help=argparse.SUPPRESS)
+    ap.add_argument("--windows", action="store_true", help=argparse.SUPPRESS)  # a Control round before each
     ap.add_argument("--measure-costs", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 

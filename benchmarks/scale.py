@@ -142,6 +142,7 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(
         profile=args.profile, timing=False, deterministic=False, lanes=args.lanes, no_unix=False,
         rank_threads=1, shards=args.shards or args.relay_shards, relay_shards=args.relay_shards, star=args.star,
+        outer=args.outer,
     )
 
 
@@ -177,6 +178,8 @@ def main() -> int:
     parser.add_argument("--star", action="store_true",
                         help="no shards: the controller sums every lane (default: the daemons' --shards auto, "
                              "each relay serving and offering its host's shard)")
+    parser.add_argument("--outer", choices=["average", "diloco", "slowmo"],
+                        help="the controller's --outer, each round a window (a Control round, then params): with diloco or slowmo the shards step each and mirror it to their backup; average steps nothing")
     parser.add_argument("--profile", metavar="DIR",
                         help="run every flodl_trio process under py-spy record (collapsed stacks in DIR, "
                         "summarized at the end)")
@@ -199,7 +202,8 @@ def main() -> int:
             rows.append((count, mib, flodl, gloo))
             print(f"  {count} hosts: flodl_trio {flodl.median_ms:.0f} ms, gloo {gloo.median_ms:.0f} ms", flush=True)
     print(f"\n{args.ranks_per_host} rank(s) per host, every host link {args.rate} each way (tbf), "
-          f"controller on host 0, --lanes {args.lanes}, f32 both sides, median of {args.rounds} rounds:\n")
+          f"controller on host 0, --lanes {args.lanes}{f', --outer {args.outer}' if args.outer else ''}, "
+          f"f32 both sides, median of {args.rounds} rounds:\n")
     print("| hosts | model | flodl_trio | gloo | ratio | star floor | ring floor | CPU floor (flodl_trio) "
           "| received per round, host 0 / busiest other: flodl_trio | gloo | peak RSS, largest relay / shard / controller |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -337,7 +337,7 @@ class ShardSet:
         for index in list(self.conns):
             nursery.start_soon(self._watch, index)
 
-    def reported_lost(self, shard: int, relay: str) -> None:
+    def reported_lost(self, shard: int, relay: str, why: str | None = None) -> None:
         """A relay's connection to ``shard`` failed (closed, silent, or bytes that broke
         the protocol): the shard is lost for everyone, as a shard that cannot serve every
         relay cannot reduce its lanes - unless it is the last live one (ProtocolError:
@@ -355,7 +355,7 @@ class ShardSet:
             raise ProtocolError(f"said shard {shard}, the last live one, is lost; its connection here is fine, so "
                                 "this relay is dropped, not the shard")
         if shard not in self.lost and self._nursery is not None:
-            self._nursery.start_soon(self._lose, shard, f"{relay} lost its connection to it")
+            self._nursery.start_soon(self._lose, shard, why or f"{relay} lost its connection to it")
 
     async def aclose(self) -> None:
         for conn in self.conns.values():
@@ -415,7 +415,8 @@ class ShardSet:
                     if msg.shard in self.served_here:  # (up while this controller is: the fault is the sender's)
                         raise ProtocolError(f"shard {index} cannot mirror to shard {msg.shard}, which the "
                                             "controller serves")
-                    self.reported_lost(msg.shard, f"shard {index}")
+                    self.reported_lost(msg.shard, f"shard {index}",
+                                       f"shard {index} says the mirror connection between them failed")
                 elif not isinstance(msg, ShardAlive):
                     raise ProtocolError(f"shard {index} sent the controller {msg or kind.name}, not ShardAlive")
         except (ProtocolError, *CONNECTION_LOST) as exc:

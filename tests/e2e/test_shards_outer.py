@@ -248,3 +248,64 @@ async def test_a_round_commits_only_once_its_backup_mirrored_it_and_a_backup_tha
     sharded, cluster, _ = await _windows(salt, 3, DiLoCoNesterov, windows, meanwhile=lose_shard_2_once_held)
     assert cluster.controller.stats.shards_lost == 1
     assert sharded == star
+
+
+async def _until_window(got, window: int) -> None:
+    """Until every rank holds ``window``'s consensus."""
+    while not all((rank, window) in got for rank in range(WORLD)):
+        await trio.sleep(0.01)
+
+
+async def _mirror_connection(cluster, shard: int, records: list[bytes]) -> bytes:
+    """A raw connection to ``shard``'s mirror channel: ``records`` sent, then whatever it
+    answers until it closes."""
+    from flodl_trio.wire.constants import CHANNEL_MAGIC_MIRROR
+
+    stream = await trio.open_tcp_stream("127.0.0.1", cluster.shards[shard].port)
+    async with stream:
+        await stream.send_all(CHANNEL_MAGIC_MIRROR.to_bytes(4, "little") + b"".join(records))
+        answer = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some():
+                answer += chunk
+    return answer
+
+
+async def test_a_mirror_connection_without_the_salt_is_closed_and_costs_nothing(salt):
+    """A peer that opens a shard's mirror channel and signs with another salt is closed
+    unanswered; no shard is lost and every window is still the star's bytes."""
+    from flodl_trio.wire.mux import Mirror, encode_control_record
+    from flodl_trio.wire.salt import SessionSalt
+
+    async def intrude(cluster, got) -> None:
+        await _until_window(got, 1)
+        forged = encode_control_record(Mirror(1, 3, 0), SessionSalt.coerce(b"not the salt 123"))
+        assert await _mirror_connection(cluster, 2, [forged]) == b""
+
+    sharded, cluster, _ = await _windows(salt, 3, DiLoCoNesterov, 4, meanwhile=intrude)
+    star, _, _ = await _windows(salt, 0, DiLoCoNesterov, 4)
+    assert cluster.controller.stats.shards_lost == 0
+    assert sharded == star
+
+
+async def test_a_shard_that_mirrors_bytes_breaking_the_protocol_costs_only_itself(salt, caplog):
+    """A member (it holds the salt) says it is shard 1 on shard 2's mirror channel and
+    follows ``Mirror`` with a HostFrame record: shard 2 closes it and tells the controller
+    shard 1 is lost. Shard 1's lanes go on at shard 2 from the mirror shard 1 really
+    sent, so every window is still the star's bytes; no other shard is lost."""
+    from flodl_trio.wire.mux import Mirror, MuxKind, encode_control_record, encode_mux_record
+    from flodl_trio.wire.salt import SessionSalt
+
+    async def misbehave(cluster, got) -> None:
+        await _until_window(got, 1)
+        session = SessionSalt.coerce(salt)
+        bad = [encode_control_record(Mirror(1, 3, 0), session),
+               encode_mux_record(MuxKind.HOST_FRAME, b"\x00" * 32, session).tobytes()]
+        assert await _mirror_connection(cluster, 2, bad) == b""
+
+    sharded, cluster, _ = await _windows(salt, 3, DiLoCoNesterov, 4, meanwhile=misbehave)
+    star, _, _ = await _windows(salt, 0, DiLoCoNesterov, 4)
+    assert cluster.controller.stats.shards_lost == 1
+    assert "controller: shard 1 lost (shard 2 says the mirror connection between them failed)" in caplog.text
+    assert "controller: shard 0 lost" not in caplog.text and "controller: shard 2 lost" not in caplog.text
+    assert sharded == star
