@@ -704,7 +704,10 @@ class _Shard:
         buf = ReceiveBuffer()
         try:
             while True:
-                first = await self._mirror_record(conn, buf)
+                # Each lane starts with a small signed record (and the first within the handshake
+                # bound), so a peer without the salt gets nothing more buffered, or held open.
+                with trio.fail_after(self.bounds.handshake) if sender is None else contextlib.nullcontext():
+                    first = await self._mirror_record(conn, buf, SMALL_MESSAGE)
                 if first is None:
                     return
                 if isinstance(first, Handoff | HandedBack):
@@ -716,15 +719,15 @@ class _Shard:
                                         + (" before this shard steps lanes" if self.mirrors is None else ""))
                 sender = first.shard
                 conn.peer = f"shard {sender} (mirror)"
-                state = await self._mirror_record(conn, buf) if first.start == 1 else None
-                mean = await self._mirror_record(conn, buf)
+                state = await self._mirror_record(conn, buf, self.ceiling) if first.start == 1 else None
+                mean = await self._mirror_record(conn, buf, self.ceiling)
                 if (state is not None and not isinstance(state, RoundFrame)) or not isinstance(mean, RoundFrame):
                     raise ProtocolError("sent a mirror connection something other than a lane where one was due")
                 lane = new_lane(first, state, mean)
                 if self.mirrors.arrived(lane):
                     self._step_mirror(sender, lane)
-        except (FlodlError, *CONNECTION_LOST) as exc:
-            log.warning("shard %s: %s: mirror connection ended: %s", self.index, conn.peer, exc)
+        except (FlodlError, trio.TooSlowError, *CONNECTION_LOST) as exc:
+            log.warning("shard %s: %s: mirror connection ended: %s", self.index, conn.peer, exc or "nothing in time")
             if sender is not None and isinstance(exc, FlodlError):
                 self._say(ShardLost(sender))
         finally:
@@ -736,14 +739,16 @@ class _Shard:
             self.handback.finished(msg)
             self._changed.notify()
             return
-        state = await self._mirror_record(conn, buf)
+        state = await self._mirror_record(conn, buf, self.ceiling)
         if not isinstance(state, RoundFrame):
             raise ProtocolError("sent a Handoff with no lane state after it")
         self.handback.keep(msg, state)
 
-    async def _mirror_record(self, conn: MessageStream, buf: ReceiveBuffer) -> object | None:
-        """The next record on a mirror connection: a control message or a lane frame (None: it ended)."""
-        header = await conn.receive_mux_header(self.ceiling)
+    async def _mirror_record(self, conn: MessageStream, buf: ReceiveBuffer, ceiling: int) -> object | None:
+        """The next record on a mirror connection, at most ``ceiling`` bytes: a control message
+        or a lane frame (None: it ended). A record that starts a lane is a small control
+        message, so a peer without the salt never gets more than that buffered."""
+        header = await conn.receive_mux_header(ceiling)
         if header is None:
             return None
         kind, payload = await conn.receive_mux_payload(header, buf, self.salt)

@@ -55,8 +55,10 @@ START_AFRESH = 2  # from nothing: the lane's first params window (its step only 
 # Lanes of decisions the backup has not been told of yet that it keeps (a decision's
 # Decide may come after its first mirrored lanes): at most two decisions' worth.
 _EARLY_LIMIT = 2 * MAX_LANES
-# Records an owner's mirror writer may lag behind before its backup counts as not reading.
-_OUTBOX_DEPTH = 3 * MAX_LANES
+# Records an owner's mirror writer may lag behind before its backup counts as not reading:
+# up to 3 a lane (Mirror, a state, the lane), every lane of a few decisions (a round decided
+# again while the last decision's mirror is still going out).
+_OUTBOX_DEPTH = 12 * MAX_LANES
 
 
 def backup_of(shard: int, count: int, lost: set[int]) -> int | None:

@@ -189,14 +189,19 @@ def _stall_shard_1_mid_window(monkeypatch, window: int) -> tuple[trio.Event, tri
     return stalled, mirrored
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
-async def test_a_shard_lost_mid_round_after_stepping_some_lanes_leaves_every_window_exact(salt, monkeypatch, bf16):
+@pytest.mark.parametrize(("make_outer", "bf16", "fragments"), [
+    (DiLoCoNesterov, False, False), (DiLoCoNesterov, True, False), (DiLoCoNesterov, False, True),
+    (lambda: SlowMo(lr=0.8, momentum=0.6), False, False),
+], ids=["diloco-f32", "diloco-bf16", "diloco-fragments", "slowmo"])
+async def test_a_shard_lost_mid_round_after_stepping_some_lanes_leaves_every_window_exact(
+    salt, monkeypatch, make_outer, bf16, fragments,
+):
     """Shard 1 of 3 steps one lane of window 3's params round - its backup mirrors that
     step - and stalls; it is then closed. The round is decided again: its backup steps
     shard 1's lanes from the state the round started with (not the mirrored step of the
     round decided again), and every window is the bytes of a controller without shards."""
     windows = 5
-    star, _, _ = await _windows(salt, 0, DiLoCoNesterov, windows, bf16=bf16)
+    star, _, _ = await _windows(salt, 0, make_outer, windows, bf16=bf16, fragments=fragments)
     stalled, mirrored = _stall_shard_1_mid_window(monkeypatch, window=3)
 
     async def lose_shard_1(cluster, _got) -> None:
@@ -204,7 +209,8 @@ async def test_a_shard_lost_mid_round_after_stepping_some_lanes_leaves_every_win
         await mirrored.wait()
         cluster.close_shard(1)
 
-    sharded, cluster, _ = await _windows(salt, 3, DiLoCoNesterov, windows, bf16=bf16, meanwhile=lose_shard_1)
+    sharded, cluster, _ = await _windows(salt, 3, make_outer, windows, bf16=bf16, fragments=fragments,
+                                         meanwhile=lose_shard_1)
     assert (cluster.controller.stats.shards_lost, cluster.controller.stats.decisions_again) == (1, 1)
     assert sharded == star
     assert cluster.shards[2].lanes_taken_over > 0
@@ -271,9 +277,10 @@ async def _mirror_connection(cluster, shard: int, records: list[bytes]) -> bytes
     return answer
 
 
-async def test_a_mirror_connection_without_the_salt_is_closed_and_costs_nothing(salt):
-    """A peer that opens a shard's mirror channel and signs with another salt is closed
-    unanswered; no shard is lost and every window is still the star's bytes."""
+async def test_a_mirror_connection_without_the_salt_is_closed_and_costs_nothing(salt, caplog):
+    """A peer that opens a shard's mirror channel and signs with another salt, or claims a
+    500 MiB record, is closed unanswered; no shard is lost and every window is still the
+    star's bytes."""
     from flodl_trio.wire.mux import Mirror, encode_control_record
     from flodl_trio.wire.salt import SessionSalt
 
@@ -281,9 +288,14 @@ async def test_a_mirror_connection_without_the_salt_is_closed_and_costs_nothing(
         await _until_window(got, 1)
         forged = encode_control_record(Mirror(1, 3, 0), SessionSalt.coerce(b"not the salt 123"))
         assert await _mirror_connection(cluster, 2, [forged]) == b""
+        # A header that claims a huge record is refused before anything is buffered.
+        huge = bytearray(forged[:25])  # (the header: magic, version, kind, rank, length, its MAC)
+        huge[13:17] = (500 << 20).to_bytes(4, "little")
+        assert await _mirror_connection(cluster, 2, [bytes(huge)]) == b""
 
     sharded, cluster, _ = await _windows(salt, 3, DiLoCoNesterov, 4, meanwhile=intrude)
     star, _, _ = await _windows(salt, 0, DiLoCoNesterov, 4)
+    assert "payload length 524288000 exceeds the frame ceiling" in caplog.text
     assert cluster.controller.stats.shards_lost == 0
     assert sharded == star
 
