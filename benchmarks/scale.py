@@ -179,7 +179,9 @@ def main() -> int:
                         help="no shards: the controller sums every lane (default: the daemons' --shards auto, "
                              "each relay serving and offering its host's shard)")
     parser.add_argument("--outer", choices=["average", "diloco", "slowmo"],
-                        help="the controller's --outer, each round a window (a Control round, then params): with diloco or slowmo the shards step each and mirror it to their backup; average steps nothing")
+                        help="the controller's --outer, each round a window (a Control round, then params): "
+                        "with diloco or slowmo the shards step each and mirror it to their backup; average "
+                        "steps nothing")
     parser.add_argument("--profile", metavar="DIR",
                         help="run every flodl_trio process under py-spy record (collapsed stacks in DIR, "
                         "summarized at the end)")

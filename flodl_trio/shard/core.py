@@ -79,6 +79,7 @@ from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_
 from ..wire.salt import SessionSalt
 from .mirror import (
     Handback,
+    MirrorLane,
     MirrorBook,
     MirrorLink,
     backup_of,
@@ -640,17 +641,20 @@ class _Shard:
             self._step_mirror(lane.shard, lane)
         self._say_mirrored()
 
-    def _step_mirror(self, sender: int, lane: object) -> None:
+    def _step_mirror(self, sender: int, lane: MirrorLane) -> None:
         """A mirrored lane stepped; a lane that breaks the protocol costs its sender (the
         controller is told it is lost), not this shard."""
         assert self.mirrors is not None and self.index is not None
         try:
-            self.mirrors.step(lane, self.index, self.count, self.lost)  # type: ignore[arg-type]
+            key = self.mirrors.step(lane, self.index, self.count, self.lost)
         except ProtocolError as exc:
             log.warning("shard %s: shard %d mirrored a lane wrongly: %s", self.index, sender, exc)
             self._say(ShardLost(sender))
             return
-        self.handle.lanes_mirrored += 1
+        if key is not None:
+            self.handle.lanes_mirrored += 1
+            if self.outer is not None:  # a lane this shard held once (it handed it back): the mirror is its state now
+                self.outer.forget_key(key)
         self._say_mirrored()
 
     def _backups_changed(self) -> None:
@@ -666,7 +670,8 @@ class _Shard:
         after = self.lost - {shard}
         if backup_of(shard, self.count, after) != self.index or not 0 <= shard < len(self.addresses):
             return
-        states = handback_states(self.index, shard, self.count, self.lost, after, self.mirrors.held(), self.outer.held())
+        states = handback_states(self.index, shard, self.count, self.lost, after,
+                                 self.mirrors.held(), self.outer.held())
         self._nursery.start_soon(self._send_handback, shard, self.addresses[shard], states)
 
     async def _send_handback(

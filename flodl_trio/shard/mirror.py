@@ -18,6 +18,10 @@ Task structure (one mirror connection per owner, to its current backup)::
 
 The controller commits a stepped round only once every live shard said ``Mirrored``
 for its decision, so a backup never misses a committed step.
+
+A shard served again (``ShardBack``) starts with no state: the shard that held its
+lanes meanwhile hands it their state (``Handoff`` + a lane state, then ``HandedBack``)
+on a mirror connection, and it steps none of them before that (``Handback``).
 """
 
 from __future__ import annotations
@@ -99,7 +103,9 @@ class MirrorLink:
         self.broken = True
         self.scope.cancel()
 
-    async def run(self, salt: SessionSalt, bounds: NetBounds, connect: Connector, report: Callable[[str], None]) -> None:
+    async def run(
+        self, salt: SessionSalt, bounds: NetBounds, connect: Connector, report: Callable[[str], None],
+    ) -> None:
         """Dial the backup and write what is queued, until closed; ``report(why)`` once if
         the backup cannot be reached or written to."""
         with self.scope:
@@ -123,7 +129,7 @@ class MirrorLink:
 
 
 @attrs.define
-class _Lane:
+class MirrorLane:
     """One mirrored lane as it came: its decision, where its step starts, and its bytes."""
 
     shard: int
@@ -138,13 +144,13 @@ class MirrorBook:
 
     def __init__(self, outer: ShardLanesOuter) -> None:
         self.outer = outer
-        self._early: list[_Lane] = []  # lanes of decisions not decided here yet
+        self._early: list[MirrorLane] = []  # lanes of decisions not decided here yet
         self._decision: Decide | None = None  # the latest decision this shard was told of
         self._done: set[int] = set()  # its lanes stepped on the mirror
         self._said: int | None = None  # the decision Mirrored was said for
         self._from: dict[LaneKey, int] = {}  # each mirrored lane's owner
 
-    def decided(self, msg: Decide) -> list[_Lane]:
+    def decided(self, msg: Decide) -> list[MirrorLane]:
         """A new decision: the lanes that came early for it, to step now."""
         if self._decision is None or msg.decision != self._decision.decision:
             self._decision, self._done = msg, set()
@@ -152,7 +158,7 @@ class MirrorBook:
         self._early = [lane for lane in self._early if lane.decision > msg.decision]
         return ready
 
-    def arrived(self, lane: _Lane) -> bool:
+    def arrived(self, lane: MirrorLane) -> bool:
         """True if ``lane`` is of the latest decision (step it now); an older one's is
         dropped, a newer one's kept until its decision comes."""
         latest = -1 if self._decision is None else self._decision.decision
@@ -164,10 +170,10 @@ class MirrorBook:
             self._early.append(lane)
         return False
 
-    def step(self, lane: _Lane, me: int, count: int, lost: set[int]) -> None:
+    def step(self, lane: MirrorLane, me: int, count: int, lost: set[int]) -> LaneKey | None:
         """Step the mirror of ``lane`` (of the latest decision), if it is a lane this shard
         backs up under the lost set it knows (another view is a passing one: the round
-        is decided again)."""
+        is decided again): the lane's key, or None if it was not stepped."""
         msg = self._decision
         assert msg is not None and lane.decision == msg.decision
         layout = _layout(msg)
@@ -178,7 +184,7 @@ class MirrorBook:
         if owner != lane.shard or backup_of(owner, count, lost) != me:
             log.info("shard %d: a mirror of lane %d from shard %d, which it does not back up now; ignored",
                      me, tag.index, lane.shard)
-            return
+            return None
         fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
         try:
             layout.check_lane(tag.index, lane.mean)
@@ -190,8 +196,10 @@ class MirrorBook:
         except SchemaError as exc:
             raise ProtocolError(f"mirrored lane {tag.index}: {exc}") from None
         self.outer.step(msg.round, lane.mean, layout, tag.index, fragment)
-        self._from[lane_key(layout, tag.index, fragment)] = lane.shard
+        key = lane_key(layout, tag.index, fragment)
+        self._from[key] = lane.shard
         self._done.add(tag.index)
+        return key
 
     def backups_changed(self, me: int, count: int, lost: set[int]) -> None:
         """The lost set changed: the mirror of a shard this one no longer backs up goes
@@ -320,11 +328,11 @@ def layout_of(schema: tuple[tuple[int, tuple[int, ...]], ...], lanes: int) -> La
     return LaneLayout.for_schema(schema, lanes, lane0_empty=True)
 
 
-def new_lane(msg: Mirror, state: RoundFrame | None, mean: RoundFrame) -> _Lane:
-    return _Lane(msg.shard, msg.decision, msg.start, state, mean)
+def new_lane(msg: Mirror, state: RoundFrame | None, mean: RoundFrame) -> MirrorLane:
+    return MirrorLane(msg.shard, msg.decision, msg.start, state, mean)
 
 
 __all__ = [
-    "Handback", "MirrorBook", "MirrorLink", "backup_of", "handback_records", "handback_states", "layout_of",
-    "mirror_records", "new_lane",
+    "Handback", "MirrorBook", "MirrorLane", "MirrorLink", "backup_of", "handback_records", "handback_states",
+    "layout_of", "mirror_records", "new_lane",
 ]
