@@ -402,7 +402,8 @@ class _Controller:
         shards.start_watching(self._nursery)
         for link in self.links.values():
             if not link.closed and link.takes_extensions:
-                self._after_record += [(link, msg) for msg in [Shards(shards.addresses), *shards.told_at_hello()]]
+                told = [Shards(shards.addresses_for(link.conn)), *shards.told_at_hello()]
+                self._after_record += [(link, msg) for msg in told]
                 link.sharded_next = True
         log.info("controller: reducing with the %d shards the relays offered (%s)", len(shards.addresses),
                  ", ".join(f"{h}:{p}" for h, p in shards.addresses))
@@ -422,8 +423,8 @@ class _Controller:
             index = await shards.serve_again(offer)
             if index is None:
                 continue
-            self._after_record += [(other, ShardBack(index, *offer)) for other in self.links.values()
-                                   if not other.closed and other.takes_extensions]
+            self._after_record += [(other, ShardBack(index, *shards.address_for(index, other.conn)))
+                                   for other in self.links.values() if not other.closed and other.takes_extensions]
             if not shards.lost:
                 return
 
@@ -433,13 +434,9 @@ class _Controller:
         return {} if here is None or shards is None else {i: here.ports[i] for i in sorted(shards.served_here)}
 
     def _shard_addresses_for(self, link: RelayLink) -> list[tuple[str, int]]:
-        """The shards' addresses as ``link``'s relay reaches them (one this controller serves:
-        the address its connection here has)."""
+        """The shards' addresses as ``link``'s relay reaches them (``ShardSet.address_for``)."""
         assert self.shards is not None
-        addresses = list(self.shards.addresses)
-        for index, port in self._served_here().items():
-            addresses[index] = self._here_shards.address_for(link.conn, port)  # type: ignore[union-attr]
-        return addresses
+        return self.shards.addresses_for(link.conn)
 
     def _tell_after_record(self) -> None:
         """What relays are told of the shards (fixed, or one served again) once the round's

@@ -32,7 +32,7 @@ import trio
 from ..errors import ConnectFailed, FlodlError, ProtocolError, SchemaError
 from ..fold.outer import F32Array, lane_state_bytes, read_lane_state
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import Connector, connect_with_retry, local_host
+from ..transport.connect import Connector, connect_with_retry, is_loopback, local_host
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import CHANNEL_MAGIC_SHARD
@@ -292,7 +292,7 @@ class ShardSet:
         heartbeat_ms = max(1, round(self._config.bounds.heartbeat_timeout * 1000))
         setup: list[RelayControlMsg] = [ShardSetup(index, len(self.addresses), heartbeat_ms)]
         if self.outer is not None:
-            setup += [self.outer, Shards(self._addresses_for(conn))]  # (where its backup is)
+            setup += [self.outer, Shards(self.addresses_for(conn))]  # (where its backup is)
         if self.outage_ms > 0:
             setup.append(Outage(self.outage_ms))  # hold for a controller started again (docs/wire.md)
         setup += [ShardLost(lost) for lost in sorted(self.lost) if lost != index]
@@ -302,12 +302,20 @@ class ShardSet:
         await conn.send_chunks([CHANNEL_MAGIC_SHARD.to_bytes(4, "little"), *(c for r in records for c in r.chunks)])
         return conn
 
-    def _addresses_for(self, conn: MessageStream) -> list[tuple[str, int]]:
-        """Every shard's address as the shard on ``conn`` reaches it: one this controller
-        serves is on the address that connection has here."""
+    def addresses_for(self, conn: MessageStream) -> list[tuple[str, int]]:
+        """Every shard's address as the peer on ``conn`` (a relay, a shard) reaches it."""
+        return [self.address_for(index, conn) for index in range(len(self.addresses))]
+
+    def address_for(self, index: int, conn: MessageStream) -> tuple[str, int]:
+        """Shard ``index``'s address as the peer on ``conn`` reaches it. A shard on this
+        controller's host - one it serves itself, or one a relay beside it offered at a
+        loopback address (that relay reaches the controller over loopback) - is at the
+        address that connection has here; any other, where it was offered or named."""
+        host, port = self.addresses[index]
         here = local_host(conn.stream)
-        return [(here, port) if index in self.served_here and here else (host, port)
-                for index, (host, port) in enumerate(self.addresses)]
+        if here and (index in self.served_here or is_loopback(host)):
+            return here, port
+        return host, port
 
     async def serve_again(self, address: tuple[str, int]) -> int | None:
         """A relay offers a shard at ``address`` while some are lost (a host brought back):
@@ -325,7 +333,8 @@ class ShardSet:
         except (ConnectFailed, *CONNECTION_LOST) as exc:
             log.warning("controller: the offered shard at %s:%d could not serve shard %d: %s", *address, index, exc)
             return None
-        await self._tell_shards(ShardBack(index, *address))  # (the new one knows)
+        for other, other_conn in list(self.conns.items()):  # (the new one knows)
+            await self._tell_shard(other, ShardBack(index, *self._address_as(address, other_conn)))
         del self.lost[index]
         self._install(index, address, conn)
         self._stats.shards_served_again += 1
@@ -533,13 +542,24 @@ class ShardSet:
         await conn.aclose()
 
     async def _tell_shards(self, msg: RelayControlMsg) -> None:
-        record = self._record(msg)
-        for index, conn in list(self.conns.items()):
-            try:
-                async with self._locks[index]:
-                    await conn.send_chunks(record.chunks)
-            except (*CONNECTION_LOST, trio.ClosedResourceError):
-                pass  # its watcher sees the end and loses it
+        for index in list(self.conns):
+            await self._tell_shard(index, msg)
+
+    async def _tell_shard(self, index: int, msg: RelayControlMsg) -> None:
+        conn = self.conns.get(index)
+        if conn is None:
+            return
+        try:
+            async with self._locks[index]:
+                await conn.send_chunks(self._record(msg).chunks)
+        except (*CONNECTION_LOST, trio.ClosedResourceError):
+            pass  # its watcher sees the end and loses it
+
+    @staticmethod
+    def _address_as(address: tuple[str, int], conn: MessageStream) -> tuple[str, int]:
+        """An offered ``address`` as the peer on ``conn`` reaches it (see ``address_for``)."""
+        here = local_host(conn.stream)
+        return (here, address[1]) if here and is_loopback(address[0]) else address
 
     # -- a round's decision and commit -------------------------------------------
 

@@ -264,6 +264,9 @@ class ProcessCluster:
     # run under (``["ip", "netns", "exec", NAME]``: on another simulated machine).
     controller_host: str = LOOPBACK
     controller_wrap: tuple[str, ...] = ()
+    # The host whose relay and ranks run beside the controller (under its wrap), the
+    # relay reaching it over loopback, as on a training host that also runs it.
+    beside_controller: int | None = None
     data_ports: list[int] = attrs.field(factory=list)
     control_ports: list[int | None] = attrs.field(factory=list)
     # Earlier lives of restarted ranks, oldest first; how each rank was started (to start it again).
@@ -611,7 +614,8 @@ async def _start_daemons(
     """Shard daemons, the controller daemon, then every relay daemon; ports are read from
     their start lines."""
     # INFO at least: the harness reads the bound ports from the start lines.
-    host = cluster.controller_host
+    # A relay beside the controller reaches it over loopback: it listens on every address then.
+    host = cluster.controller_host if cluster.beside_controller is None else "0.0.0.0"
     args = ["--host", host, "--port", "0", "--world-size", str(cluster.world_size), "--log-level", "INFO"]
     if shards:
         args += ["--shards", ",".join(await _start_shards(nursery, cluster, started, shards, base_env))]
@@ -640,6 +644,8 @@ async def _start_daemons(
             if control:
                 plan.append(("control", direct))
         else:
+            if index == cluster.beside_controller:
+                direct = (LOOPBACK, cluster.controller_port)
             plan = [("data,control" if control else "data", direct)]
         plans.append(plan)
     for index, (ranks, plan) in enumerate(zip(cluster.hosts, plans)):
@@ -655,8 +661,9 @@ async def _start_daemons(
             env = {**base_env, **relay_env.get(index, {})}
             argv = [*args, *relay_args.get(index, ())]
             cluster._relay_launches.setdefault(index, []).append((name, argv, env))
+            wrap = cluster.controller_wrap if index == cluster.beside_controller else ()
             host_relays.append(await _start_daemon(nursery, name, "flodl_trio.relay", argv, env, started,
-                                                   cluster.log_path(name)))
+                                                   cluster.log_path(name), wrap))
         cluster.relays.append(host_relays)
     cluster.data_ports = [0] * len(cluster.hosts)
     cluster.control_ports = [None] * len(cluster.hosts)
@@ -695,6 +702,7 @@ async def open_process_cluster(
     log_dir: str | os.PathLike[str] | None = None,
     controller_host: str = LOOPBACK,
     controller_wrap: Sequence[str] = (),
+    beside_controller: int | None = None,
     shards: int = 0,
     **cluster_options: Any,
 ) -> AsyncIterator[ProcessCluster]:
@@ -711,7 +719,9 @@ async def open_process_cluster(
     - ``log_dir``: an existing folder; every process's stderr also goes to a file there.
     - ``controller_host`` / ``controller_wrap`` (daemons only): the controller daemon
       listens on that address and runs under that command prefix (``ip netns exec
-      NAME``: on a simulated machine of its own).
+      NAME``: on a simulated machine of its own); ``beside_controller``: the host index
+      whose relay and ranks run under that prefix too, the relay reaching the controller
+      over loopback (a training host that also runs the controller).
     - ``shards`` (daemons only): start that many ``python -m flodl_trio.shard`` daemons
       first and name them in the controller's ``--shards``;
       :meth:`ProcessCluster.kill_shard` / ``freeze_shard`` / ``thaw_shard`` reach them.
@@ -729,7 +739,8 @@ async def open_process_cluster(
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(service_nursery())
         cluster = ProcessCluster(world_size, host_lists, session, {}, log_dir=None if log_dir is None else Path(log_dir),
-                                 controller_host=controller_host, controller_wrap=tuple(controller_wrap))
+                                 controller_host=controller_host, controller_wrap=tuple(controller_wrap),
+                                 beside_controller=beside_controller)
         cluster._base_env, cluster._nursery, cluster._started = base_env, nursery, started
         try:
             if daemons:
@@ -770,6 +781,8 @@ async def open_process_cluster(
                     data=cluster.proxies[rank].address if rank in cluster.proxies else None,
                     control=cluster.control_proxies[rank].address if rank in cluster.control_proxies else None,
                 )
+                if beside_controller is not None and cluster.host_of(rank) == beside_controller:
+                    cmd = [*controller_wrap, *cmd]
                 await cluster.launch_rank(rank, cmd, {**base_env, **(worker_env or {}).get(rank, {})})
             yield cluster
         finally:

@@ -92,6 +92,16 @@ def peer_host(stream: trio.abc.Stream) -> str:
     return "in-memory"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def local_host(stream: trio.abc.Stream) -> str | None:
     """The address this end of a TCP connection has (None: not a socket): what a peer
     on the other side's network reaches this machine at."""

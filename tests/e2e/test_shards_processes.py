@@ -8,6 +8,8 @@ for everyone with the exact mean, and no rank waits past the bounds.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import trio
 
@@ -434,3 +436,31 @@ async def test_diloco_through_a_relays_shard_sigkilled_and_served_again_ends_bit
     for rank in range(3):
         want, got = windows_of(reference, rank), windows_of(lost, rank)
         assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank
+
+
+@pytest.mark.deadline(120)
+async def test_a_relay_beside_the_controller_over_loopback_offers_a_shard_every_host_reaches(salt, two_machines):
+    """Host 0 runs the controller too, and its relay reaches it over loopback, so the shard
+    it serves is offered at a loopback address; hosts 1 and 2 are other machines. The
+    controller names that shard to each relay and shard at the address their own
+    connection has (its host): no shard is lost, DiLoCo's windows go through all 3 shards
+    (each mirrored), and every rank ends on the same bytes."""
+    from flodl_trio.testing.matrix import diagnose
+    from flodl_trio.testing.windows import windows_of
+
+    windows = 6
+    with trio.fail_after(110):
+        async with _three_hosts(
+            salt, pause=0.05, worker_args={r: ["--windows", str(windows)] for r in range(3)},
+            controller_args=["--outer", "diloco"], controller_host=two_machines.address,
+            controller_wrap=two_machines.wrap(0), beside_controller=0,
+        ) as cluster:
+            with diagnose(cluster):
+                match = await cluster.controller.wait_log(re.compile(r"reducing with the 3 shards the relays offered "
+                                                                     r"\((\S+):\d+,"))
+                assert match.group(1) == "127.0.0.1"  # host 0's offer: its relay reaches the controller over loopback
+                outcomes = [await cluster.wait_outcome(rank) for rank in range(3)]
+                assert all(o["event"] == "done" for o in outcomes), cluster.logs()
+            assert " lost (" not in cluster.controller.text, cluster.logs()
+    digests = {windows_of(cluster, rank)[windows - 1]["digest"] for rank in range(3)}
+    assert len(digests) == 1, digests
