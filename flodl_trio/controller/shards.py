@@ -311,11 +311,10 @@ class ShardSet:
         controller's host - one it serves itself, or one a relay beside it offered at a
         loopback address (that relay reaches the controller over loopback) - is at the
         address that connection has here; any other, where it was offered or named."""
-        host, port = self.addresses[index]
         here = local_host(conn.stream)
-        if here and (index in self.served_here or is_loopback(host)):
-            return here, port
-        return host, port
+        if here and index in self.served_here:
+            return here, self.addresses[index][1]
+        return self._address_as(self.addresses[index], conn)
 
     async def serve_again(self, address: tuple[str, int]) -> int | None:
         """A relay offers a shard at ``address`` while some are lost (a host brought back):

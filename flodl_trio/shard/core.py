@@ -42,7 +42,7 @@ from ..errors import ConfigError, FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
 from ..fold.outer import SHARD_OUTER_KINDS, F32Array, LaneKey, ShardLanesOuter, lane_key, lane_state_frame
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import Connector, Listeners, connect_with_retry, listener_port, peer_host, tune_socket
+from ..transport.connect import Connector, Listeners, listener_port, peer_host, tune_socket
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.hello import receive_hello
 from ..transport.settings import NetBounds
@@ -83,9 +83,10 @@ from .mirror import (
     MirrorBook,
     MirrorLink,
     backup_of,
+    decision_layout,
+    dial_mirror,
     handback_records,
     handback_states,
-    layout_of,
     mirror_records,
     new_lane,
 )
@@ -139,11 +140,6 @@ def _outer_of(msg: ShardOuter) -> ShardLanesOuter:
         return ShardLanesOuter(SHARD_OUTER_KINDS[msg.kind](lr=msg.lr, momentum=msg.momentum))
     except ConfigError as exc:
         raise ProtocolError(f"ShardOuter: {exc}") from None
-
-
-def _layout(msg: Decide) -> LaneLayout:
-    """The round's lanes, from the schema its decision carries."""
-    return layout_of(msg.schema, msg.lanes)
 
 
 class ShardHandle:
@@ -479,7 +475,7 @@ class _Shard:
         targets. A piece that is not what the round's schema says is refused, naming its
         relay to the controller (which drops that relay and decides again): it costs that
         relay, not this shard."""
-        layout = _layout(msg)
+        layout = decision_layout(msg)
         acc = FoldAccumulator()
         for rank in msg.hosts:
             relay = self.relays[rank]
@@ -618,8 +614,7 @@ class _Shard:
             self._link = None
             return None
         self._link = link = MirrorLink(backup, address, self.index)
-        self._nursery.start_soon(link.run, self.salt, self.bounds, self._connect,
-                                 functools.partial(self._backup_failed, link))
+        self._nursery.start_soon(link.run, self.bounds, self._connect, functools.partial(self._backup_failed, link))
         return link
 
     def _backup_failed(self, link: MirrorLink, why: str) -> None:
@@ -680,12 +675,10 @@ class _Shard:
         assert self.index is not None
         records = await handback_records(self.salt, self.index, states)
         try:
-            stream = await connect_with_retry(*address, f"shard {self.index}: shard {shard} served again",
-                                              self.bounds, self._connect)
-            conn = MessageStream(stream, f"shard {shard} (served again)", self.bounds)
+            conn = await dial_mirror(address, f"shard {self.index}: shard {shard} served again",
+                                     f"shard {shard} (served again)", self.bounds, self._connect)
             try:
-                await conn.send_chunks([CHANNEL_MAGIC_MIRROR.to_bytes(4, "little"),
-                                        *(chunk for record in records for chunk in record.chunks)])
+                await conn.send_chunks([chunk for record in records for chunk in record.chunks])
             finally:
                 await conn.aclose()
         except (OSError, FlodlError, *CONNECTION_LOST) as exc:

@@ -103,19 +103,14 @@ class MirrorLink:
         self.broken = True
         self.scope.cancel()
 
-    async def run(
-        self, salt: SessionSalt, bounds: NetBounds, connect: Connector, report: Callable[[str], None],
-    ) -> None:
+    async def run(self, bounds: NetBounds, connect: Connector, report: Callable[[str], None]) -> None:
         """Dial the backup and write what is queued, until closed; ``report(why)`` once if
         the backup cannot be reached or written to."""
         with self.scope:
             try:
-                host, port = self.address
-                stream = await connect_with_retry(host, port, f"shard {self.owner}: its backup, shard {self.backup}",
-                                                  bounds, connect)
-                conn = MessageStream(stream, f"shard {self.backup} (backup)", bounds)
+                conn = await dial_mirror(self.address, f"shard {self.owner}: its backup, shard {self.backup}",
+                                         f"shard {self.backup} (backup)", bounds, connect)
                 try:
-                    await conn.send_chunks([CHANNEL_MAGIC_MIRROR.to_bytes(4, "little")])
                     async for record in self._receive:
                         await conn.send_chunks(record.chunks)
                 finally:
@@ -126,6 +121,20 @@ class MirrorLink:
             except ProtocolError as exc:  # (ConnectFailed is one)
                 self.broken = True
                 report(str(exc))
+
+
+async def dial_mirror(
+    address: tuple[str, int], what: str, peer: str, bounds: NetBounds, connect: Connector,
+) -> MessageStream:
+    """A mirror connection to the shard at ``address``, its channel magic sent."""
+    stream = await connect_with_retry(*address, what, bounds, connect)
+    conn = MessageStream(stream, peer, bounds)
+    try:
+        await conn.send_chunks([CHANNEL_MAGIC_MIRROR.to_bytes(4, "little")])
+    except BaseException:
+        await conn.aclose()
+        raise
+    return conn
 
 
 @attrs.define
@@ -176,7 +185,7 @@ class MirrorBook:
         is decided again): the lane's key, or None if it was not stepped."""
         msg = self._decision
         assert msg is not None and lane.decision == msg.decision
-        layout = _layout(msg)
+        layout = decision_layout(msg)
         tag = read_lane_tag(lane.mean)
         if tag is None or not 1 <= tag.index < layout.count or tag.count != layout.count:
             raise ProtocolError(f"mirrored lane tag {tag} in a round of {layout.count} lanes")
@@ -318,13 +327,13 @@ class Handback:
         return None if frame is None else read_lane_state(frame, layout, lane)
 
 
-def _layout(msg: Decide) -> LaneLayout:
+def decision_layout(msg: Decide) -> LaneLayout:
     """The round's lanes, from the schema its decision carries."""
-    return layout_of(msg.schema, msg.lanes)
+    return _layout_of(msg.schema, msg.lanes)
 
 
 @functools.lru_cache(maxsize=8)
-def layout_of(schema: tuple[tuple[int, tuple[int, ...]], ...], lanes: int) -> LaneLayout:
+def _layout_of(schema: tuple[tuple[int, tuple[int, ...]], ...], lanes: int) -> LaneLayout:
     return LaneLayout.for_schema(schema, lanes, lane0_empty=True)
 
 
@@ -333,6 +342,6 @@ def new_lane(msg: Mirror, state: RoundFrame | None, mean: RoundFrame) -> MirrorL
 
 
 __all__ = [
-    "Handback", "MirrorBook", "MirrorLane", "MirrorLink", "backup_of", "handback_records", "handback_states",
-    "layout_of", "mirror_records", "new_lane",
+    "Handback", "MirrorBook", "MirrorLane", "MirrorLink", "backup_of", "decision_layout", "dial_mirror",
+    "handback_records", "handback_states", "mirror_records", "new_lane",
 ]

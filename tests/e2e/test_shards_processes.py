@@ -15,6 +15,7 @@ import trio
 
 from flodl_trio.testing.processes import open_process_cluster
 from flodl_trio.testing.rank_worker import contribution
+from flodl_trio.testing.windows import windows_of
 
 NUMEL = 300_000  # 1.2 MB frames: 4 lanes of at least 256 KiB, so rounds go through the shards
 
@@ -39,6 +40,19 @@ async def _sigkill_host_2(cluster) -> None:
     cluster.kill(2)
     cluster.kill_relay(2)
     await cluster.wait_exit(2)
+
+
+async def _every_rank_done(cluster) -> None:
+    for rank in range(3):
+        outcome = await cluster.wait_outcome(rank)
+        assert outcome["event"] == "done", outcome
+
+
+def _assert_same_windows(reference, got, windows: int) -> None:
+    """Every rank's params after every window, as a digest, are the reference run's."""
+    for rank in range(3):
+        want, have = windows_of(reference, rank), windows_of(got, rank)
+        assert [have[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank
 
 
 async def _expect_exact_rounds(cluster, ranks, rounds: int) -> None:
@@ -308,7 +322,6 @@ async def test_diloco_through_the_relays_shards_resumed_after_a_controller_sigki
     takes them on from its record, and the run ends bit-identical, window by window, to
     the same run uninterrupted. No rank, relay or shard restarted."""
     from flodl_trio.testing.matrix import diagnose
-    from flodl_trio.testing.windows import windows_of
     from tests.e2e.test_controller_restart_processes import kill_and_restart, until_host0_delivered
 
     windows, hold = 8, 4
@@ -328,9 +341,7 @@ async def test_diloco_through_the_relays_shards_resumed_after_a_controller_sigki
                     shards = (await cluster.status())["shards"]  # the new controller's
                     assert len(shards["addresses"]) == 3 and shards["lost"] == {} and shards["served_here"] == []
                 await cluster.resume(2)
-                for rank in range(3):
-                    outcome = await cluster.wait_outcome(rank)
-                    assert outcome["event"] == "done", outcome
+                await _every_rank_done(cluster)
             return cluster
 
     with trio.fail_after(140):
@@ -340,9 +351,7 @@ async def test_diloco_through_the_relays_shards_resumed_after_a_controller_sigki
     assert " lost (" not in resumed.controller.text and "dropped" not in resumed.controller.text, resumed.logs()
     assert sum("a controller took it on again" in relay.text for h in range(3)
                for relay in resumed.relay_processes(h)) == 3, resumed.logs()
-    for rank in range(3):
-        want, got = windows_of(reference, rank), windows_of(resumed, rank)
-        assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank
+    _assert_same_windows(reference, resumed, windows)
 
 
 @pytest.mark.deadline(150)
@@ -353,7 +362,6 @@ async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identica
     backup, steps shard 1's lanes on from the outer state it mirrored, and the run ends
     bit-identical, window by window, to the same run with no shard lost."""
     from flodl_trio.testing.matrix import diagnose
-    from flodl_trio.testing.windows import windows_of
     from tests.e2e.test_controller_restart_processes import until_host0_delivered
 
     windows, hold = 8, 4
@@ -372,9 +380,7 @@ async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identica
                     (cluster.kill_shard if fault == "sigkill" else cluster.freeze_shard)(1)
                     await cluster.controller.wait_log("controller: shard 1 lost (")
                 await cluster.resume(2)
-                for rank in range(3):
-                    outcome = await cluster.wait_outcome(rank)
-                    assert outcome["event"] == "done", outcome
+                await _every_rank_done(cluster)
             return cluster
 
     with trio.fail_after(140):
@@ -382,9 +388,7 @@ async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identica
         lost = await run(True)
     assert "shard 1 lost" not in reference.controller.text, reference.logs()
     assert "goes on from its mirrored outer state" in lost.shards[2].text, lost.logs()
-    for rank in range(3):
-        want, got = windows_of(reference, rank), windows_of(lost, rank)
-        assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank
+    _assert_same_windows(reference, lost, windows)
 
 
 @pytest.mark.deadline(150)
@@ -398,7 +402,6 @@ async def test_diloco_through_a_relays_shard_sigkilled_and_served_again_ends_bit
     import signal
 
     from flodl_trio.testing.matrix import diagnose
-    from flodl_trio.testing.windows import windows_of
 
     windows, hold = 10, 6
     args = {r: ["--windows", str(windows), "--pause-before", f"{hold}:inf"] for r in range(3)}
@@ -420,9 +423,7 @@ async def test_diloco_through_a_relays_shard_sigkilled_and_served_again_ends_bit
                 for rank in range(3):
                     await cluster.wait_event(rank, "paused", round=hold)
                     await cluster.resume(rank)
-                for rank in range(3):
-                    outcome = await cluster.wait_outcome(rank)
-                    assert outcome["event"] == "done", outcome
+                await _every_rank_done(cluster)
                 if lose:
                     await cluster.controller.wait_log("controller: shard 1 is served again, at ")
             return cluster
@@ -433,9 +434,7 @@ async def test_diloco_through_a_relays_shard_sigkilled_and_served_again_ends_bit
     texts = "".join(relay.text for h in range(3) for relay in lost.relay_processes(h))
     assert "goes on from its mirrored outer state" in texts, lost.logs()
     assert "handed back the state of" in texts, lost.logs()
-    for rank in range(3):
-        want, got = windows_of(reference, rank), windows_of(lost, rank)
-        assert [got[w]["digest"] for w in range(windows)] == [want[w]["digest"] for w in range(windows)], rank
+    _assert_same_windows(reference, lost, windows)
 
 
 @pytest.mark.deadline(120)
@@ -446,7 +445,6 @@ async def test_a_relay_beside_the_controller_over_loopback_offers_a_shard_every_
     connection has (its host): no shard is lost, DiLoCo's windows go through all 3 shards
     (each mirrored), and every rank ends on the same bytes."""
     from flodl_trio.testing.matrix import diagnose
-    from flodl_trio.testing.windows import windows_of
 
     windows = 6
     with trio.fail_after(110):
