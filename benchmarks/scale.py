@@ -5,6 +5,7 @@ Run from the repository root, as root (it builds network namespaces)::
     python benchmarks/scale.py                            # H = 2, 4, 8; 200 Mbit/s links; ~3 minutes
     python benchmarks/scale.py --hosts 2,4 --rate 1gbit --ranks-per-host 2
     python benchmarks/scale.py --lanes 1                  # every daemon without lanes
+    python benchmarks/scale.py --codec int8:1024 --star   # coded deltas, the star (or through the shards)
 
 Each host is a network namespace with one veth to a bridge in this namespace;
 every host's link is shaped both ways with ``tc tbf`` (its egress in the
@@ -147,14 +148,15 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def measure(
-    bench: Bench, switch: NetnsSwitch, ranks_per_host: int, mib: float, warmup: int, rounds: int,
+    bench: Bench, switch: NetnsSwitch, ranks_per_host: int, mib: float, warmup: int, rounds: int, dtype: str = "f32",
 ) -> tuple[RunResult, RunResult]:
-    """Both systems on the switch's hosts; each result's ``link_bytes`` holds what host 0
-    and the busiest other host received per round (warm-up rounds included)."""
+    """Both systems on the switch's hosts (flodl_trio's rounds in ``dtype``: f32 or a
+    delta codec; gloo's f32); each result's ``link_bytes`` holds what host 0 and the
+    busiest other host received per round (warm-up rounds included)."""
     numel = int(mib * MiB) // 4
     hosts = switch.hosts(ranks_per_host)
     results = []
-    for run in (lambda: bench.run_flodl(hosts, numel, "f32", warmup, rounds, f"scale-{len(hosts)}"),
+    for run in (lambda: bench.run_flodl(hosts, numel, dtype, warmup, rounds, f"scale-{len(hosts)}"),
                 lambda: bench.run_gloo(hosts, numel, "f32", warmup, rounds)):
         before = switch.received()
         result = run()
@@ -182,6 +184,9 @@ def main() -> int:
                         help="the controller's --outer, each round a window (a Control round, then params): "
                         "with diloco or slowmo the shards step each and mirror it to their backup; average "
                         "steps nothing")
+    parser.add_argument("--codec", metavar="CODE:BLOCK",
+                        help="flodl_trio's rounds as coded deltas (int8:1024, fp4:256, ...; gloo stays f32): "
+                        "through the shards, or with --star to the controller")
     parser.add_argument("--profile", metavar="DIR",
                         help="run every flodl_trio process under py-spy record (collapsed stacks in DIR, "
                         "summarized at the end)")
@@ -200,12 +205,14 @@ def main() -> int:
         for count in (int(h) for h in args.hosts.split(",")):
             mib = args.mib if args.mib is not None else (8.0 if count <= 4 else 4.0)
             with NetnsSwitch(count, args.rate) as switch:
-                flodl, gloo = measure(bench, switch, args.ranks_per_host, mib, args.warmup, args.rounds)
+                flodl, gloo = measure(bench, switch, args.ranks_per_host, mib, args.warmup, args.rounds,
+                                      args.codec or "f32")
             rows.append((count, mib, flodl, gloo))
             print(f"  {count} hosts: flodl_trio {flodl.median_ms:.0f} ms, gloo {gloo.median_ms:.0f} ms", flush=True)
     print(f"\n{args.ranks_per_host} rank(s) per host, every host link {args.rate} each way (tbf), "
           f"controller on host 0, --lanes {args.lanes}{f', --outer {args.outer}' if args.outer else ''}, "
-          f"f32 both sides, median of {args.rounds} rounds:\n")
+          f"{f'flodl_trio {args.codec} deltas, gloo f32' if args.codec else 'f32 both sides'}, "
+          f"median of {args.rounds} rounds (the floors are f32's):\n")
     print("| hosts | model | flodl_trio | gloo | ratio | star floor | ring floor | CPU floor (flodl_trio) "
           "| received per round, host 0 / busiest other: flodl_trio | gloo | peak RSS, largest relay / shard / controller |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -34,7 +34,6 @@ import attrs
 import trio
 
 from ..errors import ConfigError, DesyncError, FlodlError, HandshakeError, MacError, ProtocolError
-from ..fold.delta import is_delta_schema
 from ..fold.outer import shard_outer_config
 from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
@@ -66,7 +65,7 @@ from ..wire.constants import (
     MAC_LEN,
     MUX_HEADER_LEN,
 )
-from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, read_lane_tag, sharded_lane_count
+from ..wire.lanes import DEFAULT_LANE_MIN_BYTES, LaneLayout, goes_through_shards, read_lane_tag, sharded_lane_count
 from ..wire.mux import (
     COPY_LANES,
     COPY_NONE,
@@ -380,7 +379,7 @@ class _Controller:
         carry it all), and the controller keeps a window whole only while a rank rejoins."""
         self.shards = shards
         self.resumption.shards = shards
-        self.windows.lane0_empty = True
+        self.windows.shards = len(shards.addresses)
         self.returns.kept_state_may_be_old = True
 
     async def _fix_offered_shards(self) -> None:
@@ -414,19 +413,28 @@ class _Controller:
         and every relay is told before the commit, for its next round (docs/wire.md, "A
         lost shard served again"). Each address is tried once (``ShardSet.serve_again``)."""
         shards = self.shards
-        if shards is None or not shards.lost or not self.offered_shards:
+        if shards is None or not shards.lost:
             return
         for link in sorted(self.links.values(), key=lambda link: min(link.ranks)):
             offer = link.shard_offer
-            if offer is None or not self._relay_live(link.id):
+            if offer is None or not self.offered_shards or not self._relay_live(link.id):
                 continue
             index = await shards.serve_again(offer)
             if index is None:
                 continue
-            self._after_record += [(other, ShardBack(index, *shards.address_for(index, other.conn)))
-                                   for other in self.links.values() if not other.closed and other.takes_extensions]
+            self._tell_served_again(index)
             if not shards.lost:
                 return
+        index = await shards.serve_standby_here()  # (one left live: docs/wire.md, "When every shard is lost")
+        if index is not None:
+            self._tell_served_again(index)
+
+    def _tell_served_again(self, index: int) -> None:
+        """Every relay is told, once the round's record names it, that shard ``index`` is
+        served again: for its next round."""
+        assert self.shards is not None
+        self._after_record += [(other, ShardBack(index, *self.shards.address_for(index, other.conn)))
+                               for other in self.links.values() if not other.closed and other.takes_extensions]
 
     def _served_here(self) -> dict[int, int]:
         """The shards this controller serves itself, and their ports."""
@@ -447,14 +455,13 @@ class _Controller:
                 link.queue_control(msg, self.config.salt)
 
     def _sharded(self, consensus: Consensus) -> bool:
-        """Whether this lane-0 consensus is of a round the shards reduce (several lanes,
-        not a delta round's: those the controller reduces whole, as without shards)."""
+        """Whether this lane-0 consensus is of a round the shards reduce (several lanes, and
+        not a delta round the star carries better: ``goes_through_shards``)."""
         if self.shards is None or not isinstance(consensus.outgoing, RoundFrame):
             return False
         tag = read_lane_tag(consensus.outgoing)
-        if tag is None or tag.count < 2:
-            return False
-        return not is_delta_schema(LaneLayout.declared_by(consensus.outgoing).schema)
+        return tag is not None and tag.count >= 2 and goes_through_shards(
+            LaneLayout.declared_by(consensus.outgoing).schema, len(self.shards.addresses))
 
     async def _decide(self, consensus: Consensus, targets: list[int]) -> Committed:
         """A round in lanes whose lane 0 finished: every shard sums the same hosts' pieces;
@@ -466,16 +473,24 @@ class _Controller:
         tag = read_lane_tag(lane0)
         assert tag is not None
         step = self.shards.outer is not None and self.windows.steps_round(lane0)
-        if self.windows.checkpoint_wants(lane0):
+        produce = self._delta_lanes if self.windows.sharded_delta else None
+        if produce is not None:
+            copy = COPY_NONE  # the means come here: the controller holds the round whole
+        elif self.windows.checkpoint_wants(lane0):
             copy = COPY_WITH_STATE if step else COPY_LANES
         else:
             copy = COPY_LANES if self.returns.needs_whole_rounds() else COPY_NONE
         return await self.shards.decide(
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in consensus.delivered_by],
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
-            LaneLayout.of_lane0(lane0, lane0_empty=True).schema,
-            copy=copy, step=step, fragment=self.windows.round_fragment if step else None,
+            LaneLayout.declared_by(lane0, lane0_empty=True).schema,
+            copy=copy, step=step, fragment=self.windows.round_fragment if step else None, produce=produce,
         )
+
+    async def _delta_lanes(self, means: list[RoundFrame]) -> list[RoundFrame]:
+        """A delta round through the shards: its consensus lanes from their means (the
+        lineage's step is the controller's own, as for a delta round reduced here)."""
+        return self.windows.delta_lanes(means)
 
     def _drop_relay_named(self, lowest_rank: int, why: str) -> None:
         """A shard refused a relay's piece: that relay is dropped (its ranks die), and the
@@ -858,7 +873,8 @@ class _Controller:
         if tag.index == 0:
             if link.sharded_next:  # its first round since the shards were fixed
                 link.sharded, link.sharded_next = True, False
-            link.round_sharded = link.sharded and not is_delta_schema(LaneLayout.declared_by(frame).schema)
+            link.round_sharded = link.sharded and self.shards is not None and goes_through_shards(
+                LaneLayout.declared_by(frame).schema, len(self.shards.addresses))
             self._lane_layout[link.id] = LaneLayout.of_lane0(frame, link.round_sharded)
         else:
             self._lane_layout[link.id].check_lane(tag.index, frame)

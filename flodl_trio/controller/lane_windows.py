@@ -34,7 +34,7 @@ from ..errors import FlodlError, ProtocolError
 from ..fold.delta import DeltaLineage, DeltaLineages, flat_f32, is_delta_schema
 from ..wire.constants import DTYPE_F32
 from ..wire.fragment import FragmentTag, fragment_of
-from ..wire.lanes import LaneAssembler, LaneLayout
+from ..wire.lanes import LaneAssembler, LaneLayout, goes_through_shards
 from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
 from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, decode_round_frame
 from ..wire.salt import SessionSalt
@@ -98,13 +98,14 @@ class LaneWindows:
         self.keep_window_state = False  # whether params and buffers rounds are kept for joiners
         self.join_whole = False  # whether the round about to open is joined whole (relays sent it so)
         self._joins_whole = False  # the round in progress's
-        self.lane0_empty = False  # with shards: lane 0 of several carries no payload
+        self.shards = 0  # how many reduction shards (lane 0 of a round through them carries no payload)
         self.rounds = 0  # whole rounds finished (each counts once, whatever its lanes)
         self._layout: LaneLayout | None = None
         self._part: WindowPart | None = None
         self._assembler: LaneAssembler | None = None
         self._next_lane = 0
         self._sharded = False  # the round in progress is the shards' (they step its lanes 1..)
+        self._digest: bytes | None = None  # a delta round through the shards: its new base's digest
 
     @property
     def windows(self) -> int:
@@ -130,12 +131,14 @@ class LaneWindows:
             log.warning("controller: lane %d's consensus finished outside the round in progress; sent as it is", lane)
             return LaneOut(attrs.evolve(consensus, part=None), opens_round=False, ends_round=False)
         part = self._part
-        if self._delta is not None:
+        if self._delta is not None and self._sharded:
+            pass  # lane 0 of a delta round through the shards: it carries the new digest (end_sharded)
+        elif self._delta is not None:
             frame = self._delta_lane(frame, layout, lane, part)
         elif self._steps(part, frame) and not self._sharded:
             assert part is not None
             frame = self._outer_step(frame, layout, lane, part)
-        if self._assembler is not None:
+        if self._assembler is not None and not (self._delta is not None and self._sharded):
             self._assembler.add(frame)
         out = attrs.evolve(consensus, outgoing=frame, part=None)
         self._next_lane = lane + 1
@@ -163,9 +166,8 @@ class LaneWindows:
         # Every relay's lane 0 was checked against the schema it carries, and the
         # fold made them agree: the consensus carries the same schema (a delta
         # round's pieces come out as f32 means: only the schema is checked then).
-        layout = LaneLayout.declared_by(lane0)
-        if self.lane0_empty and not is_delta_schema(layout.schema):  # a delta round does not go through shards
-            layout = LaneLayout.declared_by(lane0, lane0_empty=True)
+        through = self.shards > 0 and goes_through_shards(LaneLayout.declared_by(lane0).schema, self.shards)
+        layout = LaneLayout.declared_by(lane0, lane0_empty=through)
         self._layout = layout
         delta = is_delta_schema(layout.schema) and lane0.kind == RoundKind.MODEL
         if not delta:
@@ -185,8 +187,9 @@ class LaneWindows:
             joined = self._joins_whole or self.checkpoint is not None or (
                 self.keep_window_state and part is not None and part.kept
             )
-        self._sharded = self.lane0_empty and layout.count > 1 and not delta
-        if self._sharded:
+        self._sharded = through and layout.count > 1
+        self._digest = None
+        if self._sharded and not delta:
             joined = False  # with shards: joined at the commit, if a copy came (end_sharded)
         self._assembler = LaneAssembler(layout) if joined else None
         if self._assembler is not None:
@@ -212,7 +215,9 @@ class LaneWindows:
             return lane0  # abandoned meanwhile (every rank died)
         assert isinstance(lane0.consensus.outgoing, RoundFrame)
         frame = lane0.consensus.outgoing
-        if self._sharded and self._steps(part, frame):
+        if self._delta is not None and self._digest is not None:
+            return self._end_sharded_delta(lane0, frame)
+        if self._sharded and self._delta is None and self._steps(part, frame):
             self._adopt_shards_state(layout, committed.states)
         if committed.lanes is None:
             self.rounds += 1
@@ -228,6 +233,39 @@ class LaneWindows:
         for lane, lane_frame in enumerate(committed.lanes, 1):
             last = self.take(lane, Consensus(lane_frame))
         return attrs.evolve(last, consensus=lane0.consensus, opens_round=True)
+
+    @property
+    def sharded_delta(self) -> bool:
+        """Whether the round lane 0 opened is a delta round through the shards (they send
+        their lanes' means here: :meth:`delta_lanes`)."""
+        return self._sharded and self._delta is not None
+
+    def delta_lanes(self, means: Sequence[RoundFrame]) -> list[RoundFrame]:
+        """A delta round through the shards: lanes 1.. from their means (as the shards
+        summed and divided them), each added to ``x``, stepped and coded against the base
+        as a lane reduced here is; the consensus lanes the shards fan out. Lane 0 carries
+        the new base's digest at the commit (:meth:`end_sharded`)."""
+        layout, part = self._layout, self._part
+        assert layout is not None and self._delta is not None and len(means) == layout.count - 1
+        out = []
+        for lane, mean in enumerate(means, 1):
+            frame = self._delta_lane(mean, layout, lane, part)
+            if self._assembler is not None:
+                self._assembler.add(frame, lane)
+            out.append(frame)
+        self._digest = self._delta.lineage.lanes_done()
+        return out
+
+    def _end_sharded_delta(self, lane0: LaneOut, frame: RoundFrame) -> LaneOut:
+        """A delta round through the shards commits: lane 0 carries the new digest (in
+        place of the relays' old one), and the round ends as one reduced here does."""
+        assert self._digest is not None
+        out = RoundFrame([TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), self._digest), *frame.tensors[1:]],
+                         frame.kind, frame.weight)
+        if self._assembler is not None:
+            self._assembler.add(out, 0)
+        ended = self._end_round(attrs.evolve(lane0.consensus, outgoing=out), self._part)
+        return attrs.evolve(ended, opens_round=True)
 
     def _adopt_shards_state(self, layout: LaneLayout, states: Sequence[LaneState] | None) -> None:
         """The shards stepped this window: the controller's optimizer counts it, and takes

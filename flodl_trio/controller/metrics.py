@@ -100,6 +100,11 @@ class ControllerCollector(Collector):
             stats.rounds_copied,
         )
         yield counter(
+            "flodl_controller_delta_rounds_sharded",
+            "Delta rounds the shards summed (their means stepped here, their coded lanes fanned out there)",
+            stats.delta_rounds_sharded,
+        )
+        yield counter(
             "flodl_controller_shards_served_again",
             "Lost reduction shards served again by a shard a relay offered (a host brought back)",
             stats.shards_served_again,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
 import attrs
@@ -33,6 +33,7 @@ from ..errors import ConnectFailed, FlodlError, ProtocolError, SchemaError
 from ..fold.outer import F32Array, lane_state_bytes, read_lane_state
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry, is_loopback, local_host
+from ..transport.hashing import encode_enveloped_frame
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
 from ..wire.constants import CHANNEL_MAGIC_SHARD
@@ -59,7 +60,9 @@ from ..wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
+from ..wire.constants import DTYPE_F32
+from ..wire.quant import DeltaCodec
+from ..wire.round_frame import EncodedFrame, RoundFrame, TensorPayload, decode_round_frame
 from .config import ControllerConfig
 from .stats import ControllerStats
 
@@ -75,7 +78,10 @@ DECISIONS_AFTER_A_NEW_SHARD = 1 << 20
 
 
 class ShardHere(Protocol):
-    """How the controller serves a shard itself (when every other is lost)."""
+    """How the controller serves a shard itself (when every other is lost, or beside the
+    last live one)."""
+
+    ports: dict[int, int]  # shard -> the port the controller serves it at
 
     async def start(self) -> tuple[str, int]:
         """A new shard of its own, listening: where the controller dials it, and its port."""
@@ -134,6 +140,27 @@ class Committed:
     targets: list[int]
     lanes: list[RoundFrame] | None = None  # lanes 1.., as the shards sent them
     states: list[LaneState] | None = None  # each lane's outer state after the step (copy 2)
+
+
+# A delta round's consensus lanes from its lanes' means (lanes 1.., f32): the controller's
+# lineage (LaneWindows.delta_lanes).
+DeltaLanes = Callable[[list[RoundFrame]], Awaitable[list[RoundFrame]]]
+
+
+def mean_layout(layout: LaneLayout) -> LaneLayout:
+    """The layout of a delta round's means as the shards send them: its pieces summed
+    into f32 (a coded tensor's piece becomes its f32 elements)."""
+    schema = tuple((DTYPE_F32 if DeltaCodec.of_tag(dtype) is not None else dtype, shape)
+                   for dtype, shape in layout.schema)
+    return LaneLayout(schema, layout.lanes)
+
+
+def _empty_pieces_f32(frame: RoundFrame) -> RoundFrame:
+    """A delta round's mean lane with its empty pieces said f32 (the fold keeps an empty
+    coded piece's tag: it has nothing to decode), so it is checked as f32 means."""
+    tensors = [TensorPayload(DTYPE_F32, t.shape, t.data) if t.numel == 0 and DeltaCodec.of_tag(t.dtype) else t
+               for t in frame.tensors]
+    return RoundFrame(tensors, frame.kind, frame.weight)
 
 
 def _copy_limit(layout: LaneLayout | None, with_state: bool) -> int:
@@ -201,6 +228,8 @@ class ShardSet:
         # (docs/wire.md, "The outer state through a lost shard"):
         self._mirror_due = False
         self._mirrored: set[int] = set()  # shards that said Mirrored for the pending decision
+        self._hosts_final = False  # a delta round's means are in: a relay lost now is not decided out
+        self._means = False  # the pending decision's copy is a delta round's means
 
     def _record(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self._config.salt)
@@ -340,6 +369,27 @@ class ShardSet:
         log.info("controller: shard %d is served again, at %s:%d", index, *address)
         return index
 
+    async def serve_standby_here(self) -> int | None:
+        """One shard left live, and a way to serve one here: the lowest lost shard is served
+        again by the controller itself (between rounds, as a relay's offer is), so the last
+        live shard has a backup - its lanes' outer state outlives it - and shares the lanes.
+        The shard's index, or None: nothing to do (the one left is served here already:
+        a standby in the same process would back nothing up), or it could not be set up."""
+        if self._here is None or len(self.conns) != 1 or not self.lost or set(self.conns) <= self.served_here:
+            return None
+        try:
+            address = await self._here.start()
+        except FlodlError as exc:
+            log.warning("controller: no standby shard served here: %s", exc)
+            return None
+        index = await self.serve_again(address)
+        if index is not None:
+            self.served_here.add(index)
+            self._here.ports[index] = address[1]
+            self._stats.shards_served_here += 1
+            log.info("controller: one shard left live; the controller serves shard %d beside it", index)
+        return index
+
     def start_watching(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         for index in list(self.conns):
@@ -449,14 +499,21 @@ class ShardSet:
             self._state_due.pop(index, None)
             return  # of a decision made again since
         if index in self._state_due:
-            return self._copy_state(index, frame, layout, self._state_due.pop(index))
+            lane = self._state_due.pop(index)
+            return None if lane < 0 else self._copy_state(index, frame, layout, lane)
         if tag is None or not 1 <= tag.index < layout.count or tag.count != layout.count:
             raise ProtocolError(f"shard {index} sent the controller lane tag {tag} in a round of {layout.count} lanes")
         owner = lane_owner(tag.index, len(self.addresses), self.lost)
-        if owner != index or tag.index in copy:
-            raise ProtocolError(f"shard {index} sent the controller lane {tag.index}, which shard {owner} reduces "
-                                f"(or sent it twice)")
-        layout.check_lane(tag.index, frame)
+        if owner != index:
+            # It knows of a lost shard this controller does not yet (a relay told it): the
+            # lane is taken from the decision made once this controller knows too.
+            log.info("controller: shard %d sent lane %d, shard %s's here; not taken", index, tag.index, owner)
+            if self._states is not None:
+                self._state_due[index] = -1  # (its state, next, is not taken either)
+            return
+        if tag.index in copy:
+            raise ProtocolError(f"shard {index} sent the controller lane {tag.index} twice")
+        layout.check_lane(tag.index, _empty_pieces_f32(frame) if self._means else frame)
         copy[tag.index] = frame
         if self._states is not None:
             self._state_due[index] = tag.index
@@ -488,10 +545,12 @@ class ShardSet:
             raise FlodlError(f"controller: every one of the {len(self.addresses)} shards is lost "
                              f"(shard {index}: {why})")
         log.warning("controller: shard %d lost (%s); its lanes go to the next live shard", index, why)
+        self._tell_relays(ShardLost(index))
+        # Every shard knows before the round is decided again: the new owners then take
+        # a delta round's consensus lanes as theirs ("Delta rounds through the shards").
+        await self._tell_shards(ShardLost(index))
         if self._pending is not None:
             self._again = True
-        self._tell_relays(ShardLost(index))
-        await self._tell_shards(ShardLost(index))
         self._changed.notify()
 
     async def _move_here(self, index: int, why: str) -> None:
@@ -565,6 +624,7 @@ class ShardSet:
     async def decide(
         self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int, schema: Sequence[tuple[int, tuple[int, ...]]],
         *, copy: int = COPY_NONE, step: bool = False, fragment: FragmentTag | None = None,
+        produce: DeltaLanes | None = None,
     ) -> Committed:
         """Decide the round (hosts: its contributors) until every live target holds the
         decision's lanes: the seats of the targets to send lane 0 to, the commit, and
@@ -574,30 +634,56 @@ class ShardSet:
         A round is decided from the live relays only, and decided again when a shard or
         a decided relay is lost before the commit: a lost relay's pieces may never reach
         the shards (lane 0 goes up first), or may have been only on the lost shard.
-        ``step``: a params round, whose lanes the shards step (``fragment``'s state)."""
+        ``step``: a params round, whose lanes the shards step (``fragment``'s state).
+
+        ``produce``: a delta round (docs/wire.md, "Delta rounds through the shards"): the
+        shards send their lanes' means here, ``produce`` turns them into the consensus
+        lanes once, and each goes to the shard that fans it out. From then on the round's
+        contributors are fixed (the means hold every one): it is decided again only when
+        a shard is lost, and the new owner is sent the same lanes."""
         hosts = sorted(hosts, key=lambda seat: seat.lowest_rank)
         round_ = self.rounds
         self.rounds += 1
-        layout = LaneLayout.for_schema(schema, lanes, lane0_empty=True) if copy else None
+        layout = LaneLayout.for_schema(schema, lanes, lane0_empty=True) if copy or produce else None
+        if produce is not None:
+            assert layout is not None and not copy and not step
+            layout = mean_layout(layout)
         with_state = copy == COPY_WITH_STATE and step
         copied: list[RoundFrame] | None = None
         states: list[LaneState] | None = None
+        produced: list[EncodedFrame] | None = None
+        self._hosts_final = False
         while True:
-            hosts = [seat for seat in hosts if self._live(seat.id)]
+            if not self._hosts_final:
+                hosts = [seat for seat in hosts if self._live(seat.id)]
             live_targets = [seat for seat in targets if self._live(seat.id)]
             if not hosts or not live_targets:
                 break  # nobody left to sum, or to send to
             self._pending, self._hosts, self._lanes_in, self._again = self.decisions, hosts, set(), False
             self._mirror_due, self._mirrored = step and self.outer is not None, set()
-            self._copy, self._copy_layout = ({}, layout) if copy else (None, None)
+            self._copy, self._copy_layout = ({}, layout) if copy or (produce and produced is None) else (None, None)
+            self._means = produce is not None
             self._states, self._state_due = ({} if with_state else None), {}
             self._copy_limit = _copy_limit(layout, with_state)
             self.decisions += 1
+            lost = set(self.lost)  # as every shard knows it at this decision
             await self._tell_shards(Decide(
                 self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
                 sorted(seat.lowest_rank for seat in live_targets), copy,
                 step, None if fragment is None else (fragment.index, fragment.count),
             ))
+            if produce is not None and produced is None:
+                if not await self._copied():
+                    self._stats.decisions_again += 1
+                    continue
+                assert self._copy is not None
+                means = [self._copy[lane] for lane in range(1, lanes)]
+                self._copy, self._hosts_final = None, True
+                produced = [await encode_enveloped_frame(MuxKind.BROADCAST, frame, self._config.salt)
+                            for frame in await produce(means)]
+                self._stats.delta_rounds_sharded += 1
+            if produced is not None:
+                await self._send_down(produced, lost)
             if await self._committed(live_targets):
                 if self._copy is not None:
                     copied = [self._copy[lane] for lane in range(1, lanes)]
@@ -607,8 +693,33 @@ class ShardSet:
                 break
             self._stats.decisions_again += 1
         self._pending, self._copy, self._copy_layout, self._states = None, None, None, None
-        self._copy_limit = SMALL_MESSAGE
+        self._copy_limit, self._hosts_final = SMALL_MESSAGE, False
         return Committed([seat.id for seat in targets if self._live(seat.id)], copied, states)
+
+    async def _copied(self) -> bool:
+        """Wait for every lane of the pending decision's copy (True), or until the decision
+        must be made again (False)."""
+        while not self._again:
+            if self._copy is not None and self._copy_layout is not None and \
+                    len(self._copy) == self._copy_layout.count - 1:
+                return True
+            await self._changed.wait()
+        return False
+
+    async def _send_down(self, lanes: Sequence[EncodedFrame], lost: Collection[int]) -> None:
+        """A delta round's consensus lanes, each to the shard that owns it as the decision
+        was made (``lost``: every shard was told of those, before the decision; one lost
+        since is sent its lanes with the decision made again)."""
+        for lane, record in enumerate(lanes, 1):
+            owner = lane_owner(lane, len(self.addresses), lost)
+            conn = self.conns.get(owner) if owner is not None else None
+            if owner is None or conn is None:
+                continue  # lost meanwhile: the decision is made again
+            try:
+                async with self._locks[owner]:
+                    await conn.send_chunks(record.chunks)
+            except (*CONNECTION_LOST, trio.ClosedResourceError):
+                pass  # its watcher sees the end and loses it
 
     async def _committed(self, targets: Sequence[Seat]) -> bool:
         """Wait for every live target's LanesIn and the copy's every lane, if one is due
@@ -634,7 +745,7 @@ class ShardSet:
     def relays_changed(self) -> None:
         """A relay left, or its last rank died: it is waited for no longer, and if it was
         decided in, the round is decided again without it."""
-        if self._pending is not None and any(not self._live(seat.id) for seat in self._hosts):
+        if self._pending is not None and not self._hosts_final and any(not self._live(seat.id) for seat in self._hosts):
             self._again = True
         self._changed.notify()
 

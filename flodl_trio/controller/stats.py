@@ -47,6 +47,7 @@ class ControllerStats:
     shards_lost: int = 0  # reduction shards lost (closed, or silent for a heartbeat timeout)
     decisions_again: int = 0  # rounds decided again for the shards (one was lost before the round committed)
     rounds_copied: int = 0  # sharded rounds the shards also sent here whole (a rank rejoining, a checkpoint)
+    delta_rounds_sharded: int = 0  # delta rounds whose means the shards sent here (stepped here, fanned out there)
     shards_served_again: int = 0  # lost shards a relay's offer served again (a host brought back)
     shards_served_here: int = 0  # shards the controller served itself (every other one lost)
 

@@ -12,7 +12,7 @@ work lane by lane. No I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ..errors import FlodlError
@@ -33,8 +33,8 @@ class Windows(Protocol):
     keep_window_state: bool
     # Whether relays that send whole frames are seated (with lanes: each round is joined for them).
     join_whole: bool
-    # With shards: lane 0 of a round in several lanes carries no payload.
-    lane0_empty: bool
+    # How many reduction shards (lane 0 of a round through them carries no payload).
+    shards: int
     # Whole rounds finished (with lanes the stats count each lane's round).
     rounds: int
 
@@ -63,13 +63,18 @@ class Windows(Protocol):
     @property
     def round_fragment(self) -> FragmentTag | None: ...
 
+    @property
+    def sharded_delta(self) -> bool: ...
+
+    def delta_lanes(self, means: Sequence[RoundFrame]) -> list[RoundFrame]: ...
+
 
 class WholeFrameWindows:
     """Without lanes: the one round already placed its consensus in the windows and
     applied the hooks; this only hands it on."""
 
     join_whole = False  # every relay sends and gets whole frames: nothing to join
-    lane0_empty = False
+    shards = 0
 
     def __init__(self, round_: ControllerRound) -> None:
         self._round = round_
@@ -122,6 +127,10 @@ class WholeFrameWindows:
         return False  # (no lanes: no shards)
 
     round_fragment = None
+    sharded_delta = False
+
+    def delta_lanes(self, means: Sequence[RoundFrame]) -> list[RoundFrame]:
+        raise FlodlError("shards reduce rounds in lanes: a controller without lanes has no delta lanes")
 
 
 def rounds_and_windows(

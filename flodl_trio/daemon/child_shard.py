@@ -29,6 +29,10 @@ from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.relay")
 
+# The least time a shard process is given to start listening: a process start (imports
+# included) on a loaded host, which a short handshake bound must not cut off.
+SHARD_START_S = 15.0
+
 _LISTENING = re.compile(rb"^listening (\d+)$")
 _SET_UP = re.compile(rb"^set up \d+$")
 
@@ -97,11 +101,12 @@ async def child_shard(
         nursery.start_soon(_relay_its_log, process.stderr)
         nursery.start_soon(_follow_its_word, shard, process.stdout)
         try:
-            with trio.move_on_after(bounds.handshake):
+            start_s = max(bounds.handshake, SHARD_START_S)
+            with trio.move_on_after(start_s):
                 await shard.started.wait()
             if not shard.started.is_set():
                 raise ConfigError(f"the shard process did not start listening on {host}:{port} within "
-                                  f"{bounds.handshake:g} s (exit status {process.poll()})")
+                                  f"{start_s:g} s (exit status {process.poll()})")
             yield shard
             if shard.used:  # other hosts' rounds may still need it: until its controller lets go
                 with trio.move_on_after(bounds.handshake):

@@ -71,9 +71,10 @@ async def serve_shard_daemon(args: argparse.Namespace) -> None:
                 nursery.start_soon(parent_gone)
             await shard.outcome.wait()
             nursery.cancel_scope.cancel()
-        log.info("shard finished: %d rounds, %d pieces of hosts left out dropped, %d lanes of its predecessors "
-                 "mirrored, %d lanes of a lost shard taken over from the mirror", shard.rounds, shard.pieces_dropped,
-                 shard.lanes_mirrored, shard.lanes_taken_over)
+        log.info("shard finished: %d rounds, %d lanes of delta rounds summed, %d pieces of hosts left out dropped, "
+                 "%d lanes of its predecessors mirrored, %d lanes of a lost shard taken over from the mirror",
+                 shard.rounds, shard.delta_lanes_summed, shard.pieces_dropped, shard.lanes_mirrored,
+                 shard.lanes_taken_over)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,12 +222,13 @@ def is_delta_schema(schema: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
 
 def lane_digest_of(frame: RoundFrame) -> bytes | None:
     """:func:`digest_of`, for a whole frame or a lane's: a delta round's last lane carries
-    the digest as its last piece (before lane 0's schema, if it is also lane 0)."""
+    the digest as its last piece (before lane 0's schema, if it is also lane 0); through
+    shards, lane 0 carries it as its one piece."""
     tag = read_lane_tag(frame)
     if tag is None:
         return digest_of(frame)
     at = len(frame.tensors) - 2 - tag.schema
-    if frame.kind != RoundKind.MODEL or tag.index != tag.count - 1 or at < 0:
+    if frame.kind != RoundKind.MODEL or tag.index not in (0, tag.count - 1) or at < 0:
         return None
     t = frame.tensors[at]
     return bytes(t.data) if t.dtype == DTYPE_BASE_DIGEST and t.nbytes == DIGEST_LEN else None

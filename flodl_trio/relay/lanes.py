@@ -33,9 +33,9 @@ from ..transport.buffers import SMALL_MESSAGE, BufferPool, ReceiveBuffer
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.stream import MessageStream
 from ..transport.tasks import ChangeSignal
-from ..wire.lanes import LaneAssembler, LaneLayout, lanes_for
+from ..wire.lanes import LaneAssembler, LaneLayout, goes_through_shards, lanes_for
 from ..wire.mux import MuxKind
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_delta_dtype
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .config import RelayConfig
 from .shards import ShardLinks
@@ -189,12 +189,13 @@ class LaneFrames:
         self.shards = ShardLinks(self._config, self._start_task, self)
 
     async def uplink(self, frame: RoundFrame | PendingHostDelta) -> LaneUplink:
-        """The HostFrame's lanes, to be cut as they go. With shards, a delta round (coded
-        pseudo-gradients) goes to the controller in every lane, as without them: the
-        shards sum f32 and bf16 rounds (docs/wire.md, "Shards")."""
-        delta = isinstance(frame, PendingHostDelta) or any(is_delta_dtype(t.dtype) for t in frame.tensors)
-        self.sharded_round = self.shards is not None and not delta
+        """The HostFrame's lanes, to be cut as they go: with shards, lane 0 to the
+        controller and the others to their shards (a delta round's lane 0 carrying its
+        base digest, when it goes through them: docs/wire.md, "Delta rounds through the
+        shards")."""
         schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
+        self.sharded_round = self.shards is not None and goes_through_shards(
+            tuple((t.dtype, tuple(t.shape)) for t in schema.tensors), len(self._config.shards))
         if self.sharded_round:  # (it goes in lanes: goes_in_lanes said so with the cluster's count)
             layout = LaneLayout.through_shards(schema, self.count, len(self._config.shards), self._min_bytes)
         else:

@@ -141,16 +141,18 @@ class ShardLinks:
         ClosedResourceError once ``upstream`` is lost: the round goes on over the next
         connection (the pieces stay on the shards, which hold for a controller that keeps
         a record; docs/wire.md, "Shards through a lost controller")."""
-        await self._send_missing(self._records, self._sent)
-        while not self.committed:
+        while True:
+            change = self.changed.next_change()  # (a shard lost while this writes is not missed)
+            await self._send_missing(self._records, self._sent)
+            if self.committed:
+                return
             if upstream.closed:
                 raise trio.ClosedResourceError("the controller's connection was lost before the round's commit")
             await self._tell_failed(upstream)
             if self.want > self._reported and self._all_in():
                 self._reported = self.want
                 await upstream.send_chunks(self._record(LanesIn(self.want)).chunks)
-            await self.changed.wait()
-            await self._send_missing(self._records, self._sent)
+            await change.wait()
 
     def upstream_lost(self) -> None:
         """The controller's connection broke: the one that replaces it is told again which

@@ -75,7 +75,8 @@ from ..wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame, is_delta_dtype
+from ..fold.delta import is_delta_schema
+from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .mirror import (
     Handback,
@@ -152,6 +153,7 @@ class ShardHandle:
         self.set_up = trio.Event()  # a controller said which shard it is
         self.rounds = 0
         self.lanes_summed = 0  # lanes it summed and sent, over every decision
+        self.delta_lanes_summed = 0  # ... of delta rounds (their means went to the controller)
         self.pieces_dropped = 0  # pieces of hosts a decision left out
         self.refused = 0  # connections refused at their first record (wrong salt, not a setup or Hello)
         self.refused_pieces = 0  # pieces that were not what their round's schema says (their relay was named)
@@ -227,6 +229,11 @@ class _Shard:
         self._lanes_sent: set[int] = set()  # ... and which of them went
         self._marked: set[int] = set()  # ... and which targets were sent its Decided mark
         self._controller_marked = False  # ... and whether the controller was (a copy: Decide.copy)
+        # A delta round (docs/wire.md, "Delta rounds through the shards"): the owned lanes
+        # whose mean went to the controller, and the consensus lanes it sent back.
+        self._means_sent: set[int] = set()
+        self._down: dict[int, RoundFrame] = {}
+        self._down_for: Decide | None = None  # the decision those lanes are of
         self._blocked: set[int] = set()  # ... and which lanes hold a refused piece (a newer decision comes)
         self._to_controller: trio.MemorySendChannel[EncodedFrame]  # set once the controller connected
         self._changed = ChangeSignal()  # a piece, a decision or a lost shard came in
@@ -370,15 +377,21 @@ class _Shard:
         return FlodlError(f"shard {self.index}: the controller did not come back within its outage bound ({outage:g} s)")
 
     async def _follow_controller(self, conn: MessageStream) -> None:
+        buf = ReceiveBuffer()
         while True:
-            msg = await self._control_record(conn)
+            msg = await self._control_record(conn, buf, self._down_limit())
             if msg is None:
                 log.info("shard %s: the controller closed its connection", self.index)
                 return
-            if isinstance(msg, Decide):
+            if isinstance(msg, RoundFrame):
+                self._consensus_lane(msg)
+            elif isinstance(msg, Decide):
                 if msg.step and self.outer is None:
                     raise ProtocolError(f"decision {msg.decision} steps its lanes, and no ShardOuter said how")
-                self._decision = msg
+                if msg.step and is_delta_schema(msg.schema):
+                    raise ProtocolError(f"decision {msg.decision} steps a delta round: the controller steps those")
+                self._decision = self._down_for = msg
+                self._down = {}
                 self._latest_decision = max(self._latest_decision, msg.decision)
                 self._changed.notify()
                 self._mirror_decided(msg)
@@ -426,14 +439,47 @@ class _Shard:
                     return
             await conn.send_chunks(record.chunks)
 
-    async def _control_record(self, conn: MessageStream) -> object | None:
-        header = await conn.receive_mux_header(SMALL_MESSAGE)
+    async def _control_record(
+        self, conn: MessageStream, buf: ReceiveBuffer | None = None, lane_limit: int = 0
+    ) -> object | None:
+        """The controller's next record: a control message, or (``lane_limit`` > 0: a delta
+        decision is in progress) a consensus lane of at most that many bytes."""
+        header = await conn.receive_mux_header(max(SMALL_MESSAGE, lane_limit))
         if header is None:
             return None
-        kind, payload = await conn.receive_mux_payload(header, ReceiveBuffer(), self.salt)
+        kind, payload = await conn.receive_mux_payload(header, buf or ReceiveBuffer(), self.salt)
+        if kind is MuxKind.BROADCAST and lane_limit > 0:
+            return decode_round_frame(bytes(payload), self.salt, ceiling=self.ceiling, source=conn.peer,
+                                      authenticated=True)
         if kind is not MuxKind.CONTROL:
             raise ProtocolError(f"{conn.peer} sent a {kind.name} record where a control message was due")
+        if header.length > SMALL_MESSAGE:
+            raise ProtocolError(f"{conn.peer} sent a {header.length}-byte control message (at most {SMALL_MESSAGE})")
         return decode_control_msg(payload)
+
+    def _down_limit(self) -> int:
+        """How large a record the controller may send now: a consensus lane of the delta
+        decision in progress (0: none is)."""
+        msg = self._down_for
+        if msg is None or not is_delta_schema(msg.schema):
+            return 0
+        return decision_layout(msg).max_frame_bytes + SMALL_MESSAGE
+
+    def _consensus_lane(self, frame: RoundFrame) -> None:
+        """A delta round's consensus lane from the controller, for this shard to fan out:
+        one it owns in the decision in progress, as the layout says."""
+        msg = self._down_for
+        assert msg is not None  # (_down_limit let a lane in only then)
+        tag = read_lane_tag(frame)
+        if tag is None or not 1 <= tag.index < msg.lanes or not self._owns(tag.index) or tag.index in self._down:
+            raise ProtocolError(f"the controller sent consensus lane {tag} of decision {msg.decision}, which this "
+                                f"shard does not fan out (or sent it twice)")
+        try:
+            decision_layout(msg).check_lane(tag.index, frame)
+        except SchemaError as exc:
+            raise ProtocolError(f"the controller's consensus lane of decision {msg.decision}: {exc}") from None
+        self._down[tag.index] = frame
+        self._changed.notify()
 
     async def _decider(self) -> None:
         """Follow the latest decision: sum and send each owned lane as soon as every
@@ -447,11 +493,13 @@ class _Shard:
                 continue
             if msg is not self._summing:
                 self._summing, self._lanes_sent, self._marked, self._blocked = msg, set(), set(), set()
-                self._controller_marked = False
+                self._controller_marked, self._means_sent = False, set()
             owned = [lane for lane in range(1, msg.lanes) if self._owns(lane)]
-            ready = [lane for lane in owned
-                     if lane not in self._lanes_sent | self._blocked and self._pieces_in(msg, lane)]
-            if ready and msg.step and self.handback.waiting(self.lost):
+            back, ready = self._lanes_due(msg, owned)
+            if back:
+                for lane in back:
+                    await self._fan_out(msg, lane)
+            elif ready and msg.step and self.handback.waiting(self.lost):
                 await self._changed.wait()  # served again: its lanes' state comes first
             elif ready:
                 for lane in ready:
@@ -460,6 +508,44 @@ class _Shard:
                 self._decided(msg)
             else:
                 await self._changed.wait()
+
+    def _lanes_due(self, msg: Decide, owned: list[int]) -> tuple[list[int], list[int]]:
+        """The owned lanes to fan out now, and those to sum (every decided host's piece in).
+        A delta round's lanes are summed into means for the controller, which steps them
+        and sends each consensus lane back, to fan out (docs/wire.md, "Delta rounds
+        through the shards"); one whose consensus is back is not summed."""
+        if not is_delta_schema(msg.schema):
+            return [], [lane for lane in owned
+                        if lane not in self._lanes_sent | self._blocked and self._pieces_in(msg, lane)]
+        down = self._down.keys() if self._down_for is msg else set()
+        back = [lane for lane in owned if lane in down and lane not in self._lanes_sent]
+        ready = [lane for lane in owned if lane not in self._means_sent | self._blocked | down
+                 and self._pieces_in(msg, lane)]
+        return back, ready
+
+    async def _fan_out(self, msg: Decide, lane: int) -> None:
+        """A consensus lane the controller sent, to the decision's targets."""
+        self._to_targets(msg, await encode_enveloped_frame(MuxKind.BROADCAST, self._down[lane], self.salt))
+        self._lanes_sent.add(lane)
+
+    def _to_targets(self, msg: Decide, record: EncodedFrame) -> None:
+        """A lane of the decision to each of its targets, its first after the decision's mark."""
+        mark = self._control(Decided(msg.decision))
+        for rank in msg.targets:  # each a decided host (so connected here: its pieces are in)
+            target = self.relays.get(rank)
+            if target is None:
+                continue
+            if rank not in self._marked:
+                self._marked.add(rank)
+                target.queue(mark)
+            self._queue_lane(target, record)
+
+    def _to_controller_marked(self, msg: Decide, record: EncodedFrame) -> None:
+        """A lane of the decision to the controller, its first after the decision's mark."""
+        if not self._controller_marked:
+            self._controller_marked = True
+            self._to_controller.send_nowait(self._control(Decided(msg.decision)))
+        self._to_controller.send_nowait(record)
 
     def _pieces_in(self, msg: Decide, lane: int) -> bool:
         """Whether every decided host's piece of ``lane`` is in: of this round (the lane 0
@@ -489,6 +575,14 @@ class _Shard:
             relay.used_in = msg.round
             acc.add(relay.pieces[lane], relay.name)
         consensus = finish_consensus(acc)
+        self.handle.lanes_summed += 1
+        if is_delta_schema(msg.schema):  # the mean goes to the controller, which steps the lineage
+            self._means_sent.add(lane)
+            if not self.handle.delta_lanes_summed:
+                log.info("shard %s: sums delta rounds; their means go to the controller, which steps them", self.index)
+            self.handle.delta_lanes_summed += 1
+            return self._to_controller_marked(msg, await encode_enveloped_frame(MuxKind.BROADCAST, consensus,
+                                                                                self.salt))
         fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
         mean = consensus
         if msg.step:
@@ -496,26 +590,14 @@ class _Shard:
             start = self._start_state(msg, layout, lane, fragment)
             consensus = self.outer.step(msg.round, consensus, layout, lane, fragment)
         record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.salt)
-        mark = self._control(Decided(msg.decision))
-        for rank in msg.targets:  # each a decided host (so connected here: its pieces are in)
-            target = self.relays.get(rank)
-            if target is None:
-                continue
-            if rank not in self._marked:
-                self._marked.add(rank)
-                target.queue(mark)
-            self._queue_lane(target, record)
+        self._to_targets(msg, record)
         if msg.copy:  # the controller keeps this round whole (a rank rejoins, a checkpoint is due)
-            if not self._controller_marked:
-                self._controller_marked = True
-                self._to_controller.send_nowait(mark)
-            self._to_controller.send_nowait(record)
+            self._to_controller_marked(msg, record)
             if msg.copy == COPY_WITH_STATE and msg.step:
                 await self._copy_state(msg, consensus, layout, lane, fragment)
         if msg.step:
             await self._mirror_lane(msg, layout, lane, fragment, mean, start)
         self._lanes_sent.add(lane)
-        self.handle.lanes_summed += 1
 
     async def _copy_state(
         self, msg: Decide, stepped: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
@@ -830,9 +912,6 @@ class _Shard:
                                 "which does not reduce it")
         if relay.round < 0:
             raise ProtocolError(f"sent lane {tag.index} before saying which of its rounds it is (Pieces)")
-        if any(is_delta_dtype(t.dtype) for t in frame.tensors):
-            raise ProtocolError(f"sent lane {tag.index} of a delta round (coded pseudo-gradients): shards do "
-                                "not reduce delta rounds yet (run them without --shards)")
         if tag.index in relay.pieces:
             raise ProtocolError(f"sent lane {tag.index} of its round {relay.round} twice")
         relay.pieces[tag.index] = frame

@@ -101,6 +101,12 @@ class ChangeSignal:
     async def wait(self) -> None:
         await self._event.wait()
 
+    def next_change(self) -> trio.Event:
+        """The event the next ``notify`` sets. Taken before a waiter does work that awaits,
+        and waited on after it: a change made while it worked then wakes it at once,
+        where ``wait`` would sleep through it until the one after."""
+        return self._event
+
 
 class RunOutcome:
     """How a service started by an ``open_*`` context manager ended.

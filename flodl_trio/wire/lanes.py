@@ -16,7 +16,8 @@ lane's elements, and it joins the lanes it keeps for checkpoints and joiners.
 A delta round's frame (docs/wire.md, "Delta rounds") is cut the same way, on
 coarser grains (:class:`TensorCut`): a coded tensor only at its block
 boundaries, its piece being that run of blocks' scales and then their codes (a
-coded payload of its own); the base digest whole, in the last lane.
+coded payload of its own); the base digest whole, in the last lane (through
+shards, in lane 0).
 
 :class:`LaneLayout` is computed from the frame's schema alone (dtypes and
 shapes), so every host that folds the same schema cuts it the same way, and
@@ -77,6 +78,19 @@ def sharded_lane_count(lanes: int, shards: int, payload_bytes: int | None = None
         per_shard = min(per_shard, payload_bytes // (shards * min_bytes))
     per_shard = max(1, min(per_shard, (MAX_LANES - 1) // shards))
     return min(1 + shards * per_shard, MAX_LANES)
+
+
+def goes_through_shards(schema: Sequence[tuple[int, tuple[int, ...]]], shards: int) -> bool:
+    """Whether a round of this (dtype, shape) schema goes through ``shards`` shards: any
+    but a delta round whose means (f32, one model a round into the controller's link)
+    would outweigh the star's coded frames (one a host): a delta round of b-bit codes
+    goes through them when ``shards * b > 32`` (f32: b = 32; docs/wire.md, "Delta rounds
+    through the shards")."""
+    if not schema or schema[-1][0] != DTYPE_BASE_DIGEST:
+        return True
+    codecs = [DeltaCodec.of_tag(dtype) for dtype, _ in schema]
+    bits = min((codec.code.bits for codec in codecs if codec is not None), default=32)
+    return shards * bits > 32
 
 
 def lane_owner(lane: int, shards: int, lost: Collection[int] = ()) -> int | None:
@@ -246,16 +260,22 @@ class LaneLayout:
             )
         cuts = [TensorCut.of(dtype, shape) for dtype, shape in schema]
         numels = [c.numel for c in cuts]
-        total = sum(c.nbytes for c in cuts)
+        # Through shards, a delta round's base digest rides in lane 0 (the controller
+        # checks it there, and its consensus carries the new one): the rest is cut.
+        digest_first = lane0_empty and count > 1 and len(schema) > 1 and schema[-1][0] == DTYPE_BASE_DIGEST
+        cut = cuts[:-1] if digest_first else cuts
+        total = sum(c.nbytes for c in cut)
         # Byte offsets where lanes start, each moved down to where its tensor may be cut.
         if lane0_empty and count > 1:  # lane 0: the schema and the tag alone; the payload over the others
-            starts = [(0, 0)] + [_element_boundary(total * k // (count - 1), cuts) for k in range(count - 1)]
+            starts = [(0, 0)] + [_element_boundary(total * k // (count - 1), cut) for k in range(count - 1)]
         else:
             starts = [_element_boundary(total * k // count, cuts) for k in range(count)]
-        starts.append((len(schema), 0))
+        starts.append((len(cut), 0))
         lanes = []
         for (t0, e0), (t1, e1) in zip(starts, starts[1:]):
-            lanes.append(_pieces_between(t0, e0, t1, e1, numels))
+            lanes.append(_pieces_between(t0, e0, t1, e1, numels[:len(cut)]))
+        if digest_first:
+            lanes[0] = (Piece(len(cut), 0, numels[-1]),)
         return cls(tuple((dtype, tuple(shape)) for dtype, shape in schema), tuple(lanes))
 
     @classmethod
@@ -544,6 +564,7 @@ __all__ = [
     "LaneTag",
     "Piece",
     "TensorCut",
+    "goes_through_shards",
     "lane_owner",
     "lane_tag",
     "lanes_for",

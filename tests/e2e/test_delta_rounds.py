@@ -310,23 +310,29 @@ async def run_with_a_return(hosts: list[list[int]], lanes: int, survivor, comes_
                 nursery.start_soon(survivor, cluster, 2)
                 nursery.start_soon(comes_back, cluster)
             assert cluster.controller.stats.rejoins == 1
+            if options.get("shards"):  # (the delta rounds went through them, not only the f32 first)
+                assert cluster.controller.stats.delta_rounds_sharded > 2
 
 
-@pytest.mark.parametrize(("outer", "lanes"), [(None, 1), ("diloco", 1), ("diloco", 3)])
+@pytest.mark.parametrize(("outer", "lanes", "shards"), [(None, 1, 0), ("diloco", 1, 0), ("diloco", 3, 0), ("diloco", 3, 9)],
+                         ids=["average", "diloco", "diloco-lanes", "diloco-shards"])
 @pytest.mark.trio
-async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step(outer, lanes):
+async def test_a_rank_that_comes_back_starts_from_the_base_and_trains_on_in_step(outer, lanes, shards):
     """Rank 1 crashes after window 2 and comes back (its codec set before join()): it is
     given the base every rank holds, in f32, so its next delta is against that base
     and the consensus it then takes matches the controller's digest. Every rank
     holds the same bits after every window, with and without DiLoCo's outer step
-    on the controller."""
+    on the controller, and with the rounds through shards (the controller holds the
+    base and the catch-up frames as without them)."""
     from flodl_trio import DiLoCoNesterov
     from flodl_trio.testing import fetch_status
 
     codec = DeltaCodec.parse("fp4")
     hosts, world, total = [[0, 1], [2]], 3, 9
     seen: dict[tuple[int, int], list[np.ndarray]] = {}
-    options = {} if outer is None else {"outer_optimizer": DiLoCoNesterov(0.7, 0.9)}
+    options: dict[str, object] = {} if outer is None else {"outer_optimizer": DiLoCoNesterov(0.7, 0.9)}
+    if shards:
+        options["shards"] = shards
 
     async def survivor(cluster, rank: int) -> None:
         params = model(rank)
@@ -435,19 +441,20 @@ async def test_fragments_each_carry_a_lineage_of_their_own_in_lanes_or_not(fragm
 async def test_fragments_with_diloco_step_each_fragment_from_its_own_exact_consensus():
     """DiLoCo on the controller keeps its state per fragment; with coded deltas each
     fragment's outer step takes that fragment's exact consensus: identical bits on
-    every rank, with 1 lane and with 3."""
+    every rank, with 1 lane, with 3, and with 3 through nine shards."""
     from flodl_trio import DiLoCoNesterov
 
     codec = DeltaCodec.parse("fp4:256")
     runs = [await run_fragments(codec, 2, lanes, outer_optimizer=DiLoCoNesterov(0.7, 0.9)) for lanes in (1, 3)]
+    runs.append(await run_fragments(codec, 2, 3, shards=9, outer_optimizer=DiLoCoNesterov(0.7, 0.9)))  # (9 x 4 > 32)
     for key, params in runs[0].items():
-        for a, b, c in zip(params, runs[1][key], runs[0][0, key[1]]):
-            assert np.array_equal(a, b) and np.array_equal(a, c), key
+        for a, b, s, c in zip(params, runs[1][key], runs[2][key], runs[0][0, key[1]]):
+            assert np.array_equal(a, b) and np.array_equal(a, s) and np.array_equal(a, c), key
 
 
-@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.parametrize(("lanes", "shards"), [(1, 0), (3, 0), (3, 5)], ids=["whole", "lanes", "shards"])
 @pytest.mark.trio
-async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_base(lanes):
+async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_base(lanes, shards):
     """With 2 fragments a returning rank is given each fragment's base (and the coded
     consensus frames since its state, each applied to the fragment its window synced):
     its next delta of either fragment is against the base the others hold, so every
@@ -488,7 +495,8 @@ async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_b
             await windows(client, 1, params, range(start, total))
 
     joined, back = [-1], trio.Event()
-    await run_with_a_return(hosts, lanes, survivor, comes_back, outer_optimizer=DiLoCoNesterov(0.7, 0.9))
+    await run_with_a_return(hosts, lanes, survivor, comes_back, outer_optimizer=DiLoCoNesterov(0.7, 0.9),
+                            **({"shards": shards} if shards else {}))
     assert 3 <= joined[0] < total
     for window in range(joined[0], total):  # its windows after it came back: the same bits as rank 0's
         for got, want in zip(seen[1, window], seen[0, window]):

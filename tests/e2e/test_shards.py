@@ -678,21 +678,6 @@ async def test_a_controller_with_shards_refuses_a_flodl_relay_saying_why(salt):
     assert refused and "reduces with shards" in refused[0]
 
 
-@pytest.mark.parametrize("shards", [2, "auto"])
-async def test_delta_rounds_go_to_the_controller_past_the_shards_and_every_rank_holds_the_oracles_params(shards):
-    """Shards sum f32 and bf16 rounds; a delta round (coded pseudo-gradients) goes to the
-    controller in every lane, as without shards, beside the windows' Control rounds that
-    go through them: every rank holds the numpy oracle's params bit for bit."""
-    from flodl_trio.wire.quant import DeltaCodec
-    from tests.e2e.test_delta_rounds import assert_holds_the_oracles, oracle, run_cluster
-
-    # (three hosts for auto: two keep the star)
-    hosts, codec = ([[0, 1], [2, 3]] if shards == 2 else [[0, 1], [2], [3]]), DeltaCodec.parse("int8:1024")
-    # (deterministic: three hosts' f32 window 0 is summed in host order, as the oracle sums it)
-    seen = await run_cluster(hosts, codec, True, lanes=3, shards=shards, deterministic=True)
-    assert_holds_the_oracles(seen, hosts, oracle(hosts, codec))
-
-
 async def _weighted_rounds(cluster, world: int, rounds: int, numel: int) -> None:
     """``rounds`` weighted rounds of every rank, each checked against numpy on every rank."""
     rng = np.random.default_rng(world)

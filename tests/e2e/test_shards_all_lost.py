@@ -31,7 +31,7 @@ async def test_every_shard_lost_mid_run_leaves_the_controller_serving_one_and_ev
         for scope in run.shard_scopes:
             scope.cancel()
         assert controller.handle is not None
-        await wait_until(lambda: controller.handle.stats.shards_served_here == 1)  # type: ignore[union-attr]
+        await wait_until(lambda: controller.handle.stats.shards_served_here >= 1)  # type: ignore[union-attr]
         gate.set()
 
     got = await run_cluster(tmp_path, interrupt, lanes=LANES, shards=2, outer=False)

@@ -8,7 +8,7 @@ from the state it mirrored (docs/wire.md, "The outer state through a lost shard"
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 import pytest
@@ -44,18 +44,22 @@ def _params(rank: int, window: int, fragments: bool) -> list[torch.Tensor]:
 async def _windows(
     salt, shards: int, make_outer: Callable[[], object], windows: int, *, bf16: bool = False, fragments: bool = False,
     lose_shard_after: int | None = None, meanwhile: Callable[..., Awaitable[None]] | None = None,
+    losses: Sequence[tuple[int, int]] = (), before_loss: Callable[..., None] | None = None,
 ) -> tuple[dict[tuple[int, int], list[bytes]], object, object]:
     """``windows`` windows of every rank (a Control round, then a weighted params round);
-    per (rank, window) the params consensus's tensors as bytes. ``lose_shard_after``:
-    shard 1 is closed once every rank has that window's consensus; ``meanwhile`` runs
-    beside the ranks, given the cluster and what the ranks got so far."""
+    per (rank, window) the params consensus's tensors as bytes. ``losses``: (window,
+    shard), the shard closed once every rank holds that window's consensus, the ranks
+    waiting for it (``before_loss(cluster, window)`` first); ``lose_shard_after`` w is
+    ``losses=[(w, 1)]``; ``meanwhile`` runs beside the ranks, given the cluster and what
+    the ranks got so far."""
     got: dict[tuple[int, int], list[bytes]] = {}
     outer = make_outer()
+    losses = dict(losses if lose_shard_after is None else [(lose_shard_after, 1)])
     with trio.fail_after(60):
         async with open_local_cluster(world_size=WORLD, hosts=HOSTS, salt=salt, lanes=LANES, lane_min_bytes=0,
                                       deterministic=True, shards=shards, outer_optimizer=outer) as cluster:
-            done = [trio.Event() for _ in range(WORLD)]
-            lost = trio.Event()
+            done = {w: [trio.Event() for _ in range(WORLD)] for w in losses}
+            lost = {w: trio.Event() for w in losses}
 
             async def rank_main(rank: int) -> None:
                 async with connect_reduce_client(cluster.relay_address(rank), rank, WORLD, cluster.salt) as client:
@@ -65,21 +69,23 @@ async def _windows(
                         out = await client.all_reduce_weighted(_params(rank, window, fragments), RoundKind.MODEL,
                                                                float(rank + 1))
                         got[rank, window] = [t.numpy().tobytes() for t in out[0]]
-                        if window == lose_shard_after:
-                            done[rank].set()
-                            await lost.wait()
+                        if window in losses:
+                            done[window][rank].set()
+                            await lost[window].wait()
 
-            async def lose_shard_1() -> None:
-                for event in done:
+            async def lose_shard(window: int) -> None:
+                for event in done[window]:
                     await event.wait()
-                cluster.close_shard(1)
-                lost.set()
+                if before_loss is not None:
+                    before_loss(cluster, window)
+                cluster.close_shard(losses[window])
+                lost[window].set()
 
             async with trio.open_nursery() as nursery:
                 for rank in range(WORLD):
                     nursery.start_soon(rank_main, rank)
-                if lose_shard_after is not None:
-                    nursery.start_soon(lose_shard_1)
+                for window in losses:
+                    nursery.start_soon(lose_shard, window)
                 if meanwhile is not None:
                     nursery.start_soon(meanwhile, cluster, got)
     return got, cluster, outer
@@ -104,11 +110,12 @@ async def test_shards_step_their_lanes_to_the_bytes_of_a_controller_without_shar
     assert sorted(outer.state_dict()) == ["windows"]  # the controller's optimizer held no lane
 
 
-@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("shards", [3, 4])
 async def test_a_lost_shards_lanes_step_on_from_its_backups_mirror(salt, shards):
     """Shard 1 closes after window 2: its backup (the next live shard) takes its lanes
     over with the outer state it mirrored, so every window - the one after the loss
-    included - is the bytes a deterministic controller without shards sends."""
+    included - is the bytes a deterministic controller without shards sends. (With two
+    shards the controller serves a standby instead: the test below.)"""
     lost_after, windows = 2, 5
     sharded, cluster, _ = await _windows(salt, shards, DiLoCoNesterov, windows, lose_shard_after=lost_after)
     star, _, _ = await _windows(salt, 0, DiLoCoNesterov, windows)
@@ -214,6 +221,31 @@ async def test_a_shard_lost_mid_round_after_stepping_some_lanes_leaves_every_win
     assert (cluster.controller.stats.shards_lost, cluster.controller.stats.decisions_again) == (1, 1)
     assert sharded == star
     assert cluster.shards[2].lanes_taken_over > 0
+
+
+@pytest.mark.parametrize(("shards", "losses"), [(2, [(2, 1), (4, 0)]), (3, [(1, 1), (2, 0), (4, 2)])],
+                         ids=["2-shards", "3-shards"])
+async def test_with_one_shard_left_the_controller_serves_a_standby_so_its_loss_keeps_the_outer_state_exact(
+    salt, shards, losses,
+):
+    """Shards close until one is left: the controller then serves the lowest lost one again
+    itself, beside it, between rounds (the shard left hands it that shard's lanes' state).
+    That standby is the last live shard's backup: when it closes too (after window 4), its
+    lanes step on at the standby from the mirror, and every window is the bytes of a
+    controller without shards."""
+    windows = 7
+
+    def standby_in_place(cluster, window: int) -> None:
+        stats = cluster.controller.stats
+        if window == 4:  # (served at the first commit after the loss before, in window 3)
+            assert (stats.shards_lost, stats.shards_served_here) == (shards - 1, 1), stats
+
+    star, _, _ = await _windows(salt, 0, DiLoCoNesterov, windows)
+    sharded, cluster, _ = await _windows(salt, shards, DiLoCoNesterov, windows, losses=losses,
+                                         before_loss=standby_in_place)
+    assert sharded == star
+    # (no standby beside the controller's own shard: it would back nothing up)
+    assert (cluster.controller.stats.shards_lost, cluster.controller.stats.shards_served_here) == (shards, 1)
 
 
 async def test_a_round_commits_only_once_its_backup_mirrored_it_and_a_backup_that_did_not_is_lost(salt, monkeypatch):

@@ -355,22 +355,29 @@ async def test_diloco_through_the_relays_shards_resumed_after_a_controller_sigki
 
 
 @pytest.mark.deadline(150)
-@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
-async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identical(salt, fault):
+@pytest.mark.parametrize(("fault", "codec"), [("sigkill", None), ("sigstop", None), ("sigkill", "int8:256")],
+                         ids=["sigkill", "sigstop", "sigkill-int8-deltas"])
+async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identical(salt, fault, codec):
     """Three shard daemons, DiLoCo, deterministic: shard 1 is SIGKILLed (or SIGSTOPped until
     the controller's heartbeat timeout loses it) while host 0's round is up. Shard 2, its
     backup, steps shard 1's lanes on from the outer state it mirrored, and the run ends
-    bit-identical, window by window, to the same run with no shard lost."""
+    bit-identical, window by window, to the same run with no shard lost. With int8
+    deltas (through five shards) the shards sum the coded rounds and the controller steps
+    them: the same."""
     from flodl_trio.testing.matrix import diagnose
     from tests.e2e.test_controller_restart_processes import until_host0_delivered
 
     windows, hold = 8, 4
-    args = {r: ["--windows", str(windows), *(["--pause-before", f"{hold}:inf"] if r == 2 else [])] for r in range(3)}
+    coded = ["--codec", codec] if codec else []
+    args = {r: ["--windows", str(windows), *coded, *(["--pause-before", f"{hold}:inf"] if r == 2 else [])]
+            for r in range(3)}
 
     async def run(lose):
         async with open_process_cluster(
             world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=3.0, daemons=True,
-            numel=NUMEL, shards=3, pause=0.05, worker_args=args, relay_args={h: ["--deterministic"] for h in range(3)},
+            numel=NUMEL * (4 if codec else 1),  # (coded, a quarter of the bytes: the same lanes)
+            shards=5 if codec else 3,  # (int8 deltas go through 5 shards: 5 x 8 bits > 32, docs/wire.md)
+            pause=0.05, worker_args=args, relay_args={h: ["--deterministic"] for h in range(3)},
             controller_args=["--outer", "diloco", "--deterministic"],
         ) as cluster:
             with diagnose(cluster):
@@ -387,7 +394,10 @@ async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identica
         reference = await run(False)
         lost = await run(True)
     assert "shard 1 lost" not in reference.controller.text, reference.logs()
-    assert "goes on from its mirrored outer state" in lost.shards[2].text, lost.logs()
+    if codec:  # the delta rounds went through the shards
+        assert "sums delta rounds" in lost.shards[2].text, lost.logs()
+    else:
+        assert "goes on from its mirrored outer state" in lost.shards[2].text, lost.logs()
     _assert_same_windows(reference, lost, windows)
 
 

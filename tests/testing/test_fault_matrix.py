@@ -50,7 +50,7 @@ REQUIRED = {
     # reduction shards: lost alone, with their host or all of them, frozen, served again by a host
     # brought back, and holding for a controller started again
     "shard-kill-mid-round", "shard-freeze", "shard-host-kill-mid-round", "shard-relay-freeze", "shard-host-restart",
-    "shard-controller-restart", "shard-all-killed", "shard-kill-diloco",
+    "shard-controller-restart", "shard-all-killed", "shard-kill-diloco", "shard-kill-int8-deltas",
 }
 
 

@@ -250,15 +250,18 @@ async def shard_controller_restart() -> Outcome:
 DILOCO_WINDOWS, DILOCO_HOLD = 8, 4
 
 
-async def _diloco_digests(lose_shard: bool) -> tuple[dict[int, list[str]], float, str]:
+async def _diloco_digests(lose_shard: bool, codec: str | None = None) -> tuple[dict[int, list[str]], float, str]:
     """Three shard daemons under DiLoCo, deterministic; rank 2 holds before window
     DILOCO_HOLD while the others' round goes up, and (``lose_shard``) shard 1 is SIGKILLed
-    then. Each rank's window digests, the seconds from the kill to rank 0's held window,
-    and the shards' logs."""
+    then. ``codec``: the params rounds as coded deltas (on a model four times as large:
+    the same lanes), through five shards (int8 goes through them from five on). Each rank's window digests, the seconds from the kill to rank 0's
+    held window, and the shards' logs."""
     held = ["--pause-before", f"{DILOCO_HOLD}:inf"]
-    args = {r: ["--windows", str(DILOCO_WINDOWS), *(held if r == 2 else [])] for r in range(3)}
-    async with daemon_cluster(world_size=3, hosts=[[0], [1], [2]], backend="torch", numel=SHARDED["numel"],
-                              pause=0.05, shards=3, worker_args=args,
+    coded = ["--codec", codec] if codec else []
+    args = {r: ["--windows", str(DILOCO_WINDOWS), *coded, *(held if r == 2 else [])] for r in range(3)}
+    numel = SHARDED["numel"] * (4 if codec else 1)
+    async with daemon_cluster(world_size=3, hosts=[[0], [1], [2]], backend="torch", numel=numel,
+                              pause=0.05, shards=5 if codec else 3, worker_args=args,
                               relay_args={h: ["--deterministic"] for h in range(3)},
                               controller_args=["--outer", "diloco", "--deterministic"]) as c:
         with diagnose(c):
@@ -282,11 +285,32 @@ async def shard_kill_diloco() -> Outcome:
     """The outer state through a lost shard (docs/wire.md): shard 2, shard 1's backup,
     mirrored the state of shard 1's lanes and steps them on, so every window's params are
     bit-identical to the run with no shard lost."""
-    reference, _, _ = await _diloco_digests(lose_shard=False)
-    lost, seconds, logs = await _diloco_digests(lose_shard=True)
-    if lost != reference:
-        raise MatrixFailure(f"the windows differ from the unfaulted run's: {lost} vs {reference}")
-    if "goes on from its mirrored outer state" not in logs:
-        raise MatrixFailure("no shard took shard 1's lanes over from its mirror")
+    seconds = await _lost_shard_changes_nothing(None, "goes on from its mirrored outer state",
+                                                "no shard took shard 1's lanes over from its mirror")
     return Outcome(f"shard 2 stepped shard 1's lanes on from its mirror; all {DILOCO_WINDOWS} windows bit-identical "
                    "to the unfaulted run for every rank", seconds)
+
+
+async def _lost_shard_changes_nothing(codec: str | None, logged: str, unlogged: str) -> float:
+    """The DiLoCo run with shard 1 lost ends as the one without (MatrixFailure if not, or
+    if no shard logged ``logged``: then ``unlogged`` says why); the seconds it took."""
+    reference, _, _ = await _diloco_digests(lose_shard=False, codec=codec)
+    lost, seconds, logs = await _diloco_digests(lose_shard=True, codec=codec)
+    if lost != reference:
+        raise MatrixFailure(f"the windows differ from the unfaulted run's: {lost} vs {reference}")
+    if logged not in logs:
+        raise MatrixFailure(unlogged)
+    return seconds
+
+
+@case("shard-kill-int8-deltas",
+      fault="shard daemon (1 of 5) SIGKILLed while a round of int8 deltas under DiLoCo is up (deterministic); "
+            "the same run unfaulted",
+      leg="shard process", deadline=60)
+async def shard_kill_int8_deltas() -> Outcome:
+    """Delta rounds through the shards (docs/wire.md): the shards sum the coded pieces, the
+    controller steps the means; shard 1's lanes go to shard 2, and every window's params
+    are bit-identical to the run with no shard lost."""
+    seconds = await _lost_shard_changes_nothing("int8:256", "sums delta rounds", "no shard summed a delta round")
+    return Outcome(f"the shards summed the int8 deltas; all {DILOCO_WINDOWS} windows bit-identical to the "
+                   "unfaulted run for every rank after shard 1 was lost", seconds)
