@@ -386,3 +386,37 @@ def test_in_lanes_a_relay_against_another_base_is_refused_on_the_lane_that_carri
         assert r.deposit(1, lane, now=0.0) is not None
     with pytest.raises(SchemaError, match=f"relay a's delta is against base {theirs.hex()}, the controller's is 0101"):
         rounds[-1].deposit(1, lanes[-1], now=0.0)
+
+
+def test_through_shards_a_relay_against_another_base_is_refused_on_lane_0_before_the_round_is_decided():
+    """Through the shards a delta round's lane 0 carries the digest (its one piece): the
+    controller checks it there, before any shard is told to sum the relay's pieces
+    (docs/wire.md, "Delta rounds through the shards"); a relay on the controller's base
+    is taken."""
+    from flodl_trio.errors import SchemaError
+    from flodl_trio.fold.delta import lane_digest_of
+    from flodl_trio.wire.lanes import LaneLayout, goes_through_shards
+    from flodl_trio.wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
+
+    codec = DeltaCodec.parse("int8:256")
+    theirs, ours = bytes(range(DIGEST_LEN)), b"\x01" * DIGEST_LEN
+    schema = ((codec.tag, (4096,)), (DTYPE_BASE_DIGEST, (DIGEST_LEN,)))
+    assert goes_through_shards(schema, 5) and not goes_through_shards(schema, 4)  # 5 x 8 > 32
+    layout = LaneLayout.for_schema(schema, 6, lane0_empty=True)
+    assert layout.lanes[0] == (layout.lanes[0][0],) and layout.lanes[0][0].tensor == 1  # the digest alone
+    assert all(p.tensor == 0 for lane in layout.lanes[1:] for p in lane)  # the codes over the others
+
+    def lane0(digest: bytes) -> RoundFrame:
+        return RoundFrame([TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), digest), *layout.trailer(0)],
+                          RoundKind.MODEL, 1.0)
+
+    assert lane_digest_of(lane0(theirs)) == theirs
+    dead = DeadRanks(4)
+    seats = Seats(4, dead)
+    seats.seat(1, Hello("a", (0, 1)), "relay a")
+    seats.seat(2, Hello("b", (2, 3)), "relay b")
+    round_ = ControllerRound(seats, ControllerStats(), computes_ahead=False)
+    round_.lineages.current.digest = ours
+    assert round_.deposit(2, lane0(ours), now=0.0) is None  # taken: relay a is still due
+    with pytest.raises(SchemaError, match=f"relay a's delta is against base {theirs.hex()}, the controller's is 0101"):
+        round_.deposit(1, lane0(theirs), now=0.0)
