@@ -83,14 +83,14 @@ def sharded_lane_count(lanes: int, shards: int, payload_bytes: int | None = None
 def goes_through_shards(schema: Sequence[tuple[int, tuple[int, ...]]], shards: int) -> bool:
     """Whether a round of this (dtype, shape) schema goes through ``shards`` shards: any
     but a delta round whose means (f32, one model a round into the controller's link)
-    would outweigh the star's coded frames (one a host): a delta round of b-bit codes
-    goes through them when ``shards * b > 32`` (f32: b = 32; docs/wire.md, "Delta rounds
-    through the shards")."""
+    would not weigh clearly less than the star's coded frames (one a host): a delta
+    round of b-bit codes goes through them when ``shards * b >= 64``, half the star's
+    bytes or less (f32: b = 32; docs/wire.md, "Delta rounds through the shards")."""
     if not schema or schema[-1][0] != DTYPE_BASE_DIGEST:
         return True
     codecs = [DeltaCodec.of_tag(dtype) for dtype, _ in schema]
     bits = min((codec.code.bits for codec in codecs if codec is not None), default=32)
-    return shards * bits > 32
+    return shards * bits >= 64
 
 
 def lane_owner(lane: int, shards: int, lost: Collection[int] = ()) -> int | None:

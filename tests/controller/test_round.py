@@ -401,7 +401,7 @@ def test_through_shards_a_relay_against_another_base_is_refused_on_lane_0_before
     codec = DeltaCodec.parse("int8:256")
     theirs, ours = bytes(range(DIGEST_LEN)), b"\x01" * DIGEST_LEN
     schema = ((codec.tag, (4096,)), (DTYPE_BASE_DIGEST, (DIGEST_LEN,)))
-    assert goes_through_shards(schema, 5) and not goes_through_shards(schema, 4)  # 5 x 8 > 32
+    assert goes_through_shards(schema, 8) and not goes_through_shards(schema, 7)  # 8 x 8 >= 64
     layout = LaneLayout.for_schema(schema, 6, lane0_empty=True)
     assert layout.lanes[0] == (layout.lanes[0][0],) and layout.lanes[0][0].tensor == 1  # the digest alone
     assert all(p.tensor == 0 for lane in layout.lanes[1:] for p in lane)  # the codes over the others

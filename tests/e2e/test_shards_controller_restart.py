@@ -27,7 +27,7 @@ from tests.e2e.test_controller_restart import (
 )
 
 SHARDS = 2
-DELTA_SHARDS = 5  # int8 deltas go through 5 shards (5 x 8 bits > 32: docs/wire.md), not 2
+DELTA_SHARDS = 8  # int8 deltas go through 8 shards (8 x 8 bits >= 64: docs/wire.md), not 2
 # Up from a relay with shards: its Hello; then each round of a window (the step counts, the
 # params, the buffers: with lane_min_bytes 0 each goes in lanes, so through the shards)
 # sends the controller lane 0 and LanesIn (its pieces go to the shards).

@@ -25,7 +25,7 @@ from flodl_trio.wire.quant import DeltaCodec
 from tests.e2e.test_delta_rounds import SALT, WINDOWS, assert_holds_the_oracles, model, oracle, train
 
 THREE_HOSTS = [[0, 1], [2], [3]]
-SHARDS = 5  # int8 deltas go through 5 shards (5 x 8 bits > 32: docs/wire.md)
+SHARDS = 8  # int8 deltas go through 8 shards (8 x 8 bits >= 64: docs/wire.md)
 
 
 async def _run(hosts, codec: DeltaCodec, shards, *, meanwhile=None, **options):
@@ -51,14 +51,14 @@ async def _run(hosts, codec: DeltaCodec, shards, *, meanwhile=None, **options):
 
 
 @pytest.mark.parametrize(("shards", "codec", "through"), [
-    (5, "int8:1024", True), (9, "fp4:256", True), (5, "int4:512", False), (2, "int8:1024", False),
+    (8, "int8:1024", True), (16, "fp4:256", True), (5, "int8:1024", False), (8, "int4:512", False),
     ("auto", "int8:256", False),
-], ids=["5-int8", "9-fp4", "5-int4", "2-int8", "auto-int8"])
+], ids=["8-int8", "16-fp4", "5-int8", "8-int4", "auto-int8"])
 async def test_delta_rounds_go_through_the_shards_when_they_pay_and_every_rank_holds_the_oracles_params(
     shards, codec, through,
 ):
-    """A round of b-bit deltas goes through S shards when S * b > 32 (their f32 means into
-    the controller weigh less than the star's coded frames); the lineage's first round
+    """A round of b-bit deltas goes through S shards when S * b >= 64 (their f32 means into
+    the controller weigh half the star's coded frames or less); the lineage's first round
     (f32) always does, and the others, through the shards or not, give every rank the
     star's bits. Through them, every params round's mean was summed by a shard (auto:
     the shards are fixed at window 0's Control round; with three relays, three shards)."""
@@ -110,7 +110,7 @@ def _stall_shard_1(monkeypatch, method: str, window: int) -> trio.Event:
 
 @pytest.mark.parametrize("method", ["_sum_lane", "_fan_out"], ids=["before-its-means", "after-its-means"])
 async def test_a_shard_lost_mid_delta_round_leaves_every_window_exact(monkeypatch, method):
-    """Shard 1 of 5 sends the controller one lane's mean of window 3's round and stalls
+    """Shard 1 of 8 sends the controller one lane's mean of window 3's round and stalls
     (the controller still lacks means: it decides again, and the new owner sums them), or
     it stalls after fanning one consensus lane out (the controller has stepped the round:
     it decides again with the same hosts, and sends the new owner the same lanes, never

@@ -362,7 +362,7 @@ async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identica
     the controller's heartbeat timeout loses it) while host 0's round is up. Shard 2, its
     backup, steps shard 1's lanes on from the outer state it mirrored, and the run ends
     bit-identical, window by window, to the same run with no shard lost. With int8
-    deltas (through five shards) the shards sum the coded rounds and the controller steps
+    deltas (through eight shards) the shards sum the coded rounds and the controller steps
     them: the same."""
     from flodl_trio.testing.matrix import diagnose
     from tests.e2e.test_controller_restart_processes import until_host0_delivered
@@ -376,7 +376,7 @@ async def test_diloco_through_shard_daemons_one_lost_mid_round_ends_bit_identica
         async with open_process_cluster(
             world_size=3, hosts=[[0], [1], [2]], salt=salt, control=True, heartbeat_timeout=3.0, daemons=True,
             numel=NUMEL * (4 if codec else 1),  # (coded, a quarter of the bytes: the same lanes)
-            shards=5 if codec else 3,  # (int8 deltas go through 5 shards: 5 x 8 bits > 32, docs/wire.md)
+            shards=8 if codec else 3,  # (int8 deltas go through 8 shards: 8 x 8 bits >= 64, docs/wire.md)
             pause=0.05, worker_args=args, relay_args={h: ["--deterministic"] for h in range(3)},
             controller_args=["--outer", "diloco", "--deterministic"],
         ) as cluster:

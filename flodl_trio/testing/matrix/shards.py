@@ -254,14 +254,15 @@ async def _diloco_digests(lose_shard: bool, codec: str | None = None) -> tuple[d
     """Three shard daemons under DiLoCo, deterministic; rank 2 holds before window
     DILOCO_HOLD while the others' round goes up, and (``lose_shard``) shard 1 is SIGKILLed
     then. ``codec``: the params rounds as coded deltas (on a model four times as large:
-    the same lanes), through five shards (int8 goes through them from five on). Each rank's window digests, the seconds from the kill to rank 0's
-    held window, and the shards' logs."""
+    the same lanes), through eight shard daemons (int8 goes through them from eight on).
+    Each rank's window digests, the seconds from the kill to rank 0's held window, and
+    the shards' logs."""
     held = ["--pause-before", f"{DILOCO_HOLD}:inf"]
     coded = ["--codec", codec] if codec else []
     args = {r: ["--windows", str(DILOCO_WINDOWS), *coded, *(held if r == 2 else [])] for r in range(3)}
     numel = SHARDED["numel"] * (4 if codec else 1)
     async with daemon_cluster(world_size=3, hosts=[[0], [1], [2]], backend="torch", numel=numel,
-                              pause=0.05, shards=5 if codec else 3, worker_args=args,
+                              pause=0.05, shards=8 if codec else 3, worker_args=args,
                               relay_args={h: ["--deterministic"] for h in range(3)},
                               controller_args=["--outer", "diloco", "--deterministic"]) as c:
         with diagnose(c):
@@ -304,7 +305,7 @@ async def _lost_shard_changes_nothing(codec: str | None, logged: str, unlogged: 
 
 
 @case("shard-kill-int8-deltas",
-      fault="shard daemon (1 of 5) SIGKILLed while a round of int8 deltas under DiLoCo is up (deterministic); "
+      fault="shard daemon (1 of 8) SIGKILLed while a round of int8 deltas under DiLoCo is up (deterministic); "
             "the same run unfaulted",
       leg="shard process", deadline=60)
 async def shard_kill_int8_deltas() -> Outcome:
