@@ -36,7 +36,7 @@ from ..transport.connect import Connector, connect_with_retry, is_loopback, loca
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal
-from ..wire.constants import CHANNEL_MAGIC_SHARD
+from ..wire.constants import CHANNEL_MAGIC_SHARD, DTYPE_F32
 from ..wire.fragment import FragmentTag
 from ..wire.lanes import LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import (
@@ -60,7 +60,6 @@ from ..wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
-from ..wire.constants import DTYPE_F32
 from ..wire.quant import DeltaCodec
 from ..wire.round_frame import EncodedFrame, RoundFrame, TensorPayload, decode_round_frame
 from .config import ControllerConfig
@@ -230,6 +229,7 @@ class ShardSet:
         self._mirrored: set[int] = set()  # shards that said Mirrored for the pending decision
         self._hosts_final = False  # a delta round's means are in: a relay lost now is not decided out
         self._means = False  # the pending decision's copy is a delta round's means
+        self._telling = 0  # lost shards the live ones are being told of (no decision meanwhile)
 
     def _record(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self._config.salt)
@@ -545,13 +545,18 @@ class ShardSet:
             raise FlodlError(f"controller: every one of the {len(self.addresses)} shards is lost "
                              f"(shard {index}: {why})")
         log.warning("controller: shard %d lost (%s); its lanes go to the next live shard", index, why)
-        self._tell_relays(ShardLost(index))
-        # Every shard knows before the round is decided again: the new owners then take
-        # a delta round's consensus lanes as theirs ("Delta rounds through the shards").
-        await self._tell_shards(ShardLost(index))
         if self._pending is not None:
             self._again = True
-        self._changed.notify()
+        self._tell_relays(ShardLost(index))
+        # Every shard knows before the round is decided again (``decide`` waits): the new
+        # owners then take a delta round's consensus lanes as theirs ("Delta rounds
+        # through the shards").
+        self._telling += 1
+        try:
+            await self._tell_shards(ShardLost(index))
+        finally:
+            self._telling -= 1
+            self._changed.notify()
 
     async def _move_here(self, index: int, why: str) -> None:
         """The last live shard is lost: the controller serves it itself from now on, rather
@@ -654,6 +659,8 @@ class ShardSet:
         produced: list[EncodedFrame] | None = None
         self._hosts_final = False
         while True:
+            while self._telling:  # (a lost shard is told to every live one first)
+                await self._changed.wait()
             if not self._hosts_final:
                 hosts = [seat for seat in hosts if self._live(seat.id)]
             live_targets = [seat for seat in targets if self._live(seat.id)]
