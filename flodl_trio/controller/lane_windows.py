@@ -131,14 +131,14 @@ class LaneWindows:
             log.warning("controller: lane %d's consensus finished outside the round in progress; sent as it is", lane)
             return LaneOut(attrs.evolve(consensus, part=None), opens_round=False, ends_round=False)
         part = self._part
-        if self._delta is not None and self._sharded:
-            pass  # lane 0 of a delta round through the shards: it carries the new digest (end_sharded)
-        elif self._delta is not None:
+        # (lane 0 of a delta round through the shards is taken as it is: it carries the
+        # new digest at the commit, end_sharded)
+        if self._delta is not None and not self._sharded:
             frame = self._delta_lane(frame, layout, lane, part)
         elif self._steps(part, frame) and not self._sharded:
             assert part is not None
             frame = self._outer_step(frame, layout, lane, part)
-        if self._assembler is not None and not (self._delta is not None and self._sharded):
+        if self._assembler is not None and not self.sharded_delta:
             self._assembler.add(frame)
         out = attrs.evolve(consensus, outgoing=frame, part=None)
         self._next_lane = lane + 1
