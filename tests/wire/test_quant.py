@@ -129,3 +129,27 @@ def test_a_block_of_subnormal_deltas_keeps_its_bound(code):
     assert np.isfinite(out).all()
     assert (np.abs(array.astype(np.float64) - out) <= bound).all()
     np.testing.assert_array_equal(residual, array - out)
+
+
+def reference_level(x: float, code: Code) -> float:
+    """The nearest level of one scaled value, the slow obvious way (the codes' rounding rules)."""
+    if code is Code.INT4:
+        return float(np.clip(np.rint(x), -7, 7))
+    magnitudes = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    # nearest magnitude, a tie going to the lower one (min keeps the first of equals)
+    best = min(magnitudes, key=lambda m: abs(abs(x) - m))
+    return -best if x < 0 and best else best
+
+
+@pytest.mark.parametrize("code", [Code.INT4, Code.FP4], ids=lambda c: c.value)
+@pytest.mark.parametrize("numel_extra", [0, 1])  # an even and an odd count of codes
+def test_every_eighth_of_a_level_step_rounds_as_the_reference_does(code, numel_extra):
+    """Every multiple of 1/8 in the code's range (each tie between two levels among
+    them) with the block's scale exactly 1: the decoded value is the reference level."""
+    top = code.max_level
+    grid = np.arange(-8 * top, 8 * top + 1) / 8
+    values = np.concatenate([grid, [top] * (1 + numel_extra)]).astype("<f4")
+    _payload, out, residual = roundtrip(values, code, 256)  # one block
+    expected = np.array([reference_level(float(x), code) for x in values], dtype="<f4")
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(residual, values - expected)
