@@ -8,6 +8,7 @@ codes alone).
 
     python benchmarks/delta_rounds.py                 # 200mbit and 1gbit, lanes 1 and 8
     python benchmarks/delta_rounds.py --rates 200mbit --rounds 8 --lanes 8
+    python benchmarks/delta_rounds.py --wires fp4 --lanes 8 --profile /tmp/prof  # where the CPU went
 
 Needs root (network namespaces). A round here is one delta exchange (no step-count
 round), timed at the rank from send to the consensus applied.
@@ -54,8 +55,8 @@ def codec_cpu_ms(wire: str) -> float:
     return 1e3 * best
 
 
-def bench_args(lanes: int) -> argparse.Namespace:
-    return argparse.Namespace(profile=None, timing=False, deterministic=False, lanes=lanes, no_unix=False,
+def bench_args(lanes: int, profile: str | None = None) -> argparse.Namespace:
+    return argparse.Namespace(profile=profile, timing=False, deterministic=False, lanes=lanes, no_unix=False,
                               rank_threads=1)
 
 
@@ -69,7 +70,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lanes", default="1,8", help="comma-separated lane counts to run flodl_trio with")
+    ap.add_argument("--wires", default=",".join(WIRES), help="comma-separated wires to run (f32, int8, fp4, ...)")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="run the flodl_trio processes under py-spy record and print where their CPU went")
     args = ap.parse_args()
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="delta-bench-"))
     rows = []
     for rate in args.rates.split(","):
@@ -77,8 +83,8 @@ def main() -> int:
             hosts = pair.hosts(2)
             gloo = allreduce.Bench(bench_args(1), workdir).run_gloo(hosts, NUMEL, "f32", args.warmup, args.rounds)
             for lanes in (int(n) for n in args.lanes.split(",")):
-                bench = allreduce.Bench(bench_args(lanes), workdir)
-                for wire in WIRES:
+                bench = allreduce.Bench(bench_args(lanes, args.profile), workdir)
+                for wire in args.wires.split(","):
                     flodl = bench.run_flodl(hosts, NUMEL, wire, args.warmup, args.rounds, f"delta_{wire}_{rate}_l{lanes}")
                     link_ms = 1e3 * 8 * frame_bytes(wire) / RATE_BITS.get(rate, 1e9)
                     rows.append((rate, lanes, wire, median_ms(flodl), median_ms(gloo), link_ms, codec_cpu_ms(wire)))
@@ -91,6 +97,8 @@ def main() -> int:
         rate_gbs = f"{4 * NUMEL / cpu / 1e6:.2f}" if cpu else "-"
         print(f"| {rate} | {lanes} | {wire} | {ms:.0f} | {gloo_ms:.0f} | {ms / gloo_ms:.2f}x | {link_ms:.0f} "
               f"| {cpu:.0f} | {rate_gbs} |")
+    if args.profile:
+        print(allreduce.summarize_profiles(Path(args.profile)))
     return 0
 
 
