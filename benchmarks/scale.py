@@ -222,9 +222,20 @@ def main() -> int:
               f"{flodl.median_ms / gloo.median_ms:.2f}x | {star_floor_ms(count, mib, rate_bps):.0f} ms | "
               f"{ring_floor_ms(count, mib, rate_bps):.0f} ms | {cpu_floor:.0f} ms | "
               f"{received(flodl)} | {received(gloo)} | {peak_rss(flodl)} |")
+    print("\nCPU per round by role (all processes of the role, ms; a relay's child shard counts with it):\n")
+    print("| hosts | flodl_trio ranks | relays | shards | controller | gloo ranks |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for count, _mib, flodl, gloo in rows:
+        print(f"| {count} | " + " | ".join(f"{cpu_of_role(flodl, role):.0f}" for role in ("rank", "relay", "shard", "controller"))
+              + f" | {cpu_of_role(gloo, 'rank'):.0f} |")
     if args.profile:
         print("\n" + summarize_profiles(Path(args.profile)))
     return 0
+
+
+def cpu_of_role(result: RunResult, prefix: str) -> float:
+    """CPU ms per timed round of every process whose name starts with ``prefix``."""
+    return sum(ms for name, ms in result.cpu_ms.items() if name.startswith(prefix))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from ..errors import ConnectFailed, FlodlError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import connect_with_retry
 from ..transport.stream import CONNECTION_LOST, MessageStream
-from ..transport.tasks import ChangeSignal
+from ..transport.tasks import ChangeSignal, Turns
 from ..wire.constants import CHANNEL_MAGIC_DATA
 from ..wire.lanes import lane_owner, read_lane_tag
 from ..wire.mux import (
@@ -46,6 +46,10 @@ from ..wire.mux import (
 )
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from .config import RelayConfig
+
+# How long one lane's write holds the host's link for the next lanes (ShardLinks._tickets):
+# a shard that stops reading delays the others' lanes this long at most.
+LANE_TURN_PATIENCE_S = 1.0
 
 log = logging.getLogger("flodl_trio.relay")
 
@@ -98,6 +102,9 @@ class ShardLinks:
         self._told_controller: set[int] = set()  # ... and told to the controller
         self._back: dict[int, tuple[str, int]] = {}  # lost shards served again from the next round, and where
         self._records: list[EncodedFrame] = []  # the round's lane records
+        # This relay's place among the hosts (ranks are numbered host by host): where its
+        # turns start (see _tickets).
+        self._place = min(config.ranks) // len(config.ranks)
         self._sent: Callable[[int], None] = _nothing  # counts the bytes each one took
         self._reported = -1  # the newest decision whose LanesIn went to the controller
         self._retell = False  # a new controller connection: say again every shard lost here
@@ -182,7 +189,7 @@ class ShardLinks:
 
     async def _send_missing(self, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
         """Each lane not yet sent to its owner now (every lane at first; a lost shard's
-        later), every shard's at once: one after another would idle the others' links."""
+        later), in turns on this host's link (see :meth:`_tickets`)."""
         by_shard: dict[int, list[int]] = {}
         for lane in range(1, len(records)):
             owner = self.owner(lane)
@@ -191,28 +198,58 @@ class ShardLinks:
                 self._sent_to[lane] = owner
         if not by_shard:
             return
+        turns = Turns(LANE_TURN_PATIENCE_S)
+        tickets = self._tickets(by_shard)
         async with trio.open_nursery() as nursery:
             for shard, lanes in by_shard.items():
-                nursery.start_soon(self._send_lanes, shard, [records[k] for k in lanes], sent)
+                nursery.start_soon(self._send_lanes, shard, [records[k] for k in lanes], sent, turns, tickets[shard])
 
-    async def _send_lanes(self, shard: int, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
+    def _tickets(self, by_shard: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Each lane's turn on this host's link: a lane to each shard in turn, starting
+        with the shard after this relay's place among the hosts, then each one's next
+        lane, and so on. Every relay starting at a different shard, at each moment the
+        relays send to different shards, so every host's link receives about one lane at
+        a time, and every shard has its first lane from every host after 1/n of the
+        upload and can fan it out while the rest goes up. (All lanes at once, every
+        relay's first lanes crowded the same links, and the shards' fan-out began late:
+        docs/performance.md, "Lanes in turns".)"""
+        order = sorted(by_shard, key=lambda shard: (shard - self._place - 1) % max(self.count, 1))
+        tickets: dict[int, list[int]] = {shard: [] for shard in order}
+        ticket = 0
+        for slot in range(max(len(lanes) for lanes in by_shard.values())):
+            for shard in order:
+                if slot < len(by_shard[shard]):
+                    tickets[shard].append(ticket)
+                    ticket += 1
+        return tickets
+
+    async def _send_lanes(
+        self, shard: int, records: list[EncodedFrame], sent: Callable[[int], None], turns: Turns, tickets: list[int],
+    ) -> None:
         """A shard's lanes after the round's mark (and the lost shards it has not heard of
-        from us: it takes their lanes). A write that fails (the connection broke, or
-        stalled past the write bound) closes the connection: its reader then tells the
-        controller, and waits (bounded) for its word."""
-        conn = self.conns.get(shard)
-        if conn is None:
-            return
-        told = self._told.setdefault(shard, set())
-        head = [self._record(ShardLost(lost)) for lost in sorted(self.lost - told)]
-        told |= self.lost
+        from us: it takes their lanes), each in its turn. A write that fails (the
+        connection broke, or stalled past the write bound) closes the connection: its
+        reader then tells the controller, and waits (bounded) for its word."""
         try:
-            for record in [*head, self._record(Pieces(self._round)), *records]:
-                await conn.send_chunks(record.chunks)
-                sent(record.nbytes)
-        except (*CONNECTION_LOST, trio.ClosedResourceError):
-            if shard not in self.lost:
-                await conn.aclose()  # its reader ends with it
+            conn = self.conns.get(shard)
+            if conn is None:
+                return
+            told = self._told.setdefault(shard, set())
+            head = [self._record(ShardLost(lost)) for lost in sorted(self.lost - told)]
+            told |= self.lost
+            try:
+                for record in [*head, self._record(Pieces(self._round))]:
+                    await conn.send_chunks(record.chunks)
+                    sent(record.nbytes)
+                for record, ticket in zip(records, tickets):
+                    async with turns.turn(ticket):
+                        await conn.send_chunks(record.chunks)
+                    sent(record.nbytes)
+            except (*CONNECTION_LOST, trio.ClosedResourceError):
+                if shard not in self.lost:
+                    await conn.aclose()  # its reader ends with it
+        finally:
+            turns.give_up(*tickets)  # (those it did not take: its link is gone)
 
     # -- what the controller says ---------------------------------------------
 

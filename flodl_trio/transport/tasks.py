@@ -1,6 +1,7 @@
 """Small trio idioms every role uses: a service nursery inside an async context
 manager that does not turn the caller's own exception into an ExceptionGroup,
-unwrapping a group at an API boundary, and a signal for "something changed"."""
+unwrapping a group at an API boundary, a signal for "something changed", and
+turns that order writes on a shared link."""
 
 from __future__ import annotations
 
@@ -106,6 +107,56 @@ class ChangeSignal:
         and waited on after it: a change made while it worked then wakes it at once,
         where ``wait`` would sleep through it until the one after."""
         return self._event
+
+
+class Turns:
+    """Writes on one link taken in ticket order, as long as each ends in time.
+
+    ``async with turns.turn(t)`` waits until every ticket below ``t`` has had
+    its turn, then holds it for the write. A turn ends when its holder leaves
+    the block (or gives the ticket up), or ``patience`` seconds after it began,
+    whichever is first: a peer that stops reading holds the others back that
+    long at most, and they go on beside its write. Tickets are handed out by
+    the caller (their order is the schedule); one never taken is given up
+    with :meth:`give_up`, or its turn ends by patience.
+    """
+
+    def __init__(self, patience: float) -> None:
+        self._patience = patience
+        self._current = 0  # the ticket whose turn it is (every one below has had its turn)
+        self._since = trio.current_time()  # when its turn began
+        self._ended: set[int] = set()
+        self._changed = ChangeSignal()
+
+    @asynccontextmanager
+    async def turn(self, ticket: int) -> AsyncIterator[None]:
+        try:
+            while self._current < ticket:
+                holder = self._current
+                with trio.move_on_at(self._since + self._patience) as waited:
+                    await self._changed.wait()
+                if waited.cancelled_caught and self._current == holder:
+                    self._end(holder)  # its write took too long: the next one's turn
+            yield
+        finally:
+            self._end(ticket)
+
+    def give_up(self, *tickets: int) -> None:
+        """Tickets whose writes will not happen (their peer is gone): their turns are over."""
+        for ticket in tickets:
+            self._end(ticket)
+
+    def _end(self, ticket: int) -> None:
+        if ticket < self._current:
+            return  # its turn ended already (by patience)
+        self._ended.add(ticket)
+        if self._current not in self._ended:
+            return
+        while self._current in self._ended:
+            self._ended.discard(self._current)
+            self._current += 1
+        self._since = trio.current_time()
+        self._changed.notify()
 
 
 class RunOutcome:

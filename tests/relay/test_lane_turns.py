@@ -1,0 +1,68 @@
+"""A relay sends its lanes to the shards in turns: one lane to each shard, starting
+with the shard after the relay's own place among the hosts, then each one's next
+lane (ShardLinks._tickets): at each moment the relays send to different shards, and
+each shard has its first lane from every host early enough to fan it out while the
+rest goes up."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from flodl_trio.relay.config import ChannelKind, RelayConfig
+from flodl_trio.relay.shards import ShardLinks
+from flodl_trio.transport.stream import MessageStream
+from flodl_trio.wire.round_frame import EncodedFrame
+from flodl_trio.wire.salt import SessionSalt
+
+SALT = SessionSalt(b"lane-turns-salt!")
+SHARDS = 4
+LANES = 1 + 2 * SHARDS  # lane 0 (the controller's) and two lanes a shard
+
+
+def links_of_host(host: int, ranks_per_host: int = 2) -> tuple[ShardLinks, list[trio.testing.MemoryReceiveStream]]:
+    ranks = tuple(range(host * ranks_per_host, (host + 1) * ranks_per_host))
+    config = RelayConfig(ChannelKind.DATA, ("ctl", 1), f"host{host}", ranks, SHARDS * ranks_per_host, SALT,
+                         shards=tuple(("shard", 1000 + i) for i in range(SHARDS)))
+    links = ShardLinks(config, lambda *args: None, lanes=None)  # type: ignore[arg-type]
+    ends = []
+    for shard in range(SHARDS):
+        send, receive = trio.testing.memory_stream_one_way_pair()
+        links.conns[shard] = MessageStream(trio.StapledStream(send, trio.testing.memory_stream_one_way_pair()[1]))
+        ends.append(receive)
+    return links, ends
+
+
+def lane_records() -> list[EncodedFrame]:
+    """Lane k's record is 10_000 + k bytes long, so what was sent says which lane it was."""
+    return [EncodedFrame([bytes(10_000 + k)], 10_000 + k) for k in range(LANES)]
+
+
+async def sent_lanes(host: int) -> tuple[list[int], ShardLinks]:
+    links, _ends = links_of_host(host)
+    sent: list[int] = []
+    await links._send_missing(lane_records(), sent.append)
+    return [n - 10_000 for n in sent if n >= 10_000], links
+
+
+async def test_each_shard_gets_one_lane_in_turn_from_the_one_after_the_relays_place():
+    for host in range(SHARDS):
+        order, links = await sent_lanes(host)
+        owners = [links.owner(lane) for lane in order]
+        first = (host + 1) % SHARDS
+        turn = [(first + k) % SHARDS for k in range(SHARDS)]
+        assert owners == turn + turn, (host, owners)  # a lane to each, then the next lane of each
+        assert sorted(order) == list(range(1, LANES))  # every lane once
+        for shard in range(SHARDS):  # each shard's own lanes in lane order
+            mine = [lane for lane in order if links.owner(lane) == shard]
+            assert mine == sorted(mine)
+
+
+async def test_at_each_turn_the_relays_send_to_different_shards():
+    owners_by_host = []
+    for host in range(SHARDS):
+        order, links = await sent_lanes(host)
+        owners_by_host.append([links.owner(lane) for lane in order])
+    for step in range(LANES - 1):
+        at_step = [owners[step] for owners in owners_by_host]
+        assert sorted(at_step) == list(range(SHARDS)), (step, at_step)
