@@ -413,7 +413,14 @@ class ShardSet:
             raise ProtocolError(f"said shard {shard}, the last live one, is lost; its connection here is fine, so "
                                 "this relay is dropped, not the shard")
         if shard not in self.lost and self._nursery is not None:
-            self._nursery.start_soon(self._lose, shard, why or f"{relay} lost its connection to it")
+            self._nursery.start_soon(self._lose_reported, shard, self.conns.get(shard),
+                                     why or f"{relay} lost its connection to it")
+
+    async def _lose_reported(self, index: int, conn: MessageStream | None, why: str) -> None:
+        """A relay's word that shard ``index`` is lost, of the connection it had then: not
+        of one set up since (the shard moved here or was served again meanwhile)."""
+        if conn is not None and self.conns.get(index) is conn:
+            await self._lose(index, why)
 
     async def aclose(self) -> None:
         for conn in self.conns.values():

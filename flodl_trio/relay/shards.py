@@ -47,7 +47,7 @@ from ..wire.mux import (
 from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from .config import RelayConfig
 
-# How long one lane's write holds the host's link for the next lanes (ShardLinks._tickets):
+# How long one lane's write holds the host's link for the next lanes (ShardLinks._turns):
 # a shard that stops reading delays the others' lanes this long at most.
 LANE_TURN_PATIENCE_S = 1.0
 
@@ -103,7 +103,7 @@ class ShardLinks:
         self._back: dict[int, tuple[str, int]] = {}  # lost shards served again from the next round, and where
         self._records: list[EncodedFrame] = []  # the round's lane records
         # This relay's place among the hosts (ranks are numbered host by host): where its
-        # turns start (see _tickets).
+        # turns start (see _turns).
         self._place = min(config.ranks) // len(config.ranks)
         self._sent: Callable[[int], None] = _nothing  # counts the bytes each one took
         self._reported = -1  # the newest decision whose LanesIn went to the controller
@@ -189,7 +189,7 @@ class ShardLinks:
 
     async def _send_missing(self, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
         """Each lane not yet sent to its owner now (every lane at first; a lost shard's
-        later), in turns on this host's link (see :meth:`_tickets`)."""
+        later), in turns on this host's link (see :meth:`_turns`)."""
         by_shard: dict[int, list[int]] = {}
         for lane in range(1, len(records)):
             owner = self.owner(lane)
@@ -198,30 +198,25 @@ class ShardLinks:
                 self._sent_to[lane] = owner
         if not by_shard:
             return
-        turns = Turns(LANE_TURN_PATIENCE_S)
-        tickets = self._tickets(by_shard)
+        schedule = self._turns(by_shard)
+        turns = Turns(schedule, LANE_TURN_PATIENCE_S)
         async with trio.open_nursery() as nursery:
             for shard, lanes in by_shard.items():
-                nursery.start_soon(self._send_lanes, shard, [records[k] for k in lanes], sent, turns, tickets[shard])
+                tickets = [ticket for ticket, writer in enumerate(schedule) if writer == shard]
+                nursery.start_soon(self._send_lanes, shard, [records[k] for k in lanes], sent, turns, tickets)
 
-    def _tickets(self, by_shard: dict[int, list[int]]) -> dict[int, list[int]]:
-        """Each lane's turn on this host's link: a lane to each shard in turn, starting
-        with the shard after this relay's place among the hosts, then each one's next
-        lane, and so on. Every relay starting at a different shard, at each moment the
-        relays send to different shards, so every host's link receives about one lane at
-        a time, and every shard has its first lane from every host after 1/n of the
-        upload and can fan it out while the rest goes up. (All lanes at once, every
-        relay's first lanes crowded the same links, and the shards' fan-out began late:
-        docs/performance.md, "Lanes in turns".)"""
+    def _turns(self, by_shard: dict[int, list[int]]) -> list[int]:
+        """The shard of each turn on this host's link: a lane to each shard in turn,
+        starting with the shard after this relay's place among the hosts, then each
+        one's next lane, and so on. Every relay starting at a different shard, at each
+        moment the relays send to different shards, so every host's link receives about
+        one lane at a time, and every shard has its first lane from every host after
+        1/n of the upload and can fan it out while the rest goes up. (All lanes at once,
+        every relay's first lanes crowded the same links, and the shards' fan-out began
+        late: docs/performance.md, "Lanes in turns".)"""
         order = sorted(by_shard, key=lambda shard: (shard - self._place - 1) % max(self.count, 1))
-        tickets: dict[int, list[int]] = {shard: [] for shard in order}
-        ticket = 0
-        for slot in range(max(len(lanes) for lanes in by_shard.values())):
-            for shard in order:
-                if slot < len(by_shard[shard]):
-                    tickets[shard].append(ticket)
-                    ticket += 1
-        return tickets
+        return [shard for slot in range(max(len(lanes) for lanes in by_shard.values()))
+                for shard in order if slot < len(by_shard[shard])]
 
     async def _send_lanes(
         self, shard: int, records: list[EncodedFrame], sent: Callable[[int], None], turns: Turns, tickets: list[int],

@@ -6,7 +6,7 @@ turns that order writes on a shared link."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 
 import trio
@@ -110,22 +110,25 @@ class ChangeSignal:
 
 
 class Turns:
-    """Writes on one link taken in ticket order, as long as each ends in time.
+    """Writes on one link taken in a set order, as long as each ends in time.
 
-    ``async with turns.turn(t)`` waits until every ticket below ``t`` has had
-    its turn, then holds it for the write. A turn ends when its holder leaves
-    the block (or gives the ticket up), or ``patience`` seconds after it began,
-    whichever is first: a peer that stops reading holds the others back that
-    long at most, and they go on beside its write. Tickets are handed out by
-    the caller (their order is the schedule); one never taken is given up
-    with :meth:`give_up`, or its turn ends by patience.
+    ``schedule[t]`` names the writer of ticket ``t`` (its peer, say); ``async
+    with turns.turn(t)`` waits until every ticket below ``t`` has had its turn,
+    then holds it for the write. A turn ends when its holder leaves the block
+    (or gives the ticket up), or ``patience`` seconds after it began, whichever
+    is first. A writer whose turn ended by patience (a peer that stopped
+    reading) is passed over until that write ends: it holds the others back
+    once, ``patience`` at most, and they go on beside it. A ticket never taken
+    is given up with :meth:`give_up`.
     """
 
-    def __init__(self, patience: float) -> None:
+    def __init__(self, schedule: Sequence[Hashable], patience: float) -> None:
+        self._writers = list(schedule)
         self._patience = patience
         self._current = 0  # the ticket whose turn it is (every one below has had its turn)
         self._since = trio.current_time()  # when its turn began
         self._ended: set[int] = set()
+        self._behind: set[Hashable] = set()  # writers whose turn ended by patience, still writing
         self._changed = ChangeSignal()
 
     @asynccontextmanager
@@ -136,9 +139,11 @@ class Turns:
                 with trio.move_on_at(self._since + self._patience) as waited:
                     await self._changed.wait()
                 if waited.cancelled_caught and self._current == holder:
-                    self._end(holder)  # its write took too long: the next one's turn
+                    self._behind.add(self._writers[holder])  # its write took too long
+                    self._end(holder)
             yield
         finally:
+            self._behind.discard(self._writers[ticket])
             self._end(ticket)
 
     def give_up(self, *tickets: int) -> None:
@@ -147,16 +152,17 @@ class Turns:
             self._end(ticket)
 
     def _end(self, ticket: int) -> None:
-        if ticket < self._current:
-            return  # its turn ended already (by patience)
-        self._ended.add(ticket)
-        if self._current not in self._ended:
-            return
-        while self._current in self._ended:
+        if ticket >= self._current:
+            self._ended.add(ticket)
+        start = self._current
+        while self._current < len(self._writers) and (
+            self._current in self._ended or self._writers[self._current] in self._behind
+        ):
             self._ended.discard(self._current)
             self._current += 1
-        self._since = trio.current_time()
-        self._changed.notify()
+        if self._current != start:
+            self._since = trio.current_time()
+            self._changed.notify()
 
 
 class RunOutcome:

@@ -1,16 +1,18 @@
 """A relay sends its lanes to the shards in turns: one lane to each shard, starting
 with the shard after the relay's own place among the hosts, then each one's next
-lane (ShardLinks._tickets): at each moment the relays send to different shards, and
+lane (ShardLinks._turns): at each moment the relays send to different shards, and
 each shard has its first lane from every host early enough to fan it out while the
 rest goes up."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
 from flodl_trio.relay.config import ChannelKind, RelayConfig
-from flodl_trio.relay.shards import ShardLinks
+from flodl_trio.relay.shards import LANE_TURN_PATIENCE_S, ShardLinks
+from flodl_trio.transport.settings import NetBounds
 from flodl_trio.transport.stream import MessageStream
 from flodl_trio.wire.round_frame import EncodedFrame
 from flodl_trio.wire.salt import SessionSalt
@@ -66,3 +68,31 @@ async def test_at_each_turn_the_relays_send_to_different_shards():
     for step in range(LANES - 1):
         at_step = [owners[step] for owners in owners_by_host]
         assert sorted(at_step) == list(range(SHARDS)), (step, at_step)
+
+
+@pytest.mark.deadline(60)
+async def test_a_shard_that_stops_reading_holds_the_others_lanes_back_one_patience_at_most(autojump_clock):
+    """Shard 1 (host 0's first turn) takes nothing: the other shards still get every
+    lane within one LANE_TURN_PATIENCE_S, and the stalled write ends at the write bound,
+    closing that connection (its reader then reports the shard)."""
+    ranks, shards, lanes = (0,), 4, 1 + 4 * 4
+    config = RelayConfig(ChannelKind.DATA, ("ctl", 1), "host0", ranks, shards, SALT,
+                         shards=tuple(("shard", 1000 + i) for i in range(shards)),
+                         bounds=NetBounds(write_stall=5.0))
+    links = ShardLinks(config, lambda *args: None, lanes=None)  # type: ignore[arg-type]
+    for shard in range(shards):
+        if shard == 1:
+            stalled, _never_read = trio.testing.lockstep_stream_pair()
+            links.conns[shard] = MessageStream(stalled, bounds=config.bounds)
+        else:
+            send, _receive = trio.testing.memory_stream_one_way_pair()
+            links.conns[shard] = MessageStream(trio.StapledStream(send, trio.testing.memory_stream_one_way_pair()[1]),
+                                               bounds=config.bounds)
+    records = [EncodedFrame([bytes(10_000 + k)], 10_000 + k) for k in range(lanes)]
+    when: dict[int, float] = {}
+    await links._send_missing(records, lambda n: when.setdefault(n - 10_000, trio.current_time()))
+    others = [lane for lane in range(1, lanes) if links.owner(lane) != 1]
+    assert all(lane in when for lane in others)
+    assert max(when[lane] for lane in others) <= LANE_TURN_PATIENCE_S + 0.01
+    assert not any(lane in when for lane in range(1, lanes) if links.owner(lane) == 1)
+    assert trio.current_time() >= 5.0  # the stalled write ended at its bound

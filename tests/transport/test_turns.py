@@ -17,7 +17,7 @@ async def take(turns: Turns, ticket: int, log: list[tuple[str, int, float]], hol
 
 
 async def test_turns_are_taken_in_ticket_order_whatever_order_the_writers_arrive_in(autojump_clock):
-    turns, log = Turns(patience=5.0), []
+    turns, log = Turns(range(5), patience=5.0), []
     async with trio.open_nursery() as nursery:
         for ticket in (3, 1, 4, 0, 2):
             nursery.start_soon(take, turns, ticket, log, 0.1)
@@ -30,7 +30,7 @@ async def test_turns_are_taken_in_ticket_order_whatever_order_the_writers_arrive
 
 
 async def test_a_write_that_outlasts_its_patience_no_longer_holds_the_next_back(autojump_clock):
-    turns, log = Turns(patience=1.0), []
+    turns, log = Turns(range(3), patience=1.0), []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(take, turns, 0, log, 20.0)  # a peer that stopped reading
         nursery.start_soon(take, turns, 1, log, 0.1)
@@ -43,7 +43,7 @@ async def test_a_write_that_outlasts_its_patience_no_longer_holds_the_next_back(
 
 
 async def test_a_ticket_given_up_or_cancelled_passes_the_turn_at_once(autojump_clock):
-    turns, log = Turns(patience=10.0), []
+    turns, log = Turns(range(3), patience=10.0), []
     turns.give_up(0)  # its peer is gone: it never writes
     waiting = trio.CancelScope()
     async with trio.open_nursery() as nursery:
@@ -59,3 +59,21 @@ async def _cancelled_waiter(turns: Turns, ticket: int, scope: trio.CancelScope) 
     with scope:
         async with turns.turn(ticket):
             await trio.sleep_forever()
+
+
+async def test_a_writer_that_stalled_is_passed_over_until_its_write_ends(autojump_clock):
+    """Writers a and b alternate; a's first write stalls for 20 s. b's writes wait for
+    a's patience once, not once per ticket of a's."""
+    schedule = ["a", "b", "a", "b", "a", "b"]
+    turns, log = Turns(schedule, patience=1.0), []
+
+    async def writer(name: str, hold: float) -> None:
+        for ticket in [t for t, who in enumerate(schedule) if who == name]:
+            await take(turns, ticket, log, hold if ticket == 0 else 0.1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer, "a", 20.0)
+        nursery.start_soon(writer, "b", 0.1)
+    times = {(what, ticket): at for what, ticket, at in log}
+    assert times["out", 5] < 1.5  # b's three writes after one patience, not three
+    assert times["in", 2] >= 20.0 and times["in", 4] >= times["out", 2]  # a went on, in its own order
