@@ -69,7 +69,7 @@ _NIBBLE_LEVELS = {
 # only on ceil(4 |x|).
 _FP4_MIDPOINTS = ((_FP4_MAGNITUDES[1:] + _FP4_MAGNITUDES[:-1]) / 2).astype(F32)
 _FP4_SIGN_KEY = 32
-_FP4_TOP_QUARTERS = 24  # 4 x the largest magnitude
+_FP4_TOP_QUARTERS = int(4 * _FP4_MAGNITUDES[-1])  # the largest magnitude's key
 
 
 def _fp4_nibble_of_key(key: int) -> int:
