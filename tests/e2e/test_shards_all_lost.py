@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
+
+from flodl_trio.controller.shards import ShardSet
+from flodl_trio.transport.stream import MessageStream
 
 from tests.e2e.test_controller_restart import (
     FIRST_ROUND_OF_PAUSE, LANES, PAUSE_AT, Controller, Run, assert_same_run, assert_same_until_then_one_consensus,
@@ -38,6 +42,46 @@ async def test_every_shard_lost_mid_run_leaves_the_controller_serving_one_and_ev
     assert_same_run(reference, got)
     assert got.controller.stats.shards_served_here == 1 and got.controller.stats.shards_lost == 2
     assert got.controller.stats.resumed_runs == 0
+
+
+async def test_a_relays_word_that_lands_as_the_last_shard_moves_here_does_not_move_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The interleaving the fault matrix's ``shard-all-killed`` hit about once in seven runs,
+    made certain: a relay's word that the last live shard is lost lands just before the
+    controller's own shard takes its place (its task then runs against the new
+    connection). The word is of the connection it had then, so the shard moves here
+    once and the run stays exact (it moved twice, and the run stopped, before)."""
+    reference = await run_cluster(tmp_path / "reference", None, lanes=LANES, outer=False)
+    serve_here, install = ShardSet._serve_here, ShardSet._install
+    moving: list[int] = []
+    words: list[int] = []
+
+    async def serving_here(self: ShardSet, index: int, why: str) -> None:
+        moving.append(index)
+        await serve_here(self, index, why)
+
+    def installed_after_a_word(self: ShardSet, index: int, address: tuple[str, int], conn: MessageStream) -> None:
+        if moving and not words:  # the move's install: a relay's word comes in first
+            words.append(index)
+            self.reported_lost(index, "the relay of ranks 2-3", "its connection to the shard ended")
+        install(self, index, address, conn)
+
+    monkeypatch.setattr(ShardSet, "_serve_here", serving_here)
+    monkeypatch.setattr(ShardSet, "_install", installed_after_a_word)
+
+    async def interrupt(controller: Controller, run: Run, gate: trio.Event) -> None:
+        await wait_until(lambda: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE)
+        for scope in run.shard_scopes:
+            scope.cancel()
+        assert controller.handle is not None
+        await wait_until(lambda: controller.handle.stats.shards_served_here >= 1)  # type: ignore[union-attr]
+        gate.set()
+
+    got = await run_cluster(tmp_path, interrupt, lanes=LANES, shards=2, outer=False)
+    assert words, "the move to the controller never installed a shard"
+    assert_same_run(reference, got)
+    assert got.controller.stats.shards_served_here == 1 and got.controller.stats.shards_lost == 2
 
 
 async def test_every_shard_lost_mid_round_with_diloco_goes_on_with_one_consensus(tmp_path: Path) -> None:
