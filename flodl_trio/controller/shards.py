@@ -693,7 +693,7 @@ class ShardSet:
                 assert self._copy is not None
                 means = [self._copy[lane] for lane in range(1, lanes)]
                 self._copy, self._hosts_final = None, True
-                produced = [await encode_enveloped_frame(MuxKind.BROADCAST, frame, self._config.salt)
+                produced = [await encode_enveloped_frame(MuxKind.BROADCAST, frame, self._config.salt, frame_mac=False)
                             for frame in await produce(means)]
                 self._stats.delta_rounds_sharded += 1
             if produced is not None:

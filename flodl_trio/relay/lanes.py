@@ -66,7 +66,7 @@ class LaneUplink:
         if part is None:
             self._cut_all = True
             return None
-        record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self._salt)
+        record = await encode_enveloped_frame(MuxKind.HOST_FRAME, part, self._salt, frame_mac=False)
         self.records.append(record)
         return record
 

@@ -523,9 +523,14 @@ class _Shard:
                  and self._pieces_in(msg, lane)]
         return back, ready
 
+    async def _signed_lane(self, frame: RoundFrame) -> EncodedFrame:
+        """A lane frame this shard sends, as a Broadcast record: its record's MAC alone
+        (docs/wire.md, "One MAC a lane")."""
+        return await encode_enveloped_frame(MuxKind.BROADCAST, frame, self.salt, frame_mac=False)
+
     async def _fan_out(self, msg: Decide, lane: int) -> None:
         """A consensus lane the controller sent, to the decision's targets."""
-        self._to_targets(msg, await encode_enveloped_frame(MuxKind.BROADCAST, self._down[lane], self.salt))
+        self._to_targets(msg, await self._signed_lane(self._down[lane]))
         self._lanes_sent.add(lane)
 
     def _to_targets(self, msg: Decide, record: EncodedFrame) -> None:
@@ -581,15 +586,14 @@ class _Shard:
             if not self.handle.delta_lanes_summed:
                 log.info("shard %s: sums delta rounds; their means go to the controller, which steps them", self.index)
             self.handle.delta_lanes_summed += 1
-            return self._to_controller_marked(msg, await encode_enveloped_frame(MuxKind.BROADCAST, consensus,
-                                                                                self.salt))
+            return self._to_controller_marked(msg, await self._signed_lane(consensus))
         fragment = None if msg.fragment is None else FragmentTag(*msg.fragment)
         mean = consensus
         if msg.step:
             assert self.outer is not None  # (checked as the decision came in)
             start = self._start_state(msg, layout, lane, fragment)
             consensus = self.outer.step(msg.round, consensus, layout, lane, fragment)
-        record = await encode_enveloped_frame(MuxKind.BROADCAST, consensus, self.salt)
+        record = await self._signed_lane(consensus)
         self._to_targets(msg, record)
         if msg.copy:  # the controller keeps this round whole (a rank rejoins, a checkpoint is due)
             self._to_controller_marked(msg, record)
@@ -606,7 +610,7 @@ class _Shard:
         assert self.outer is not None
         state = self.outer.lane_state(msg.round, layout, lane, fragment)
         frame = lane_state_frame(stepped, len(layout.lanes[lane]), state)
-        self._to_controller.send_nowait(await encode_enveloped_frame(MuxKind.BROADCAST, frame, self.salt))
+        self._to_controller.send_nowait(await self._signed_lane(frame))
 
     def _refuse_piece(self, relay: _Relay, reason: str) -> None:
         log.warning("shard %s: %s sent a piece the round's schema does not allow: %s", self.index, relay.name, reason)

@@ -253,8 +253,9 @@ async def mirror_records(
     records = [encode_mux_record(MuxKind.CONTROL, encode_control_msg(Mirror(me, decision, how)), salt)]
     if how == START_SENT:
         assert start is not None
-        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, lane_state_frame(mean, pieces, start), salt))
-    records.append(await encode_enveloped_frame(MuxKind.BROADCAST, mean, salt))
+        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, lane_state_frame(mean, pieces, start), salt,
+                                                      frame_mac=False))
+    records.append(await encode_enveloped_frame(MuxKind.BROADCAST, mean, salt, frame_mac=False))
     return records
 
 
@@ -286,7 +287,7 @@ async def handback_records(salt: SessionSalt, me: int, states: dict[LaneKey, Lan
         records.append(encode_mux_record(MuxKind.CONTROL, encode_control_msg(say), salt))
         tensors = [TensorPayload(DTYPE_F32, (a.size,), a) for a in (*xs, *ms)]
         frame = RoundFrame([*tensors, lane_tag(lane, lanes)], RoundKind.MODEL)
-        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, frame, salt))
+        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, frame, salt, frame_mac=False))
     records.append(encode_mux_record(MuxKind.CONTROL, encode_control_msg(HandedBack(me, len(states))), salt))
     return records
 

@@ -6,13 +6,13 @@ socket instead of adding a pass after it.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 
-from ..wire.constants import MAC_LEN, MUX_HEADER_LEN
+from ..wire.constants import MAC_LEN, MUX_HEADER_LEN, UNSIGNED_TAG
 from ..wire.mux import MuxKind, encode_mux_record, mux_signed_header
 from ..wire.round_frame import (
     EncodedFrame,
@@ -20,7 +20,7 @@ from ..wire.round_frame import (
     encode_round_frame_chunks,
     frame_body_chunks,
 )
-from ..wire.salt import SessionSalt
+from ..wire.salt import Buffer, SessionSalt
 from .arrival import ArrivalWatch
 from .buffers import ReceiveBuffer
 from .tasks import one_error
@@ -119,28 +119,55 @@ async def mac_feeder(mac: RunningMac | None, length: int) -> AsyncIterator[OnByt
 PARALLEL_SIGN_MIN = 1 << 20
 
 
-async def encode_enveloped_frame(kind: MuxKind, frame: RoundFrame, salt: SessionSalt) -> EncodedFrame:
+async def encode_enveloped_frame(
+    kind: MuxKind, frame: RoundFrame, salt: SessionSalt, *, frame_mac: bool = True
+) -> EncodedFrame:
     """A RoundFrame signed and wrapped in a MuxRecord (HostFrame or Broadcast).
 
     The frame's MAC and the record's MAC cover the same bytes; for a large
     frame the two passes run in two worker threads at once (hashlib releases
-    the GIL), halving the time this step holds the round up.
+    the GIL), halving the time this step holds the round up. ``frame_mac=False``
+    (a lane frame, which no receiver takes out of its record: docs/wire.md, "One
+    MAC a lane") leaves zeros in the frame's MAC field and makes one pass, the
+    record's, which covers every byte of the frame.
     """
     body = frame_body_chunks(frame)
+    if not frame_mac:
+        return await _record_signed_only(kind, body.chunks, body.nbytes, salt)
     if body.nbytes < PARALLEL_SIGN_MIN:
         return encode_mux_record(kind, encode_round_frame_chunks(frame, salt), salt)
     signed = mux_signed_header(kind, body.nbytes + MAC_LEN)
-    frame_mac, record_mac = salt.hmac(), salt.hmac()
-    record_mac.update(signed)
+    frame_hmac, record_hmac = salt.hmac(), salt.hmac()
+    record_hmac.update(signed)
 
     def hash_body(mac: Any) -> None:
         for chunk in body.chunks:
             mac.update(chunk)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.to_thread.run_sync, hash_body, frame_mac)
-        nursery.start_soon(trio.to_thread.run_sync, hash_body, record_mac)
-    tag = frame_mac.digest()[:MAC_LEN]
-    record_mac.update(tag)
-    header = signed + record_mac.digest()[:MAC_LEN]
+        nursery.start_soon(trio.to_thread.run_sync, hash_body, frame_hmac)
+        nursery.start_soon(trio.to_thread.run_sync, hash_body, record_hmac)
+    tag = frame_hmac.digest()[:MAC_LEN]
+    record_hmac.update(tag)
+    header = signed + record_hmac.digest()[:MAC_LEN]
     return EncodedFrame([header, *body.chunks, tag], MUX_HEADER_LEN + body.nbytes + MAC_LEN)
+
+
+async def _record_signed_only(kind: MuxKind, chunks: Sequence[Buffer], nbytes: int, salt: SessionSalt) -> EncodedFrame:
+    """The record of a frame whose own MAC field holds zeros: one pass, on a worker
+    thread for a large frame (the event loop keeps moving bytes meanwhile)."""
+    signed = mux_signed_header(kind, nbytes + MAC_LEN)
+    record_mac = salt.hmac()
+    record_mac.update(signed)
+
+    def hash_frame() -> None:
+        for chunk in chunks:
+            record_mac.update(chunk)
+        record_mac.update(UNSIGNED_TAG)
+
+    if nbytes < PARALLEL_SIGN_MIN:
+        hash_frame()
+    else:
+        await trio.to_thread.run_sync(hash_frame)
+    header = signed + record_mac.digest()[:MAC_LEN]
+    return EncodedFrame([header, *chunks, UNSIGNED_TAG], MUX_HEADER_LEN + nbytes + MAC_LEN)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import trio
 
 from ..errors import FramingError, PeerClosedMidFrame, PeerTimeout
-from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN, MUX_HEADER_LEN
+from ..wire.constants import DEFAULT_FRAME_CEILING, MAC_LEN, MUX_HEADER_LEN, UNSIGNED_TAG
 from ..wire.mux import MuxHeader, MuxKind, parse_mux_header, verify_mux_payload
 from ..wire.round_frame import EncodedFrame
 from ..wire.salt import Buffer, SessionSalt
@@ -31,8 +31,6 @@ from .hashing import THREADED_HASH_MIN, OnBytes, RunningMac, mac_feeder
 from .settings import NetBounds
 
 _U32 = struct.Struct("<I")
-# What stands in a frame's MAC field on the local leg.
-UNSIGNED_TAG = bytes(MAC_LEN)
 # Pieces a write is split into, so "no progress" can be told from "slow".
 WRITE_PIECE = 4 << 20
 # Inside a large message, a read waits for at least this many bytes.

@@ -52,6 +52,9 @@ CONTROL_FRAME_HEADER_LEN: Final = 24
 CONTROL_FRAME_MAX_PAYLOAD: Final = 16 << 20
 
 MAC_LEN: Final = 8
+# What stands in a frame's own MAC field where nobody checks it: on the local leg,
+# and in a lane frame, whose record's MAC covers every byte (docs/wire.md, "One MAC a lane").
+UNSIGNED_TAG: Final = bytes(MAC_LEN)
 SALT_LEN: Final = 16
 MODEL_SIGNATURE_LEN: Final = 32
 
