@@ -59,9 +59,24 @@ class LaneUplink:
         self._salt = salt
         self.records: list[EncodedFrame] = []
         self._cut_all = False
+        self._cutting = trio.Lock()  # one cut at a time: the lanes are cut in lane order
 
     async def next_record(self) -> EncodedFrame | None:
         """The next lane's signed record (None: every lane has been cut)."""
+        async with self._cutting:
+            return await self._cut_next()
+
+    async def record(self, index: int) -> EncodedFrame:
+        """Lane ``index``'s signed record, cut now (with the lanes before it) if it was not:
+        each lane is signed as its turn nears, so the first goes up while later ones are
+        still to sign."""
+        async with self._cutting:
+            while len(self.records) <= index:
+                if await self._cut_next() is None:
+                    raise IndexError(f"lane {index} of a HostFrame in {self.count} lanes")
+        return self.records[index]
+
+    async def _cut_next(self) -> EncodedFrame | None:
         part = next(self._parts, None)
         if part is None:
             self._cut_all = True
@@ -212,10 +227,7 @@ class LaneFrames:
         told each one's size), at most LANES_AHEAD of them ahead of the consensus lanes
         that came down."""
         if self.shards is not None and self.sharded_round:
-            records = []
-            while (record := await uplink.next_record()) is not None:
-                records.append(record)
-            return await self.shards.send_round(records, upstream, sent)
+            return await self.shards.send_round(uplink, upstream, sent)
         lanes = 0
         while lanes < uplink.count:
             await self._wait_for_consensus_lanes(lanes - LANES_AHEAD + 1)

@@ -76,6 +76,21 @@ class ShardLanes(Protocol):
     def has(self, index: int) -> bool: ...
 
 
+class SignedLanes(Protocol):
+    """A HostFrame's lane records, each signed when first asked for (a LaneUplink)."""
+
+    count: int
+
+    async def record(self, index: int) -> EncodedFrame: ...
+
+
+class _NoLanes:
+    count = 0
+
+    async def record(self, index: int) -> EncodedFrame:
+        raise IndexError(f"lane {index}: no round is in progress")
+
+
 class ShardLinks:
     """The channel's connections to the shards, and where its round stands with them."""
 
@@ -101,7 +116,7 @@ class ShardLinks:
         self._failed: set[int] = set()  # shards whose connection failed here, not yet said lost
         self._told_controller: set[int] = set()  # ... and told to the controller
         self._back: dict[int, tuple[str, int]] = {}  # lost shards served again from the next round, and where
-        self._records: list[EncodedFrame] = []  # the round's lane records
+        self._uplink: SignedLanes = _NoLanes()  # the round's lanes
         # This relay's place among the hosts (ranks are numbered host by host): where its
         # turns start (see _turns).
         self._place = min(config.ranks) // len(config.ranks)
@@ -124,22 +139,23 @@ class ShardLinks:
 
     # -- the uplink, until the round commits ----------------------------------
 
-    async def send_round(self, records: list[EncodedFrame], upstream: MessageStream, sent: Callable[[int], None]) -> None:
+    async def send_round(self, uplink: SignedLanes, upstream: MessageStream, sent: Callable[[int], None]) -> None:
         """Lane 0 to the controller, then lanes 1.. to their shards, and ``LanesIn`` once
         the latest decision's lanes are all in; until the commit. Lane 0 goes first so the
         round is decided while the pieces go up, and each shard sends a lane down as soon
-        as every host's piece of it is in."""
+        as every host's piece of it is in. Each lane is signed just before its turn."""
         await self._connect()
         await self._take_back_served_again()
         self._round += 1
-        self._count = len(records)
-        self._records, self._sent = records, sent
+        self._count = uplink.count
+        self._uplink, self._sent = uplink, sent
         self._sent_to.clear()
         self._lane_decision.clear()
         self.want, self.committed, self._reported = -1, False, -1
         await self._tell_failed(upstream)
-        await upstream.send_chunks(records[0].chunks)
-        sent(records[0].nbytes)
+        first = await uplink.record(0)
+        await upstream.send_chunks(first.chunks)
+        sent(first.nbytes)
         await self.finish_round(upstream)
 
     async def finish_round(self, upstream: MessageStream) -> None:
@@ -150,7 +166,7 @@ class ShardLinks:
         a record; docs/wire.md, "Shards through a lost controller")."""
         while True:
             change = self.changed.next_change()  # (a shard lost while this writes is not missed)
-            await self._send_missing(self._records, self._sent)
+            await self._send_missing(self._uplink, self._sent)
             if self.committed:
                 return
             if upstream.closed:
@@ -187,11 +203,11 @@ class ShardLinks:
     def _all_in(self) -> bool:
         return all(self._lanes.has(lane) and self._lane_decision.get(lane) == self.want for lane in range(1, self._count))
 
-    async def _send_missing(self, records: list[EncodedFrame], sent: Callable[[int], None]) -> None:
+    async def _send_missing(self, uplink: SignedLanes, sent: Callable[[int], None]) -> None:
         """Each lane not yet sent to its owner now (every lane at first; a lost shard's
         later), in turns on this host's link (see :meth:`_turns`)."""
         by_shard: dict[int, list[int]] = {}
-        for lane in range(1, len(records)):
+        for lane in range(1, uplink.count):
             owner = self.owner(lane)
             if self._sent_to.get(lane) != owner:
                 by_shard.setdefault(owner, []).append(lane)
@@ -203,7 +219,7 @@ class ShardLinks:
         async with trio.open_nursery() as nursery:
             for shard, lanes in by_shard.items():
                 tickets = [ticket for ticket, writer in enumerate(schedule) if writer == shard]
-                nursery.start_soon(self._send_lanes, shard, [records[k] for k in lanes], sent, turns, tickets)
+                nursery.start_soon(self._send_lanes, shard, uplink, lanes, sent, turns, tickets)
 
     def _turns(self, by_shard: dict[int, list[int]]) -> list[int]:
         """The shard of each turn on this host's link: a lane to each shard in turn,
@@ -219,7 +235,8 @@ class ShardLinks:
                 for shard in order if slot < len(by_shard[shard])]
 
     async def _send_lanes(
-        self, shard: int, records: list[EncodedFrame], sent: Callable[[int], None], turns: Turns, tickets: list[int],
+        self, shard: int, uplink: SignedLanes, lanes: list[int], sent: Callable[[int], None], turns: Turns,
+        tickets: list[int],
     ) -> None:
         """A shard's lanes after the round's mark (and the lost shards it has not heard of
         from us: it takes their lanes), each in its turn. A write that fails (the
@@ -236,7 +253,8 @@ class ShardLinks:
                 for record in [*head, self._record(Pieces(self._round))]:
                     await conn.send_chunks(record.chunks)
                     sent(record.nbytes)
-                for record, ticket in zip(records, tickets):
+                for lane, ticket in zip(lanes, tickets):
+                    record = await uplink.record(lane)  # signed before its turn, not while holding it
                     async with turns.turn(ticket):
                         await conn.send_chunks(record.chunks)
                     sent(record.nbytes)

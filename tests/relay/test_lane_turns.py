@@ -35,9 +35,22 @@ def links_of_host(host: int, ranks_per_host: int = 2) -> tuple[ShardLinks, list[
     return links, ends
 
 
-def lane_records() -> list[EncodedFrame]:
-    """Lane k's record is 10_000 + k bytes long, so what was sent says which lane it was."""
-    return [EncodedFrame([bytes(10_000 + k)], 10_000 + k) for k in range(LANES)]
+class SignedOnDemand:
+    """A HostFrame's lanes as a relay's uplink gives them (``record(k)``, signed when first
+    asked for); lane k's record is 10_000 + k bytes long, so what was sent says which lane
+    it was. ``asked`` is the order the lanes were asked for in."""
+
+    def __init__(self, count: int = LANES) -> None:
+        self.count = count
+        self.asked: list[int] = []
+
+    async def record(self, index: int) -> EncodedFrame:
+        self.asked.append(index)
+        return EncodedFrame([bytes(10_000 + index)], 10_000 + index)
+
+
+def lane_records() -> SignedOnDemand:
+    return SignedOnDemand()
 
 
 async def sent_lanes(host: int) -> tuple[list[int], ShardLinks]:
@@ -58,6 +71,27 @@ async def test_each_shard_gets_one_lane_in_turn_from_the_one_after_the_relays_pl
         for shard in range(SHARDS):  # each shard's own lanes in lane order
             mine = [lane for lane in order if links.owner(lane) == shard]
             assert mine == sorted(mine)
+
+
+async def test_each_lane_is_signed_as_its_turn_nears_so_the_first_goes_up_before_the_last_is_signed():
+    """The lanes are not all signed before the first goes up (a 64 MiB frame's lanes take
+    tens of ms to sign): each shard's next lane is asked for once its previous one is in
+    its socket."""
+    for host in range(SHARDS):
+        links, _ends = links_of_host(host)
+        lanes = SignedOnDemand()
+        events: list[str] = []
+        recording = lanes.record
+
+        async def record(index: int) -> EncodedFrame:
+            events.append(f"signed {index}")
+            return await recording(index)
+
+        lanes.record = record  # type: ignore[method-assign]
+        await links._send_missing(lanes, lambda n: events.append(f"sent {n - 10_000}") if n >= 10_000 else None)
+        first_sent = events.index(next(e for e in events if e.startswith("sent")))
+        assert first_sent < len(events) - 1 and any(e.startswith("signed") for e in events[first_sent:]), events
+        assert sorted(lanes.asked) == list(range(1, LANES))  # every lane signed once
 
 
 async def test_at_each_turn_the_relays_send_to_different_shards():
@@ -88,9 +122,8 @@ async def test_a_shard_that_stops_reading_holds_the_others_lanes_back_one_patien
             send, _receive = trio.testing.memory_stream_one_way_pair()
             links.conns[shard] = MessageStream(trio.StapledStream(send, trio.testing.memory_stream_one_way_pair()[1]),
                                                bounds=config.bounds)
-    records = [EncodedFrame([bytes(10_000 + k)], 10_000 + k) for k in range(lanes)]
     when: dict[int, float] = {}
-    await links._send_missing(records, lambda n: when.setdefault(n - 10_000, trio.current_time()))
+    await links._send_missing(SignedOnDemand(lanes), lambda n: when.setdefault(n - 10_000, trio.current_time()))
     others = [lane for lane in range(1, lanes) if links.owner(lane) != 1]
     assert all(lane in when for lane in others)
     assert max(when[lane] for lane in others) <= LANE_TURN_PATIENCE_S + 0.01
