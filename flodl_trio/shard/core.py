@@ -113,6 +113,10 @@ class _Relay:
     outbox: trio.MemorySendChannel[EncodedFrame]
     inbox: trio.MemoryReceiveChannel[EncodedFrame]
     pieces: dict[int, RoundFrame] = attrs.field(factory=dict)  # lane -> its verified frame, this round
+    # Each piece's frame is a view of the buffer it was received into, kept with it; a
+    # dropped piece's buffer takes a later record (no copy, no new model-sized memory).
+    buffers: dict[int, ReceiveBuffer] = attrs.field(factory=dict)
+    spare: list[ReceiveBuffer] = attrs.field(factory=list)
     round: int = -1  # the relay's round its pieces are of (Pieces)
     decided: bool = False  # the latest decision of its round summed its pieces
     used_in: int | None = None  # the controller's round its pieces were summed for (Decide.round)
@@ -636,6 +640,8 @@ class _Shard:
         if not relay.decided:
             self.handle.pieces_dropped += len(relay.pieces)
         relay.pieces.clear()
+        relay.spare.extend(relay.buffers.values())  # nothing reads a dropped piece: a sum adds, or copies, at once
+        relay.buffers.clear()
         relay.decided, relay.used_in = False, None
 
     # -- the outer state's mirror (mirror.py) --------------------------------
@@ -882,7 +888,8 @@ class _Shard:
             await self._write_keeping_alive(relay.conn, relay.inbox, min(RELAY_KEEPALIVE_S, self._heartbeat_s / 4))
 
     async def _relay_reader(self, relay: _Relay) -> None:
-        """Each lane frame verified and kept (a copy: the buffer takes the next), then acknowledged."""
+        """Each lane frame verified and kept, with the buffer it landed in (a spare one takes
+        the next record), then acknowledged."""
         buf = ReceiveBuffer()
         while True:
             header = await relay.conn.receive_mux_header(self.ceiling)
@@ -894,9 +901,10 @@ class _Shard:
                 continue
             if kind is not MuxKind.HOST_FRAME:
                 raise ProtocolError(f"sent a {kind.name} record to a shard")
-            frame = decode_round_frame(bytes(payload), self.salt, ceiling=self.ceiling, source=relay.name,
+            frame = decode_round_frame(payload, self.salt, ceiling=self.ceiling, source=relay.name,
                                        authenticated=True)
-            self._keep(relay, frame)
+            self._keep(relay, frame, buf)
+            buf = relay.spare.pop() if relay.spare else ReceiveBuffer()
             relay.queue(self._control(ShardAck(read_lane_tag(frame).index)))  # type: ignore[union-attr]
 
     def _on_relay_control(self, relay: _Relay, msg: RelayControlMsg) -> None:
@@ -909,7 +917,7 @@ class _Shard:
         else:
             raise ProtocolError(f"sent a shard {type(msg).__name__}")
 
-    def _keep(self, relay: _Relay, frame: RoundFrame) -> None:
+    def _keep(self, relay: _Relay, frame: RoundFrame, buf: ReceiveBuffer) -> None:
         tag = read_lane_tag(frame)
         if tag is None or tag.index == 0 or self.index is None or not self._owns(tag.index):
             raise ProtocolError(f"sent lane {tag} to shard {self.index} of {self.count} (lost: {sorted(self.lost)}), "
@@ -918,7 +926,7 @@ class _Shard:
             raise ProtocolError(f"sent lane {tag.index} before saying which of its rounds it is (Pieces)")
         if tag.index in relay.pieces:
             raise ProtocolError(f"sent lane {tag.index} of its round {relay.round} twice")
-        relay.pieces[tag.index] = frame
+        relay.pieces[tag.index], relay.buffers[tag.index] = frame, buf
         self._changed.notify()
 
 
