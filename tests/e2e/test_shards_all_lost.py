@@ -23,6 +23,17 @@ from tests.e2e.test_controller_restart import (
 )
 
 
+async def every_shard_stops(controller: Controller, run: Run, gate: trio.Event) -> None:
+    """Both shards stop at the pause's first round; the hosts' ranks go on once the
+    controller serves one itself."""
+    await wait_until(lambda: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE)
+    for scope in run.shard_scopes:
+        scope.cancel()
+    assert controller.handle is not None
+    await wait_until(lambda: controller.handle.stats.shards_served_here >= 1)  # type: ignore[union-attr]
+    gate.set()
+
+
 async def test_every_shard_lost_mid_run_leaves_the_controller_serving_one_and_every_window_exact(
     tmp_path: Path,
 ) -> None:
@@ -30,15 +41,7 @@ async def test_every_shard_lost_mid_run_leaves_the_controller_serving_one_and_ev
     shards, on every rank."""
     reference = await run_cluster(tmp_path / "reference", None, lanes=LANES, outer=False)
 
-    async def interrupt(controller: Controller, run: Run, gate: trio.Event) -> None:
-        await wait_until(lambda: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE)
-        for scope in run.shard_scopes:
-            scope.cancel()
-        assert controller.handle is not None
-        await wait_until(lambda: controller.handle.stats.shards_served_here >= 1)  # type: ignore[union-attr]
-        gate.set()
-
-    got = await run_cluster(tmp_path, interrupt, lanes=LANES, shards=2, outer=False)
+    got = await run_cluster(tmp_path, every_shard_stops, lanes=LANES, shards=2, outer=False)
     assert_same_run(reference, got)
     assert got.controller.stats.shards_served_here == 1 and got.controller.stats.shards_lost == 2
     assert got.controller.stats.resumed_runs == 0
@@ -70,15 +73,7 @@ async def test_a_relays_word_that_lands_as_the_last_shard_moves_here_does_not_mo
     monkeypatch.setattr(ShardSet, "_serve_here", serving_here)
     monkeypatch.setattr(ShardSet, "_install", installed_after_a_word)
 
-    async def interrupt(controller: Controller, run: Run, gate: trio.Event) -> None:
-        await wait_until(lambda: run.relays[0].stats.rounds == FIRST_ROUND_OF_PAUSE)
-        for scope in run.shard_scopes:
-            scope.cancel()
-        assert controller.handle is not None
-        await wait_until(lambda: controller.handle.stats.shards_served_here >= 1)  # type: ignore[union-attr]
-        gate.set()
-
-    got = await run_cluster(tmp_path, interrupt, lanes=LANES, shards=2, outer=False)
+    got = await run_cluster(tmp_path, every_shard_stops, lanes=LANES, shards=2, outer=False)
     assert words, "the move to the controller never installed a shard"
     assert_same_run(reference, got)
     assert got.controller.stats.shards_served_here == 1 and got.controller.stats.shards_lost == 2
