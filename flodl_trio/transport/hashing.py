@@ -154,20 +154,9 @@ async def encode_enveloped_frame(
 
 
 async def _record_signed_only(kind: MuxKind, chunks: Sequence[Buffer], nbytes: int, salt: SessionSalt) -> EncodedFrame:
-    """The record of a frame whose own MAC field holds zeros: one pass, on a worker
-    thread for a large frame (the event loop keeps moving bytes meanwhile)."""
-    signed = mux_signed_header(kind, nbytes + MAC_LEN)
-    record_mac = salt.hmac()
-    record_mac.update(signed)
-
-    def hash_frame() -> None:
-        for chunk in chunks:
-            record_mac.update(chunk)
-        record_mac.update(UNSIGNED_TAG)
-
+    """The record of a frame whose own MAC field holds zeros: the record's one pass, on
+    a worker thread for a large frame (the event loop keeps moving bytes meanwhile)."""
+    payload = EncodedFrame([*chunks, UNSIGNED_TAG], nbytes + MAC_LEN)
     if nbytes < PARALLEL_SIGN_MIN:
-        hash_frame()
-    else:
-        await trio.to_thread.run_sync(hash_frame)
-    header = signed + record_mac.digest()[:MAC_LEN]
-    return EncodedFrame([header, *chunks, UNSIGNED_TAG], MUX_HEADER_LEN + nbytes + MAC_LEN)
+        return encode_mux_record(kind, payload, salt)
+    return await trio.to_thread.run_sync(encode_mux_record, kind, payload, salt)
