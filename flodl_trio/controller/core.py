@@ -871,10 +871,11 @@ class _Controller:
         if tag is None or tag.index != expected or tag.count > most:
             raise DesyncError(f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {most} was due")
         if tag.index == 0:
+            schema = LaneLayout.declared_by(frame, ceiling=self.config.ceiling).schema
             if link.sharded_next:  # its first round since the shards were fixed
                 link.sharded, link.sharded_next = True, False
             link.round_sharded = link.sharded and self.shards is not None and goes_through_shards(
-                LaneLayout.declared_by(frame).schema, len(self.shards.addresses))
+                schema, len(self.shards.addresses))
             self._lane_layout[link.id] = LaneLayout.of_lane0(frame, link.round_sharded)
         else:
             self._lane_layout[link.id].check_lane(tag.index, frame)

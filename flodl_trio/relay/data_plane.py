@@ -282,13 +282,19 @@ class DataPlane:
             buf = await self.pool.acquire()
             owned.callback(self.pool.release, buf)
             if single and not self.fold.waiting_to_enter(rank):
-                item = await self._receive_single(rank, buf, length)
-                self.fold.forward(rank)
-                self._count_frame(length)
-                owned.pop_all()  # the queued item owns the buffer now
-                await self._queue_owning(out, item)
-                return
-            frame, speculation = await self._receive_folding(rank, buf, length)
+                item, frame = await self._receive_single(rank, buf, length)
+                if not self.frames.must_cut(frame):
+                    self.fold.forward(rank)
+                    self._count_frame(length)
+                    self.stats.rounds_finished_ahead += isinstance(item, SealedHostFrame)
+                    owned.pop_all()  # the queued item owns the buffer now
+                    await self._queue_owning(out, item)
+                    return
+                # Small on the wire only because its tensors are elided (a non-root's
+                # broadcast_from_root): its schema goes in lanes, so it is folded.
+                speculation = Speculation()
+            else:
+                frame, speculation = await self._receive_folding(rank, buf, length)
             if speculation.frame is not None:
                 owned.callback(self.pool.release, speculation.frame.buffer)
             if speculation.record is not None and speculation.frame is not None and self.fold.complete_ahead(rank, speculation.frame.acc):
@@ -405,7 +411,9 @@ class DataPlane:
         )
         return frame, speculation
 
-    async def _receive_single(self, rank: int, buf: ReceiveBuffer, length: int) -> RawHostFrame | SealedHostFrame:
+    async def _receive_single(
+        self, rank: int, buf: ReceiveBuffer, length: int
+    ) -> tuple[RawHostFrame | SealedHostFrame, RoundFrame]:
         """A single rank's frame goes up byte for byte as the host's frame. A large one
         has its HostFrame record's MAC computed over the same bytes as they land
         (all but the frame's own tag, fed last: on the local leg the relay only
@@ -413,21 +421,20 @@ class DataPlane:
         frame is."""
         receive = partial(self._receive_verified, rank, buf, length, forwarded=True)
         if length <= SMALL_MESSAGE:
-            body, _frame = await receive()
-            return RawHostFrame(body, buf)
+            body, frame = await receive()
+            return RawHostFrame(body, buf), frame
         watch = ArrivalWatch(length)
         signed = mux_signed_header(MuxKind.HOST_FRAME, length)
         record_mac = self.config.salt.hmac()
         record_mac.update(signed)
         running = RunningMac(record_mac, length - MAC_LEN)
-        (body, _frame), (hashed_all,) = await receive_with_followers(
+        (body, frame), (hashed_all,) = await receive_with_followers(
             watch, partial(receive, watch), partial(hash_as_it_lands, buf, watch, running)
         )
         if not hashed_all:
-            return RawHostFrame(body, buf)
+            return RawHostFrame(body, buf), frame
         record_mac.update(body[-MAC_LEN:])
-        self.stats.rounds_finished_ahead += 1
-        return SealedHostFrame(EncodedFrame([signed + running.tag(), body], MUX_HEADER_LEN + length), buf)
+        return SealedHostFrame(EncodedFrame([signed + running.tag(), body], MUX_HEADER_LEN + length), buf), frame
 
     # -- records from the controller -------------------------------------------
 

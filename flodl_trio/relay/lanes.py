@@ -113,6 +113,9 @@ class WholeFrames:
         """Whether a frame of ``length`` bytes surely goes whole: every frame does."""
         return True
 
+    def must_cut(self, frame: RoundFrame) -> bool:
+        return False
+
     def goes_in_lanes(self, frame: RoundFrame | PendingHostDelta) -> bool:
         return False
 
@@ -172,11 +175,15 @@ class LaneFrames:
         less, is under two lanes' worth), so a single rank's may be forwarded as it is."""
         return length < 2 * self._min_bytes
 
+    def must_cut(self, frame: RoundFrame) -> bool:
+        """Whether a frame of ``frame``'s schema goes in more than one lane: by the bytes
+        its shapes stand for, elided tensors counted whole (as the controller counts)."""
+        return LaneLayout.of(frame, self.count, self._min_bytes).count > 1
+
     def goes_in_lanes(self, frame: RoundFrame | PendingHostDelta) -> bool:
         """Whether the HostFrame goes up in lanes (else whole: one lane's worth or less);
         the consensus then comes back the same way."""
-        schema = frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame
-        self.whole = LaneLayout.of(schema, self.count, self._min_bytes).count == 1
+        self.whole = not self.must_cut(frame.schema_frame() if isinstance(frame, PendingHostDelta) else frame)
         return not self.whole
 
     def going_whole(self) -> None:

@@ -29,6 +29,7 @@ See docs/wire.md ("lanes").
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Collection, Sequence
 
@@ -173,7 +174,7 @@ class TensorCut:
 
     @classmethod
     def of(cls, dtype: int, shape: Sequence[int]) -> TensorCut:
-        numel = int(np.prod(shape, dtype=np.int64))
+        numel = math.prod(shape)  # exact: a hostile shape must not wrap around
         nbytes = payload_nbytes(dtype, numel)
         if nbytes is None:
             itemsize(dtype)  # names the unknown tag
@@ -279,18 +280,20 @@ class LaneLayout:
         return cls(tuple((dtype, tuple(shape)) for dtype, shape in schema), tuple(lanes))
 
     @classmethod
-    def of_lane0(cls, frame: RoundFrame, lane0_empty: bool = False) -> LaneLayout:
+    def of_lane0(cls, frame: RoundFrame, lane0_empty: bool = False, *, ceiling: int | None = None) -> LaneLayout:
         """The layout a round's lane-0 frame (or its consensus) declares: its tag's lane
         count over the schema it carries; SchemaError if the frame is not a lane 0
         or its pieces are not that layout's."""
-        layout = cls.declared_by(frame, lane0_empty)
+        layout = cls.declared_by(frame, lane0_empty, ceiling=ceiling)
         layout.check_lane(0, frame)
         return layout
 
     @classmethod
-    def declared_by(cls, frame: RoundFrame, lane0_empty: bool = False) -> LaneLayout:
+    def declared_by(cls, frame: RoundFrame, lane0_empty: bool = False, *, ceiling: int | None = None) -> LaneLayout:
         """:meth:`of_lane0` without the check of the pieces: for a delta round's lane-0
-        consensus, whose pieces are the f32 means of the coded pieces that went up."""
+        consensus, whose pieces are the f32 means of the coded pieces that went up.
+        ``ceiling``: SchemaError if the schema's payload (the whole frame the lanes
+        join into, which is what a receiver sizes its buffers by) is larger."""
         tag = read_lane_tag(frame)
         if tag is None or tag.index != 0:
             raise SchemaError(f"expected a round's lane 0 with its schema, got a frame tagged {tag}")
@@ -300,6 +303,8 @@ class LaneLayout:
                 raise SchemaError(f"lane 0: schema tensor {i} has shape {list(t.shape)} and {t.nbytes} bytes; "
                                   "a schema tensor is empty, of shape [0, *shape]")
             schema.append((t.dtype, tuple(t.shape[1:])))
+        if ceiling is not None and (total := _payload_bytes(tuple(schema))) > ceiling:
+            raise SchemaError(f"lane 0 declares a schema of {total} payload bytes, over the frame ceiling of {ceiling}")
         return _layout_for(tuple(schema), tag.count, lane0_empty)
 
     @property

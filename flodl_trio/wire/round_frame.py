@@ -351,5 +351,25 @@ def decode_round_frame(
         else:
             raise TypeError("decode_round_frame needs the salt to verify the frame's MAC")
         verify_mac(expected, tag, f"RoundFrame from {source}")
+    _check_declared_total(headers, ceiling, source)
     tensors = [TensorPayload(d, s, p) for d, s, p in headers]
     return RoundFrame(tensors, RoundKind(kind), weight)
+
+
+def _check_declared_total(headers: Sequence[tuple[int, tuple[int, ...], memoryview]], ceiling: int, source: str) -> None:
+    """An elided tensor stands for its whole shape: whoever folds it or cuts it into lanes
+    sizes buffers by that, so the payload the frame declares - every elided tensor
+    counted at its full size - must fit the ceiling too (a 61-byte frame must not
+    declare terabytes). Unknown dtypes are left to :func:`check_payload`."""
+    declared = 0
+    for i, (dtype, shape, payload) in enumerate(headers):
+        if payload.nbytes:
+            declared += payload.nbytes
+            continue
+        full = payload_nbytes(dtype, math.prod(shape))
+        declared += full or 0
+        if declared > ceiling:
+            raise FramingError(
+                f"RoundFrame from {source}: tensor {i} (elided, shape {list(shape)}) brings the payload the frame "
+                f"declares to {declared} bytes, over the frame ceiling of {ceiling}"
+            )
