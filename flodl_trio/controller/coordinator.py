@@ -86,6 +86,9 @@ class Coordinator:
         self.last_seen: dict[int, float] = {}
         self.reference_sig: tuple[bytes, int, str] | None = None
         self.rejections = Refusals()
+        # Also told of each refusal (the controller records it with its own: one
+        # handle.rejections for every connection refused on its port).
+        self.on_refuse: Callable[[str, BaseException | None], None] = lambda message, exc: None
         self.death_reasons: dict[int, str] = {}
         self._beacon_seq = 0
         self._noticed: set[int] = set()
@@ -244,7 +247,7 @@ class Coordinator:
                 )
         except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
             reason = "no Hello within the handshake deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
-            self._refuse(f"control relay {conn.peer} refused: {reason}")
+            self._refuse(f"control relay {conn.peer} refused: {reason}", exc)
             await conn.aclose()
             return None
         link = RelayLink.accept(hello, conn, 4 * len(hello.ranks) + 16)
@@ -296,9 +299,10 @@ class Coordinator:
         for rank in link.ranks:
             self.dead.declare_dead(rank)
 
-    def _refuse(self, message: str) -> None:
+    def _refuse(self, message: str, exc: BaseException | None = None) -> None:
         log.warning("coordinator: %s", message)
         self.rejections.add(message)
+        self.on_refuse(message, exc)
 
     async def _read_link(self, link: RelayLink) -> None:
         while True:

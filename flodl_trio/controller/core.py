@@ -266,12 +266,11 @@ async def open_controller(
     config = ControllerConfig(world_size, SessionSalt.coerce(salt), ceiling, net, deterministic, lanes, lane_min_bytes)
     coordinator = Coordinator(world_size, config.salt, ledger, heartbeat_timeout=net.heartbeat_timeout,
                               beacon_interval=beacon_interval, bounds=net)
-    if listeners is None:
-        if host is None:
-            raise ConfigError("open_controller needs a host to listen on, or listeners=")
+    if listeners is None:  # host None: every interface, as trio.open_tcp_listeners
         listeners = await trio.open_tcp_listeners(port, host=host)
     handle = ControllerHandle(listener_port(listeners[0]), ledger, ControllerStats(), coordinator)
     controller = _Controller(config, handle, listeners, outer_optimizer, checkpoint, membership, resume_dir)
+    coordinator.on_refuse = controller.control_refused
     controller.connect = connect
     controller.serve_shard = serve_shard
     if isinstance(shards, str):
@@ -554,6 +553,14 @@ class _Controller:
         self.handle.rejections.add(message)
         self.stats.rejected += 1
 
+    def control_refused(self, message: str, exc: BaseException | None) -> None:
+        """A control-channel connection the coordinator refused: recorded as the data
+        plane's are (it logged it already)."""
+        self.handle.rejections.add(message)
+        self.stats.rejected += 1
+        if isinstance(exc, MacError):
+            self.stats.mac_failures += 1
+
     # -- connections ---------------------------------------------------------
 
     async def _route(self, stream: trio.abc.Stream) -> None:
@@ -601,12 +608,16 @@ class _Controller:
             with link.scope, one_error():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._link_writer, link)
-                    await self._link_reader(link)
+                    try:
+                        await self._link_reader(link)
+                    except ProtocolError as exc:
+                        why = f"dropped for breaking the protocol ({exc})"
+                        self.stats.relays_dropped += 1
+                        log.warning("controller: %s %s; its ranks are dead", link.name, why)
+                        # At once, closing its socket: a write to a relay that also stopped
+                        # reading ends now, not after the write-stall bound.
+                        await self._drop_link(link, why)
                     nursery.cancel_scope.cancel()
-        except ProtocolError as exc:
-            why = f"dropped for breaking the protocol ({exc})"
-            self.stats.relays_dropped += 1
-            log.warning("controller: %s %s; its ranks are dead", link.name, why)
         except FlodlError as exc:
             named = attributed_to(exc, link.name)
             if named is exc:

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable
 import attrs
 
 from ..errors import HandshakeError
+from ..transport.hello import check_ranks_listed
 from ..wire.mux import Hello
 from .dead_ranks import DeadRanks
 
@@ -100,10 +101,7 @@ class Seats:
 def check_hello_ranks(hello: Hello, world_size: int, carried_by: dict[int, str]) -> None:
     """Ranks must be non-empty, sorted, unique, inside the world, and not carried
     already (``carried_by``: rank -> the name of the relay that does)."""
-    if not hello.ranks:
-        raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
-    if list(hello.ranks) != sorted(set(hello.ranks)):
-        raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
+    check_ranks_listed(hello)
     for rank in hello.ranks:
         if rank >= world_size:
             raise HandshakeError(f"Hello from host {hello.host!r} announces rank {rank} >= world_size {world_size}")

@@ -285,17 +285,19 @@ class _Relay:
         conn = self._accept_stream(stream)
         if conn is None:
             return
+        # One deadline for the whole handshake (or state request), however its bytes trickle in.
+        deadline = trio.current_time() + self.config.bounds.handshake
         try:
-            with trio.fail_after(self.config.bounds.handshake):
+            with trio.fail_at(deadline):
                 magic = await conn.receive_exactly(4, "the first 4 bytes")
         except (*CONNECTION_LOST, trio.TooSlowError) as exc:
             reason = "no complete handshake within the deadline" if isinstance(exc, trio.TooSlowError) else str(exc)
             self._refuse(f"relay {self.config.host_name}: refused {conn.peer}: {reason}")
             return
         if self.config.kind is ChannelKind.DATA and int.from_bytes(magic, "little") == CHANNEL_MAGIC_STATE:
-            await self._pipe_state(conn, magic)
+            await self._pipe_state(conn, magic, deadline)
             return
-        rank = await self._admit(conn, magic)
+        rank = await self._admit(conn, magic, deadline)
         if rank is None:
             return
         if self.channel is None:
@@ -358,11 +360,11 @@ class _Relay:
         """The channel is done with ``rank``'s connection: the rank may connect again."""
         self.claimed.discard(rank)
 
-    async def _admit(self, conn: MessageStream, magic: bytes) -> int | None:
-        """Terminate one rank's handshake; refuse (and log) anything wrong."""
+    async def _admit(self, conn: MessageStream, magic: bytes, deadline: float) -> int | None:
+        """Terminate one rank's handshake by ``deadline``; refuse (and log) anything wrong."""
         rank: int | None = None
         try:
-            with trio.fail_after(self.config.bounds.handshake):
+            with trio.fail_at(deadline):
                 rank, handshake = await self._handshake(conn, magic)
                 await conn.send_chunks([self._ack(conn, handshake)])
         except (ProtocolError, *CONNECTION_LOST, trio.TooSlowError) as exc:
@@ -412,14 +414,14 @@ class _Relay:
         self.signatures[hello.rank] = hello.model_signature
         return hello.rank, raw
 
-    async def _pipe_state(self, conn: MessageStream, magic: bytes) -> None:
+    async def _pipe_state(self, conn: MessageStream, magic: bytes, deadline: float) -> None:
         """Pass a joining rank's state request to the controller and its reply back, as
         bytes (both ends authenticate them with the salt; the relay only moves them).
         The reply may wait for a window boundary, so the pipe has no deadline of its
-        own: either end closing closes the other."""
+        own: either end closing closes the other; the request itself is due by ``deadline``."""
         bounds = self.config.bounds
         try:
-            with trio.fail_after(bounds.handshake):
+            with trio.fail_at(deadline):
                 request = magic + await conn.receive_exactly(STATE_REQUEST_LEN - 4, "the state request")
             self._note_joiner(request)
             host, port = self.config.upstream

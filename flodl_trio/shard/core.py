@@ -44,7 +44,7 @@ from ..fold.outer import SHARD_OUTER_KINDS, F32Array, LaneKey, ShardLanesOuter, 
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import Connector, Listeners, listener_port, peer_host, tune_socket
 from ..transport.hashing import encode_enveloped_frame
-from ..transport.hello import receive_hello
+from ..transport.hello import check_ranks_listed, receive_hello
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..transport.tasks import ChangeSignal, RunOutcome, one_error, serving
@@ -314,7 +314,8 @@ class _Shard:
                 raise ProtocolError(f"it set up shard {setup.index} of {setup.count}; this one is shard {self.index} "
                                     f"of {self.count}")
         except (FlodlError, trio.TooSlowError, *CONNECTION_LOST) as exc:
-            self._refuse(f"controller connection {conn.peer} refused: {exc or 'no ShardSetup in time'}")
+            why = str(exc) or "no ShardSetup within the handshake bound"
+            self._refuse(f"controller connection {conn.peer} refused: {why}")
             await conn.aclose()
             return
         resumed = self.index is not None
@@ -817,7 +818,8 @@ class _Shard:
                 if self.mirrors.arrived(lane):
                     self._step_mirror(sender, lane)
         except (FlodlError, trio.TooSlowError, *CONNECTION_LOST) as exc:
-            log.warning("shard %s: %s: mirror connection ended: %s", self.index, conn.peer, exc or "nothing in time")
+            why = str(exc) or "nothing within the handshake bound"
+            log.warning("shard %s: %s: mirror connection ended: %s", self.index, conn.peer, why)
             if sender is not None and isinstance(exc, FlodlError):
                 self._say(ShardLost(sender))
         finally:
@@ -858,8 +860,10 @@ class _Shard:
     async def _serve_relay(self, conn: MessageStream) -> None:
         try:
             hello = await receive_hello(conn, self.salt, self.bounds)
+            check_ranks_listed(hello)
         except (FlodlError, trio.TooSlowError, *CONNECTION_LOST) as exc:
-            self._refuse(f"relay connection {conn.peer} refused: {exc or 'no Hello in time'}")
+            why = str(exc) or "no Hello within the handshake bound"
+            self._refuse(f"relay connection {conn.peer} refused: {why}")
             await conn.aclose()
             return
         send, receive = trio.open_memory_channel[EncodedFrame](_OUTBOX_DEPTH)

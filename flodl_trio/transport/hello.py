@@ -25,4 +25,13 @@ async def receive_hello(conn: MessageStream, salt: SessionSalt, bounds: NetBound
     return hello
 
 
-__all__ = ["receive_hello"]
+def check_ranks_listed(hello: Hello) -> None:
+    """A relay's Hello names its ranks: at least one, sorted and unique (a controller and
+    a shard both key the relay by its lowest rank)."""
+    if not hello.ranks:
+        raise HandshakeError(f"Hello from host {hello.host!r} announces no ranks")
+    if list(hello.ranks) != sorted(set(hello.ranks)):
+        raise HandshakeError(f"Hello from host {hello.host!r}: ranks {list(hello.ranks)} are not sorted and unique")
+
+
+__all__ = ["check_ranks_listed", "receive_hello"]

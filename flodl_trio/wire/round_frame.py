@@ -271,17 +271,18 @@ def encode_round_frame(frame: RoundFrame, salt: SessionSalt) -> bytes:
 class _Cursor:
     """Bounds-checked reader over a frame body, naming what ran out."""
 
-    __slots__ = ("pos", "view")
+    __slots__ = ("pos", "source", "view")
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, source: str) -> None:
         self.view = view
+        self.source = source
         self.pos = 0
 
     def take(self, n: int, what: str) -> memoryview:
         end = self.pos + n
         if end > len(self.view):
             raise FramingError(
-                f"RoundFrame ended inside {what}: it needs {n} bytes at offset {self.pos} "
+                f"RoundFrame from {self.source} ended inside {what}: it needs {n} bytes at offset {self.pos} "
                 f"but the message holds only {len(self.view)} bytes (length prefix smaller than the frame?)"
             )
         out = self.view[self.pos:end]
@@ -313,7 +314,7 @@ def decode_round_frame(
     frames are not signed (docs/wire.md); ``salt`` may then be None.
     """
     view = _as_bytes_view(body)
-    cur = _Cursor(view)
+    cur = _Cursor(view, source)
     magic, count, kind, weight = _FRAME_HEADER.unpack(cur.take(FRAME_HEADER_LEN, "the frame header"))
     if magic != ROUND_FRAME_MAGIC:
         raise FramingError(f"RoundFrame from {source}: bad magic 0x{magic:08X} (want 0x{ROUND_FRAME_MAGIC:08X})")

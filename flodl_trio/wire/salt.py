@@ -20,6 +20,9 @@ from .constants import MAC_LEN, SALT_LEN
 Buffer = bytes | bytearray | memoryview
 
 
+_LOWER_HEX = frozenset("0123456789abcdef")
+
+
 @attrs.frozen(repr=False)
 class SessionSalt:
     """16 random bytes shared by every process of one training session."""
@@ -44,18 +47,16 @@ class SessionSalt:
 
     @classmethod
     def from_hex(cls, text: str) -> SessionSalt:
-        """Parse the 32-lowercase-hex-character form used on command lines and files."""
+        """Parse the 32-lowercase-hex-character form used on command lines and files
+        (surrounding whitespace, such as a file's last newline, is ignored)."""
         stripped = text.strip()
         if len(stripped) != 2 * SALT_LEN:
             raise ConfigError(
                 f"session salt hex must be exactly {2 * SALT_LEN} characters, got {len(stripped)}"
             )
-        try:
-            return cls(bytes.fromhex(stripped))
-        except ValueError:
-            raise ConfigError(
-                f"session salt hex contains a non-hex character: {stripped!r}"
-            ) from None
+        if not set(stripped) <= _LOWER_HEX:  # (the error does not echo the secret)
+            raise ConfigError("session salt hex must be lowercase hex (0-9, a-f): it holds uppercase or non-hex characters")
+        return cls(bytes.fromhex(stripped))
 
     @classmethod
     def coerce(cls, value: SessionSalt | bytes | bytearray) -> SessionSalt:

@@ -131,3 +131,16 @@ async def test_a_port_scanner_leaves_a_bounded_record_and_is_counted(autojump_cl
                 {"host": "h0", "channel": "data"},
             )
             assert relay_metric == probes
+
+
+async def test_a_controller_opened_with_its_defaults_serves_on_every_interface(salt):
+    """``open_controller(world_size=, salt=)``: host None listens as trio.open_tcp_listeners
+    does, on a free port, and a relay reaches it on loopback."""
+    with trio.fail_after(30):
+        async with open_controller(world_size=1, salt=salt) as ctl:
+            assert ctl.port > 0
+            async with open_relay(ChannelKind.DATA, listen=("127.0.0.1", 0), upstream=("127.0.0.1", ctl.port),
+                                  host_name="h0", ranks=[0], world_size=1, salt=salt) as relay:
+                async with connect_reduce_client(("127.0.0.1", relay.port), 0, 1, salt) as client:
+                    out = await client.all_reduce_tensors([torch.full((4,), 3.0)])
+            assert out[0].tolist() == [3.0] * 4

@@ -298,7 +298,8 @@ async def test_what_shards_cannot_do_yet_is_refused_up_front_naming_it(salt, tmp
 
 async def test_a_shard_refuses_connections_without_the_salt_and_serves_on(salt):
     """On a shard's port, a 'controller' or a 'relay' that cannot sign its first record (the
-    wrong salt), or says nothing, is refused and logged; the shard then serves a round."""
+    wrong salt), or says nothing, or a relay whose Hello names no ranks, is refused and
+    logged; the shard then serves a round."""
     from flodl_trio import SessionSalt
     from flodl_trio.wire import EXTENSIONS_MARK, Hello
     from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, CHANNEL_MAGIC_SHARD
@@ -312,7 +313,13 @@ async def test_a_shard_refuses_connections_without_the_salt_and_serves_on(salt):
                 stream = await trio.open_tcp_stream(LOOP, shard.port)
                 await stream.send_all(magic.to_bytes(4, "little") + bytes(encode_control_record(msg, wrong)))
                 assert await stream.receive_some(16) == b""  # closed on us
-            assert shard.refused == 2
+            # Signed, but a relay Hello that names no ranks, or ranks out of order: refused too.
+            for ranks in ([], [1, 0]):
+                stream = await trio.open_tcp_stream(LOOP, shard.port)
+                hello = Hello("x", ranks, [EXTENSIONS_MARK])
+                await stream.send_all(CHANNEL_MAGIC_DATA.to_bytes(4, "little") + bytes(encode_control_record(hello, salt)))
+                assert await stream.receive_some(16) == b""
+            assert shard.refused == 4
             async with one_host_with_a_shard(nursery, salt, shard) as (_ctl, relay):
                 async with connect_reduce_client((LOOP, relay.port), 0, 1, salt) as client:
                     out = await client.all_reduce_tensors([torch.full((1000,), 3.0)])

@@ -79,6 +79,22 @@ async def test_relay_handshake_deadline_refuses_silent_connection(autojump_clock
 
 
 @pytest.mark.deadline(300)
+async def test_one_handshake_deadline_however_the_bytes_trickle_in(autojump_clock, salt):
+    """The 4 magic bytes just before the deadline do not buy the rest another one."""
+    async with memory_cluster(salt, world_size=2, hosts=[[0, 1]]) as cluster:
+        slow = await cluster.connect(*cluster.relay_address(0))
+        start = trio.current_time()
+        handshake = encode_data_handshake(0, 2)
+        await trio.sleep(DEFAULTS.handshake * 0.8)
+        await slow.send_all(handshake[:4])
+        await trio.sleep(DEFAULTS.handshake * 0.1)
+        await slow.send_all(handshake[4:10])  # and then nothing
+        assert await slow.receive_some(16) == b""
+        assert trio.current_time() - start == pytest.approx(DEFAULTS.handshake)
+        assert any("deadline" in r for r in cluster.relays[0].rejections)
+
+
+@pytest.mark.deadline(300)
 async def test_controller_refuses_a_connection_without_channel_magic_after_its_bound(autojump_clock, salt):
     async with memory_cluster(salt, world_size=1, hosts=[[0]]) as cluster:
         idle = await cluster.connect(*cluster.controller_address)

@@ -255,8 +255,8 @@ async def test_framed_round_rejects_prefix_body_drift(transport):
 @pytest.mark.parametrize("short_by", [1, 8, 9, 20, 46])
 def test_short_prefix_ended_inside_names_the_part(short_by):
     frame = encode_round_frame(rf([1.0, 2.0]), SALT)
-    with pytest.raises(FramingError, match="ended inside"):
-        decode_round_frame(frame[:-short_by], SALT)
+    with pytest.raises(FramingError, match="RoundFrame from rank 5 on host h1 ended inside"):
+        decode_round_frame(frame[:-short_by], SALT, source="rank 5 on host h1")
 
 
 @pytest.mark.parametrize("extra", [1, 7, 8, 100])

@@ -639,10 +639,16 @@ def test_salt_from_hex_wrong_length(n):
         SessionSalt.from_hex("a" * n)
 
 
-@pytest.mark.parametrize("text", ["zz" * 16, "0g" + "00" * 15, "0x" + "00" * 15, "é" * 32])
+@pytest.mark.parametrize("text", ["zz" * 16, "0g" + "00" * 15, "0x" + "00" * 15, "é" * 32, "AB" * 16, "aB" * 16])
 def test_salt_from_hex_non_hex(text):
-    with pytest.raises(ConfigError, match="non-hex"):
+    """Exactly lowercase hex (PROTOCOL.md): uppercase is refused too, without echoing the secret."""
+    with pytest.raises(ConfigError, match="lowercase hex") as refused:
         SessionSalt.from_hex(text)
+    assert text not in str(refused.value)
+
+
+def test_salt_from_hex_ignores_a_files_last_newline():
+    assert SessionSalt.from_hex("ab" * 16 + "\n").raw == b"\xab" * 16
 
 
 def test_salt_errors_are_value_errors_too():
