@@ -15,7 +15,7 @@ keeps each return's exchange.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import attrs
@@ -102,11 +102,16 @@ async def _cancel_on_eof(conn: MessageStream, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _wait_unless_peer_leaves(conn: MessageStream, event: trio.Event) -> bool:
-    """Wait for ``event``; False if the peer closed (or spoke out of turn) first."""
+async def _wait_unless_peer_leaves(
+    conn: MessageStream, event: trio.Event, meanwhile: Callable[[], Awaitable[None]] | None = None
+) -> bool:
+    """Wait for ``event``; False if the peer closed (or spoke out of turn) first.
+    ``meanwhile`` runs beside the wait (and is cancelled with it)."""
     with trio.CancelScope() as waiting:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_eof, conn, waiting)
+            if meanwhile is not None:
+                nursery.start_soon(meanwhile)
             await event.wait()
             nursery.cancel_scope.cancel()
     return not waiting.cancelled_caught
@@ -232,7 +237,7 @@ class Returns:
         self._send_states_due()
         salt = self.config.salt
         try:
-            if not await _wait_unless_peer_leaves(conn, joiner.state_due):
+            if not await _wait_unless_peer_leaves(conn, joiner.state_due, self._enter_once_nobody_is_live):
                 return log.info("controller: rank %d left while it waited to rejoin", rank)
             if joiner.refusal is not None:
                 return await conn.send_chunks([encode_state_reply(StateReply.refused(joiner.refusal), joiner.nonces, salt)])
@@ -243,7 +248,7 @@ class Returns:
             self.changed.notify()
             if joiner.state is None:  # nothing was sent, so the rank is in already (a fresh start)
                 return
-            if not await _wait_unless_peer_leaves(conn, joiner.decided):
+            if not await _wait_unless_peer_leaves(conn, joiner.decided, self._enter_once_nobody_is_live):
                 return log.info("controller: rank %d left while it waited for its window", rank)
             await self._send_entry(conn, joiner)
         except (ProtocolError, trio.TooSlowError, *CONNECTION_LOST) as exc:
@@ -372,6 +377,17 @@ class Returns:
         self.window_store.abandon_window()
         log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)
         self._let_joiners_in(next_window)
+
+    async def _enter_once_nobody_is_live(self) -> None:
+        """Beside a return's waits (for its state, for its boundary): the last live ranks
+        may die or finish without ending another window (between their last window
+        and leaving), and then none will end. Each membership change checks for that,
+        once the controller has noted every death (so a round the last death ends
+        is done with first), and the return goes on now."""
+        while True:
+            await self.changed.wait()
+            if self.dead.snapshot() <= self.membership.died_at.keys():
+                self._let_joiners_in_if_nobody_is_live()
 
     def _refuse_every_return(self, reason: str) -> None:
         for rank in sorted(set(self.joiners) | {rank for rank, _seat in self.membership.entering()}):

@@ -32,7 +32,9 @@ from ..client import (
     connect_control_client,
     connect_reduce_client,
 )
-from ..errors import FlodlError
+from ..errors import ConfigError, FlodlError
+from ..wire.fragment import FragmentTag
+from ..wire.quant import DeltaCodec
 from ..wire.round_frame import RoundFrame, RoundKind
 from ..wire.salt import SessionSalt
 from .trainer import TrainerStats, WindowSchedule, WindowTrainer
@@ -69,6 +71,8 @@ class BlockingReduceClient:
         heartbeat_timeout: float | None = None,
         **connect_options: Any,
     ) -> None:
+        if control_address is not None and model_signature is None:
+            raise ConfigError("a control connection needs model_signature (see tensors.model_signature)")
         self.rank = rank
         self.world_size = world_size
         self._nursery: trio.Nursery | None = None
@@ -105,8 +109,8 @@ class BlockingReduceClient:
         try:
             async with AsyncExitStack() as stack:
                 if control is not None:
-                    if signature is None:
-                        raise FlodlError("a control connection needs model_signature (see tensors.model_signature)")
+                    if signature is None:  # (refused in __init__ already)
+                        raise ConfigError("a control connection needs model_signature (see tensors.model_signature)")
                     await stack.enter_async_context(
                         connect_control_client(control, rank, world, salt, signature, heartbeat_timeout=heartbeat)
                     )
@@ -183,6 +187,40 @@ class BlockingReduceClient:
         assert self._client is not None
         self._client.arm_pinned_decode(slot)
 
+    # The trio client's settings and state, read and set through (see ReduceClient).
+
+    @property
+    def delta_codec(self) -> DeltaCodec | None:
+        assert self._client is not None
+        return self._client.delta_codec
+
+    @delta_codec.setter
+    def delta_codec(self, value: DeltaCodec | None) -> None:
+        assert self._client is not None
+        self._client.delta_codec = value
+
+    @property
+    def delta_error_feedback(self) -> bool:
+        assert self._client is not None
+        return self._client.delta_error_feedback
+
+    @delta_error_feedback.setter
+    def delta_error_feedback(self, value: bool) -> None:
+        assert self._client is not None
+        self._client.delta_error_feedback = value
+
+    @property
+    def catching_up(self) -> set[int]:
+        """The fragments whose next window carries no work (see :attr:`ReduceClient.catching_up`)."""
+        assert self._client is not None
+        return self._client.catching_up
+
+    @property
+    def local_leg(self) -> bool:
+        """Whether the rank reaches its relay over the Unix-socket local leg (see :attr:`ReduceClient.local_leg`)."""
+        assert self._client is not None
+        return self._client.local_leg
+
     def all_reduce(self, frame: RoundFrame) -> RoundFrame:
         return self._run(lambda c: c.all_reduce(frame))
 
@@ -199,8 +237,8 @@ class BlockingReduceClient:
     ) -> tuple[list[torch.Tensor], float]:
         return self._run(lambda c: c.all_reduce_weighted(tensors, kind, weight, in_place=in_place))
 
-    def all_reduce_per_rank_f64(self, values: Sequence[float]) -> list[float]:
-        return self._run(lambda c: c.all_reduce_per_rank_f64(values))
+    def all_reduce_per_rank_f64(self, values: Sequence[float], *, fragment: FragmentTag | None = None) -> list[float]:
+        return self._run(lambda c: c.all_reduce_per_rank_f64(values, fragment=fragment))
 
     def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int) -> list[torch.Tensor]:
         return self._run(lambda c: c.broadcast_from_root(tensors, root))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,19 +36,24 @@ SALT_FILE_ENV = "FLODL_SALT_FILE"
 _warned_scale_values: set[str] = set()
 
 
+def _is_number(value: object) -> bool:
+    """A real number (an int or a float, numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
+    if not (_is_number(value) and math.isfinite(value) and value > 0):
         raise ConfigError(f"NetBounds.{attr.name} must be a finite number > 0, got {value!r}")
 
 
 def _non_negative_or_none(_inst: object, attr: attrs.Attribute[float | None], value: float | None) -> None:
-    if value is not None and not (math.isfinite(value) and value >= 0):
+    if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
         raise ConfigError(f"NetBounds.{attr.name} must be None or a finite number >= 0, got {value!r}")
 
 
 def _at_least_one(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"NetBounds.{attr.name} must be >= 1, got {value!r}")
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
+        raise ConfigError(f"NetBounds.{attr.name} must be a whole number >= 1 (an int), got {value!r}")
 
 
 @attrs.frozen
@@ -83,7 +89,9 @@ class NetBounds:
 
     @classmethod
     def scaled(cls, scale: float) -> NetBounds:
-        """The defaults with every time bound but mid-frame starvation multiplied by ``scale``."""
+        """The defaults with every time bound but mid-frame starvation (and the outage,
+        left None) multiplied by ``scale``. A classmethod: it reads no environment and
+        starts from the defaults, not from an instance's values."""
         base = cls()
         return attrs.evolve(
             base,

@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import SchemaError
+from ..errors import ConfigError, SchemaError
 
 F32 = np.dtype("<f4")
 F32Array = npt.NDArray[np.float32]
@@ -110,6 +110,12 @@ DTYPE_BASE_DIGEST = 0x7F
 DIGEST_LEN = 16
 
 
+class CodecTextError(ConfigError, SchemaError):
+    """A codec text that names no codec (:meth:`DeltaCodec.parse`): the caller's bad
+    argument, a :class:`ConfigError`. Also a :class:`SchemaError`, which it was
+    before, for callers that still catch that (the demo's ``--codec`` check)."""
+
+
 @attrs.frozen
 class DeltaCodec:
     """A delta code and its block size: what a pseudo-gradient round's payloads use."""
@@ -135,16 +141,19 @@ class DeltaCodec:
 
     @classmethod
     def parse(cls, text: str) -> DeltaCodec:
-        """``int8``, ``fp4``, ``int4``, optionally ``:BLOCK`` (default: 1024 for int8, 256 for 4-bit)."""
-        name, _, block = text.partition(":")
+        """``int8``, ``fp4``, ``int4``, optionally ``:BLOCK`` (default: 1024 for int8, 256 for 4-bit).
+        A text that names no codec is the caller's argument error: ConfigError."""
+        name, _, block = str(text).partition(":")
         try:
             code = Code(name)
         except ValueError:
-            raise SchemaError(f"unknown delta code {name!r} (int8, int4 or fp4)") from None
+            raise CodecTextError(f"unknown delta code {name!r} in {text!r} (int8, int4 or fp4)") from None
         if not block:
             return cls(code, 1024 if code is Code.INT8 else 256)
         if not block.isdigit():
-            raise SchemaError(f"delta block {block!r} is not a number")
+            raise CodecTextError(f"delta block {block!r} in {text!r} is not a number")
+        if int(block) not in _BLOCKS:
+            raise CodecTextError(f"delta block {block} in {text!r} must be a power of two from {MIN_BLOCK} to {MAX_BLOCK}")
         return cls(code, int(block))
 
     def payload_bytes(self, numel: int) -> int:

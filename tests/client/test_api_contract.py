@@ -1,0 +1,130 @@
+"""What docs/api.md promises a rank's trainer, checked against a real cluster:
+``fetch_state`` is the join request itself, a second process for a live rank is
+refused at connect (``FramingError``), ``ClusterState.split`` takes shapes, a bad
+codec text is a ``ConfigError``, and ``DeadRanks``' methods."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from flodl_trio import (
+    ConfigError,
+    DeadRanks,
+    FramingError,
+    JoinRefused,
+    SchemaError,
+    SessionSalt,
+    average_window,
+    connect_reduce_client,
+    open_window_trainer,
+)
+from flodl_trio.testing import open_local_cluster
+from flodl_trio.wire.quant import DeltaCodec
+
+SALT = SessionSalt(b"api-contract-slt")
+WORLD = 2
+PARAM_SHAPES = [(2, 3), (4,)]
+BUFFER_SHAPES = [(2,)]
+
+
+def model(value: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [torch.full(s, value) for s in PARAM_SHAPES], [torch.full(s, value) for s in BUFFER_SHAPES]
+
+
+@pytest.mark.parametrize("text", ["bogus", "int8:64", "fp4:128", "int8:0", "int8:abc", "int4:8192"])
+def test_a_codec_text_that_is_not_a_codec_is_a_config_error(text):
+    with pytest.raises(ConfigError, match="delta"):
+        DeltaCodec.parse(text)
+
+
+def test_codec_texts_parse_with_their_default_blocks():
+    assert [str(DeltaCodec.parse(t)) for t in ("int8", "fp4", "int4", "int4:512")] == [
+        "int8:1024", "fp4:256", "int4:256", "int4:512",
+    ]
+
+
+async def test_open_window_trainer_with_a_bogus_codec_is_a_config_error():
+    async with open_local_cluster(world_size=1, hosts=[[0]], salt=SALT) as cluster:
+        async with connect_reduce_client(cluster.relay_address(0), 0, 1, SALT) as client:
+            params, buffers = model()
+            with pytest.raises(ConfigError, match="unknown delta code 'bogus'"):
+                async with open_window_trainer(client, params, buffers, rank=0, world_size=1, sync_every=1, codec="bogus"):
+                    pass
+
+
+async def test_dead_ranks_methods_and_subscribe_in_a_trio_loop():
+    dead = DeadRanks(3)
+    seen: list[int] = []
+    heard = trio.Event()
+
+    def on_death(rank: int) -> None:
+        seen.append(rank)
+        heard.set()
+
+    unsubscribe = dead.subscribe(on_death)
+    assert dead.declare_dead(1) is True and dead.declare_dead(1) is False
+    await heard.wait()
+    assert seen == [1]
+    assert dead.dead_count() == 1 and dead.snapshot() == frozenset({1}) and dead.world_size == 3
+    assert dead.is_dead(1) and not dead.is_dead(0)
+    unsubscribe()
+
+
+async def test_fetch_state_is_the_join_request():
+    """fetch_state on a live rank is refused; a returning rank's fetch_state lets it in
+    (its join is then refused: it is live), splits by shapes, and leaving normally
+    afterwards says it finished (a later join is refused for that)."""
+    log: dict[str, object] = {}
+    with trio.fail_after(25):
+        async with open_local_cluster(world_size=WORLD, hosts=[[0, 1]], salt=SALT, rejoin_timeout=30.0) as cluster:
+            address = cluster.relay_address(0)
+            stop = trio.Event()
+            three_windows = trio.Event()
+
+            async def survivor() -> None:
+                params, buffers = model(1.0)
+                async with connect_reduce_client(address, 0, WORLD, SALT) as client:
+                    start = await client.join(params, buffers)
+                    fresh = await client.fetch_state()  # no window finished yet: harmless
+                    log["fresh"] = (start, fresh.window, fresh.frames)
+                    window = start
+                    while not stop.is_set():
+                        await average_window(client, params, buffers, 1, rank=0, world_size=WORLD, in_place=True)
+                        window += 1
+                        if window == 3:
+                            with pytest.raises(JoinRefused, match="rank 0 is live"):
+                                await client.fetch_state()
+                            three_windows.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(survivor)
+                params, buffers = model(3.0)
+                first = await connect_reduce_client(address, 1, WORLD, SALT)
+                await first.join(params, buffers)
+                await average_window(first, params, buffers, 1, rank=1, world_size=WORLD, in_place=True)
+
+                # A second process for rank 1 while it is live: refused at connect.
+                for leg in (None, False):
+                    with pytest.raises(FramingError, match="rank already connected"):
+                        await connect_reduce_client(address, 1, WORLD, SALT, local_leg=leg)
+
+                await first.aclose()  # a crash: rank 1 may come back
+                await three_windows.wait()
+                async with connect_reduce_client(address, 1, WORLD, SALT) as again:
+                    state = await again.fetch_state()
+                    assert state.window >= 2 and state.entry > state.window
+                    params_frames, buffers_frame = state.split(PARAM_SHAPES, BUFFER_SHAPES)
+                    assert len(params_frames) == 1 and buffers_frame is not None
+                    assert [tuple(t.shape) for t in params_frames[0].tensors] == PARAM_SHAPES
+                    with pytest.raises(SchemaError, match="parameter 0 of shape \\[2, 3\\]"):
+                        state.split([(3, 2), (4,)], BUFFER_SHAPES)
+                    with pytest.raises(JoinRefused, match="rank 1 is live"):
+                        await again.join(*model())
+                # Left normally after fetch_state: it said it finished.
+                with pytest.raises(JoinRefused, match="finished its training"):
+                    async with connect_reduce_client(address, 1, WORLD, SALT) as late:
+                        await late.join(*model())
+                stop.set()
+    assert log["fresh"] == (0, -1, ())
