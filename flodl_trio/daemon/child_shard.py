@@ -24,7 +24,7 @@ import attrs
 import trio
 
 from ..errors import ConfigError
-from ..transport.settings import SALT_FILE_ENV, SALT_HEX_ENV, NetBounds
+from ..transport.settings import SALT_FILE_ENV, SALT_HEX_ENV, TIMEOUT_SCALE_ENV, NetBounds, timeout_scale
 from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.relay")
@@ -79,6 +79,23 @@ async def _follow_its_word(shard: ChildShard, stream: trio.abc.ReceiveStream) ->
             shard.port = int(listening.group(1))
             shard.started.set()
         shard.used = shard.used or _SET_UP.match(line) is not None
+    shard.started.set()  # its stdout closed, it exited: whoever waits for its port stops waiting (port stays 0)
+
+
+def child_env(salt: SessionSalt) -> dict[str, str]:
+    """The child's environment: the salt as hex (never on its command line), and the
+    timeout scale this process already read, so a bad one is warned about once, here."""
+    env = {**os.environ, SALT_HEX_ENV: salt.raw.hex()}
+    env.pop(SALT_FILE_ENV, None)
+    if env.get(TIMEOUT_SCALE_ENV, "").strip():
+        env[TIMEOUT_SCALE_ENV] = repr(timeout_scale(env))
+    return env
+
+
+def _not_listening(host: str, port: int, start_s: float, status: int | None) -> str:
+    if status is None:
+        return f"the shard process did not start listening on {host}:{port} within {start_s:g} s"
+    return f"the shard process exited (status {status}) before listening on {host}:{port}; its log line above says why"
 
 
 @asynccontextmanager
@@ -89,8 +106,7 @@ async def child_shard(
     """Run ``python -m flodl_trio.shard`` on ``host:port`` (0: a free port) for the block;
     the handle's ``port`` is bound on entry. The salt goes in the child's environment,
     never its command line."""
-    env = {**os.environ, SALT_HEX_ENV: salt.raw.hex()}
-    env.pop(SALT_FILE_ENV, None)
+    env = child_env(salt)
     cmd = shard_command(host, port, ceiling=ceiling, log_level=log_level, log_format=log_format)
     async with trio.open_nursery() as nursery:
         process = await trio.lowlevel.open_process(
@@ -104,9 +120,10 @@ async def child_shard(
             start_s = max(bounds.handshake, SHARD_START_S)
             with trio.move_on_after(start_s):
                 await shard.started.wait()
-            if not shard.started.is_set():
-                raise ConfigError(f"the shard process did not start listening on {host}:{port} within "
-                                  f"{start_s:g} s (exit status {process.poll()})")
+            if not shard.port:
+                with trio.move_on_after(1):  # it exited (its log said why), or is about to
+                    await process.wait()
+                raise ConfigError(_not_listening(host, port, start_s, process.poll()))
             yield shard
             if shard.used:  # other hosts' rounds may still need it: until its controller lets go
                 with trio.move_on_after(bounds.handshake):

@@ -13,19 +13,24 @@ import trio
 
 from ..controller.checkpointer import ConsensusCheckpointer
 from ..controller.config import check_lanes, lanes_or_default, membership_policy
-from ..controller.core import OuterOptimizer, open_controller
+from ..controller.core import open_controller
 from ..errors import ConfigError
 from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
 from ..shard import shard_server
 from ..transport.settings import DEFAULT_CONTROLLER_OUTAGE, OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .common import (
+    DaemonParser,
     add_common_flags,
-    configure_logging,
     env_default,
+    env_is_set,
+    finite_positive,
+    net_bounds,
     parse_host_port,
     parse_or_exit,
+    port_number,
     run_daemon,
+    startup_step,
 )
 from .launch import DEFAULT_CONTROLLER_PORT
 
@@ -40,7 +45,7 @@ DEFAULT_REJOIN_TIMEOUT_S = 1800.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = DaemonParser(
         prog="python -m flodl_trio.controller",
         description="The cluster's controller: sums the hosts' frames each round and divides once by "
         "the realized-work mass; the same port serves the coordinator (heartbeats).",
@@ -49,10 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default=env_default("FLODL_CONTROLLER_HOST", "0.0.0.0"),
                         help="address to listen on [env FLODL_CONTROLLER_HOST; default 0.0.0.0]")
-    parser.add_argument("--port", type=int,
-                        default=int(env_default("FLODL_CONTROLLER_PORT", env_default("MASTER_PORT", DEFAULT_CONTROLLER_PORT))),
+    parser.add_argument("--port", type=port_number,
+                        default=env_default(("FLODL_CONTROLLER_PORT", "MASTER_PORT"), DEFAULT_CONTROLLER_PORT),
                         help="port for relays (data and control) [env FLODL_CONTROLLER_PORT or MASTER_PORT; default 1337]")
-    parser.add_argument("--world-size", type=int, default=env_default("FLODL_WORLD_SIZE", env_default("WORLD_SIZE")),
+    parser.add_argument("--world-size", type=int, default=env_default(("FLODL_WORLD_SIZE", "WORLD_SIZE")),
                         help="ranks in the whole cluster [env FLODL_WORLD_SIZE or WORLD_SIZE]")
     parser.add_argument("--heartbeat-timeout", type=float, default=env_default("FLODL_HEARTBEAT_TIMEOUT"),
                         help="declare a rank dead after this many seconds without a heartbeat "
@@ -73,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-dir", default=env_default("FLODL_CHECKPOINT_DIR"),
                         help="write each window's consensus here as safetensors, and the run's resume record: a controller "
                         "started again with it takes the run on [env FLODL_CHECKPOINT_DIR; default off]")
-    parser.add_argument("--checkpoint-every", type=int, default=int(env_default("FLODL_CHECKPOINT_EVERY", 1)),
+    parser.add_argument("--checkpoint-every", type=int, default=env_default("FLODL_CHECKPOINT_EVERY", 1),
                         help="checkpoint every Nth window [env FLODL_CHECKPOINT_EVERY; default 1]")
-    parser.add_argument("--checkpoint-keep", type=int, default=int(env_default("FLODL_CHECKPOINT_KEEP", 3)),
+    parser.add_argument("--checkpoint-keep", type=int, default=env_default("FLODL_CHECKPOINT_KEEP", 3),
                         help="newest checkpoints to keep [env FLODL_CHECKPOINT_KEEP; default 3]")
     parser.add_argument("--rejoin-timeout", type=float,
                         default=env_default("FLODL_REJOIN_TIMEOUT", DEFAULT_REJOIN_TIMEOUT_S),
@@ -88,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--formation-timeout", type=float, default=env_default("FLODL_FORMATION_TIMEOUT"),
                         help="seconds to wait for every rank before starting with --min-ranks "
                         "[env FLODL_FORMATION_TIMEOUT; default: wait for every rank]")
-    parser.add_argument("--keep-serving", action="store_true", default=env_default("FLODL_KEEP_SERVING") == "1",
+    parser.add_argument("--keep-serving", action="store_true", default=env_is_set("FLODL_KEEP_SERVING"),
                         help="keep running after every rank has finished [env FLODL_KEEP_SERVING=1; default: exit 0]")
     parser.add_argument("--controller-outage", type=float, default=None, metavar="SECONDS",
                         help="with --checkpoint-dir: how long relays and ranks hold for this controller if it is "
@@ -137,11 +142,17 @@ BuiltInOuter = PlainAverage | SlowMo | DiLoCoNesterov
 
 
 def make_outer(name: str, lr: float | None, momentum: float | None) -> BuiltInOuter | None:
-    if name in ("none", "average"):
-        return None if name == "none" else PlainAverage()
-    cls = SlowMo if name == "slowmo" else DiLoCoNesterov
+    """The optimizer ``--outer`` names; any other name is refused (never a silent default)."""
     options = {k: v for k, v in (("lr", lr), ("momentum", momentum)) if v is not None}
-    return cls(**options)
+    if name == "none":
+        return None
+    if name == "average":
+        return PlainAverage()
+    if name == "slowmo":
+        return SlowMo(**options)
+    if name == "diloco":
+        return DiLoCoNesterov(**options)
+    raise ConfigError(f"--outer must be one of {', '.join(OUTER_CHOICES)}; got {name!r}")
 
 
 def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
@@ -150,9 +161,7 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     world = int(args.world_size)
     if world <= 0:
         raise ConfigError(f"--world-size must be > 0, got {world}")
-    timeout = float(args.heartbeat_timeout) if args.heartbeat_timeout is not None else None
-    if timeout is not None and timeout <= 0:
-        raise ConfigError(f"--heartbeat-timeout must be > 0, got {timeout}")
+    timeout = finite_positive(args.heartbeat_timeout, "--heartbeat-timeout")
     if args.checkpoint_every < 1 or args.checkpoint_keep < 1:
         raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 1")
     lanes = None if args.lanes is None else int(args.lanes)
@@ -164,18 +173,11 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
     outer = make_outer(args.outer, args.outer_lr, args.outer_momentum)
     check_lanes(lanes_or_default(lanes, outer_optimizer=outer), outer_optimizer=outer)
-    settings = ControllerDaemonSettings(
+    return ControllerDaemonSettings(
         args.host, args.port, world, load_salt(args.salt_file), timeout, outer,
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
-        bool(args.deterministic), lanes,
+        bool(args.deterministic), lanes, bounds=net_bounds(args.controller_outage), shards=parse_shards(args.shards),
     )
-    settings = attrs.evolve(settings, shards=parse_shards(args.shards))
-    if args.controller_outage is not None:
-        outage = float(args.controller_outage)
-        if not (math.isfinite(outage) and outage >= 0):
-            raise ConfigError(f"--controller-outage must be a finite number of seconds >= 0, got {args.controller_outage}")
-        settings = attrs.evolve(settings, bounds=attrs.evolve(settings.bounds, controller_outage=outage))
-    return settings
 
 
 def resume_dir_of(settings: ControllerDaemonSettings) -> str | None:
@@ -193,12 +195,13 @@ async def serve_controller_daemon(
     async with AsyncExitStack() as stack:
         checkpoint = None
         if settings.checkpoint_dir:
-            checkpoint = await stack.enter_async_context(
-                ConsensusCheckpointer(settings.checkpoint_dir, every=settings.checkpoint_every,
-                                      keep=settings.checkpoint_keep, outer=settings.outer)
-            )
-        handle = await stack.enter_async_context(
-            open_controller(
+            with startup_step(f"--checkpoint-dir {settings.checkpoint_dir}"):
+                checkpoint = await stack.enter_async_context(
+                    ConsensusCheckpointer(settings.checkpoint_dir, every=settings.checkpoint_every,
+                                          keep=settings.checkpoint_keep, outer=settings.outer)
+                )
+        with startup_step(f"starting on {settings.host}:{settings.port}"):
+            handle = await stack.enter_async_context(open_controller(
                 settings.host, settings.port, world_size=settings.world_size, salt=settings.salt,
                 outer_optimizer=settings.outer, checkpoint=checkpoint, ceiling=ceiling,
                 heartbeat_timeout=settings.heartbeat_timeout, bounds=settings.bounds,
@@ -206,12 +209,12 @@ async def serve_controller_daemon(
                 formation_timeout=settings.formation_timeout, deterministic=settings.deterministic,
                 lanes=settings.lanes, resume_dir=resume_dir_of(settings), shards=settings.shards,
                 serve_shard=shard_server(salt=settings.salt, ceiling=ceiling, bounds=settings.bounds),
-            )
-        )
+            ))
         if metrics is not None:
             from .metrics import serve_controller_metrics
 
-            port = stack.enter_context(serve_controller_metrics(metrics, handle))
+            with startup_step(f"serving metrics on {metrics[0]}:{metrics[1]}"):
+                port = stack.enter_context(serve_controller_metrics(metrics, handle))
             log.info("controller metrics on http://%s:%d/metrics", metrics[0], port)
         coordinator = handle.coordinator
         log.info(
@@ -235,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     settings: list[ControllerDaemonSettings] = []
     args = parse_or_exit(parser, argv, lambda a: settings.append(settings_from_args(a)))
-    configure_logging(args.log_level, args.log_format)
     metrics = (args.metrics_host, args.metrics_port) if args.metrics_port else None
     return run_daemon(
         "controller",

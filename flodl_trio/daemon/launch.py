@@ -27,6 +27,7 @@ from ..errors import ConfigError
 DEFAULT_CONTROLLER_PORT = 1337
 DATA_PORT_OFFSET = 4
 CONTROL_PORT_OFFSET = 5
+MAX_PORT = 65535
 
 
 def _first(env: Mapping[str, str], *names: str) -> str | None:
@@ -55,9 +56,18 @@ def controller_address(env: Mapping[str, str] | None = None) -> tuple[str, int]:
         host, sep, port = explicit.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"FLODL_CONTROLLER must be host:port, got {explicit!r}")
-        return host.strip("[]"), int(port)
+        return host.strip("[]"), check_port(int(port), f"FLODL_CONTROLLER={explicit!r}")
     master_port = _int(env, "controller port", "MASTER_PORT")
-    return env.get("MASTER_ADDR", "127.0.0.1"), master_port if master_port is not None else DEFAULT_CONTROLLER_PORT
+    if master_port is None:
+        return env.get("MASTER_ADDR", "127.0.0.1"), DEFAULT_CONTROLLER_PORT
+    return env.get("MASTER_ADDR", "127.0.0.1"), check_port(master_port, f"MASTER_PORT={master_port}")
+
+
+def check_port(port: int, what: str) -> int:
+    """A port read from text or computed: 0..65535 (a larger one would wrap at the socket)."""
+    if not 0 <= port <= MAX_PORT:
+        raise ConfigError(f"{what}: port {port} is out of range 0..{MAX_PORT}")
+    return port
 
 
 @attrs.frozen

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import socket
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import attrs
 import trio
@@ -14,22 +16,27 @@ from ..errors import ConfigError
 from ..relay.config import ChannelKind, RelayConfig
 from ..relay.core import open_relay
 from ..relay.host_ranks import HostRanks
-from ..transport.local_leg import UNIX_DIR_ENV, local_leg_enabled
+from ..transport.local_leg import UNIX_DIR_ENV, ensure_private_dir, local_leg_dir, local_leg_enabled
 from ..transport.settings import OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .child_shard import ShardKeeper
 from .common import (
+    DaemonParser,
     add_common_flags,
-    configure_logging,
     env_default,
+    host_port,
+    net_bounds,
     parse_host_port,
     parse_or_exit,
     parse_rank_list,
+    port_number,
     run_daemon,
+    startup_step,
 )
 from .launch import (
     CONTROL_PORT_OFFSET,
     DATA_PORT_OFFSET,
+    check_port,
     controller_address,
     host_ranks_from_env,
 )
@@ -38,14 +45,14 @@ log = logging.getLogger("flodl_trio.relay")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = DaemonParser(
         prog="python -m flodl_trio.relay",
         description="Per-host relay: folds this host's ranks into one uplink per channel.",
         epilog="Every flag can also come from the environment variable named in its help. "
         "The salt is read from a file or FLODL_SALT_HEX, never from the command line.",
     )
     parser.add_argument(
-        "--controller", default=env_default("FLODL_CONTROLLER"),
+        "--controller", type=host_port, default=env_default("FLODL_CONTROLLER"),
         help="controller host:port [env FLODL_CONTROLLER; else MASTER_ADDR:MASTER_PORT]",
     )
     parser.add_argument(
@@ -54,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "GROUP_RANK/NODE_RANK x LOCAL_WORLD_SIZE or SLURM_NODEID x SLURM_NTASKS_PER_NODE]",
     )
     parser.add_argument(
-        "--world-size", type=int, default=env_default("FLODL_WORLD_SIZE", env_default("WORLD_SIZE")),
+        "--world-size", type=int, default=env_default(("FLODL_WORLD_SIZE", "WORLD_SIZE")),
         help="ranks in the whole cluster [env FLODL_WORLD_SIZE or WORLD_SIZE]",
     )
     parser.add_argument(
@@ -70,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the ranks connect to [env FLODL_LISTEN_HOST; default 127.0.0.1]",
     )
     parser.add_argument(
-        "--data-port", type=int, default=env_default("FLODL_DATA_PORT"),
+        "--data-port", type=port_number, default=env_default("FLODL_DATA_PORT"),
         help="loopback port of the data channel [env FLODL_DATA_PORT; default controller port + 4]",
     )
     parser.add_argument(
-        "--control-port", type=int, default=env_default("FLODL_CONTROL_PORT"),
+        "--control-port", type=port_number, default=env_default("FLODL_CONTROL_PORT"),
         help="loopback port of the control channel [env FLODL_CONTROL_PORT; default controller port + 5]",
     )
     parser.add_argument(
@@ -84,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--unix-dir", default=env_default(UNIX_DIR_ENV),
-        help="directory of the local leg's socket, mode 0700 [env FLODL_UNIX_DIR; default /tmp/flodl_trio-<uid>]",
+        help="directory of the local leg's socket: created with mode 0700; an existing one must be this user's, "
+        "with mode 0700 [env FLODL_UNIX_DIR; default /tmp/flodl_trio-<uid>]",
     )
     parser.add_argument(
         "--memory-budget", type=float, default=env_default("FLODL_RELAY_MEMORY_BUDGET"), metavar="MIB",
@@ -136,8 +144,35 @@ def parse_shard(text: str | None) -> tuple[str, int] | None:
     return parse_host_port(text, "--shard")
 
 
+def channel_port(args: argparse.Namespace, kind: ChannelKind, controller_port: int) -> int:
+    """The channel's loopback port: its flag, else the controller's port + 4 (data) or + 5
+    (control), which must still be a port."""
+    given = args.data_port if kind is ChannelKind.DATA else args.control_port
+    if given is not None:
+        return int(given)
+    offset = DATA_PORT_OFFSET if kind is ChannelKind.DATA else CONTROL_PORT_OFFSET
+    return check_port(controller_port + offset, f"--{kind.value}-port (the controller's port + {offset})")
+
+
+def memory_budget_bytes(mib: float | None) -> int | None:
+    """``--memory-budget`` MiB in bytes; nan and inf are refused here, not cast."""
+    if mib is None:
+        return None
+    if not (math.isfinite(mib) and mib > 0):
+        raise ConfigError(f"--memory-budget must be a finite number of MiB > 0, got {mib}")
+    return int(mib * (1 << 20))
+
+
+def check_unix_dir(unix_dir: str | None) -> None:
+    """Refuse, before starting, a local-leg directory that exists but is not this user's
+    with mode 0700 (a bad setting, exit 2); one not there yet is created at start."""
+    directory = Path(unix_dir) if unix_dir else local_leg_dir()
+    if directory.exists() or directory.is_symlink():
+        ensure_private_dir(directory)
+
+
 def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
-    controller = parse_host_port(args.controller, "--controller") if args.controller else controller_address()
+    controller = args.controller if args.controller else controller_address()
     ranks = parse_rank_list(args.ranks) if args.ranks else host_ranks_from_env()
     if ranks is None:
         raise ConfigError("which ranks live on this host? pass --ranks (or set FLODL_RANKS)")
@@ -147,22 +182,15 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     unknown = wanted - {"data", "control"}
     if unknown or not wanted:
         raise ConfigError(f"--channels takes data, control or both; got {args.channels!r}")
-    ports = {
-        ChannelKind.DATA: args.data_port if args.data_port is not None else controller[1] + DATA_PORT_OFFSET,
-        ChannelKind.CONTROL: args.control_port if args.control_port is not None else controller[1] + CONTROL_PORT_OFFSET,
-    }
-    channels = {kind: int(ports[kind]) for kind in ChannelKind if kind.value in wanted}
+    channels = {kind: channel_port(args, kind, controller[1]) for kind in ChannelKind if kind.value in wanted}
+    if not args.no_unix:
+        check_unix_dir(args.unix_dir)
     settings = RelayDaemonSettings(
         controller, ranks, int(args.world_size), args.host_name, channels, args.listen_host, load_salt(args.salt_file),
-        bool(args.deterministic), not args.no_unix, args.unix_dir,
-        None if args.memory_budget is None else int(float(args.memory_budget) * (1 << 20)),
+        bool(args.deterministic), not args.no_unix, args.unix_dir, memory_budget_bytes(args.memory_budget),
         None if args.lanes is None else int(args.lanes),
-        parse_shard(args.shard),
+        parse_shard(args.shard), net_bounds(args.controller_outage),
     )
-    if args.controller_outage is not None:
-        settings = attrs.evolve(
-            settings, bounds=attrs.evolve(settings.bounds, controller_outage=float(args.controller_outage))
-        )
     RelayConfig(
         ChannelKind.DATA, controller, settings.host_name, tuple(ranks), settings.world_size, settings.salt,
         memory_budget=settings.memory_budget, lanes=settings.lanes,
@@ -186,8 +214,8 @@ async def serve_relay_daemon(
         handles = {}
         host = HostRanks(settings.ranks)  # shared by the host's channels
         for kind, port in settings.channels.items():
-            handles[kind] = await stack.enter_async_context(
-                open_relay(
+            with startup_step(f"starting the {kind.value} channel on {settings.listen_host}:{port}"):
+                handles[kind] = await stack.enter_async_context(open_relay(
                     kind, listen=(settings.listen_host, port), upstream=settings.controller,
                     host_name=settings.host_name, ranks=settings.ranks, world_size=settings.world_size,
                     salt=settings.salt, ceiling=ceiling, bounds=settings.bounds, host=host,
@@ -195,14 +223,14 @@ async def serve_relay_daemon(
                     memory_budget=settings.memory_budget,
                     lanes=settings.lanes if kind is ChannelKind.DATA else None,
                     shard_offer=offer if kind is ChannelKind.DATA else None,
-                )
-            )
+                ))
         if keeper is not None and ChannelKind.DATA in handles:
             keeper.offer = handles[ChannelKind.DATA].offer_shard  # a shard started again is offered again
         if metrics is not None:
             from .metrics import serve_relay_metrics
 
-            stack.enter_context(serve_relay_metrics(metrics, handles))
+            with startup_step(f"serving metrics on {metrics[0]}:{metrics[1]}"):
+                stack.enter_context(serve_relay_metrics(metrics, handles))
         ports = " ".join(f"{kind.value}={settings.listen_host}:{h.port}" for kind, h in handles.items())
         data = handles.get(ChannelKind.DATA)
         if data is not None and data.unix_path is not None:
@@ -222,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     settings: list[RelayDaemonSettings] = []
     args = parse_or_exit(parser, argv, lambda a: settings.append(settings_from_args(a)))
-    configure_logging(args.log_level, args.log_format)
     metrics = (args.metrics_host, args.metrics_port) if args.metrics_port else None
     return run_daemon("relay", lambda: serve_relay_daemon(
         settings[0], ceiling=args.frame_ceiling, metrics=metrics, log_level=args.log_level, log_format=args.log_format,

@@ -8,31 +8,35 @@ import argparse
 import logging
 import os
 import sys
+from contextlib import AsyncExitStack
 
 import trio
 
 from ..shard import ShardHandle, open_shard
 from ..transport.settings import load_salt
-from .common import add_common_flags, configure_logging, env_default, parse_or_exit, run_daemon
+from ..wire.salt import SessionSalt
+from .common import DaemonParser, add_common_flags, env_default, parse_or_exit, port_number, run_daemon, startup_step
 
 log = logging.getLogger("flodl_trio.shard")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = DaemonParser(
         prog="python -m flodl_trio.shard",
         description="A reduction shard: sums the lanes of each round the controller places on it.",
+        epilog="Every flag can also come from the environment variable named in its help. "
+        "The salt is read from a file or FLODL_SALT_HEX, never from the command line.",
     )
     parser.add_argument("--host", default=env_default("FLODL_SHARD_HOST", "0.0.0.0"),
                         help="address to listen on [env FLODL_SHARD_HOST; default 0.0.0.0]")
-    parser.add_argument("--port", type=int, default=int(env_default("FLODL_SHARD_PORT", 1338)),
+    parser.add_argument("--port", type=port_number, default=env_default("FLODL_SHARD_PORT", 1338),
                         help="port for the controller and the relays (0: a free one, which the start line says) "
                         "[env FLODL_SHARD_PORT; default 1338]")
     parser.add_argument("--with-parent", action="store_true",
                         help="leave once standard input closes: the process that started it (a relay daemon "
                         "serving its host's shard) is gone; standard output says 'listening PORT' once it "
                         "listens and 'set up INDEX' once a controller set it up")
-    add_common_flags(parser)
+    add_common_flags(parser, metrics=False)  # no metrics endpoint: a shard serves none
     return parser
 
 
@@ -56,8 +60,12 @@ async def _tell_parent_when_set_up(shard: ShardHandle) -> None:
     _tell_parent(f"set up {shard.index}")
 
 
-async def serve_shard_daemon(args: argparse.Namespace) -> None:
-    async with open_shard(args.host, args.port, salt=load_salt(args.salt_file), ceiling=args.frame_ceiling) as shard:
+async def serve_shard_daemon(args: argparse.Namespace, salt: SessionSalt) -> None:
+    async with AsyncExitStack() as stack:
+        with startup_step(f"starting on {args.host}:{args.port}"):
+            shard = await stack.enter_async_context(
+                open_shard(args.host, args.port, salt=salt, ceiling=args.frame_ceiling)
+            )
         log.info("shard started: listening on %s:%d", args.host, shard.port)
         async with trio.open_nursery() as nursery:
             if args.with_parent:
@@ -78,6 +86,6 @@ async def serve_shard_daemon(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_or_exit(build_parser(), argv, lambda a: None)
-    configure_logging(args.log_level, args.log_format)
-    return run_daemon("shard", lambda: serve_shard_daemon(args))
+    salts: list[SessionSalt] = []  # read before starting: a missing salt is a bad setting (exit 2)
+    args = parse_or_exit(build_parser(), argv, lambda a: salts.append(load_salt(a.salt_file)))
+    return run_daemon("shard", lambda: serve_shard_daemon(args, salts[0]))
