@@ -138,7 +138,9 @@ class ConsensusCheckpointer:
       saved as ``outer.*`` tensors (snapshotted at the window's params round).
     - ``start_window``: index of the first window seen; by default one past
       the newest checkpoint already in ``directory`` (so a resumed run neither
-      overwrites nor prunes away its new files).
+      overwrites nor prunes away its new files). By default, a controller
+      started again on its resume record sets it from the run's window count
+      (:meth:`reopen_window`).
 
     Use it once, as ``async with``: the block runs the writer task. Leaving the
     block, however it is left, writes the window being recorded (even without
@@ -177,6 +179,7 @@ class ConsensusCheckpointer:
         self.every = int(every)
         self.keep = int(keep)
         self.outer = outer
+        self._numbered_here = start_window is None  # (not set by the caller: a restart may set it)
         if start_window is None:
             existing = list_checkpoints(self.directory)
             start_window = existing[-1][0] + 1 if existing else 0
@@ -286,14 +289,32 @@ class ConsensusCheckpointer:
         except Exception as exc:
             self._record_failure(f"could not count round {round_index}", exc)
 
-    def reopen_window(self, model_rounds: int, fragment: FragmentTag | None) -> None:
+    def reopen_window(self, model_rounds: int, fragment: FragmentTag | None, windows: int | None = None) -> None:
         """A controller started again on its resume record goes on inside the window that
         was open (``model_rounds`` of its Model rounds done, syncing ``fragment``): its
         later rounds are that window's. What the lost controller had recorded of the
         window's earlier rounds is gone, so a window whose params round was done
-        before the restart is not saved."""
+        before the restart is not saved here (a lost checkpointer whose block was left
+        wrote it as it had it: the params, without the buffers).
+
+        ``windows``: the run's window count (windows opened, the open one included).
+        Unless ``start_window`` was given, the next params round is numbered from it, as
+        the lost controller's checkpointer would have numbered it (the files are those
+        of the run uninterrupted: with ``every`` > 1 windows not due wrote none, so the
+        newest file does not say where the run is). That holds where the run's first
+        window was window 0 here; a directory with newer files than that (the run
+        itself resumed after an earlier run's checkpoints) keeps numbering after them.
+        """
         self._on_control(fragment)
         self._model_rounds = model_rounds
+        if windows is None or not self._numbered_here:
+            return
+        window = windows - 1 if model_rounds == 0 else windows  # the next params round's
+        existing = list_checkpoints(self.directory)
+        newest = existing[-1][0] if existing else -1
+        # newest == window: the lost checkpointer wrote this window as it stopped (its params
+        # round was not in the record): the round runs again, and its file is written again.
+        self.next_window = window if newest <= window else newest + 1
 
     def _on_control(self, fragment: FragmentTag | None) -> None:
         if self._current is not None:

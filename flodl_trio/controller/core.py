@@ -121,6 +121,7 @@ from .round import (
     CheckpointSink,
     Consensus,
     ControllerRound,
+    OuterSchemaRefused,
     OuterOptimizer,
     WindowStore,
 )
@@ -611,6 +612,8 @@ class _Controller:
                     try:
                         await self._link_reader(link)
                     except ProtocolError as exc:
+                        if isinstance(exc, OuterSchemaRefused):
+                            raise  # the controller's own error (it stops), not this relay's
                         why = f"dropped for breaking the protocol ({exc})"
                         self.stats.relays_dropped += 1
                         log.warning("controller: %s %s; its ranks are dead", link.name, why)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from ..errors import FlodlError, ProtocolError
+from ..errors import FlodlError, ProtocolError, SchemaError
 from ..fold.delta import DeltaLineage, DeltaLineages, flat_f32, is_delta_schema
 from ..wire.constants import DTYPE_F32
 from ..wire.fragment import FragmentTag, fragment_of
@@ -154,8 +154,20 @@ class LaneWindows:
 
     def steps_round(self, lane0: RoundFrame) -> bool:
         """Whether the round lane 0 just opened is a params round the outer optimizer
-        steps (with shards, they step its lanes: ``round_fragment``'s state)."""
-        return self._delta is None and self._steps(self._part, lane0)
+        steps (with shards, they step its lanes: ``round_fragment``'s state). With shards
+        the round's schema is checked here first, as a step here checks it: a SchemaError
+        stops the controller before any shard steps it."""
+        steps = self._delta is None and self._steps(self._part, lane0)
+        check = getattr(self.outer_optimizer, "check_sharded_schema", None)
+        if steps and self._sharded and self._layout is not None and callable(check):
+            part = self._part
+            assert part is not None
+            try:
+                check(self._layout.schema, part.fragment)
+            except SchemaError as exc:
+                raise SchemaError(f"the outer optimizer refused window {part.window}'s params consensus "
+                                  f"(stepped on the shards): {exc}") from exc
+        return steps
 
     @property
     def round_fragment(self) -> FragmentTag | None:
@@ -284,8 +296,11 @@ class LaneWindows:
         try:
             stepped: RoundFrame = step_lane(frame, layout, lane, part.fragment)
         except ProtocolError as exc:
-            # Not the fault of the relay whose frame closed the lane: the controller's own.
-            raise FlodlError(f"the outer optimizer refused window {part.window}'s params consensus (lane {lane}): {exc}") from exc
+            # Not the fault of the relay whose frame closed the lane: the controller's own. A
+            # schema change stops the controller with a SchemaError (docs, "Guards"): this runs
+            # in its broadcaster, where no relay's reader can take it for that relay's error.
+            why = f"the outer optimizer refused window {part.window}'s params consensus (lane {lane}): {exc}"
+            raise (SchemaError(why) if isinstance(exc, SchemaError) else FlodlError(why)) from exc
         return stepped
 
     def _delta_lane(self, frame: RoundFrame, layout: LaneLayout, lane: int, part: WindowPart | None) -> RoundFrame:

@@ -155,10 +155,11 @@ class Resumption:
 
     def _reopen_checkpoint_window(self, run: RunRecord, fragment: FragmentTag | None) -> None:
         """A checkpoint sink that can (:class:`~.checkpointer.ConsensusCheckpointer`) is told
-        the window open when the controller stopped, so its rounds after the restart count."""
+        the window open when the controller stopped, so its rounds after the restart count,
+        and the run's window count, so it numbers the windows on as the lost one did."""
         reopen = getattr(self.checkpoint, "reopen_window", None)
         if callable(reopen) and run.windows > 0:
-            reopen(run.model_rounds, fragment)
+            reopen(run.model_rounds, fragment, windows=run.windows)
 
     def _restore_window_store(self, resumed: Resumed, fragment: FragmentTag | None) -> None:
         """Where windows end, per fragment, and the last finished window's state for joiners."""

@@ -35,7 +35,7 @@ from ..transport.buffers import ReceiveBuffer
 from ..transport.tasks import nothing
 from ..wire.fragment import FragmentTag, fragment_of
 from ..wire.mux import MuxKind
-from ..wire.quant import DIGEST_LEN, DTYPE_BASE_DIGEST, DeltaCodec
+from ..wire.quant import DeltaCodec
 from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind
 from .seats import Seats
 from .stats import ControllerStats
@@ -570,13 +570,26 @@ class ControllerRound:
                 else:
                     consensus = self.outer_optimizer(consensus)
             except ProtocolError as exc:
-                # Not the fault of the relay whose frame closed the round: the controller's own.
-                raise FlodlError(
-                    f"the outer optimizer refused round {self.stats.rounds}'s params consensus: {exc}"
-                ) from exc
+                raise _refused(f"the outer optimizer refused round {self.stats.rounds}'s params consensus: {exc}",
+                               exc) from exc
         if self.checkpoint is not None:
             self.checkpoint(self.stats.rounds, consensus)
         return consensus
+
+
+class OuterSchemaRefused(SchemaError):
+    """The outer optimizer refused a params consensus for its schema (the model changed
+    between windows): the controller's own error, which stops it, not the fault of the
+    relay whose frame closed the round (whose reader it may be raised in: that reader
+    lets it through instead of dropping its relay). ``wait_finished()`` raises it, a
+    SchemaError (docs/outer-and-checkpoints.md, "Guards")."""
+
+
+def _refused(why: str, exc: ProtocolError) -> FlodlError:
+    """What the outer optimizer's refusal of a params consensus stops the controller with:
+    an :class:`OuterSchemaRefused` for a schema change, else a plain FlodlError (no
+    ProtocolError either way, which would read as the closing relay's fault)."""
+    return OuterSchemaRefused(why) if isinstance(exc, SchemaError) else FlodlError(why)
 
 
 __all__ = [
@@ -584,6 +597,7 @@ __all__ = [
     "Consensus",
     "ControllerRound",
     "OuterOptimizer",
+    "OuterSchemaRefused",
     "WindowPart",
     "WindowState",
     "WindowCounter",

@@ -148,11 +148,21 @@ class _MomentumOuter:
         self.momentum = _check_hyper("momentum", momentum, positive=False)
         self._states: dict[FragmentTag | None, _OuterState] = {}
         self._uncounted: dict[FragmentTag | None, int] = {}  # windows the shards stepped, no state here yet
+        # The tensor shapes of the rounds the shards stepped with no state here (check_sharded_schema).
+        self._sharded_shapes: dict[FragmentTag | None, list[tuple[int, ...]]] = {}
 
     @property
     def windows(self) -> int:
-        """Windows seen with accepted mass > 0, over every fragment (a state's first one only initializes)."""
-        return sum(state.windows for state in self._states.values())
+        """Windows seen with accepted mass > 0, over every fragment (a state's first one only
+        initializes), the windows the shards stepped included (:meth:`count_sharded_window`:
+        counted here whether or not a copy of their state came)."""
+        return sum(state.windows for state in self._states.values()) + sum(self._uncounted.values())
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether this optimizer holds outer state (it stepped, or a checkpoint's state was
+        loaded): state the shards cannot be handed yet, so such an optimizer keeps the star."""
+        return bool(self._states)
 
     @property
     def fragments(self) -> list[FragmentTag | None]:
@@ -171,7 +181,8 @@ class _MomentumOuter:
         state = self._states.get(fragment)
         if state is None:
             start = consensus_as_f32(consensus, copy=True)
-            self._states[fragment] = _OuterState(start, [np.zeros_like(a) for a in start])
+            self._states[fragment] = _OuterState(
+                start, [np.zeros_like(a) for a in start], self._uncounted.pop(fragment, 0) + 1)
             return consensus
         self._check_schema(consensus, state, fragment)  # before any state changes
         values = consensus_as_f32(consensus, copy=False)
@@ -190,7 +201,7 @@ class _MomentumOuter:
     ) -> None:
         """Take lane ``lane``'s state as the shard that reduces it stepped it (its copy for
         a checkpoint), so :meth:`state_dict` holds what stepping every lane here would."""
-        whole = self._state_for(layout, fragment)
+        whole = self._state_for(layout, fragment, counted=True)
         whole.unfilled.discard((lane, layout.count))
         for p, x, m in zip(layout.lanes[lane], *state):
             whole.x[p.tensor].reshape(-1)[p.start:p.stop] = x
@@ -206,13 +217,33 @@ class _MomentumOuter:
         else:
             state.windows += 1
 
-    def _state_for(self, layout: LaneLayout, fragment: FragmentTag | None) -> _OuterState:
+    def _state_for(self, layout: LaneLayout, fragment: FragmentTag | None, *, counted: bool = False) -> _OuterState:
+        """``fragment``'s state, made (zeros, every lane unfilled) if there is none; its window
+        count takes over the windows counted without it, this one included (``counted``: the
+        shards' window, counted already) or not (a window stepped here)."""
         state = self._states.get(fragment)
         if state is None:
             state = self._states[fragment] = _OuterState.zeros(layout)
-            state.windows = self._uncounted.pop(fragment, 1)
-        self._check_shapes(layout.schema, state, fragment)
+            uncounted = self._uncounted.pop(fragment, 0)
+            state.windows = max(uncounted, 1) if counted else uncounted + 1
+        self._check_shapes(layout.schema, [x.shape for x in state.x], fragment)
         return state
+
+    def check_sharded_schema(
+        self, schema: Sequence[tuple[int, tuple[int, ...]]], fragment: FragmentTag | None
+    ) -> None:
+        """A params round of ``schema`` the shards are about to step (``fragment``'s state):
+        SchemaError, before any shard steps it, when its tensors are not those of the
+        state here, or (no state here) of the rounds the shards stepped before - the
+        guard a round stepped here has (the shards hold the state, each its lanes)."""
+        state = self._states.get(fragment)
+        if state is not None:
+            return self._check_shapes(schema, [x.shape for x in state.x], fragment)
+        known = self._sharded_shapes.get(fragment)
+        if known is None:
+            self._sharded_shapes[fragment] = [tuple(shape) for _, shape in schema]
+        else:
+            self._check_shapes(schema, known, fragment)
 
     def step_lane(
         self, consensus: RoundFrame, layout: LaneLayout, lane: int, fragment: FragmentTag | None
@@ -257,22 +288,24 @@ class _MomentumOuter:
     def _check_schema(self, consensus: RoundFrame, state: _OuterState, fragment: FragmentTag | None) -> None:
         for i, t in enumerate(consensus.tensors):
             check_payload(t, i, f"{type(self).__name__}{_where(fragment)}: params consensus")
-        self._check_shapes([(t.dtype, tuple(t.shape)) for t in consensus.tensors], state, fragment)
+        self._check_shapes([(t.dtype, tuple(t.shape)) for t in consensus.tensors], [x.shape for x in state.x],
+                           fragment)
 
     def _check_shapes(
-        self, schema: Sequence[tuple[int, tuple[int, ...]]], state: _OuterState, fragment: FragmentTag | None
+        self, schema: Sequence[tuple[int, tuple[int, ...]]], held: Sequence[tuple[int, ...]],
+        fragment: FragmentTag | None,
     ) -> None:
         name = type(self).__name__ + _where(fragment)
-        if len(schema) != len(state.x):
+        if len(schema) != len(held):
             raise SchemaError(
                 f"{name}: this window's params consensus has {len(schema)} tensors, "
-                f"the outer state holds {len(state.x)} (the model's schema changed between windows)"
+                f"the outer state holds {len(held)} (the model's schema changed between windows)"
             )
-        for i, ((_, shape), x) in enumerate(zip(schema, state.x)):
-            if shape != x.shape:
+        for i, ((_, shape), old) in enumerate(zip(schema, held)):
+            if tuple(shape) != tuple(old):
                 raise SchemaError(
                     f"{name}: tensor {i} has shape {list(shape)} this window, the outer state "
-                    f"holds shape {list(x.shape)} (the model's schema changed between windows)"
+                    f"holds shape {list(old)} (the model's schema changed between windows)"
                 )
 
     # -- checkpointing ---------------------------------------------------------
@@ -280,6 +313,7 @@ class _MomentumOuter:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the outer state: ``x_prev.{i}``, ``momentum.{i}`` (f32) and ``windows``
         (int64[1], over every fragment); a fragment's state under ``fragment.{p}.{P}.``."""
+        # (The windows the shards stepped with no state here count in the total alone.)
         state: dict[str, np.ndarray] = {"windows": np.array([self.windows], dtype=np.int64)}
         for fragment, s in self._states.items():
             prefix = _state_prefix(fragment)
@@ -320,9 +354,14 @@ class _MomentumOuter:
                 if fragment not in windows:
                     raise ConfigError(f"{name}.load_state_dict: missing key '{_state_prefix(fragment)}windows'")
                 s.windows = windows[fragment]
-        if None in states:  # the unfragmented state's count is what the total leaves
-            states[None].windows = total - sum(windows.values())
-        self._states, self._uncounted = states, {}
+        uncounted = {fragment: count for fragment, count in windows.items() if fragment not in states}
+        rest = total - sum(windows.values())  # the unfragmented state's count, or windows counted without state
+        if None in states:
+            states[None].windows = rest
+        elif rest > 0:
+            uncounted[None] = rest
+        self._states, self._uncounted = states, {k: v for k, v in uncounted.items() if v > 0}
+        self._sharded_shapes = {}
 
     def config(self) -> dict[str, object]:
         return {"type": type(self).__name__, "lr": self.lr, "momentum": self.momentum}
@@ -367,7 +406,8 @@ class SlowMo(_MomentumOuter):
 
     (the paper's ``u = beta*u + (x - c)/gamma; x -= alpha*gamma*u`` with
     ``alpha*gamma`` folded into ``lr``.) ``SlowMo(lr=1, momentum=0)`` is plain
-    averaging. The first window only initializes ``x`` from its consensus.
+    averaging in exact arithmetic; in f32, ``x - (x - c)`` may differ from ``c`` in its
+    last bit. The first window only initializes ``x`` from its consensus.
     """
 
     def __init__(self, lr: float = 1.0, momentum: float = 0.5) -> None:
@@ -392,8 +432,10 @@ class DiLoCoNesterov(_MomentumOuter):
         m = momentum * m + g
         x = x - lr * (g + momentum * m)
 
-    exactly ``torch.optim.SGD(lr=lr, momentum=momentum, nesterov=True)`` fed
-    ``grad = x - c`` once per window. The first window only initializes ``x``.
+    the update of ``torch.optim.SGD(lr=lr, momentum=momentum, nesterov=True)`` fed
+    ``grad = x - c`` once per window: the same math, though not always the same f32
+    bits (torch rounds its multiply-adds its own way; the tests compare within 1e-6).
+    The first window only initializes ``x``.
     """
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:

@@ -14,16 +14,14 @@ from flodl_trio import (
     DTYPE_BF16,
     DTYPE_F32,
     DesyncError,
-    FlodlError,
     HandshakeError,
-    ProtocolError,
     RoundFrame,
     RoundKind,
     SchemaError,
     TensorPayload,
 )
 from flodl_trio.controller import ControllerRound, ControllerStats, DeadRanks
-from flodl_trio.controller.round import Consensus
+from flodl_trio.controller.round import Consensus, OuterSchemaRefused
 from flodl_trio.controller.seats import Seats
 from flodl_trio.wire import (
     EncodedFrame,
@@ -267,9 +265,10 @@ def test_controller_round_speculation_over_an_older_fold_is_refused():
 
 
 def test_an_outer_optimizer_that_refuses_the_consensus_is_the_controllers_error_not_the_relays():
-    """A schema the outer optimizer cannot take is no relay's fault: the error is a plain
-    FlodlError (it stops the controller) rather than a ProtocolError (which would drop
-    the relay whose frame happened to close the round)."""
+    """A schema the outer optimizer cannot take is no relay's fault: the error is the
+    controller's own OuterSchemaRefused (it stops the controller, and is the SchemaError
+    the docs promise), which the relay's reader lets through rather than dropping the
+    relay whose frame happened to close the round."""
 
     def outer(consensus: RoundFrame) -> RoundFrame:
         raise SchemaError("params changed shape between windows")
@@ -278,9 +277,9 @@ def test_an_outer_optimizer_that_refuses_the_consensus_is_the_controllers_error_
     seat(r, 1, "a", (0,))
     r.deposit(1, frame([1], kind=RoundKind.CONTROL), now=0.0)
     r.broadcast_going_out(1)
-    with pytest.raises(FlodlError, match="outer optimizer refused") as info:
+    with pytest.raises(OuterSchemaRefused, match="outer optimizer refused") as info:
         r.deposit(1, frame([1]), now=1.0)
-    assert not isinstance(info.value, ProtocolError)
+    assert isinstance(info.value, SchemaError)
 
 
 def test_controller_round_in_host_order_waits_for_the_first_relay_the_round_needs():
