@@ -20,10 +20,10 @@ controller connection); they run in the test process and are exposed as
 ``cluster.proxies[rank]``, ``cluster.control_proxies[rank]`` and
 ``cluster.upstream_proxies[host_index]``.
 
-With ``log_dir=`` every process's stderr also goes to a file there, one per
-process life (``controller.log``, ``relay-host0.log``, ``rank-3.log``,
-``rank-3-2.log`` after a restart). ``external_ranks`` start no worker; a test
-that plays them with processes of its own starts those with
+With ``log_dir=`` (created if missing) every process's stderr also goes to a
+file there, one per process life (``controller.log``, ``relay-host0.log``,
+``rank-3.log``, ``rank-3-2.log`` after a restart). ``external_ranks`` start no
+worker; a test that plays them with processes of its own starts those with
 :meth:`ProcessCluster.launch_rank` (the demo's ranks run that way) and reads
 their JSON lines with :meth:`RankProcess.follow`.
 
@@ -309,9 +309,11 @@ class ProcessCluster:
 
     def log_path(self, name: str) -> Path | None:
         """A new log file in :attr:`log_dir` for the process ``name`` ("rank 3" ->
-        ``rank-3.log``, then ``rank-3-2.log`` for its next life); None without a log_dir."""
+        ``rank-3.log``, then ``rank-3-2.log`` for its next life); None without a log_dir.
+        The folder (and its parents) is created if it does not exist."""
         if self.log_dir is None:
             return None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         stem = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
         life = 1
         while True:
@@ -387,21 +389,31 @@ class ProcessCluster:
     async def wait_returns_primed(self, ranks: Iterable[int], poll: float = 0.05) -> None:
         """Until every rank of ``ranks`` has its state for coming back (its relay asked,
         its state went out and it said it has it: the status page lists it as
-        ``primed``) or has already rejoined. A test that holds the survivors
-        (``--pause-before W:inf``) until then knows the window the ranks enter by,
-        however long their processes took to start."""
+        ``primed``) or has already rejoined (its current life reported ``joined``). A
+        test that holds the survivors (``--pause-before W:inf``) until then knows the
+        window the ranks enter by, however long their processes took to start.
+        Only a rank whose trainer calls ``join`` comes back (``rank_worker --windows``);
+        a rank whose current life ends first (a refused join, say) raises RuntimeError."""
         await self._wait_returns(ranks, "primed", poll)
 
     async def wait_returns_joining(self, ranks: Iterable[int], poll: float = 0.05) -> None:
         """Until every rank of ``ranks`` has asked back in full (its relay's ask and its
-        state request: the status page lists it as ``joining``), is primed, or has
-        rejoined. With shards a return's state is a window that ends after this."""
+        state request: the status page lists it as ``joining``, primed ones included)
+        or has rejoined. With shards a return's state is a window that ends after this.
+        A rank whose current life ends first raises RuntimeError."""
         await self._wait_returns(ranks, "joining", poll)
 
     async def _wait_returns(self, ranks: Iterable[int], listed_as: str, poll: float) -> None:
         pending = set(ranks)
         while True:
             pending -= {rank for rank in pending if any(e["event"] == "joined" for e in self.ranks[rank].events)}
+            for rank in sorted(pending):
+                life = self.ranks[rank]
+                if life._stdout_done:  # it exited without coming back: it never will
+                    raise RuntimeError(
+                        f"rank {rank} ended before it came back ({life.error or 'no error event'}); "
+                        f"stderr: {life.text[-2000:]}"
+                    )
             if pending:
                 pending -= set((await self.status())[listed_as])
             if not pending:
@@ -716,7 +728,8 @@ async def open_process_cluster(
     - ``proxy_faults`` / ``control_proxy_faults`` / ``upstream_faults``: fault
       proxies on a rank's data or control leg, or a host's data uplink.
     - ``worker_args`` / ``worker_env``: extra flags and environment per rank.
-    - ``log_dir``: an existing folder; every process's stderr also goes to a file there.
+    - ``log_dir``: a folder (created, parents too, if missing); every process's stderr
+      also goes to a file there.
     - ``controller_host`` / ``controller_wrap`` (daemons only): the controller daemon
       listens on that address and runs under that command prefix (``ip netns exec
       NAME``: on a simulated machine of its own); ``beside_controller``: the host index

@@ -3,7 +3,7 @@
 Put it on any leg (rank <-> relay loopback, relay <-> controller) and point
 the client side at ``proxy.address``::
 
-    async with open_fault_proxy(target=(host, port), faults=[CutAt(1000)]) as proxy:
+    async with open_fault_proxy(target=(host, port), faults=[CutAt(1000)]) as proxy:  # or FaultProxy(...)
         ...connect to proxy.address...
         await proxy.wait_fired(CutAt)
 
@@ -27,7 +27,8 @@ import math
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
 import attrs
@@ -608,8 +609,11 @@ FaultKind: TypeAlias = type[BaseFault]
 class FaultProxy:
     """A TCP proxy in front of ``target`` that injects ``faults`` and records what happened.
 
-    Run it with ``await nursery.start(proxy.serve)`` (returns the bound port)
-    or with :func:`open_fault_proxy`.
+    Run it as an async context manager (``async with FaultProxy(target, faults)
+    as proxy:`` - it serves in a nursery of its own, ``proxy.port`` is bound on
+    entry and leaving the block closes every proxied connection), with
+    :func:`open_fault_proxy` (the same), or in a nursery of yours with
+    ``await nursery.start(proxy.serve)`` (returns the bound port).
     """
 
     def __init__(
@@ -634,13 +638,40 @@ class FaultProxy:
         self._requested_port = port
         self._port: int | None = None
         self._changed = ChangeSignal()
+        self._session: AbstractAsyncContextManager[trio.Nursery] | None = None  # while ``async with`` serves it
+
+    # -- as an async context manager ----------------------------------------
+
+    async def __aenter__(self) -> FaultProxy:
+        """Serve in a nursery of its own until the block is left; ``port`` is bound on return."""
+        if self._session is not None:
+            raise RuntimeError("this FaultProxy is already serving an `async with` block")
+        session = service_nursery()
+        nursery = await session.__aenter__()
+        try:
+            await nursery.start(self.serve)
+        except BaseException as exc:
+            await session.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._session = session
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        """Stop serving: every proxied connection is closed."""
+        session, self._session = self._session, None
+        assert session is not None, "__aexit__ without __aenter__"
+        return await session.__aexit__(exc_type, exc, tb)
 
     # -- where ---------------------------------------------------------------
 
     @property
     def port(self) -> int:
         if self._port is None:
-            raise RuntimeError("the proxy is not listening yet (start it with nursery.start(proxy.serve))")
+            raise RuntimeError(
+                "the proxy is not listening yet (enter `async with proxy:` or start it with nursery.start(proxy.serve))"
+            )
         return self._port
 
     @property
@@ -736,9 +767,7 @@ async def open_fault_proxy(
 
     Leaving the block cancels the proxy: every proxied connection is closed.
     """
-    proxy = FaultProxy(target, faults, host=host, port=port, drain_timeout=drain_timeout)
-    async with service_nursery() as nursery:
-        await nursery.start(proxy.serve)
+    async with FaultProxy(target, faults, host=host, port=port, drain_timeout=drain_timeout) as proxy:
         yield proxy
 
 

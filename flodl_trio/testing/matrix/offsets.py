@@ -12,7 +12,13 @@ The legs (PROTOCOL.md):
 - rank <-> relay, TCP: the data handshake (ack going down), then each RoundFrame
   behind a u32 length prefix;
 - relay -> controller: the u32 channel magic, the relay's Hello record, then
-  MuxRecords (25-byte header, then a RoundFrame for a HostFrame).
+  MuxRecords (25-byte header, then a RoundFrame for a HostFrame). A data relay
+  that serves a reduction shard - every relay daemon, whose ``--shard`` is
+  ``auto`` by default, and ``open_local_cluster(shards="auto")``'s relays -
+  sends a ``ShardOffer`` record right after its Hello, before its first
+  HostFrame; the relays of ``open_local_cluster`` (by default) and of
+  ``open_process_cluster`` without daemons offer none. Pass ``offers_shard=True``
+  to the uplink helpers below for the former.
 """
 
 from __future__ import annotations
@@ -138,10 +144,20 @@ def host_frame_record_len(numel: int) -> int:
     return MUX_HEADER_LEN + frame_len(numel)
 
 
-def uplink_host_frame_start(host: str, ranks: Sequence[int], round_index: int, numel: int = 4) -> int:
+def uplink_host_frame_start(
+    host: str, ranks: Sequence[int], round_index: int, numel: int = 4, *, offers_shard: bool = False
+) -> int:
     """Offset of round ``round_index``'s HostFrame record (its header) on a data relay's
-    uplink, when nothing but HostFrames follows the Hello."""
-    return uplink_first_record(host, ranks) + round_index * host_frame_record_len(numel)
+    uplink, when nothing but HostFrames follows the Hello - or, ``offers_shard`` (a relay
+    daemon with its default ``--shard auto``, on loopback), the Hello and its ShardOffer."""
+    return uplink_first_record(host, ranks, offers_shard=offers_shard) + round_index * host_frame_record_len(numel)
+
+
+def uplink_host_frame_record(round_index: int = 0, *, offers_shard: bool = False) -> int:
+    """The index of round ``round_index``'s HostFrame among the records of a data relay's
+    uplink (what ``DropRecord``/``DuplicateRecord(framing="mux")`` count, from 0): after
+    the Hello (record 0) and - ``offers_shard`` - the ShardOffer (record 1)."""
+    return 1 + int(offers_shard) + round_index
 
 
 __all__ = [
@@ -163,5 +179,6 @@ __all__ = [
     "rank_frame_start",
     "rank_leg_bytes",
     "uplink_first_record",
+    "uplink_host_frame_record",
     "uplink_host_frame_start",
 ]

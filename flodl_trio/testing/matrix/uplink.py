@@ -7,13 +7,15 @@ from collections.abc import Sequence
 
 from ..proxy import CutAt, DuplicateRecord, Fault, FlipBit, Stall
 from .clusters import BIG_NUMEL, SCALE, daemon_cluster, diagnose, formed, pause
-from .offsets import FRAME_PAYLOAD, MUX_HEADER, MUX_MAC, uplink_first_record
+from .offsets import FRAME_PAYLOAD, MUX_HEADER, MUX_MAC, uplink_host_frame_record, uplink_host_frame_start
 from .oracle import everyone, expect_consensus, expect_error, expect_replay_costs_its_sender, last_outcome, trio_to_mono
 from .registry import MatrixFailure, Outcome, case, short
 
 # Host 1 carries rank 2: where its first HostFrame record starts on its uplink (after
 # the ShardOffer of the shard its relay daemon serves by default).
-UPLINK_HOST1 = uplink_first_record("host1", [2], offers_shard=True)
+UPLINK_HOST1 = uplink_host_frame_start("host1", [2], 0, offers_shard=True)
+# ... and its index among the uplink's records (after the Hello and the ShardOffer).
+UPLINK_HOST1_FIRST_FRAME = uplink_host_frame_record(0, offers_shard=True)
 
 
 async def _uplink_dropped(fault: Fault, controller_log: Sequence[str]) -> Outcome:
@@ -81,7 +83,7 @@ async def uplink_replay() -> Outcome:
     """
     async with daemon_cluster(
         world_size=3, hosts=[[0, 1], [2]], rounds=2, worker_args={0: pause(0)},
-        upstream_faults={1: [DuplicateRecord(index=2, framing="mux")]},  # after the Hello and the ShardOffer
+        upstream_faults={1: [DuplicateRecord(index=UPLINK_HOST1_FIRST_FRAME, framing="mux")]},
     ) as c:
         with diagnose(c):
             # Host 0 is let go only once the controller has read the copy. Released earlier,
