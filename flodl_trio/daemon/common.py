@@ -21,6 +21,7 @@ import trio
 
 from ..errors import ConfigError, FlodlError
 from ..transport.settings import OUTAGE_ENV, SALT_FILE_ENV, SALT_HEX_ENV, NetBounds
+from ..transport.tasks import leaves
 from .launch import MAX_PORT, check_port
 
 EXIT_OK = 0
@@ -230,19 +231,11 @@ class StartupError(FlodlError):
 REPORTED_FAILURES: tuple[type[BaseException], ...] = (FlodlError, OSError)
 
 
-def _leaves(error: BaseException) -> Iterator[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield error
-
-
 def reported_failure(error: BaseException) -> BaseException | None:
     """The one error to log for what escaped a daemon (exception groups from trio's
     nurseries unwrapped, the cancellations a failure causes left out), or None when it
     holds anything else (a bug: let its traceback show)."""
-    real = [leaf for leaf in _leaves(error) if not isinstance(leaf, trio.Cancelled)]
+    real = [leaf for leaf in leaves(error) if not isinstance(leaf, trio.Cancelled)]
     if real and all(isinstance(leaf, REPORTED_FAILURES) for leaf in real):
         return real[0]
     return None

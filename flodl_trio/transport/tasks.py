@@ -14,10 +14,11 @@ import trio
 from ..errors import FlodlError
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
+def leaves(exc: BaseException) -> Iterator[BaseException]:
+    """Every error in ``exc``, exception groups flattened (a nursery's, nested)."""
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            yield from _leaves(inner)
+            yield from leaves(inner)
     else:
         yield exc
 
@@ -34,7 +35,7 @@ def unwrap_group(
     cause beside its consequences), else the first. Anything else that is not
     a single leaf (a bug beside an error) stays a group, so nothing is hidden.
     """
-    real = [leaf for leaf in _leaves(group) if not isinstance(leaf, trio.Cancelled)]
+    real = [leaf for leaf in leaves(group) if not isinstance(leaf, trio.Cancelled)]
     if len(real) == 1:
         return real[0]
     if real and all(isinstance(leaf, FlodlError) for leaf in real):
