@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import attrs
 import trio
@@ -54,6 +54,30 @@ class _Request:
     done: trio.Event = attrs.field(factory=trio.Event)
     result: Any = None
     error: BaseException | None = None
+
+
+_V = TypeVar("_V")
+
+
+class _Through(Generic[_V]):
+    """An attribute of the blocking client that is its trio client's (read, and set
+    where ``settable``): one place for what would be a property pair each."""
+
+    def __init__(self, name: str, *, settable: bool = True) -> None:
+        self.name = name
+        self.settable = settable
+
+    def __get__(self, owner: BlockingReduceClient | None, cls: type | None = None) -> _V:
+        if owner is None:
+            return self  # type: ignore[return-value]  # the class attribute itself
+        assert owner._client is not None
+        return cast(_V, getattr(owner._client, self.name))
+
+    def __set__(self, owner: BlockingReduceClient, value: _V) -> None:
+        if not self.settable:
+            raise AttributeError(f"{self.name} is read-only (the trio client's state)")
+        assert owner._client is not None
+        setattr(owner._client, self.name, value)
 
 
 class BlockingReduceClient:
@@ -163,63 +187,17 @@ class BlockingReduceClient:
         except trio.RunFinishedError:
             raise self._failure or FlodlError(f"rank {self.rank}: client is closed") from None
 
-    @property
-    def bf16_wire(self) -> bool:
-        assert self._client is not None
-        return self._client.bf16_wire
-
-    @bf16_wire.setter
-    def bf16_wire(self, value: bool) -> None:
-        assert self._client is not None
-        self._client.bf16_wire = value
-
-    @property
-    def pinned_decode(self) -> bool:
-        assert self._client is not None
-        return self._client.pinned_decode
-
-    @pinned_decode.setter
-    def pinned_decode(self, value: bool) -> None:
-        assert self._client is not None
-        self._client.pinned_decode = value
+    # The trio client's settings and state, read (and the settings set) through: see ReduceClient.
+    bf16_wire: _Through[bool] = _Through("bf16_wire")
+    pinned_decode: _Through[bool] = _Through("pinned_decode")
+    delta_codec: _Through[DeltaCodec | None] = _Through("delta_codec")
+    delta_error_feedback: _Through[bool] = _Through("delta_error_feedback")
+    catching_up: _Through[set[int]] = _Through("catching_up", settable=False)
+    local_leg: _Through[bool] = _Through("local_leg", settable=False)
 
     def arm_pinned_decode(self, slot: int) -> None:
         assert self._client is not None
         self._client.arm_pinned_decode(slot)
-
-    # The trio client's settings and state, read and set through (see ReduceClient).
-
-    @property
-    def delta_codec(self) -> DeltaCodec | None:
-        assert self._client is not None
-        return self._client.delta_codec
-
-    @delta_codec.setter
-    def delta_codec(self, value: DeltaCodec | None) -> None:
-        assert self._client is not None
-        self._client.delta_codec = value
-
-    @property
-    def delta_error_feedback(self) -> bool:
-        assert self._client is not None
-        return self._client.delta_error_feedback
-
-    @delta_error_feedback.setter
-    def delta_error_feedback(self, value: bool) -> None:
-        assert self._client is not None
-        self._client.delta_error_feedback = value
-
-    @property
-    def catching_up(self) -> set[int]:
-        """The fragments whose next window carries no work (see :attr:`ReduceClient.catching_up`)."""
-        assert self._client is not None
-        return self._client.catching_up
-
-    @property
-    def local_leg(self) -> bool:
-        """Whether the rank reaches its relay over the Unix-socket local leg (see :attr:`ReduceClient.local_leg`)."""
-        assert self._client is not None
-        return self._client.local_leg
 
     def all_reduce(self, frame: RoundFrame) -> RoundFrame:
         return self._run(lambda c: c.all_reduce(frame))
