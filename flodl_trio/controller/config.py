@@ -74,16 +74,13 @@ def why_no_shards(*, lanes: int, outer_optimizer: object) -> str | None:
     """Why this controller cannot reduce with shards (None: it can). Shards reduce lanes
     1.. elsewhere, and step them with an outer optimizer they know (a checkpoint sink
     and a resume record can have them: the shards copy the rounds a checkpoint records,
-    and hold through a controller started again)."""
+    and hold through a controller started again; the state a resumed optimizer holds is
+    seeded to them)."""
     if outer_optimizer is not None and shard_outer_config(outer_optimizer) is None:
         return (f"shards do not work yet with the outer optimizer {type(outer_optimizer).__name__} (shards step "
                 "SlowMo and DiLoCoNesterov only)")
     if lanes < 2:
         return f"shards reduce lanes 1.. of a round: they need lanes >= 2, got {lanes}"
-    if getattr(outer_optimizer, "holds_state", False):
-        return (f"the outer optimizer {type(outer_optimizer).__name__} holds state (a run resumed from a "
-                "checkpoint): shards start their lanes' state empty and cannot be handed it yet, so this "
-                "controller steps every lane itself")
     return None
 
 

@@ -485,6 +485,7 @@ class _Controller:
             [Seat(sid, self.seats.lowest_rank(sid)) for sid in targets], tag.count,
             LaneLayout.declared_by(lane0, lane0_empty=True).schema,
             copy=copy, step=step, fragment=self.windows.round_fragment if step else None, produce=produce,
+            seeds=self.windows.seeds() if step else None,
         )
 
     async def _delta_lanes(self, means: list[RoundFrame]) -> list[RoundFrame]:

@@ -106,6 +106,9 @@ class LaneWindows:
         self._next_lane = 0
         self._sharded = False  # the round in progress is the shards' (they step its lanes 1..)
         self._digest: bytes | None = None  # a delta round through the shards: its new base's digest
+        # The params sets a round stepped on the shards committed for: their state is the
+        # shards' (until then, what the optimizer holds of a set is seeded to them).
+        self._on_shards: set[FragmentTag | None] = set()
 
     @property
     def windows(self) -> int:
@@ -168,6 +171,19 @@ class LaneWindows:
                 raise SchemaError(f"the outer optimizer refused window {part.window}'s params consensus "
                                   f"(stepped on the shards): {exc}") from exc
         return steps
+
+    def seeds(self) -> dict[int, LaneState] | None:
+        """The optimizer's state of each lane 1.. of the params round in progress, for the
+        shards to start it from, until a round of its params set stepped on them (None:
+        nothing to seed). The state a resumed optimizer holds, or windows stepped here
+        before the shards came, so reaches them. Called once :meth:`steps_round` said the
+        round steps."""
+        layout, fragment = self._layout, self.round_fragment
+        seed_state = getattr(self.outer_optimizer, "seed_state", None)
+        if layout is None or fragment in self._on_shards or not callable(seed_state):
+            return None
+        states = {lane: seed_state(layout, lane, fragment) for lane in range(1, layout.count)}
+        return {lane: state for lane, state in states.items() if state is not None} or None
 
     @property
     def round_fragment(self) -> FragmentTag | None:
@@ -283,6 +299,7 @@ class LaneWindows:
         """The shards stepped this window: the controller's optimizer counts it, and takes
         each lane's state when they sent it (a checkpoint saves the optimizer's state)."""
         fragment = self.round_fragment
+        self._on_shards.add(fragment)  # its state is the shards' now
         count = getattr(self.outer_optimizer, "count_sharded_window", None)
         if count is not None:
             count(fragment)

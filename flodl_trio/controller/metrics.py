@@ -114,6 +114,11 @@ class ControllerCollector(Collector):
             "Reduction shards the controller served itself, every other one being lost",
             stats.shards_served_here,
         )
+        yield counter(
+            "flodl_controller_lanes_seeded",
+            "Lane states of the controller's outer optimizer sent to the shards to start from (Seed)",
+            stats.lanes_seeded,
+        )
 
 
 __all__ = ["ControllerCollector"]

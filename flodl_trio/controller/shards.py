@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
 import trio
 
 from ..errors import ConnectFailed, FlodlError, ProtocolError, SchemaError
-from ..fold.outer import F32Array, lane_state_bytes, read_lane_state
+from ..fold.outer import F32Array, lane_state_bytes, read_lane_state, state_frame
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.connect import Connector, connect_with_retry, is_loopback, local_host
 from ..transport.hashing import encode_enveloped_frame
@@ -49,6 +49,7 @@ from ..wire.mux import (
     Outage,
     PieceRefused,
     RelayControlMsg,
+    Seed,
     ShardAlive,
     ShardBack,
     ShardLost,
@@ -616,12 +617,17 @@ class ShardSet:
             await self._tell_shard(index, msg)
 
     async def _tell_shard(self, index: int, msg: RelayControlMsg) -> None:
+        await self._send_records(index, [self._record(msg)])
+
+    async def _send_records(self, index: int, records: Sequence[EncodedFrame]) -> None:
+        """``records`` to shard ``index``, one after another with nothing between them."""
         conn = self.conns.get(index)
         if conn is None:
             return
         try:
             async with self._locks[index]:
-                await conn.send_chunks(self._record(msg).chunks)
+                for record in records:
+                    await conn.send_chunks(record.chunks)
         except (*CONNECTION_LOST, trio.ClosedResourceError):
             pass  # its watcher sees the end and loses it
 
@@ -636,7 +642,7 @@ class ShardSet:
     async def decide(
         self, hosts: Sequence[Seat], targets: Sequence[Seat], lanes: int, schema: Sequence[tuple[int, tuple[int, ...]]],
         *, copy: int = COPY_NONE, step: bool = False, fragment: FragmentTag | None = None,
-        produce: DeltaLanes | None = None,
+        produce: DeltaLanes | None = None, seeds: Mapping[int, LaneState] | None = None,
     ) -> Committed:
         """Decide the round (hosts: its contributors) until every live target holds the
         decision's lanes: the seats of the targets to send lane 0 to, the commit, and
@@ -652,7 +658,12 @@ class ShardSet:
         shards send their lanes' means here, ``produce`` turns them into the consensus
         lanes once, and each goes to the shard that fans it out. From then on the round's
         contributors are fixed (the means hold every one): it is decided again only when
-        a shard is lost, and the new owner is sent the same lanes."""
+        a shard is lost, and the new owner is sent the same lanes.
+
+        ``seeds``: a stepped round's lane states (lane -> state) from the controller's own
+        optimizer, each sent before the decision to the shard that owns the lane, which
+        starts from it if no shard holds that lane's state (docs/wire.md, "Seeding the
+        shards' outer state")."""
         hosts = sorted(hosts, key=lambda seat: seat.lowest_rank)
         round_ = self.rounds
         self.rounds += 1
@@ -681,11 +692,11 @@ class ShardSet:
             self._copy_limit = _copy_limit(layout, with_state)
             self.decisions += 1
             lost = set(self.lost)  # as every shard knows it at this decision
-            await self._tell_shards(Decide(
+            await self._tell_decision(Decide(
                 self._pending, round_, lanes, schema, [seat.lowest_rank for seat in hosts],
                 sorted(seat.lowest_rank for seat in live_targets), copy,
                 step, None if fragment is None else (fragment.index, fragment.count),
-            ))
+            ), seeds if step else None, lost)
             if produce is not None and produced is None:
                 if not await self._copied():
                     self._stats.decisions_again += 1
@@ -709,6 +720,19 @@ class ShardSet:
         self._pending, self._copy, self._copy_layout, self._states = None, None, None, None
         self._copy_limit, self._hosts_final = SMALL_MESSAGE, False
         return Committed([seat.id for seat in targets if self._live(seat.id)], copied, states)
+
+    async def _tell_decision(self, decide: Decide, seeds: Mapping[int, LaneState] | None, lost: set[int]) -> None:
+        """``decide`` to every live shard, each one's ``Seed`` and lane states (of the lanes
+        it owns under ``lost``) right before it in the same write."""
+        for index in list(self.conns):
+            owned = {} if not seeds else {
+                lane: state for lane, state in seeds.items() if lane_owner(lane, len(self.addresses), lost) == index}
+            records = [self._record(Seed(decide.decision, len(owned)))] if owned else []
+            self._stats.lanes_seeded += len(owned)
+            for lane, state in owned.items():
+                records.append(await encode_enveloped_frame(
+                    MuxKind.BROADCAST, state_frame(lane, decide.lanes, state), self._config.salt, frame_mac=False))
+            await self._send_records(index, [*records, self._record(decide)])
 
     async def _copied(self) -> bool:
         """Wait for every lane of the pending decision's copy (True), or until the decision

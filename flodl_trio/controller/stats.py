@@ -50,6 +50,7 @@ class ControllerStats:
     delta_rounds_sharded: int = 0  # delta rounds whose means the shards sent here (stepped here, fanned out there)
     shards_served_again: int = 0  # lost shards a relay's offer served again (a host brought back)
     shards_served_here: int = 0  # shards the controller served itself (every other one lost)
+    lanes_seeded: int = 0  # lane states of its optimizer sent to the shards (Seed: a resumed run's state)
 
 
 __all__ = ["ControllerStats", "LatencyHistogram"]

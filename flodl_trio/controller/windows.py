@@ -23,7 +23,7 @@ from ..wire.salt import SessionSalt
 from .lane_windows import LaneOut, LaneWindows
 from .round import CheckpointSink, Consensus, ControllerRound, OuterOptimizer, WindowCounter
 from .seats import Seats
-from .shards import Committed
+from .shards import Committed, LaneState
 from .stats import ControllerStats
 
 
@@ -67,6 +67,8 @@ class Windows(Protocol):
     def sharded_delta(self) -> bool: ...
 
     def delta_lanes(self, means: Sequence[RoundFrame]) -> list[RoundFrame]: ...
+
+    def seeds(self) -> dict[int, LaneState] | None: ...
 
 
 class WholeFrameWindows:
@@ -131,6 +133,9 @@ class WholeFrameWindows:
 
     def delta_lanes(self, means: Sequence[RoundFrame]) -> list[RoundFrame]:
         raise FlodlError("shards reduce rounds in lanes: a controller without lanes has no delta lanes")
+
+    def seeds(self) -> dict[int, LaneState] | None:
+        return None  # (no lanes: no shards)
 
 
 def rounds_and_windows(

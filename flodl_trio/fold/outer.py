@@ -38,14 +38,14 @@ from ..errors import ConfigError, FlodlError, SchemaError
 from ..wire.bf16 import F32, U16, bf16_to_f32, encode_f32_as
 from ..wire.constants import DTYPE_F32
 from ..wire.fragment import FragmentTag
-from ..wire.lanes import LaneLayout
-from ..wire.round_frame import RoundFrame, TensorPayload, check_payload, schema_frame_len
+from ..wire.lanes import LaneLayout, lane_tag
+from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, check_payload, schema_frame_len
 
 F32Array = npt.NDArray[np.float32]
 
 __all__ = [
     "SHARD_OUTER_KINDS", "DiLoCoNesterov", "PlainAverage", "ShardLanesOuter", "SlowMo", "consensus_as_f32",
-    "lane_state_bytes", "lane_state_frame", "read_lane_state", "shard_outer_config",
+    "lane_state_bytes", "lane_state_frame", "read_lane_state", "shard_outer_config", "state_frame",
 ]
 
 
@@ -161,7 +161,8 @@ class _MomentumOuter:
     @property
     def holds_state(self) -> bool:
         """Whether this optimizer holds outer state (it stepped, or a checkpoint's state was
-        loaded): state the shards cannot be handed yet, so such an optimizer keeps the star."""
+        loaded): with shards, each lane's part of it is seeded to the shard that steps it
+        (:meth:`seed_state`)."""
         return bool(self._states)
 
     @property
@@ -206,6 +207,21 @@ class _MomentumOuter:
         for p, x, m in zip(layout.lanes[lane], *state):
             whole.x[p.tensor].reshape(-1)[p.start:p.stop] = x
             whole.m[p.tensor].reshape(-1)[p.start:p.stop] = m
+
+    def seed_state(
+        self, layout: LaneLayout, lane: int, fragment: FragmentTag | None
+    ) -> tuple[list[F32Array], list[F32Array]] | None:
+        """Lane ``lane``'s part of ``fragment``'s state (views: flat f32 ``x_prev`` and
+        momentum per piece), for the shard that steps the lane to start from - the state
+        a resumed optimizer holds reaches the shards (docs/wire.md, "Seeding the shards'
+        outer state"). None: no state here, or some lane's elements not yet filled."""
+        state = self._states.get(fragment)
+        if state is None or state.unfilled:
+            return None
+        self._check_shapes(layout.schema, [x.shape for x in state.x], fragment)
+        pieces = layout.lanes[lane]
+        return ([state.x[p.tensor].reshape(-1)[p.start:p.stop] for p in pieces],
+                [state.m[p.tensor].reshape(-1)[p.start:p.stop] for p in pieces])
 
     def count_sharded_window(self, fragment: FragmentTag | None) -> None:
         """A window the shards stepped: the state's window count moves as stepping its
@@ -579,6 +595,14 @@ def lane_state_frame(stepped: RoundFrame, pieces: int, state: tuple[list[F32Arra
     xs, ms = state
     arrays = [TensorPayload(DTYPE_F32, (a.size,), a) for a in (*xs, *ms)]
     return RoundFrame([*arrays, *stepped.tensors[pieces:]], stepped.kind, stepped.weight)
+
+
+def state_frame(lane: int, lanes: int, state: tuple[Sequence[F32Array], Sequence[F32Array]]) -> RoundFrame:
+    """Lane ``lane`` (of ``lanes``)'s outer state as a frame of its own (a handback, a
+    seed): the pieces' f32 ``x_prev``, then their momentum, then the lane's tag."""
+    xs, ms = state
+    arrays = [TensorPayload(DTYPE_F32, (a.size,), a) for a in (*xs, *ms)]
+    return RoundFrame([*arrays, lane_tag(lane, lanes)], RoundKind.MODEL)
 
 
 def lane_state_bytes(layout: LaneLayout, lane: int) -> int:

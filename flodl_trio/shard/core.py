@@ -64,6 +64,7 @@ from ..wire.mux import (
     PieceRefused,
     Pieces,
     RelayControlMsg,
+    Seed,
     ShardAck,
     ShardAlive,
     ShardBack,
@@ -80,6 +81,7 @@ from ..wire.round_frame import EncodedFrame, RoundFrame, decode_round_frame
 from ..wire.salt import SessionSalt
 from .mirror import (
     Handback,
+    LaneState,
     MirrorLane,
     MirrorBook,
     MirrorLink,
@@ -91,6 +93,7 @@ from .mirror import (
     mirror_records,
     new_lane,
 )
+from .seeds import check_seed, seeded_states
 
 log = logging.getLogger("flodl_trio.shard")
 
@@ -164,6 +167,7 @@ class ShardHandle:
         self.controllers_resumed = 0  # controllers that took it on again after one was lost
         self.lanes_mirrored = 0  # lanes of other shards whose step it mirrored (it backs them up)
         self.lanes_taken_over = 0  # lanes of a lost shard it went on stepping from its mirror
+        self.lanes_seeded = 0  # lanes it started from the controller's outer state (Seed)
 
 
 @asynccontextmanager
@@ -255,6 +259,10 @@ class _Shard:
         self._link: MirrorLink | None = None  # to this shard's backup
         self._nursery: trio.Nursery | None = None  # the controller session's
         self.handback = Handback()  # served again: the lane states its lanes' holder hands it
+        # The controller's outer state for lanes no shard holds (seeds.py): as read, then
+        # checked against the decision that followed it.
+        self._seed: tuple[Seed, list[RoundFrame]] | None = None
+        self._seeded: tuple[Decide, dict[int, LaneState]] | None = None
 
     def _control(self, msg: RelayControlMsg) -> EncodedFrame:
         return encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), self.salt)
@@ -390,11 +398,19 @@ class _Shard:
                 return
             if isinstance(msg, RoundFrame):
                 self._consensus_lane(msg)
+            elif isinstance(msg, Seed):
+                check_seed(msg)
+                frames = await self._seed_frames(conn, msg)
+                if frames is None:
+                    log.info("shard %s: the controller closed its connection mid-seed", self.index)
+                    return
+                self._seed = (msg, frames)
             elif isinstance(msg, Decide):
                 if msg.step and self.outer is None:
                     raise ProtocolError(f"decision {msg.decision} steps its lanes, and no ShardOuter said how")
                 if msg.step and is_delta_schema(msg.schema):
                     raise ProtocolError(f"decision {msg.decision} steps a delta round: the controller steps those")
+                self._seeded = self._take_seed(msg)
                 self._decision = self._down_for = msg
                 self._down = {}
                 self._latest_decision = max(self._latest_decision, msg.decision)
@@ -421,6 +437,28 @@ class _Shard:
             else:
                 raise ProtocolError(f"the controller sent a shard {type(msg).__name__}"
                                     + (" unlike the one it said before" if isinstance(msg, ShardOuter) else ""))
+
+    async def _seed_frames(self, conn: MessageStream, msg: Seed) -> list[RoundFrame] | None:
+        """The lane states a ``Seed`` promised, read now (each a Broadcast record of at most
+        the frame ceiling; None: the connection ended)."""
+        frames: list[RoundFrame] = []
+        for i in range(msg.lanes):
+            record = await self._control_record(conn, ReceiveBuffer(), self.ceiling)
+            if record is None:
+                return None
+            if not isinstance(record, RoundFrame):
+                raise ProtocolError(f"the controller's Seed for decision {msg.decision} promised {msg.lanes} lane "
+                                    f"states; record {i} after it is {type(record).__name__}")
+            frames.append(record)
+        return frames
+
+    def _take_seed(self, msg: Decide) -> tuple[Decide, dict[int, LaneState]] | None:
+        """The seed that came right before ``msg``, checked against it (None: none came)."""
+        seed, self._seed = self._seed, None
+        if seed is None:
+            return None
+        states = seeded_states(seed[0], seed[1], msg, self._owns, self.index)
+        return msg, states
 
     async def _controller_writer(self, conn: MessageStream, outbox: trio.MemoryReceiveChannel[EncodedFrame]) -> None:
         """The one writer to the controller: what the shard has to say (refused pieces),
@@ -672,7 +710,13 @@ class _Shard:
                 self.handle.lanes_taken_over += 1
                 self.outer.adopt(msg.round, layout, lane, fragment, taken)
                 return taken
-        return self.outer.start_state(msg.round, layout, lane, fragment)
+        own = self.outer.start_state(msg.round, layout, lane, fragment)
+        seeded = self._seeded
+        if own is not None or seeded is None or seeded[0] is not msg or lane not in seeded[1]:
+            return own
+        self.handle.lanes_seeded += 1  # no shard held it: the controller's state, not a fresh start
+        self.outer.adopt(msg.round, layout, lane, fragment, seeded[1][lane])
+        return seeded[1][lane]
 
     async def _mirror_lane(
         self, msg: Decide, layout: LaneLayout, lane: int, fragment: FragmentTag | None, mean: RoundFrame,

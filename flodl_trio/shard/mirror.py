@@ -34,17 +34,16 @@ import attrs
 import trio
 
 from ..errors import ProtocolError, SchemaError
-from ..fold.outer import F32Array, LaneKey, ShardLanesOuter, lane_key, lane_state_frame, read_lane_state
+from ..fold.outer import F32Array, LaneKey, ShardLanesOuter, lane_key, lane_state_frame, read_lane_state, state_frame
 from ..transport.connect import Connector, connect_with_retry
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.settings import NetBounds
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.constants import CHANNEL_MAGIC_MIRROR
 from ..wire.fragment import FragmentTag
-from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, lane_tag, read_lane_tag
+from ..wire.lanes import MAX_LANES, LaneLayout, lane_owner, read_lane_tag
 from ..wire.mux import Decide, HandedBack, Handoff, Mirror, MuxKind, encode_control_msg, encode_mux_record
-from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, TensorPayload
-from ..wire.constants import DTYPE_F32
+from ..wire.round_frame import EncodedFrame, RoundFrame
 from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.shard")
@@ -285,9 +284,8 @@ async def handback_records(salt: SessionSalt, me: int, states: dict[LaneKey, Lan
     for (fragment, lanes, lane, _), (xs, ms) in states.items():
         say = Handoff(me, None if fragment is None else (fragment.index, fragment.count))
         records.append(encode_mux_record(MuxKind.CONTROL, encode_control_msg(say), salt))
-        tensors = [TensorPayload(DTYPE_F32, (a.size,), a) for a in (*xs, *ms)]
-        frame = RoundFrame([*tensors, lane_tag(lane, lanes)], RoundKind.MODEL)
-        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, frame, salt, frame_mac=False))
+        records.append(await encode_enveloped_frame(MuxKind.BROADCAST, state_frame(lane, lanes, (xs, ms)), salt,
+                                                      frame_mac=False))
     records.append(encode_mux_record(MuxKind.CONTROL, encode_control_msg(HandedBack(me, len(states))), salt))
     return records
 

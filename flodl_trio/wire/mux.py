@@ -387,12 +387,24 @@ class HandedBack:
     lanes: int
 
 
+@attrs.frozen
+class Seed:
+    """flodl_trio extension (variant 224), controller -> shard, right before ``Decide``
+    ``decision`` on the same connection: the ``lanes`` Broadcast records that follow
+    are the outer state (as ``Decide.copy`` 2 lays it out) that the shard's lanes of that
+    decision start from - the controller's own optimizer's, which held it before the
+    shards stepped that params set (docs/wire.md, "Seeding the shards' outer state")."""
+
+    decision: int
+    lanes: int
+
+
 NO_BROADCAST = bytes(MAC_LEN)  # Resume.last_broadcast of a relay that has had no consensus yet
 
 RelayControlMsg = (
     Hello | HelloAck | RankExit | DeclareDead | RankJoin | RankFinished | RankAway | Lanes | Resume | Outage
     | Shards | ShardSetup | Decide | ShardAck | ShardLost | Decided | LanesIn | Pieces | ShardAlive | PieceRefused
-    | ShardOffer | ShardOuter | ShardBack | ShardMoved | Mirror | Mirrored | Handoff | HandedBack
+    | ShardOffer | ShardOuter | ShardBack | ShardMoved | Mirror | Mirrored | Handoff | HandedBack | Seed
 )
 # flodl's variants are 0..3; flodl_trio's extensions count from 200, clear of any flodl adds.
 _VARIANT = {
@@ -400,7 +412,7 @@ _VARIANT = {
     Resume: 204, Outage: 205, Shards: 206, ShardSetup: 207, Decide: 208, ShardAck: 209,
     ShardLost: 210, Decided: 211, LanesIn: 212, Pieces: 213, ShardAlive: 214, PieceRefused: 215, ShardOffer: 216,
     ShardOuter: 217, ShardBack: 218, ShardMoved: 219, Mirror: 220, Mirrored: 221,
-    Handoff: 222, HandedBack: 223,
+    Handoff: 222, HandedBack: 223, Seed: 224,
 }
 
 
@@ -487,6 +499,8 @@ def encode_control_msg(msg: RelayControlMsg) -> bytes:
                                      + _varint(fragment[1]))
         case HandedBack(shard=shard, lanes=lanes):
             out += _varint(shard) + _varint(lanes)
+        case Seed(decision=decision, lanes=lanes):
+            out += _varint(decision) + _varint(lanes)
         case Mirror(shard=shard, decision=decision, start=start):
             out += _varint(shard) + _varint(decision) + _varint(start)
         case (ShardLost(shard=number) | Decided(decision=number) | LanesIn(decision=number) | Pieces(round=number)
@@ -597,6 +611,8 @@ def decode_control_msg(payload: Buffer) -> RelayControlMsg:
         msg = Handoff(shard, handed)
     elif variant == 223:
         msg = HandedBack(reader.varint("HandedBack shard"), reader.varint("HandedBack lanes"))
+    elif variant == 224:
+        msg = Seed(reader.varint("Seed decision"), reader.varint("Seed lanes"))
     elif variant == 220:
         msg = Mirror(reader.varint("Mirror shard"), reader.varint("Mirror decision"),
                      reader.varint("Mirror start", limit=2))

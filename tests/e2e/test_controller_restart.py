@@ -68,6 +68,7 @@ class Controller:
         self.lanes = lanes
         self.shards = shards
         self.port = 0
+        self.next_outer: object | None = None  # the optimizer the next start is given (None: a fresh DiLoCo)
         self.handle: ControllerHandle | None = None
         self._scope: trio.CancelScope | None = None
         self.finished = trio.Event()
@@ -88,13 +89,19 @@ class Controller:
         with scope:
             async with open_controller(
                 LOOPBACK, self.port, world_size=WORLD, salt=SALT,
-                outer_optimizer=DiLoCoNesterov(lr=0.7, momentum=0.9) if self.outer else None,
+                outer_optimizer=self._outer(),
                 deterministic=True, bounds=self.bounds, resume_dir=self.resume_dir, lanes=self.lanes, lane_min_bytes=0,
                 shards=self.shards, serve_shard=shard_server(salt=SALT, bounds=self.bounds),
             ) as handle:
                 task_status.started(handle)
                 await handle.wait_finished()
                 self.finished.set()
+
+    def _outer(self) -> object | None:
+        outer, self.next_outer = self.next_outer, None
+        if outer is not None:
+            return outer
+        return DiLoCoNesterov(lr=0.7, momentum=0.9) if self.outer else None
 
     def kill(self) -> None:
         assert self._scope is not None

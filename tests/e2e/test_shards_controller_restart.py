@@ -14,16 +14,18 @@ import re
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 import trio
 
+from flodl_trio import DiLoCoNesterov
 from flodl_trio.controller.resume import RECORD_FILE
 from flodl_trio.shard import open_shard
 from flodl_trio.testing import DropRecord, hold_open
 from flodl_trio.testing.local import LOOPBACK
 from tests.e2e.test_controller_restart import (
     BOUNDS, FIRST_ROUND_OF_PAUSE, LANES, PAUSE_AT, ROUNDS_PER_WINDOW, SALT, Controller, Run, assert_same_run,
-    restart_when, run_cluster, wait_until,
+    fresh_model, restart_when, run_cluster, wait_until,
 )
 
 SHARDS = 2
@@ -100,6 +102,38 @@ async def test_a_sharded_round_decided_again_after_a_restart_is_exact_on_bf16_an
     assert_resumed_through_the_shards(got)
     if "codec" in options:  # the round decided again was a delta round, through the shards
         assert got.controller.stats.delta_rounds_sharded > 0
+
+
+def _older_state() -> DiLoCoNesterov:
+    """A DiLoCo holding state of the model's shapes that this run never had (as a checkpoint
+    loaded at every start of a controller, older than the shards' state, would)."""
+    outer = DiLoCoNesterov(lr=0.7, momentum=0.9)
+    state: dict[str, np.ndarray] = {"windows": np.array([1], np.int64)}
+    for i, p in enumerate(fresh_model(0)[0]):
+        state[f"x_prev.{i}"] = p.numpy() + 5
+        state[f"momentum.{i}"] = np.ones(tuple(p.shape), np.float32)
+    outer.load_state_dict(state)
+    return outer
+
+
+async def test_a_controller_started_again_holding_older_state_leaves_the_shards_state_alone(tmp_path: Path) -> None:
+    """The controller started again is given an optimizer holding state (older than the
+    run's, as a checkpoint loaded at every start would be): the record's outer state
+    replaces it (with shards it holds none: the state is on the shards), so nothing is
+    seeded, the shards step on from their own state, and the run is the uninterrupted
+    one, bit for bit."""
+    reference = await run_cluster(tmp_path / "reference", None, lanes=LANES)
+
+    async def restart_holding_state(controller: Controller, run: Run, gate: trio.Event) -> None:
+        controller.next_outer = _older_state()
+        await restart_once_swallowed(controller, run, gate)
+
+    lanes_in = lanes_in_of_the_params_round(ROUNDS_PER_WINDOW)
+    got = await run_cluster(tmp_path, restart_holding_state, proxy_faults=[lanes_in], lanes=LANES, shards=SHARDS)
+    assert_same_run(reference, got)
+    assert_resumed_through_the_shards(got)
+    assert got.controller.stats.lanes_seeded == 0
+    assert [shard.lanes_seeded for shard in got.shards] == [0] * SHARDS
 
 
 async def test_a_delta_run_through_the_shards_resumes_exact(tmp_path: Path) -> None:

@@ -166,6 +166,63 @@ async def test_a_controller_that_asks_a_shard_to_step_wrongly_ends_that_shard_na
             nursery.cancel_scope.cancel()
 
 
+async def _seed_state_record(salt, lane: int, lanes: int, numel: int) -> bytes:
+    """A lane state record as a controller seeds one: f32 x_prev and momentum, ``numel`` each."""
+    from flodl_trio.fold.outer import state_frame
+    from flodl_trio.transport.hashing import encode_enveloped_frame
+    from flodl_trio.wire.mux import MuxKind
+
+    frame = state_frame(lane, lanes, ([np.ones(numel, np.float32)], [np.zeros(numel, np.float32)]))
+    record = await encode_enveloped_frame(MuxKind.BROADCAST, frame, salt, frame_mac=False)
+    return b"".join(bytes(chunk) for chunk in record.chunks)
+
+
+@pytest.mark.parametrize(("case", "named"), [
+    ("too-many", "promises 100000 lane states"),
+    ("other-decision", "Seed for decision 0 before Decide 1"),
+    ("steps-nothing", "which steps nothing"),
+    ("wrong-shape", "outer state: tensor 0 is dtype"),
+    ("not-a-state", "promised 1 lane states; record 0 after it is Decided"),
+    ("lane-0", "seeded lane tag"),
+])
+async def test_a_controller_that_seeds_a_shard_wrongly_ends_that_shard_naming_why(salt, case, named):
+    """A Seed is the controller's word on lanes' state: one that promises more states than
+    a round has lanes, comes before a Decide of another number or one that steps nothing,
+    or brings a state that is not its lane's shapes (or a lane 0, which no shard steps),
+    ends the shard, naming what was wrong; nothing of it is stepped."""
+    from flodl_trio import FlodlError
+    from flodl_trio.shard import open_shard
+    from flodl_trio.testing import hold_open
+    from flodl_trio.wire.constants import CHANNEL_MAGIC_SHARD
+    from flodl_trio.wire.mux import Decide, Decided, Seed, ShardOuter, ShardSetup, encode_control_record
+
+    def control(*msgs: object) -> bytes:
+        return b"".join(bytes(encode_control_record(m, salt)) for m in msgs)
+
+    lanes, numel = 3, 5  # a round of [10] f32 in 3 lanes: lanes 1 and 2 carry 5 elements each
+    decide = Decide(0, 0, lanes, [(DTYPE_F32, (10,))], [0], [0], step=True)
+    good = await _seed_state_record(salt, 1, lanes, numel)
+    sent = {
+        "too-many": control(Seed(0, 100_000)),
+        "other-decision": control(Seed(0, 1)) + good + control(Decide(1, 0, lanes, decide.schema, [0], [0], step=True)),
+        "steps-nothing": control(Seed(0, 1)) + good + control(Decide(0, 0, lanes, decide.schema, [0], [0])),
+        "wrong-shape": control(Seed(0, 1)) + await _seed_state_record(salt, 1, lanes, numel + 1) + control(decide),
+        "not-a-state": control(Seed(0, 1), Decided(0)),
+        "lane-0": control(Seed(0, 1)) + await _seed_state_record(salt, 0, lanes, numel) + control(decide),
+    }[case]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            shard = await nursery.start(hold_open, open_shard("127.0.0.1", 0, salt=salt))
+            stream = await trio.open_tcp_stream("127.0.0.1", shard.port)
+            await stream.send_all(CHANNEL_MAGIC_SHARD.to_bytes(4, "little")
+                                  + control(ShardSetup(0, 1, 30_000), ShardOuter(2, 0.7, 0.9)) + sent)
+            with pytest.raises(FlodlError, match=named):
+                await shard.outcome.wait()
+            assert shard.lanes_seeded == 0
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
 def _stall_shard_1_mid_window(monkeypatch, window: int) -> tuple[trio.Event, trio.Event]:
     """Shard 1 steps (and mirrors) its first lane of ``window``'s params round, then never
     sums another, as a shard that dies mid-round: the first event is set once it stalls,
@@ -353,3 +410,71 @@ async def test_a_shard_that_mirrors_bytes_breaking_the_protocol_costs_only_itsel
     assert "controller: shard 1 lost (shard 2 says the mirror connection between them failed)" in caplog.text
     assert "controller: shard 0 lost" not in caplog.text and "controller: shard 2 lost" not in caplog.text
     assert sharded == star
+
+
+def _holding_state(make_outer: Callable[[], object], fragments: bool) -> object:
+    """An optimizer that holds state before the run (as ``load_state_dict`` of a resumed
+    run's checkpoint leaves it): x_prev and momentum away from anything the run sends."""
+    outer = make_outer()
+    rng = np.random.default_rng(7)
+    sets = {f"fragment.{p}.2.": [n] for p, n in SIZES.items()} if fragments else {"": list(SIZES.values())}
+    state: dict[str, np.ndarray] = {}
+    for prefix, numels in sets.items():
+        for i, n in enumerate(numels):
+            state[f"{prefix}x_prev.{i}"] = (rng.standard_normal(n) + 3).astype(np.float32)
+            state[f"{prefix}momentum.{i}"] = (rng.standard_normal(n) * 0.5).astype(np.float32)
+        if prefix:
+            state[f"{prefix}windows"] = np.array([2], np.int64)
+    state["windows"] = np.array([4], np.int64)
+    outer.load_state_dict(state)  # type: ignore[attr-defined]
+    return outer
+
+
+@pytest.mark.parametrize(("make_outer", "bf16", "fragments"), [
+    (DiLoCoNesterov, False, False), (DiLoCoNesterov, True, False), (DiLoCoNesterov, False, True),
+    (lambda: SlowMo(lr=0.8, momentum=0.6), False, False),
+], ids=["diloco-f32", "diloco-bf16", "diloco-fragments", "slowmo"])
+async def test_an_optimizer_holding_state_seeds_the_shards_to_the_bytes_of_a_controller_without_shards(
+    salt, make_outer, bf16, fragments,
+):
+    """The controller's optimizer holds state when the run starts (a resumed run): each
+    shard's lanes start from it (``Seed`` before the first params round's ``Decide``),
+    so every window - the first included, which would otherwise be a plain average - is
+    the bytes a deterministic controller without shards steps from the same state."""
+    def holding() -> object:
+        return _holding_state(make_outer, fragments)
+
+    sharded, cluster, outer = await _windows(salt, 3, holding, 4, bf16=bf16, fragments=fragments)
+    star, _, _ = await _windows(salt, 0, holding, 4, bf16=bf16, fragments=fragments)
+    fresh, _, _ = await _windows(salt, 0, make_outer, 4, bf16=bf16, fragments=fragments)
+    assert sharded == star
+    assert sharded[0, 0] != fresh[0, 0]  # the state made a difference from the first window
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (n,)) for n in SIZES.values()], RoundKind.MODEL)
+    lanes = LaneLayout.through_shards(frame, LANES, 3).count - 1
+    # Every lane 1.. seeded once per params set (each fragment is a set of its own).
+    assert sum(h.lanes_seeded for h in cluster.shards) >= (lanes if not fragments else 2)
+    assert outer.windows == 4 + 4  # type: ignore[attr-defined]
+
+
+async def test_a_shard_lost_mid_round_in_the_seeded_window_leaves_every_window_exact(salt, monkeypatch):
+    """Shard 1 of 3 steps one lane of the seeded params round (window 0) and stalls, and is
+    closed: the round decided again seeds the new owner too, and every window is the
+    bytes of a controller without shards stepping from the same state."""
+    def holding() -> object:
+        return _holding_state(DiLoCoNesterov, False)
+
+    star, _, _ = await _windows(salt, 0, holding, 3)
+    stalled, mirrored = _stall_shard_1_mid_window(monkeypatch, window=0)
+
+    async def lose_shard_1(cluster, _got) -> None:
+        await stalled.wait()
+        await mirrored.wait()
+        cluster.close_shard(1)
+
+    sharded, cluster, _ = await _windows(salt, 3, holding, 3, meanwhile=lose_shard_1)
+    assert (cluster.controller.stats.shards_lost, cluster.controller.stats.decisions_again) == (1, 1)
+    assert sharded == star
+    # Seeded twice; the second time every live shard held the lanes' state already (its own
+    # from the first decision, or shard 1's from its mirror) and took no seed.
+    taken = sum(h.lanes_seeded for h in cluster.shards)
+    assert 0 < taken < cluster.controller.stats.lanes_seeded

@@ -97,3 +97,28 @@ def test_a_schema_change_is_checked_against_the_state_held_here():
     opt(_frame([np.ones(5, np.float32)]))  # stepped here before the shards took over
     with pytest.raises(SchemaError, match=r"tensor 0 has shape \[6\]"):
         opt.check_sharded_schema([(DTYPE_F32, (6,))], None)
+
+
+def test_seed_state_cuts_each_lanes_part_of_the_whole_state_and_adopting_it_gives_the_same_state():
+    """What a controller seeds a shard with is its whole-tensor state cut by the layout:
+    adopted lane by lane into an empty optimizer, it is that state again; none for a set
+    with no state, or one whose lanes are not all filled yet."""
+    values = [np.arange(6, dtype=np.float32), np.ones(3, dtype=np.float32) * 7]
+    layout = LaneLayout.of(_frame(values), 3, lane0_empty=True)
+    opt = DiLoCoNesterov()
+    assert opt.seed_state(layout, 1, None) is None
+    opt.step(_frame(values), None)  # starts the state
+    opt.step(_frame([v + 1 for v in values]), None)  # and steps it: momentum not zero
+    again = DiLoCoNesterov()
+    for lane in range(1, layout.count):
+        seed = opt.seed_state(layout, lane, None)
+        assert seed is not None
+        assert [x.size for x in seed[0]] == [p.numel for p in layout.lanes[lane]]
+        again.adopt_lane(layout, lane, None, seed)
+    for key, value in opt.state_dict().items():
+        if key != "windows":
+            np.testing.assert_array_equal(again.state_dict()[key], value, err_msg=key)
+    assert opt.seed_state(layout, 1, FragmentTag(0, 2)) is None  # another set: no state
+    partial = DiLoCoNesterov()
+    partial.step_lane(list(layout.split(_frame(values)))[1], layout, 1, None)  # one lane filled, the others not
+    assert partial.seed_state(layout, 1, None) is None

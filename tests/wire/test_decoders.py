@@ -825,6 +825,11 @@ def test_the_shard_messages_round_trip_as_docs_wire_md_lays_them_out():
         decode_control_msg(b"\xde\x02\x02")
     assert encode_control_msg(HandedBack(2, 5)) == b"\xdf\x02\x05"
     assert decode_control_msg(b"\xdf\x02\x05") == HandedBack(2, 5)
+    from flodl_trio.wire.mux import Seed
+    assert encode_control_msg(Seed(300, 3)) == b"\xe0\xfb\x2c\x01\x03"  # 3 lane states for decision 300
+    assert decode_control_msg(b"\xe0\xfb\x2c\x01\x03") == Seed(300, 3)
+    with pytest.raises(FramingError, match="Seed lanes"):
+        decode_control_msg(b"\xe0\x01")
     from flodl_trio.wire.mux import ShardOuter
     outer = ShardOuter(2, 0.7, 0.9)
     assert encode_control_msg(outer) == b"\xd9\x02" + struct.pack("<dd", 0.7, 0.9)
