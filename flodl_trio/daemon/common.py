@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from ..errors import ConfigError, FlodlError
-from ..transport.settings import OUTAGE_ENV, SALT_FILE_ENV, SALT_HEX_ENV, NetBounds
+from ..transport.settings import OUTAGE_ENV, SALT_FILE_ENV, SALT_HEX_ENV, NetBounds, switch_value
 from ..transport.tasks import leaves
 from .launch import MAX_PORT, check_port
 
@@ -49,9 +49,11 @@ def env_default(names: str | Sequence[str], default: Any = None) -> Any:
     return default
 
 
-def env_is_set(name: str) -> bool:
-    """A switch's default: the variable set to 1 (``FLODL_DETERMINISTIC=1``)."""
-    return os.environ.get(name, "").strip() == "1"
+def env_switch(name: str) -> Any:
+    """A switch's default (a ``store_true`` flag): its variable, if set, for
+    :class:`DaemonParser` to read as a switch (1/true/yes/on or 0/false/no/off; anything
+    else exits 2 naming it), else off."""
+    return env_default(name, False)
 
 
 class DaemonParser(argparse.ArgumentParser):
@@ -76,11 +78,16 @@ class DaemonParser(argparse.ArgumentParser):
         flag = action.option_strings[0] if action.option_strings else action.dest
         where = f"{found.name}={found.raw!r} (for {flag})"
         convert: Callable[[str], Any] = action.type if callable(action.type) else str
+        if isinstance(action, argparse._StoreTrueAction):  # a switch: its variable says on or off
+            convert = switch_value
         try:
             value = convert(found.raw)
         except argparse.ArgumentTypeError as exc:
             self.error(f"{where}: {exc}")
-        except (TypeError, ValueError):
+        except ValueError as exc:
+            self.error(f"{where}: {exc}" if convert is switch_value else
+                       f"{where}: invalid {getattr(convert, '__name__', 'value')} value")
+        except TypeError:
             self.error(f"{where}: invalid {getattr(convert, '__name__', 'value')} value")
         if action.choices is not None and value not in action.choices:
             self.error(f"{where}: invalid choice (choose from {', '.join(map(str, action.choices))})")
@@ -141,7 +148,7 @@ def add_common_flags(parser: argparse.ArgumentParser, *, metrics: bool = True) -
     if metrics:
         _add_metrics_flags(parser)
     parser.add_argument(
-        "--deterministic", action="store_true", default=env_is_set("FLODL_DETERMINISTIC"),
+        "--deterministic", action="store_true", default=env_switch("FLODL_DETERMINISTIC"),
         help="add contributions in a fixed order (ranks in rank order, hosts by their lowest rank): the same "
         "frames give the same bytes whatever their arrival order; give it to the controller and every relay "
         "[env FLODL_DETERMINISTIC=1; default off]",

@@ -23,7 +23,7 @@ from .common import (
     DaemonParser,
     add_common_flags,
     env_default,
-    env_is_set,
+    env_switch,
     finite_positive,
     net_bounds,
     parse_host_port,
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--formation-timeout", type=float, default=env_default("FLODL_FORMATION_TIMEOUT"),
                         help="seconds to wait for every rank before starting with --min-ranks "
                         "[env FLODL_FORMATION_TIMEOUT; default: wait for every rank]")
-    parser.add_argument("--keep-serving", action="store_true", default=env_is_set("FLODL_KEEP_SERVING"),
+    parser.add_argument("--keep-serving", action="store_true", default=env_switch("FLODL_KEEP_SERVING"),
                         help="keep running after every rank has finished [env FLODL_KEEP_SERVING=1; default: exit 0]")
     parser.add_argument("--controller-outage", type=float, default=None, metavar="SECONDS",
                         help="with --checkpoint-dir: how long relays and ranks hold for this controller if it is "

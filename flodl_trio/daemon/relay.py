@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..relay.config import ChannelKind, RelayConfig
 from ..relay.core import open_relay
 from ..relay.host_ranks import HostRanks
-from ..transport.local_leg import UNIX_DIR_ENV, ensure_private_dir, local_leg_dir, local_leg_enabled
+from ..transport.local_leg import NO_UNIX_ENV, UNIX_DIR_ENV, ensure_private_dir, local_leg_dir
 from ..transport.settings import OUTAGE_ENV, NetBounds, load_salt
 from ..wire.salt import SessionSalt
 from .child_shard import ShardKeeper
@@ -24,6 +24,7 @@ from .common import (
     DaemonParser,
     add_common_flags,
     env_default,
+    env_switch,
     host_port,
     net_bounds,
     parse_host_port,
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="loopback port of the control channel [env FLODL_CONTROL_PORT; default controller port + 5]",
     )
     parser.add_argument(
-        "--no-unix", action="store_true", default=not local_leg_enabled(),
+        "--no-unix", action="store_true", default=env_switch(NO_UNIX_ENV),
         help="do not offer ranks on this machine the Unix-socket local leg (unsigned frames); "
         "they use TCP with MACs [env FLODL_NO_UNIX=1]",
     )

@@ -25,6 +25,7 @@ import attrs
 import trio
 
 from ..errors import ConfigError
+from .settings import switch_value
 
 log = logging.getLogger("flodl_trio.net")
 
@@ -39,8 +40,15 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 def local_leg_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """False when ``FLODL_NO_UNIX`` is set to anything but ``0`` or empty."""
-    return environ.get(NO_UNIX_ENV, "").strip() in ("", "0")
+    """False when ``FLODL_NO_UNIX`` is on (1, true, yes, on); True when it is off (0,
+    false, no, off) or empty; any other value is a ConfigError naming it."""
+    raw = environ.get(NO_UNIX_ENV, "")
+    if not raw.strip():
+        return True
+    try:
+        return not switch_value(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{NO_UNIX_ENV}: {exc}") from None
 
 
 def local_leg_dir(environ: Mapping[str, str] = os.environ) -> Path:

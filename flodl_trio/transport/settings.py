@@ -111,6 +111,19 @@ class NetBounds:
         return attrs.evolve(cls.scaled(timeout_scale(env)), controller_outage=controller_outage(env))
 
 
+_SWITCH_ON, _SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch_value(text: str) -> bool:
+    """An environment variable that stands for an on/off flag: 1, true, yes or on (any
+    case) is on, 0, false, no or off is off; anything else is a ValueError, so a typo
+    never silently means "off"."""
+    word = text.strip().lower()
+    if word in _SWITCH_ON or word in _SWITCH_OFF:
+        return word in _SWITCH_ON
+    raise ValueError(f"{text!r} is not a switch value: give 1 (on) or 0 (off)")
+
+
 def timeout_scale(environ: Mapping[str, str]) -> float:
     """``FLODL_NET_TIMEOUT_SCALE`` from ``environ``; a bad value warns once and reads as 1."""
     raw = environ.get(TIMEOUT_SCALE_ENV)
@@ -166,4 +179,4 @@ def load_salt(salt_file: str | os.PathLike[str] | None = None, environ: Mapping[
     )
 
 
-__all__ = ["DEFAULT_CONTROLLER_OUTAGE", "OUTAGE_ENV", "SALT_FILE_ENV", "SALT_HEX_ENV", "TIMEOUT_SCALE_ENV", "NetBounds", "controller_outage", "load_salt", "timeout_scale"]
+__all__ = ["DEFAULT_CONTROLLER_OUTAGE", "OUTAGE_ENV", "SALT_FILE_ENV", "SALT_HEX_ENV", "TIMEOUT_SCALE_ENV", "NetBounds", "controller_outage", "load_salt", "switch_value", "timeout_scale"]

@@ -322,3 +322,44 @@ def test_check_unix_dir_takes_a_private_dir_and_leaves_a_missing_one_for_the_sta
     a_file.write_text("")
     with pytest.raises(ConfigError):
         check_unix_dir(str(a_file))
+
+
+# --- switches: a variable standing for an on/off flag -------------------------------------
+
+
+@pytest.mark.parametrize(("module", "var", "value"), [
+    (CONTROLLER, "FLODL_DETERMINISTIC", "ture"),
+    (CONTROLLER, "FLODL_KEEP_SERVING", "maybe"),
+    (RELAY, "FLODL_DETERMINISTIC", "2"),
+    (RELAY, "FLODL_NO_UNIX", "sometimes"),
+])
+def test_a_switch_variable_that_is_not_on_or_off_exits_2_naming_it(module, var, value):
+    """A typo in a switch's variable never silently means off (a controller and relays
+    that disagree on deterministic mode would give other bytes, quietly)."""
+    args = [arg for arg in STARTS[module] if arg != "--no-unix"]
+    line = one_error_line(run_cli(module, *args, env={var: value}), module)
+    assert f"{var}={value!r}" in line and "give 1 (on) or 0 (off)" in line, line
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("YES", True), ("on", True),
+                                           ("0", False), ("false", False), ("No", False), ("off", False)])
+def test_a_switch_variable_reads_the_usual_words_for_on_and_off(monkeypatch, value, on):
+    from flodl_trio.daemon import controller, relay
+
+    for name in ("FLODL_DETERMINISTIC", "FLODL_KEEP_SERVING", "FLODL_NO_UNIX"):
+        monkeypatch.setenv(name, value)
+    args = controller.build_parser().parse_args(list(STARTS[CONTROLLER]))
+    assert (args.deterministic, args.keep_serving) == (on, on)
+    relay_args = relay.build_parser().parse_args([a for a in STARTS[RELAY] if a != "--no-unix"])
+    assert (relay_args.deterministic, relay_args.no_unix) == (on, on)
+    assert controller.build_parser().parse_args([*STARTS[CONTROLLER], "--deterministic"]).deterministic
+
+
+def test_the_clients_read_flodl_no_unix_as_the_relay_does(monkeypatch):
+    from flodl_trio.errors import ConfigError
+    from flodl_trio.transport.local_leg import local_leg_enabled
+
+    assert local_leg_enabled({}) and local_leg_enabled({"FLODL_NO_UNIX": " "})
+    assert local_leg_enabled({"FLODL_NO_UNIX": "false"}) and not local_leg_enabled({"FLODL_NO_UNIX": "1"})
+    with pytest.raises(ConfigError, match="FLODL_NO_UNIX: 'perhaps' is not a switch value"):
+        local_leg_enabled({"FLODL_NO_UNIX": "perhaps"})
