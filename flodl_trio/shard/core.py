@@ -396,6 +396,9 @@ class _Shard:
             if msg is None:
                 log.info("shard %s: the controller closed its connection", self.index)
                 return
+            if self._seed is not None and not isinstance(msg, Decide):
+                raise ProtocolError(f"the controller's Seed for decision {self._seed[0].decision} was followed by "
+                                    f"{type(msg).__name__}, not its Decide")
             if isinstance(msg, RoundFrame):
                 self._consensus_lane(msg)
             elif isinstance(msg, Seed):

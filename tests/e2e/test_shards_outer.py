@@ -184,12 +184,14 @@ async def _seed_state_record(salt, lane: int, lanes: int, numel: int) -> bytes:
     ("wrong-shape", "outer state: tensor 0 is dtype"),
     ("not-a-state", "promised 1 lane states; record 0 after it is Decided"),
     ("lane-0", "seeded lane tag"),
+    ("seed-twice", "Seed for decision 0 was followed by Seed, not its Decide"),
 ])
 async def test_a_controller_that_seeds_a_shard_wrongly_ends_that_shard_naming_why(salt, case, named):
     """A Seed is the controller's word on lanes' state: one that promises more states than
-    a round has lanes, comes before a Decide of another number or one that steps nothing,
-    or brings a state that is not its lane's shapes (or a lane 0, which no shard steps),
-    ends the shard, naming what was wrong; nothing of it is stepped."""
+    a round has lanes, comes before a Decide of another number or one that steps nothing
+    (or before anything but its Decide), or brings a state that is not its lane's shapes
+    (or a lane 0, which no shard steps), ends the shard, naming what was wrong; nothing of
+    it is stepped."""
     from flodl_trio import FlodlError
     from flodl_trio.shard import open_shard
     from flodl_trio.testing import hold_open
@@ -209,6 +211,7 @@ async def test_a_controller_that_seeds_a_shard_wrongly_ends_that_shard_naming_wh
         "wrong-shape": control(Seed(0, 1)) + await _seed_state_record(salt, 1, lanes, numel + 1) + control(decide),
         "not-a-state": control(Seed(0, 1), Decided(0)),
         "lane-0": control(Seed(0, 1)) + await _seed_state_record(salt, 0, lanes, numel) + control(decide),
+        "seed-twice": control(Seed(0, 1)) + good + control(Seed(0, 1)) + good + control(decide),
     }[case]
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
