@@ -46,6 +46,7 @@ class DemoRun:
     milestones: Milestones
     status: dict[str, Any]  # the controller's status page at the end
     relay_logs: list[str]
+    controller_log: str
     workdir: Path
     elapsed: float
     failed: list[ChildProcess]  # rank processes that ended other than cleanly or killed
@@ -143,7 +144,8 @@ async def run_cluster(args: argparse.Namespace, workdir: Path) -> DemoRun:
         return DemoRun(
             history={rank: [event for life in ranks for event in life.events] for rank, ranks in lives.items()},
             milestones=follower.milestones, status=status,
-            relay_logs=[relay.text for host in cluster.relays for relay in host], workdir=workdir,
+            relay_logs=[relay.text for host in cluster.relays for relay in host],
+            controller_log=cluster.controller.text if cluster.controller is not None else "", workdir=workdir,
             elapsed=time.monotonic() - started,
             # a rank that crashed must not leave a summary that looks like a result
             failed=[life for ranks in lives.values() for life in ranks if life.returncode not in (0, -signal.SIGKILL)],

@@ -57,6 +57,12 @@ def cluster_model_loss(directory: Path) -> float | None:
     return validation_loss(model, make_data(0, 1))
 
 
+def checkpoints_text(controller_log: str, directory: Path) -> str:
+    """How many checkpoints the controller wrote, and how many it kept (--checkpoint-keep)."""
+    written = sum("checkpoint: wrote" in line for line in controller_log.splitlines())
+    return f"{written} (the newest {len(list(directory.glob('*.safetensors')))} kept)"
+
+
 def deaths_text(milestones: Milestones, victim: int) -> str:
     if milestones.killed is None:
         return "none"
@@ -88,7 +94,7 @@ def summary_rows(run: DemoRun, args: argparse.Namespace) -> list[tuple[str, str]
         ("relay fold ratio", ", ".join(relay_fold_ratios(run.relay_logs)) or "n/a"),
         ("deaths and returns", deaths_text(run.milestones, args.victim)),
         ("rejoins", str(stats.get("rejoins", 0))),
-        ("checkpoints written", str(len(list(checkpoints.glob("*.safetensors"))))),
+        ("checkpoints written", checkpoints_text(run.controller_log, checkpoints)),
         ("wall time", f"{run.elapsed:.1f} s"),
     ]
 
