@@ -17,11 +17,13 @@ It is served on the controller's port behind the control channel magic.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..errors import FlodlError, HandshakeError, ProtocolError
+from ..errors import ConfigError, FlodlError, HandshakeError, ProtocolError
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
 from ..transport.hello import receive_hello
 from ..transport.refusals import Refusals
@@ -60,6 +62,14 @@ log = logging.getLogger("flodl_trio.coordinator")
 # A control-channel Data record carries one ControlFrame: its header and up to 16 MiB.
 CONTROL_RECORD_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
 RUN_OVER_WRITE_S = 2.0  # how long the end of the run waits for its notices to be written
+U32_MAX = 0xFFFFFFFF
+
+
+def _seconds(name: str, value: float) -> float:
+    """A coordinator period: a finite number of seconds > 0 (ConfigError naming it otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"coordinator {name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 class Coordinator:
@@ -79,8 +89,12 @@ class Coordinator:
         self.salt = salt
         self.dead = dead
         self.bounds = bounds if bounds is not None else NetBounds()
-        self.heartbeat_timeout = heartbeat_timeout if heartbeat_timeout is not None else self.bounds.heartbeat_timeout
-        self.beacon_interval = beacon_interval if beacon_interval is not None else self.heartbeat_timeout / 4
+        self.heartbeat_timeout = _seconds(
+            "heartbeat_timeout", heartbeat_timeout if heartbeat_timeout is not None else self.bounds.heartbeat_timeout
+        )
+        self.beacon_interval = _seconds(
+            "beacon_interval", beacon_interval if beacon_interval is not None else self.heartbeat_timeout / 4
+        )
         self.links: dict[int, RelayLink] = {}
         self.owner: dict[int, RelayLink] = {}
         self.last_seen: dict[int, float] = {}
@@ -154,16 +168,28 @@ class Coordinator:
                     self.dead.declare_dead(rank)
 
     async def _beacons(self) -> None:
+        # A u32 of milliseconds on the wire (49 days at most); rounded down, so a rank pacing
+        # itself from it beats at least as often as asked; at least 1 ms, since a rank reads
+        # 0 as "no pace said".
+        timeout_ms = min(max(int(self.heartbeat_timeout * 1000), 1), U32_MAX)
         while True:
             self._beacon_seq += 1
-            frame = beacon_frame(
-                self._beacon_seq, self.world_size, self.dead.dead_count(), int(self.heartbeat_timeout * 1000),
-                self.outage_ms,
-            )
+            frame = beacon_frame(self._beacon_seq, self.world_size, self.dead.dead_count(), timeout_ms, self.outage_ms)
             for rank, link in list(self.owner.items()):
-                if not link.closed and not self.dead.is_dead(rank):
+                if not link.closed and self._beaconed(rank, link):
                     self._send_frame(link, rank, frame)
             await trio.sleep(self.beacon_interval)
+
+    def _beaconed(self, rank: int, link: RelayLink) -> bool:
+        """Whether ``rank`` gets beacons: every live rank; and, through a flodl_trio control
+        relay, a rank whose control block may still be open while it is out of the rounds -
+        one that said it finished (saving its model, say, until the run ends) and a dead
+        rank that may come back (a returning rank waits for a window boundary, however long
+        the window). Neither may take the coordinator's quiet for its loss. A relay drops
+        a beacon for a rank it has no connection for."""
+        if not self.dead.is_dead(rank):
+            return True
+        return link.host in self._extension_hosts and (rank in self.finished or self.may_return(rank))
 
     def _notice_new_deaths(self) -> None:
         """Tell each newly dead rank why, then have its control relay close it; take a

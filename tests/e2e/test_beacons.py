@@ -1,0 +1,163 @@
+"""Beacons reach every rank whose control block may still be open (docs/liveness.md).
+
+A returning rank waits for a window boundary with its control block open, and a
+rank that said it finished may keep its block open (saving its model) until the
+run ends: neither may take the coordinator's quiet for its loss. Clusters on a
+memory network in virtual time, every bound at its default; each wait is on an
+event or on the cluster's own progress, never on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from flodl_trio import ConfigError, FlodlError, SessionSalt, average_window, connect_reduce_client, open_controller
+from flodl_trio.client import connect_control_client
+from flodl_trio.testing import MemoryNetwork, open_local_cluster
+from flodl_trio.transport.settings import NetBounds
+
+SIG = b"\x11" * 32
+DEFAULTS = NetBounds()
+WINDOW_S = 4 * DEFAULTS.heartbeat_timeout  # a window's inner steps: longer than any beacon timeout
+SHORT_HEARTBEAT_S = 10.0
+SHORT_WINDOW_S = 4 * SHORT_HEARTBEAT_S
+
+
+def memory_cluster(salt: SessionSalt, **kwargs: object):
+    return open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=DEFAULTS, control=True, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.deadline(5000)
+async def test_a_returning_rank_waiting_for_its_boundary_is_beaconed(autojump_clock, salt):
+    """Rank 1 crashes and comes back right after a boundary while rank 0's windows take
+    four heartbeat timeouts each: its join waits a whole window for the next boundary,
+    far longer than its beacon timeout, and its control block must not raise
+    CoordinatorLost meanwhile. (The window stays under the 60 s mid-frame bound, which
+    the state connection's wait for the entry currently takes: see the audit report.)"""
+    outcome: dict[str, object] = {}
+    bounds = NetBounds(heartbeat_timeout=SHORT_HEARTBEAT_S)
+    async with open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=bounds, control=True, world_size=2,
+                                  hosts=[[0, 1]], rejoin_timeout=100_000) as cluster:
+        two_windows = trio.Event()  # the survivor finished window 1: rank 1's death is old news
+        back_in = trio.Event()
+
+        def control(rank: int):
+            return connect_control_client(cluster.control_address(rank), rank, 2, salt, SIG, connect=cluster.connect,
+                                          bounds=bounds)
+
+        def data(rank: int):
+            return connect_reduce_client(cluster.relay_address(rank), rank, 2, salt, connect=cluster.connect,
+                                         bounds=bounds)
+
+        async def survivor() -> None:
+            params = [torch.zeros(3)]
+            async with control(0), data(0) as client:
+                await client.join(params, [])
+                window = 0
+                while not back_in.is_set() or window < 4:
+                    await trio.sleep(SHORT_WINDOW_S)
+                    await average_window(client, params, [], 1, rank=0, world_size=2, in_place=True)
+                    window += 1
+                    if window == 2:
+                        two_windows.set()
+                await client.finish()
+
+        async def returner() -> None:
+            params = [torch.ones(3)]
+            async with control(1), data(1) as client:
+                await client.join(params, [])
+                await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
+                await client.aclose()  # a crash: gone without saying it finished
+            # Restarted once its death has been dealt with (a new process takes a while to
+            # start: its predecessor's death notice must not reach it; see the audit report).
+            await two_windows.wait()
+            try:
+                async with control(1) as returned, data(1) as client:
+                    asked = trio.current_time()
+                    start = await client.join(params, [])
+                    outcome["waited"] = trio.current_time() - asked
+                    back_in.set()
+                    await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
+                    await client.finish()
+                    outcome["beacons"] = returned.last_beacon is not None
+                outcome["start"] = start
+            except FlodlError as exc:
+                outcome["error"] = exc
+                back_in.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivor)
+            nursery.start_soon(returner)
+        assert "error" not in outcome, outcome["error"]
+        await cluster.controller.wait_finished()
+    assert outcome["waited"] > 2 * SHORT_HEARTBEAT_S  # the wait outlasted a beacon timeout, twice
+    assert outcome["beacons"] and outcome["start"] >= 1
+    assert cluster.controller.stats.rejoins == 1
+
+
+@pytest.mark.deadline(5000)
+async def test_a_rank_that_said_it_finished_keeps_its_control_block_until_the_run_ends(autojump_clock, salt):
+    """Rank 0 finishes first and stays in its control block (saving its model, say)
+    while rank 1 trains on for many heartbeat timeouts: no CoordinatorLost; the run's
+    end is said to it (run_over) and its block ends normally."""
+    outcome: dict[int, object] = {}
+    async with memory_cluster(salt, world_size=2, hosts=[[0], [1]], rejoin_timeout=1000) as cluster:
+        rank0_finished = trio.Event()
+
+        async def rank0() -> None:
+            params = [torch.zeros(3)]
+            try:
+                async with connect_control_client(cluster.control_address(0), 0, 2, salt, SIG,
+                                                  connect=cluster.connect) as control:
+                    async with connect_reduce_client(cluster.relay_address(0), 0, 2, salt, connect=cluster.connect) as c:
+                        await c.join(params, [])
+                        await average_window(c, params, [], 1, rank=0, world_size=2, in_place=True)
+                    rank0_finished.set()  # left after join(): it said it finished
+                    while not control.run_over:
+                        await trio.sleep(1.0)  # "saving the model" until the run is over
+                    outcome[0] = "run over"
+            except FlodlError as exc:
+                outcome[0] = exc
+
+        async def rank1() -> None:
+            params = [torch.ones(3)]
+            async with connect_control_client(cluster.control_address(1), 1, 2, salt, SIG, connect=cluster.connect):
+                async with connect_reduce_client(cluster.relay_address(1), 1, 2, salt, connect=cluster.connect) as c:
+                    await c.join(params, [])
+                    await average_window(c, params, [], 1, rank=1, world_size=2, in_place=True)
+                    await rank0_finished.wait()
+                    for _ in range(3):
+                        await trio.sleep(WINDOW_S)
+                        await average_window(c, params, [], 1, rank=1, world_size=2, in_place=True)
+            outcome[1] = "done"
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rank0)
+            nursery.start_soon(rank1)
+        await cluster.controller.wait_finished()
+    assert outcome == {0: "run over", 1: "done"}, outcome
+
+
+@pytest.mark.deadline(300)
+async def test_a_heartbeat_timeout_beyond_a_u32_of_ms_is_capped_in_the_beacon(autojump_clock, salt):
+    """NetBounds takes any finite heartbeat timeout > 0; the beacon's field is a u32 of
+    milliseconds: the coordinator caps it (49 days) instead of failing to encode it."""
+    huge = NetBounds(heartbeat_timeout=5e6)
+    async with open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=huge, control=True, world_size=1,
+                                  hosts=[[0]], beacon_interval=1.0) as cluster:
+        async with connect_control_client(cluster.control_address(0), 0, 1, salt, SIG, connect=cluster.connect,
+                                          bounds=huge) as control:
+            while control.last_beacon is None:
+                await trio.sleep(1.0)
+            assert control.last_beacon.heartbeat_timeout_ms == 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("interval", [0, -1.0, float("nan"), float("inf"), True])
+async def test_a_beacon_interval_that_cannot_work_is_a_config_error(salt, interval):
+    network = MemoryNetwork()
+    with pytest.raises(ConfigError, match="beacon_interval"):
+        async with open_controller(world_size=1, salt=salt, beacon_interval=interval, listeners=[network.listen()],
+                                   bounds=DEFAULTS):
+            pass  # pragma: no cover
