@@ -49,7 +49,7 @@ from ..wire.mux import (
 )
 from ..wire.round_frame import EncodedFrame
 from ..wire.salt import Buffer
-from .config import RelayConfig, RelayStats
+from .config import ChannelKind, RelayConfig, RelayStats
 from .host_ranks import HostRanks
 from .outbound import Outbound, Outbox, RankNotice
 
@@ -270,6 +270,8 @@ class Channel:
         if rank in self.gone:
             return
         self.gone.add(rank)
+        if self.config.kind is ChannelKind.DATA:
+            self.host.leave_data(rank)
         self.stats.live_ranks = len(self.live)
         level = logging.WARNING if reason.startswith("dropped") else logging.INFO
         log.log(level, "relay %s: rank %d %s", self.config.host_name, rank, reason)

@@ -257,8 +257,9 @@ class _Relay:
                 else:
                     ranks, away = await self._control_formation()
                     if not ranks:
-                        log.info("relay %s: every rank of the host was declared dead before it connected",
-                                 self.config.host_name)
+                        log.info("relay %s: no rank of the host connected to the control channel before it "
+                                 "left or was declared dead; the channel closes", self.config.host_name)
+                        nursery.cancel_scope.cancel()  # (its listeners too)
                         return
                     upstream, _ = await self._dial_controller(ranks)
                     self.channel = Channel(
@@ -330,14 +331,17 @@ class _Relay:
 
     async def _control_formation(self) -> tuple[tuple[int, ...], frozenset[int]]:
         """The control channel's ranks, and those of them away: once every rank of the
-        host has either completed its handshake or been declared dead (heard through
-        the data channel). Dead ranks that may come back are carried too (as away,
-        under the host's model signature), so they can connect later; at least one
-        rank must be here to give that signature."""
+        host has either completed its handshake, been declared dead (heard through
+        the data channel) or left the data channel for good (ranks that never open a
+        control connection; one that called join() may come back, and is waited for).
+        Dead ranks that may come back are carried too (as away, under the host's model
+        signature), so they can connect later; at least one rank must be here to give
+        that signature."""
         while True:
             present = set(self.waiting)
             away = set(self.host.may_return(self.host.dead))
-            formed = self.host.ranks <= present | self.host.dead
+            left = self.host.left_data - set(self.host.may_return(self.host.left_data))
+            formed = self.host.ranks <= present | self.host.dead | left
             if formed and (present or not away):
                 break
             await self.host.changed.wait()

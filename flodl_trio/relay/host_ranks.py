@@ -4,7 +4,9 @@ A host runs a data channel and a control channel, each its own connection to
 the controller. Only the data channel hears the controller's ``DeclareDead``
 for a rank that never connected; the control channel must not wait for that
 rank before it sends its ``Hello`` (which carries every rank's model
-signature), or the host's other ranks would never reach the coordinator.
+signature), or the host's other ranks would never reach the coordinator. Nor
+for a rank that left the data channel for good (ranks that never open a control
+connection): once every rank has left, the control channel has nobody to carry.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class HostRanks:
         self.dead: set[int] = set()
         self.elastic: set[int] = set()  # ranks that called join(): they may come back after a crash
         self.finished: set[int] = set()  # elastic ranks that said they finished: they will not
+        self.left_data: set[int] = set()  # ranks whose data connection ended (exit, crash, drop)
         self.changed = ChangeSignal()  # a rank declared dead, or a rank's handshake done
 
     def declare_dead(self, rank: int) -> None:
@@ -35,6 +38,13 @@ class HostRanks:
             self.elastic.add(rank)
             self.finished.discard(rank)
             self.declare_dead(rank)
+            self.changed.notify()
+
+    def leave_data(self, rank: int) -> None:
+        """``rank``'s data connection ended: unless it may come back (it called join()), the
+        control channel's formation waits for it no more."""
+        if rank in self.ranks and rank not in self.left_data:
+            self.left_data.add(rank)
             self.changed.notify()
 
     def revive(self, rank: int) -> None:

@@ -7,8 +7,10 @@ would wait on a connection that is gone (a chaos run hung on this)."""
 from __future__ import annotations
 
 import pytest
+import torch
 import trio
 
+from flodl_trio import connect_reduce_client
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.testing.matrix.hostile import receive_exactly
 from flodl_trio.wire.handshake import CONTROL_ACK_LEN, decode_control_ack, encode_control_handshake
@@ -57,3 +59,37 @@ async def test_a_second_control_handshake_for_a_rank_in_a_formed_channel_is_stil
             assert any("duplicate rank 0: already joined" in r for r in relay.rejections)
             for s in (stream, zero, one):
                 await s.aclose()
+
+
+@pytest.mark.trio
+async def test_ranks_that_never_open_a_control_connection_let_the_control_channel_close_once_they_left():
+    """Ranks that use only the data channel: once each has left it, the control channel
+    has nobody to wait for and closes (a relay daemon with both channels then exits,
+    instead of waiting in formation forever)."""
+    with trio.fail_after(20):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, control=True) as cluster:
+            async def rank_main(rank: int) -> None:
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    await client.all_reduce_tensors([torch.ones(3)])
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(2):
+                    nursery.start_soon(rank_main, rank)
+            await cluster.control_relays[0].wait_finished()
+            assert cluster.control_relays[0].stats.live_ranks == 0
+
+
+@pytest.mark.trio
+async def test_a_control_channel_forms_with_the_ranks_present_once_the_others_left_the_data_channel():
+    """Rank 0 opens a control connection, rank 1 only a data one and leaves: the control
+    channel forms with rank 0 rather than waiting for rank 1."""
+    with trio.fail_after(20):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, control=True) as cluster:
+            zero = await control_handshake(cluster.control_address(0), 0)
+            async with connect_reduce_client(cluster.relay_address(1), 1, 2, SALT):
+                pass  # rank 1 connects to the data channel and leaves
+            relay = cluster.control_relays[0]
+            while relay.stats.live_ranks != 1:  # formed, carrying rank 0
+                await trio.sleep(0.02)
+            await zero.aclose()
+            await relay.wait_finished()
