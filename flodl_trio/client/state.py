@@ -230,8 +230,9 @@ async def _exchange(
     catch_up: list[RoundFrame] = []
     if status is EntryStatus.CATCH_UP:
         # No frame of a window's params round is more than twice its f32 frame (a
-        # code's block scale per element at worst), so that bounds each read.
-        bound = 2 * reply.lengths[0] + 64
+        # code's block scale per element at worst), so that bounds each read (and
+        # the frame ceiling does, as it bounds every frame).
+        bound = min(2 * reply.lengths[0] + 64, ceiling)
         for window in range(reply.window + 1, entry):
             catch_up.append(await _receive_frame(conn, rank, f"catch-up frame of window {window}", None, salt, bound))
     return ClusterState(reply.window, tuple(frames), nbytes, seconds, entry, catch_up=tuple(catch_up))
@@ -305,7 +306,11 @@ async def _receive_frame(
     if announced is not None and length != announced:
         raise FramingError(f"rank {rank}: {what} is {length} bytes, the reply announced {announced}")
     mac = RunningMac(salt.hmac(), max(length - MAC_LEN, 0))
-    body = await conn.receive_into_buffer(ReceiveBuffer(length), length, what, mac)
+    # A length the reply announced under its MAC is taken into memory at once; a
+    # catch-up frame's prefix is under no MAC, so its buffer grows only as its
+    # bytes arrive (a lying prefix costs nothing).
+    buf = ReceiveBuffer(length) if announced is not None else ReceiveBuffer()
+    body = await conn.receive_into_buffer(buf, length, what, mac)
     source = f"the cluster's {what}"
     frame = decode_round_frame(body, salt, source=source, mac_of_body=mac.tag(), ceiling=ceiling)
     check_payloads(frame, source)

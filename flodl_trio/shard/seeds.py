@@ -19,7 +19,7 @@ from ..errors import ProtocolError, SchemaError
 from ..fold.outer import read_lane_state
 from ..wire.lanes import MAX_LANES, read_lane_tag
 from ..wire.mux import Decide, Seed
-from ..wire.round_frame import RoundFrame
+from ..wire.round_frame import RoundFrame, RoundKind
 from .mirror import LaneState, decision_layout
 
 log = logging.getLogger("flodl_trio.shard")
@@ -52,6 +52,9 @@ def seeded_states(
         if tag is None or not 1 <= tag.index < msg.lanes or tag.count != msg.lanes or tag.index in states:
             raise ProtocolError(f"the controller seeded lane tag {tag} in decision {msg.decision} of {msg.lanes} "
                                 "lanes (not a lane 1.. of it, or seeded twice)")
+        if frame.kind != RoundKind.MODEL:
+            raise ProtocolError(f"the controller's seed of lane {tag.index} in decision {msg.decision} is a "
+                                f"{frame.kind.name} frame; a lane's state is a Model frame")
         try:
             states[tag.index] = read_lane_state(frame, layout, tag.index)
         except SchemaError as exc:
