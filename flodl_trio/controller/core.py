@@ -34,6 +34,7 @@ import attrs
 import trio
 
 from ..errors import ConfigError, DesyncError, FlodlError, HandshakeError, MacError, ProtocolError
+from ..fold.schemas import schema_of
 from ..fold.outer import shard_outer_config
 from ..fold.speculative import Speculation, receive_speculating
 from ..transport.arrival import ArrivalWatch
@@ -720,8 +721,10 @@ class _Controller:
                 return await self._drop_link(link, f"read failed: {exc}")
             if header is None:
                 return await self._drop_link(link, "closed by the relay")
-            if self.config.deterministic and header.kind == MuxKind.HOST_FRAME and not link.whole:
-                await self._wait_for_turn(link)  # its payload waits in the socket meanwhile
+            if header.kind == MuxKind.HOST_FRAME and not link.whole and not self.resumption.sends_stale(link.id):
+                if self.config.deterministic:
+                    await self._wait_for_turn(link)  # its payload waits in the socket meanwhile
+                await self._wait_for_lane_0(link)  # (the same)
             big = header.length > SMALL_MESSAGE
             pooled = big and not (link.whole and self.config.deterministic)
             buf = await self.pool.acquire() if pooled else self._own_buffer(link, big)
@@ -749,6 +752,23 @@ class _Controller:
         relays before it (by their lowest rank) are folded or gone."""
         while not self.rounds[self._next_lane[link.id]].may_fold_now(link.id):
             await self.round_changed.wait()
+
+    async def _wait_for_lane_0(self, link: RelayLink) -> None:
+        """Lanes: a relay's lane 1.. is folded only while its lane 0 stands. Its lane 0 is
+        folded as it comes, and a later relay's lane 0 with the schema the cluster's
+        completed rounds had proves it wrong (its relay is then dropped: ``_expel``); its
+        other lanes must not be in its neighbours' sums by then. So while its round's
+        schema is not one the cluster agreed on (the first rounds; a new kind of round),
+        its next lane waits in the socket until the round's lane 0 is complete."""
+        while self._lane_0_holds(link):
+            await self.round_changed.wait()
+
+    def _lane_0_holds(self, link: RelayLink) -> bool:
+        """Whether ``link``'s next lane (1.. of a round reduced here) must wait for its lane 0."""
+        if self.config.lanes == 1 or self._next_lane.get(link.id, 0) == 0 or link.dropped_for is not None:
+            return False
+        lane0 = self.rounds[0]
+        return link.id in lane0.delivered and link.lane0_schema not in lane0.agreed
 
     async def _read_record(self, link: RelayLink, header: MuxHeader, buf: ReceiveBuffer) -> bool:
         """Receive, verify and act on one record; False once the link is gone.
@@ -862,6 +882,7 @@ class _Controller:
             log.info("controller: dropped a late lane-%d frame from %s (all its ranks are dead)", lane, link.name)
             return False
         now = trio.current_time()
+        self._finish_lanes_before(lane, now)
         if speculation.frame is not None and speculation.record is not None:
             consensus = lane_round.commit_speculation(link.id, speculation.frame, speculation.record, now)
             if consensus is not None:
@@ -872,6 +893,16 @@ class _Controller:
         if consensus is not None:
             self._consensus_send.send_nowait((lane, consensus))
         return False
+
+    def _finish_lanes_before(self, lane: int, now: float) -> None:
+        """Every relay takes a round's lanes in order. A death is in the ledger before the
+        task that tells the rounds of it runs (``_forward_new_deaths``), so a later lane's
+        frame may complete its round while an earlier lane's round, complete by the same
+        death, has not been told yet: finish those first, in lane order."""
+        for earlier in range(lane):
+            consensus = self.rounds[earlier].consensus_if_complete(now)
+            if consensus is not None:
+                self._consensus_send.send_nowait((earlier, consensus))
 
     def _lane_of(self, link: RelayLink, frame: RoundFrame) -> int:
         """Which lane ``frame`` is: its tag says (and of how many), and it must be the
@@ -886,6 +917,7 @@ class _Controller:
         if tag is None or tag.index != expected or tag.count > most:
             raise DesyncError(f"sent a HostFrame with lane tag {tag} where lane {expected} of at most {most} was due")
         if tag.index == 0:
+            link.lane0_schema = schema_of(frame)
             schema = LaneLayout.declared_by(frame, ceiling=self.config.ceiling).schema
             if link.sharded_next:  # its first round since the shards were fixed
                 link.sharded, link.sharded_next = True, False

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
+from ..fold.schemas import Schema
 from ..transport.buffers import ReceiveBuffer
 from ..transport.stream import CONNECTION_LOST, MessageStream
 from ..wire.mux import (
@@ -80,6 +81,9 @@ class RelayLink:
     sharded: bool = False
     sharded_next: bool = False
     round_sharded: bool = False
+    # The schema of its lane 0 of the round in progress (lanes): until the cluster agreed on
+    # it, its later lanes wait for that lane 0 to be folded for good (``_Controller._lane_0_holds``).
+    lane0_schema: Schema | None = None
     # A whole relay's own receive buffer, in deterministic mode only: its frame waits in
     # it lane by lane for its turn, leaving the shared pool to the relays before it.
     own: ReceiveBuffer | None = None

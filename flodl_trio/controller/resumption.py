@@ -318,6 +318,11 @@ class Resumption:
             return True
         return False
 
+    def sends_stale(self, seat_id: int) -> bool:
+        """Whether this relay's next HostFrame (or lane) is one it sends again for a round
+        already finished: dropped as it comes, so it waits for no other relay's."""
+        return seat_id in self._stale
+
     def forget(self, seat_id: int) -> None:
         self._stale.discard(seat_id)
 
