@@ -281,17 +281,21 @@ async def _receive_entry(
 
 
 async def _wait_for(conn: MessageStream, n: int, what: str, rank: int, timeout: float | None, where: str) -> bytes:
-    """A message that comes at a window boundary: a round's wait, bounded only by ``timeout``."""
+    """A message that comes at a window boundary: a round's wait, bounded only by ``timeout``
+    (the stall bound on a read in progress starts at its first byte, not before: a
+    window may take far longer than that bound)."""
+    closed = (f"rank {rank}: the controller closed the state connection through {where} before {what} "
+              "(it called the join off, or it is gone; see its log)")
+    view = memoryview(bytearray(n))
     try:
         with trio.fail_after(math.inf if timeout is None else timeout):
-            return await conn.receive_exactly(n, what)
+            if not await conn.receive_first(view, what):
+                raise _StateLost(closed)
     except PeerClosedMidFrame as exc:
-        raise _StateLost(
-            f"rank {rank}: the controller closed the state connection through {where} before {what} "
-            "(it called the join off, or it is gone; see its log)"
-        ) from exc
+        raise _StateLost(closed) from exc
     except trio.TooSlowError as exc:
         raise PeerTimeout(f"rank {rank}: no {what[4:]} through {where} within reply_timeout {timeout:g} s") from exc
+    return bytes(view)
 
 
 async def _receive_frame(

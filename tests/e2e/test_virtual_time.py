@@ -306,3 +306,47 @@ async def test_reply_timeout_raises_peer_timeout_naming_the_relay(autojump_clock
             assert trio.current_time() - start == pytest.approx(5.0)
             with pytest.raises(FlodlError, match="unusable"):
                 await client.all_reduce_tensors([torch.ones(2)])
+
+
+@pytest.mark.deadline(3000)  # virtual seconds
+@pytest.mark.parametrize("left_after", [1, 2], ids=["reply-waits", "entry-waits"])
+async def test_a_rank_returning_while_windows_take_minutes_joins_at_the_next_boundary(autojump_clock, salt, left_after):
+    """Windows of 200 s (longer than the 60 s a read in progress may stall): a returning
+    rank's join() waits for its state reply and its entry as long as the window takes
+    (a round's wait, no deadline), not for the stall bound, and enters at a boundary."""
+    from flodl_trio import average_window
+
+    pace = 200.0
+    joined: dict[str, float] = {}
+    async with memory_cluster(salt, world_size=2, hosts=[[0, 1]], rejoin_timeout=100_000) as cluster:
+        def client(rank: int):
+            return connect_reduce_client(cluster.relay_address(rank), rank, 2, salt, connect=cluster.connect)
+
+        async def survivor() -> None:
+            params = [torch.zeros(3)]
+            async with client(0) as c:
+                await c.join(params, [])
+                for _ in range(6):
+                    await trio.sleep(pace)  # a long window of inner steps
+                    await average_window(c, params, [], 1, rank=0, world_size=2, in_place=True)
+
+        async def returner() -> None:
+            params = [torch.ones(3)]
+            async with client(1) as c:
+                await c.join(params, [])
+                for _ in range(left_after):
+                    await trio.sleep(pace)
+                    await average_window(c, params, [], 1, rank=1, world_size=2, in_place=True)
+                await c.aclose()  # its connection closes as a crash's does (not a finish)
+            await trio.sleep(10)  # (back 10 s later, mid-window)
+            async with client(1) as c:
+                asked = trio.current_time()
+                joined["window"] = await c.join([torch.ones(3)], [])
+                joined["waited"] = trio.current_time() - asked
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivor)
+            nursery.start_soon(returner)
+        assert cluster.controller.stats.rejoins == 1
+    assert joined["waited"] > 60  # it waited past the stall bound, for the boundary
+    assert joined["window"] > left_after
