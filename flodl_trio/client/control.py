@@ -124,7 +124,12 @@ class ControlClient:
 
     async def _next_message(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> ControlFrame | None:
         """The next message; CoordinatorLost if none comes within the beacon timeout
-        (plus the controller outage bound: the controller may be coming back)."""
+        (plus the controller outage bound: the controller may be coming back). Before
+        the first beacon there is no bound: the host's control relay joins the
+        coordinator only once every rank of the host connected (formation has no
+        deadline); the connection ending still ends the wait."""
+        if self.last_beacon is None:
+            return await inbox.receive()
         with trio.move_on_after(self.beacon_timeout):
             return await inbox.receive()
         if self.outage > 0:
@@ -151,12 +156,15 @@ class ControlClient:
         return self._announced_outage if self._outage is None else self._outage
 
     def _follow_coordinator_pace(self, beacon: Beacon) -> None:
-        """Beat at least 4x per the coordinator's heartbeat timeout, whatever we were told locally."""
+        """Beat at least 4x per the coordinator's heartbeat timeout, and wait for its beacons
+        at least that timeout (it beacons 4x per it), whatever we were told locally: a
+        rank and a coordinator configured differently see no false death either way."""
         wanted = beacon.heartbeat_timeout_ms / 4000
         if 0 < wanted < self.heartbeat_interval:
             self.heartbeat_interval = wanted
             self.beacon_timeout = min(self.beacon_timeout, max(4 * wanted, 1e-3))
             self._pace_changed.notify()
+        self.beacon_timeout = max(self.beacon_timeout, 4 * wanted)
 
     async def _receive_loop(self) -> None:
         """Beacons keep us alive; silence, EOF, a bad MAC or a death notice raise a clear error."""

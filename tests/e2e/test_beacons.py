@@ -161,3 +161,43 @@ async def test_a_beacon_interval_that_cannot_work_is_a_config_error(salt, interv
         async with open_controller(world_size=1, salt=salt, beacon_interval=interval, listeners=[network.listen()],
                                    bounds=DEFAULTS):
             pass  # pragma: no cover
+
+
+@pytest.mark.deadline(5000)
+@pytest.mark.parametrize(("rank_timeout", "coordinator_timeout"), [(None, 300.0), (1.0, 30.0), (120.0, 30.0), (30.0, 1.0)],
+                         ids=["coordinator-longer", "rank-much-shorter", "rank-longer", "coordinator-shorter"])
+async def test_a_rank_and_a_coordinator_configured_differently_see_no_false_death(
+    autojump_clock, salt, rank_timeout, coordinator_timeout,
+):
+    """The coordinator's heartbeat timeout rides on every beacon: the rank beats at least
+    four times per it and waits for a beacon at least that long, so neither side takes
+    the other's pace for a loss over ten minutes, whichever is configured longer."""
+    async with memory_cluster(salt, world_size=1, hosts=[[0]], heartbeat_timeout=coordinator_timeout) as cluster:
+        async with connect_control_client(cluster.control_address(0), 0, 1, salt, SIG, connect=cluster.connect,
+                                          heartbeat_timeout=rank_timeout) as client:
+            await trio.sleep(600)
+            assert client.beacon_timeout >= coordinator_timeout
+            assert client.heartbeat_interval <= coordinator_timeout / 4
+        assert not cluster.controller.dead_ranks.is_dead(0)
+
+
+@pytest.mark.deadline(5000)
+async def test_a_rank_waits_for_its_hosts_late_sibling_without_a_bound(autojump_clock, salt):
+    """Rank 1 of a two-rank host opens its control connection 100 s after rank 0 (over
+    three beacon timeouts): the host's control relay joins the coordinator only then,
+    and rank 0 waits for its first beacon as long as that takes (formation has no
+    deadline), then both run on."""
+    survived: dict[int, int] = {}
+    async with memory_cluster(salt, world_size=2, hosts=[[0, 1]]) as cluster:
+        async def member(rank: int, late: float) -> None:
+            await trio.sleep(late)
+            async with connect_control_client(cluster.control_address(rank), rank, 2, salt, SIG,
+                                              connect=cluster.connect) as client:
+                await trio.sleep(200)
+                assert client.last_beacon is not None
+                survived[rank] = client.heartbeats_sent
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member, 0, 0.0)
+            nursery.start_soon(member, 1, 100.0)
+    assert sorted(survived) == [0, 1]
