@@ -1,6 +1,6 @@
 """Run the fault matrix and write docs/fault-matrix.md.
 
-    python benchmarks/fault_matrix.py                        # every case, ~1-2 minutes on 2 cores
+    python benchmarks/fault_matrix.py                        # every case, about 4-5 minutes on 2 cores
     python benchmarks/fault_matrix.py --only uplink,slowloris  # cases whose name contains a word
     python benchmarks/fault_matrix.py --out /tmp/matrix.md
 
