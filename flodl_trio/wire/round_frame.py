@@ -187,12 +187,19 @@ def describe_dtype(dtype: int) -> str:
     return f"{codec} delta" if codec is not None else f"dtype tag {dtype}"
 
 
+# The base digest's shapes: itself; in lane frames an empty piece, and lane 0's schema tensor.
+_DIGEST_SHAPES = ((DIGEST_LEN,), (0,), (0, DIGEST_LEN))
+
+
 def check_payload(t: TensorPayload, index: int, source: str) -> None:
     """A payload's byte length must be what its dtype and shape need (or the elision marker)."""
     expected = payload_nbytes(t.dtype, t.numel)
+    if t.dtype == DTYPE_BASE_DIGEST and tuple(t.shape) not in _DIGEST_SHAPES:
+        expected = None
     if expected is None:
         if t.dtype == DTYPE_BASE_DIGEST:
-            raise SchemaError(f"{source} tensor {index}: a base digest of shape {list(t.shape)}, expected [{DIGEST_LEN}]")
+            raise SchemaError(f"{source} tensor {index}: a base digest of shape {list(t.shape)}, expected "
+                              f"[{DIGEST_LEN}] (in a lane frame also [0] or [0, {DIGEST_LEN}])")
         raise SchemaError(
             f"{source} tensor {index}: unknown dtype tag {t.dtype} (0 = f32, 1 = bf16, 0x7F base digest, "
             f"0x80-0xAC delta codes)"

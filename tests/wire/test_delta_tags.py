@@ -74,3 +74,14 @@ def test_an_entry_with_catch_up_frames_round_trips_and_needs_a_window():
     assert decode_state_entry(encode_state_entry(entry, nonces, salt), nonces, salt) == entry
     with pytest.raises(HandshakeError, match="CATCH_UP with window -1"):
         decode_state_entry(encode_state_entry(StateEntry(EntryStatus.CATCH_UP, -1), nonces, salt), nonces, salt)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (2, 8), (1, 16), (5, 0), (0, 0, 16)])
+def test_a_base_digest_of_any_other_shape_is_refused_naming_it(shape):
+    """The digest is [16]; in lane frames also [0] (an empty piece) and [0, 16] (lane 0's
+    schema tensor) - any other shape with the right element count is a SchemaError."""
+    data = bytes(16) if 16 in shape and 0 not in shape else b""
+    with pytest.raises(SchemaError, match=rf"rank 2 tensor 1: a base digest of shape \[{', '.join(map(str, shape))}\]"):
+        check_payload(TensorPayload(DTYPE_BASE_DIGEST, shape, data), 1, "rank 2")
+    for good, payload in (((16,), bytes(16)), ((0,), b""), ((0, 16), b"")):
+        check_payload(TensorPayload(DTYPE_BASE_DIGEST, good, payload), 1, "rank 2")
