@@ -22,6 +22,7 @@ import trio
 from flodl_trio.client import state as client_state
 from flodl_trio.client.state import ClusterState, fetch_cluster_state
 from flodl_trio.errors import FlodlError, FramingError
+from flodl_trio.testing.matrix.hostile import receive_exactly
 from flodl_trio.transport.buffers import ReceiveBuffer
 from flodl_trio.transport.settings import NetBounds
 from flodl_trio.wire import DTYPE_F32
@@ -35,16 +36,6 @@ BOUND = 2 * len(FRAME) + 64
 STATE_WINDOW = 3
 
 Script = Callable[[trio.SocketStream, bytes, bytes], Awaitable[None]]
-
-
-async def receive_exactly(stream: trio.abc.Stream, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = await stream.receive_some(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def reply(nr: bytes, nc: bytes) -> bytes:
