@@ -124,12 +124,7 @@ class ControlClient:
 
     async def _next_message(self, inbox: trio.MemoryReceiveChannel[ControlFrame | None]) -> ControlFrame | None:
         """The next message; CoordinatorLost if none comes within the beacon timeout
-        (plus the controller outage bound: the controller may be coming back). Before
-        the first beacon there is no bound: the host's control relay joins the
-        coordinator only once every rank of the host connected (formation has no
-        deadline); the connection ending still ends the wait."""
-        if self.last_beacon is None:
-            return await inbox.receive()
+        (plus the controller outage bound: the controller may be coming back)."""
         with trio.move_on_after(self.beacon_timeout):
             return await inbox.receive()
         if self.outage > 0:

@@ -171,14 +171,17 @@ class Coordinator:
         # A u32 of milliseconds on the wire (49 days at most); rounded down, so a rank pacing
         # itself from it beats at least as often as asked; at least 1 ms, since a rank reads
         # 0 as "no pace said".
-        timeout_ms = min(max(int(self.heartbeat_timeout * 1000), 1), U32_MAX)
         while True:
-            self._beacon_seq += 1
-            frame = beacon_frame(self._beacon_seq, self.world_size, self.dead.dead_count(), timeout_ms, self.outage_ms)
+            frame = self._next_beacon()
             for rank, link in list(self.owner.items()):
                 if not link.closed and self._beaconed(rank, link):
                     self._send_frame(link, rank, frame)
             await trio.sleep(self.beacon_interval)
+
+    def _next_beacon(self) -> ControlFrame:
+        self._beacon_seq += 1
+        timeout_ms = min(max(int(self.heartbeat_timeout * 1000), 1), U32_MAX)
+        return beacon_frame(self._beacon_seq, self.world_size, self.dead.dead_count(), timeout_ms, self.outage_ms)
 
     def _beaconed(self, rank: int, link: RelayLink) -> bool:
         """Whether ``rank`` gets beacons: every live rank; and, through a flodl_trio control
@@ -293,6 +296,10 @@ class Coordinator:
             if self.dead.is_dead(rank) and self.may_return(rank):
                 self._noticed.add(rank)  # away, not evicted: it may connect here and come back
         self._notice_new_deaths()  # ranks of this relay dead already get their notice now
+        beacon = self._next_beacon()  # at once: each rank learns the coordinator's pace before it waits on it
+        for rank in link.ranks:
+            if self._beaconed(rank, link):
+                self._send_frame(link, rank, beacon)
         log.info("coordinator: accepted %s", link.name)
         return link
 

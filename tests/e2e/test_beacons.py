@@ -180,24 +180,3 @@ async def test_a_rank_and_a_coordinator_configured_differently_see_no_false_deat
             assert client.heartbeat_interval <= coordinator_timeout / 4
         assert not cluster.controller.dead_ranks.is_dead(0)
 
-
-@pytest.mark.deadline(5000)
-async def test_a_rank_waits_for_its_hosts_late_sibling_without_a_bound(autojump_clock, salt):
-    """Rank 1 of a two-rank host opens its control connection 100 s after rank 0 (over
-    three beacon timeouts): the host's control relay joins the coordinator only then,
-    and rank 0 waits for its first beacon as long as that takes (formation has no
-    deadline), then both run on."""
-    survived: dict[int, int] = {}
-    async with memory_cluster(salt, world_size=2, hosts=[[0, 1]]) as cluster:
-        async def member(rank: int, late: float) -> None:
-            await trio.sleep(late)
-            async with connect_control_client(cluster.control_address(rank), rank, 2, salt, SIG,
-                                              connect=cluster.connect) as client:
-                await trio.sleep(200)
-                assert client.last_beacon is not None
-                survived[rank] = client.heartbeats_sent
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(member, 0, 0.0)
-            nursery.start_soon(member, 1, 100.0)
-    assert sorted(survived) == [0, 1]
