@@ -39,17 +39,25 @@ async def test_a_broadcast_of_a_model_that_goes_in_lanes_reaches_every_rank(salt
     got: dict[tuple[int, int], list[float]] = {}
     with trio.fail_after(60):
         async with open_local_cluster(world_size=world, hosts=hosts, salt=salt) as cluster:
+            done = [trio.Event() for _ in range(world)]
+            checked = trio.Event()
+
             async def rank_main(rank: int) -> None:
                 async with connect_reduce_client(cluster.relay_address(rank), rank, world, salt) as client:
                     for round_ in range(2):
                         mine = torch.full((numel,), float(round_ + 7)) if rank == 0 else torch.zeros(numel)
                         out = await client.broadcast_from_root([mine], root=0)
                         got[rank, round_] = [out[0][0].item(), out[0][-1].item()]
+                    done[rank].set()
+                    await checked.wait()  # (leaving is an exit: checked while every rank is still in)
 
             async with trio.open_nursery() as nursery:
                 for rank in range(world):
                     nursery.start_soon(rank_main, rank)
-            assert cluster.controller.dead_ranks.snapshot() == set()
+                for event in done:
+                    await event.wait()
+                assert cluster.controller.dead_ranks.snapshot() == set()  # nobody was dropped
+                checked.set()
     assert got == {(rank, r): [float(r + 7)] * 2 for rank in range(world) for r in range(2)}
 
 
