@@ -41,6 +41,7 @@ from ..wire.liveness import (
     decode_liveness,
     notice_frame,
     run_over_frame,
+    timeout_ms,
 )
 from ..wire.mux import (
     DeclareDead,
@@ -62,7 +63,6 @@ log = logging.getLogger("flodl_trio.coordinator")
 # A control-channel Data record carries one ControlFrame: its header and up to 16 MiB.
 CONTROL_RECORD_CEILING = CONTROL_FRAME_HEADER_LEN + CONTROL_FRAME_MAX_PAYLOAD
 RUN_OVER_WRITE_S = 2.0  # how long the end of the run waits for its notices to be written
-U32_MAX = 0xFFFFFFFF
 
 
 def _seconds(name: str, value: float) -> float:
@@ -168,9 +168,6 @@ class Coordinator:
                     self.dead.declare_dead(rank)
 
     async def _beacons(self) -> None:
-        # A u32 of milliseconds on the wire (49 days at most); rounded down, so a rank pacing
-        # itself from it beats at least as often as asked; at least 1 ms, since a rank reads
-        # 0 as "no pace said".
         while True:
             frame = self._next_beacon()
             for rank, link in list(self.owner.items()):
@@ -180,8 +177,8 @@ class Coordinator:
 
     def _next_beacon(self) -> ControlFrame:
         self._beacon_seq += 1
-        timeout_ms = min(max(int(self.heartbeat_timeout * 1000), 1), U32_MAX)
-        return beacon_frame(self._beacon_seq, self.world_size, self.dead.dead_count(), timeout_ms, self.outage_ms)
+        return beacon_frame(self._beacon_seq, self.world_size, self.dead.dead_count(), timeout_ms(self.heartbeat_timeout),
+                            self.outage_ms)
 
     def _beaconed(self, rank: int, link: RelayLink) -> bool:
         """Whether ``rank`` gets beacons: every live rank; and, through a flodl_trio control

@@ -71,6 +71,8 @@ from ..wire.mux import (
     encode_control_msg,
     encode_mux_record,
 )
+from ..wire.control_frame import encode_control_frame
+from ..wire.liveness import beacon_frame, timeout_ms
 from ..wire.salt import SessionSalt
 from ..wire.state import STATE_REQUEST_LEN, decode_state_request
 from .channels import Channel
@@ -255,7 +257,7 @@ class _Relay:
                         assert isinstance(plane, DataPlane)
                         self.handle._offer = partial(plane.offer_shard, self._offered_host)
                 else:
-                    ranks, away = await self._control_formation()
+                    ranks, away = await self._form_control_channel()
                     if not ranks:
                         log.info("relay %s: no rank of the host connected to the control channel before it "
                                  "left or was declared dead; the channel closes", self.config.host_name)
@@ -328,6 +330,56 @@ class _Relay:
         conn = MessageStream(stream, f"local-leg connection from pid {peer.pid}", self.config.bounds)
         conn.signed_frames = False
         return conn
+
+    async def _form_control_channel(self) -> tuple[tuple[int, ...], frozenset[int]]:
+        """The control channel's formation, beaconing the ranks that wait for it."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._beacon_waiting_ranks)
+            formed = await self._control_formation()
+            nursery.cancel_scope.cancel()
+        return formed
+
+    async def _beacon_waiting_ranks(self) -> None:
+        """Keep the ranks that wait for the control channel to form alive: the relay joins
+        the coordinator only once every rank of the host is in, and a rank that hears
+        nothing for its beacon timeout takes the cluster for lost. So a host whose ranks
+        start minutes apart (one loads a large checkpoint) must not lose the early ones.
+        The relay beacons each rank the moment it is in, then at its own heartbeat pace
+        (docs/liveness.md); the coordinator's beacons take over once the channel runs."""
+        period = self.config.bounds.heartbeat_timeout / 4
+        beaconed: set[MessageStream] = set()
+        lost: set[MessageStream] = set()  # connections a beacon could not be written to (closed)
+        seq = 0
+        due = trio.current_time()
+        while True:
+            change = self.host.changed.next_change()  # a rank in while we write is beaconed at once
+            now = trio.current_time()
+            every = now >= due
+            fresh = [(rank, conn) for rank, conn in self.waiting.items()
+                     if conn not in lost and (every or conn not in beaconed)]
+            if fresh:
+                seq += 1
+                await self._beacon(fresh, seq, beaconed, lost)
+            if every:
+                due = now + period
+            with trio.move_on_at(due):
+                await change.wait()
+
+    async def _beacon(self, ranks: list[tuple[int, MessageStream]], seq: int, beaconed: set[MessageStream],
+                      lost: set[MessageStream]) -> None:
+        """One beacon, signed with the session salt, to each of ``ranks``; a connection it
+        cannot be written to is closed (its rank is gone) and skipped from then on."""
+        beacon = beacon_frame(seq, self.config.world_size, 0, timeout_ms(self.config.bounds.heartbeat_timeout))
+        blob = encode_control_frame(beacon, self.config.salt)
+        for rank, conn in ranks:
+            try:
+                await conn.send_len_framed([blob], len(blob))
+                beaconed.add(conn)
+            except (*CONNECTION_LOST, FlodlError) as exc:
+                log.info("relay %s: rank %d, waiting for the control channel to form, is gone: %s",
+                         self.config.host_name, rank, exc)
+                lost.add(conn)
+                await conn.aclose()
 
     async def _control_formation(self) -> tuple[tuple[int, ...], frozenset[int]]:
         """The control channel's ranks, and those of them away: once every rank of the

@@ -68,6 +68,13 @@ def heartbeat_frame(rank: int, seq: int) -> ControlFrame:
     return ControlFrame(ControlKind.HEARTBEAT, _HEARTBEAT.pack(HEARTBEAT_TAG, rank, seq))
 
 
+def timeout_ms(seconds: float) -> int:
+    """A heartbeat timeout as a beacon carries it: whole milliseconds, rounded down (a rank
+    pacing itself from it beats at least as often as asked), at least 1 (a rank reads 0 as
+    "no pace said") and at most a u32's 2^32 - 1 (about 49 days: longer is sent capped)."""
+    return min(max(int(seconds * 1000), 1), 0xFFFFFFFF)
+
+
 def beacon_frame(seq: int, world_size: int, dead_count: int, heartbeat_timeout_ms: int, outage_ms: int = 0) -> ControlFrame:
     if outage_ms > 0:
         payload = _BEACON_V2.pack(BEACON_V2_TAG, seq, world_size, dead_count, heartbeat_timeout_ms, outage_ms)

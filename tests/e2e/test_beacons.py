@@ -180,3 +180,45 @@ async def test_a_rank_and_a_coordinator_configured_differently_see_no_false_deat
             assert client.heartbeat_interval <= coordinator_timeout / 4
         assert not cluster.controller.dead_ranks.is_dead(0)
 
+
+
+@pytest.mark.deadline(5000)
+@pytest.mark.parametrize(("rank_timeout", "relay_timeout"), [(None, 30.0), (1.0, 30.0), (30.0, 1.0)],
+                         ids=["same-pace", "rank-much-shorter", "relay-shorter"])
+async def test_a_rank_waiting_for_its_host_to_form_is_beaconed_by_its_relay(
+    autojump_clock, salt, rank_timeout, relay_timeout,
+):
+    """Rank 1 starts ten minutes after rank 0 on the same host (it loads a checkpoint,
+    say). The host's control relay joins the coordinator only once both are in, so
+    rank 0 hears nothing from the coordinator meanwhile: its relay beacons it, at the
+    moment it is in and then at the relay's own pace, whatever pace the rank was
+    configured with. Host 1 formed at once and has the coordinator's beacons. Every
+    rank then averages with every other (a rank lost or declared dead raises)."""
+    relay_bounds = NetBounds(heartbeat_timeout=relay_timeout)
+    means: dict[int, list[float]] = {}
+    rank_1_may_start = trio.Event()
+    async with open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=relay_bounds, control=True, world_size=3,
+                                  hosts=[[0, 1], [2]], heartbeat_timeout=30.0) as cluster:
+
+        async def rank(r: int) -> None:
+            if r == 1:
+                await rank_1_may_start.wait()
+            params = [torch.full((3,), float(r))]
+            async with connect_control_client(cluster.control_address(r), r, 3, salt, SIG, connect=cluster.connect,
+                                              heartbeat_timeout=rank_timeout) as control:
+                if r == 0:
+                    while control.last_beacon is None:
+                        await trio.sleep(0.1)
+                    await trio.sleep(600)  # twenty beacon timeouts of the slowest pace
+                    assert control.last_beacon.heartbeat_timeout_ms == relay_timeout * 1000  # its relay's
+                    rank_1_may_start.set()
+                async with connect_reduce_client(cluster.relay_address(r), r, 3, salt, connect=cluster.connect) as c:
+                    await c.join(params, [])
+                    await average_window(c, params, [], 1, rank=r, world_size=3, in_place=True)
+                    means[r] = params[0].tolist()
+                    await c.finish()
+
+        async with trio.open_nursery() as nursery:
+            for r in range(3):
+                nursery.start_soon(rank, r)
+    assert means == {r: [1.0] * 3 for r in range(3)}
