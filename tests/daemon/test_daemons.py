@@ -143,6 +143,56 @@ async def test_a_rank_still_in_its_control_block_when_the_run_ends_leaves_it_nor
     assert over == {0: True, 1: True}
 
 
+@pytest.mark.deadline(60)
+async def test_a_rank_whose_neighbour_starts_late_is_kept_alive_by_its_relay_daemon():
+    """Rank 0 of a two-rank host connects alone and waits longer than its beacon
+    timeout for rank 1: the host's control relay joins the coordinator only once
+    both are in, so the beacons rank 0 hears meanwhile are the relay daemon's own,
+    at its pace (FLODL_NET_TIMEOUT_SCALE=0.1: a 3 s heartbeat timeout). Rank 1 then
+    comes and both average; neither raises CoordinatorLost."""
+    ctl_port, data, control = free_ports(3)
+    rank_timeout = 2.0  # rank 0 waits up to this for each beacon: far less than the wait for rank 1
+    async with trio.open_nursery() as nursery:
+        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
+                                        "--world-size", "2", "--log-level", "INFO")
+        await controller.wait_for("controller started")
+        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
+                                   "--world-size", "2", "--host-name", "h", "--listen-host", LOOP,
+                                   "--data-port", str(data), "--control-port", str(control),
+                                   env={"FLODL_NET_TIMEOUT_SCALE": "0.1"})
+        await relay.wait_for(" started: ranks=")
+        rank_1_may_start = trio.Event()
+        means: dict[int, list[float]] = {}
+        paces: list[int] = []
+
+        async def rank_main(rank: int) -> None:
+            if rank == 1:
+                await rank_1_may_start.wait()
+            async with connect_control_client((LOOP, control), rank, 2, salt_bytes(), SIG,
+                                              heartbeat_timeout=rank_timeout) as coordinator:
+                if rank == 0:
+                    start = trio.current_time()
+                    while coordinator.last_beacon is None or trio.current_time() - start < 2.5 * rank_timeout:
+                        await trio.sleep(0.1)
+                    paces.append(coordinator.last_beacon.heartbeat_timeout_ms)
+                    rank_1_may_start.set()
+                async with connect_reduce_client((LOOP, data), rank, 2, salt_bytes()) as client:
+                    params = [torch.full((3,), float(rank))]
+                    await client.join(params, [])
+                    await average_window(client, params, [], 1, rank=rank, world_size=2, in_place=True)
+                    means[rank] = params[0].tolist()
+
+        async with trio.open_nursery() as ranks:
+            for rank in range(2):
+                ranks.start_soon(rank_main, rank)
+        with trio.fail_after(20):
+            await controller.process.wait()
+            await relay.process.wait()
+    assert paces == [3000]  # the relay daemon's beacons: FLODL_NET_TIMEOUT_SCALE=0.1 of 30 s
+    assert means == {0: [0.5] * 3, 1: [0.5] * 3}
+    assert controller.process.returncode == 0 and relay.process.returncode == 0, controller.text + relay.text
+
+
 @pytest.mark.deadline(90)
 async def test_full_cluster_of_daemons_with_every_flag(tmp_path):
     ctl_port, metrics_port, relay_metrics, d0, c0, d1, c1 = free_ports(7)
