@@ -269,8 +269,8 @@ class LaneLayout:
         # Byte offsets where lanes start, each moved down to where its tensor may be cut.
         if lane0_empty and count > 1:  # lane 0: the schema and the tag alone; the payload over the others
             starts = [(0, 0)] + [_element_boundary(total * k // (count - 1), cut) for k in range(count - 1)]
-        else:
-            starts = [_element_boundary(total * k // count, cuts) for k in range(count)]
+        else:  # lane 0 starts at the very start, so a leading tensor of no elements rides in it
+            starts = [(0, 0)] + [_element_boundary(total * k // count, cuts) for k in range(1, count)]
         starts.append((len(cut), 0))
         lanes = []
         for (t0, e0), (t1, e1) in zip(starts, starts[1:]):
