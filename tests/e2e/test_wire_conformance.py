@@ -287,3 +287,141 @@ async def test_a_sharded_run_on_the_wire_is_what_the_docs_say(monkeypatch: pytes
             round_no = 2 * (i + 1)
             want = _lane_sum([host_lanes[h, round_no, k] for h in (0, 2, 3)], divide=True)
             assert [t.data for t in window.tensors[:-1]] == [w.astype("<f4").tobytes() for w in want], (k, round_no)
+
+
+async def _read_exactly(stream, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = await stream.receive_some(n - len(out))
+        assert chunk, f"closed after {len(out)} of {n} bytes"
+        out += chunk
+    return bytes(out)
+
+
+@pytest.mark.parametrize("mac_field", ["zeros", "garbage"])
+async def test_a_docs_rank_on_the_local_leg_is_served(tmp_path, monkeypatch: pytest.MonkeyPatch, mac_field: str) -> None:
+    """wire.md, the local leg: the path, the signed 24/16-byte handshake, frames whose MAC field is not read."""
+    import os
+
+    unix_dir = tmp_path / "unix"
+    monkeypatch.setenv("FLODL_UNIX_DIR", str(unix_dir))
+    monkeypatch.delenv("FLODL_NO_UNIX", raising=False)
+    values = {r: (np.arange(8, dtype=np.float32) + r) for r in range(2)}
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=RAW_SALT, local_leg=True) as cluster:
+        port = cluster.relay_address(0)[1]
+        path = unix_dir / f"data-{os.stat('/proc/self/ns/net').st_ino}-{port}.sock"
+        assert path.exists(), sorted(p.name for p in unix_dir.iterdir())
+        stream = await trio.open_unix_socket(str(path))
+        handshake = doc.local_handshake(0, 2, RAW_SALT)
+        await stream.send_all(handshake)
+        assert await _read_exactly(stream, 16) == doc.local_ack(handshake[:16], RAW_SALT)
+        frame = doc.Frame([doc.Tensor(doc.F32, (8,), values[0].tobytes())], doc.MODEL, 1.0)
+        body = doc.frame_body(frame) + (bytes(8) if mac_field == "zeros" else b"\xa5" * 8)
+        out = {}
+
+        async def project_rank() -> None:
+            async with connect_reduce_client(cluster.relay_address(1), 1, 2, RAW_SALT, local_leg=False) as client:
+                out[1] = await client.all_reduce(f32_frame(values[1], 1.0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(project_rank)
+            await stream.send_all(struct.pack("<I", len(body)) + body)
+            (n,) = struct.unpack("<I", await _read_exactly(stream, 4))
+            got = doc.decode_frame(await _read_exactly(stream, n))
+        want = ((values[0] + values[1]) * np.float32(0.5)).astype("<f4").tobytes()
+        assert got.weight == 2.0 and got.tensors[0].data == want
+        await stream.aclose()
+
+
+async def _docs_join(address: tuple[str, int], rank: int, world: int) -> tuple[int, int, str, list[int]]:
+    """The join exchange from the docs' side up to the reply: (status, window, reason, frame lengths)."""
+    import secrets
+
+    nr = secrets.token_bytes(16)
+    stream = await trio.open_tcp_stream(*address)
+    async with stream:
+        await stream.send_all(doc.state_request(rank, world, nr, RAW_SALT))
+        challenge = await _read_exactly(stream, 32)
+        assert challenge[:8] == struct.pack("<II", 0xF10D17EA, 2)
+        nc = challenge[8:24]
+        assert challenge == doc.state_challenge(nc, nr, RAW_SALT), "challenge MAC: bytes 0..24 then Nr"
+        await stream.send_all(doc.state_answer(rank, nr, nc, RAW_SALT))
+        head = await _read_exactly(stream, 28)
+        magic, version, status, n, window, reason_len = struct.unpack("<IIIIqI", head)
+        assert (magic, version) == (0xF10D17E9, 2) and n <= 257 and reason_len <= 1024
+        rest = await _read_exactly(stream, reason_len + 4 * n + 8)
+        reason = rest[:reason_len].decode()
+        lengths = list(struct.unpack_from(f"<{n}I", rest, reason_len))
+        assert head + rest == doc.state_reply(status, window, reason, lengths, nr, nc, RAW_SALT), "reply MAC"
+        return status, window, reason, lengths
+
+
+async def test_the_join_exchange_is_the_docs_bytes() -> None:
+    """A live rank's request before the first window: ok, window -1, no frames; after it: refused."""
+    async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=RAW_SALT, rejoin_timeout=30.0) as cluster:
+        async with connect_reduce_client(cluster.relay_address(0), 0, 2, RAW_SALT, local_leg=False) as c0, \
+                connect_reduce_client(cluster.relay_address(1), 1, 2, RAW_SALT, local_leg=False) as c1:
+            assert await _docs_join(cluster.relay_address(0), 0, 2) == (0, -1, "", [])
+            control = RoundFrame([TensorPayload(DTYPE_F32, (2,), np.ones(2, "<f4"))], kind=1, weight=0.0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(c0.all_reduce, control)
+                nursery.start_soon(c1.all_reduce, control)
+            status, window, reason, lengths = await _docs_join(cluster.relay_address(1), 1, 2)
+            assert (status, window, lengths) == (1, -1, []) and reason
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize(("shards", "through"), [(8, True), (5, False)], ids=["through-8-shards", "lanes-beside-5-shards"])
+async def test_delta_rounds_on_the_wire_are_the_docs_cut(monkeypatch: pytest.MonkeyPatch, shards: int, through: bool) -> None:
+    """int8 deltas in 3 lanes: through 8 shards (8 x 8 >= 64) the digest rides in lane 0 and the
+    shards send the controller f32 means; beside 5 the round goes in the controller's lanes,
+    the digest in the last. A one-rank host's lanes are the docs' cut of its rank's frame."""
+    from flodl_trio.wire.quant import DeltaCodec
+    from tests.e2e.test_delta_rounds import model, train
+
+    tap = Tap(monkeypatch)
+    hosts, world, lanes = [[0, 1], [2], [3]], 4, 3
+    seen: dict = {}
+    async with open_local_cluster(world_size=world, hosts=hosts, salt=RAW_SALT, lanes=lanes, lane_min_bytes=0,
+                                  shards=shards, deterministic=True) as cluster:
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, world, RAW_SALT,
+                                             local_leg=False) as client:
+                client.delta_codec = DeltaCodec.parse("int8:256")
+                await train(client, rank, world, model(rank), range(3), seen)
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(world):
+                nursery.start_soon(rank_main, rank)
+
+    sent_by_host2: set[bytes] = set()
+    means: list[doc.Frame] = []
+    for magic, records in tap.streams():
+        names = [doc.decode_msg(r.payload)[0] if r.kind == doc.MUX_CONTROL else None for r in records]
+        if magic == 0xF10D17E1 and doc.decode_msg(records[0].payload)[1]["ranks"] == [2]:
+            sent_by_host2 |= {doc.frame_body(doc.decode_frame(r.payload)) for r in records if r.kind == doc.MUX_HOST_FRAME}
+        if magic is None and "Decided" in names and "ShardAck" not in names:  # shard -> controller
+            means += [doc.decode_frame(r.payload) for r in records if r.kind == doc.MUX_BROADCAST]
+    delta_rounds = 0
+    for frame in tap.rank_frames(2):
+        if frame.kind != doc.MODEL:
+            continue
+        coded = frame.tensors[0].dtype & 0x80
+        delta_rounds += bool(coded)
+        goes_through = through or not coded
+        payload = sum(doc.payload_size(t) for t in (frame.tensors[:-1] if goes_through else frame.tensors))
+        n = 1 + shards * doc.sharded_lanes_per_shard(lanes, shards, payload, 0) if goes_through else lanes
+        want = doc.cut_delta_lanes(frame, n, through_shards=goes_through)
+        if goes_through:
+            assert want[0].tensors[0].dtype == doc.DIGEST
+        else:
+            assert want[-1].tensors[-2].dtype == doc.DIGEST
+        missing = [k for k, lane in enumerate(want) if doc.frame_body(lane) not in sent_by_host2]
+        assert not missing, f"lanes {missing} of {n} ({'coded' if coded else 'f32'}) are not the docs' cut"
+    assert delta_rounds == 2
+    assert means
+    for mean in means:  # f32 pieces (an empty one may keep its code's tag), then the lane's tag
+        for t in mean.tensors[:-1]:
+            assert len(t.shape) == 1 and (t.dtype == doc.F32 or t.shape == (0,)), (t.dtype, t.shape)
+            assert len(t.data) in (0, 4 * t.shape[0])
