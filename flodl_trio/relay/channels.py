@@ -161,6 +161,7 @@ class Channel:
         self._write_lock = trio.Lock()  # the writer's per item, the reconnect's while it lasts
         self._goodbyes: dict[int, RankExit | RankFinished] = {}  # told again to a controller that comes back
         self.announced_outage = 0.0  # what the controller said it may be away for (Outage)
+        self._shutdown_said = False
         self.role = role(self)
 
     @property
@@ -242,7 +243,11 @@ class Channel:
         self._nursery.start_soon(side)
 
     def log_shutdown(self, why: str) -> None:
-        log.info("relay %s: shutting down: %s", self.config.host_name, why)
+        """Say once why the channel shuts down (what follows, the controller closing
+        behind the last rank say, is logged at DEBUG)."""
+        level = logging.DEBUG if self._shutdown_said else logging.INFO
+        self._shutdown_said = True
+        log.log(level, "relay %s: shutting down: %s", self.config.host_name, why)
 
     def _stop_after_shutdown(self, why: str) -> None:
         """Nothing more can be written upstream: cancel every task."""
