@@ -95,6 +95,22 @@ async def start_pair(
     return controller, relay, data_port
 
 
+async def start_two_rank_host(
+    nursery: trio.Nursery, relay_env: dict[str, str] | None = None,
+) -> tuple[Daemon, Daemon, int, int]:
+    """A controller daemon and one relay daemon carrying ranks 0 and 1 on both channels,
+    each started once the one before said so; returns both and the data and control ports."""
+    ctl_port, data, control = free_ports(3)
+    controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
+                                    "--world-size", "2", "--log-level", "INFO")
+    await controller.wait_for("controller started")
+    relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
+                               "--world-size", "2", "--host-name", "h", "--listen-host", LOOP,
+                               "--data-port", str(data), "--control-port", str(control), env=relay_env)
+    await relay.wait_for(" started: ranks=")
+    return controller, relay, data, control
+
+
 def run_cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
@@ -111,15 +127,8 @@ async def test_a_rank_still_in_its_control_block_when_the_run_ends_leaves_it_nor
     relay closes the ranks' control connections. A rank that is still inside its
     control block then (saving its model, say) was told the run is over first: its
     heartbeats stop, and the connection closing is the end, not CoordinatorLost."""
-    ctl_port, data, control = free_ports(3)
     async with trio.open_nursery() as nursery:
-        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
-                                        "--world-size", "2", "--log-level", "INFO")
-        await controller.wait_for("controller started")
-        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
-                                   "--world-size", "2", "--host-name", "h", "--listen-host", LOOP,
-                                   "--data-port", str(data), "--control-port", str(control))
-        await relay.wait_for(" started: ranks=")
+        controller, relay, data, control = await start_two_rank_host(nursery)
         over: dict[int, bool] = {}
 
         async def rank_main(rank: int) -> None:
@@ -150,17 +159,9 @@ async def test_a_rank_whose_neighbour_starts_late_is_kept_alive_by_its_relay_dae
     both are in, so the beacons rank 0 hears meanwhile are the relay daemon's own,
     at its pace (FLODL_NET_TIMEOUT_SCALE=0.1: a 3 s heartbeat timeout). Rank 1 then
     comes and both average; neither raises CoordinatorLost."""
-    ctl_port, data, control = free_ports(3)
     rank_timeout = 2.0  # rank 0 waits up to this for each beacon: far less than the wait for rank 1
     async with trio.open_nursery() as nursery:
-        controller = await start_daemon(nursery, "flodl_trio.controller", "--host", LOOP, "--port", str(ctl_port),
-                                        "--world-size", "2", "--log-level", "INFO")
-        await controller.wait_for("controller started")
-        relay = await start_daemon(nursery, "flodl_trio.relay", "--controller", f"{LOOP}:{ctl_port}", "--ranks", "0,1",
-                                   "--world-size", "2", "--host-name", "h", "--listen-host", LOOP,
-                                   "--data-port", str(data), "--control-port", str(control),
-                                   env={"FLODL_NET_TIMEOUT_SCALE": "0.1"})
-        await relay.wait_for(" started: ranks=")
+        controller, relay, data, control = await start_two_rank_host(nursery, {"FLODL_NET_TIMEOUT_SCALE": "0.1"})
         rank_1_may_start = trio.Event()
         means: dict[int, list[float]] = {}
         paces: list[int] = []
