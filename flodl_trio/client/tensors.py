@@ -56,15 +56,30 @@ class SendStaging:
         return slot
 
 
-def _wire_array(
-    t: torch.Tensor, index: int, wire_dtype: int, scale: float | None, staging: SendStaging | None
-) -> np.ndarray:
-    """A tensor's (scaled) values in the wire dtype as a flat array; a view when unscaled f32."""
+def _check_sendable(t: torch.Tensor, index: int) -> None:
     if t.dtype not in (torch.float32, torch.bfloat16):
         raise SchemaError(
             f"tensor {index} is {dtype_name(t.dtype)}; the reduce wire takes Float32 tensors "
             f"(or BFloat16 staging) - convert it to Float32 first"
         )
+
+
+def check_sendable(tensors: Sequence[torch.Tensor], *, in_place: bool) -> None:
+    """Refuse, before any round, tensors a round could not take: what the wire cannot
+    carry, or (``in_place``) a destination the f32 consensus cannot be written into.
+    A window checks all of its tensors first, so a refusal leaves it unstarted."""
+    if in_place:
+        check_destinations(tensors)
+        return
+    for i, t in enumerate(tensors):
+        _check_sendable(t, i)
+
+
+def _wire_array(
+    t: torch.Tensor, index: int, wire_dtype: int, scale: float | None, staging: SendStaging | None
+) -> np.ndarray:
+    """A tensor's (scaled) values in the wire dtype as a flat array; a view when unscaled f32."""
+    _check_sendable(t, index)
     if wire_dtype not in (DTYPE_F32, DTYPE_BF16):
         raise SchemaError(f"unknown wire dtype tag {wire_dtype} (0 = f32, 1 = bf16)")
     flat = t.detach().reshape(-1)
@@ -252,6 +267,7 @@ __all__ = [
     "DTYPE_F32",
     "SendStaging",
     "check_destinations",
+    "check_sendable",
     "dtype_name",
     "elided_like",
     "numel_bytes",

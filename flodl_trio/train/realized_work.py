@@ -101,6 +101,20 @@ async def delta_reduce(
     return fresh
 
 
+def check_window_tensors(
+    client: _ReduceClientLike, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], *, in_place: bool
+) -> None:
+    """Refuse a window's tensors that one of its rounds would refuse, before its first
+    round: a refusal half-way (after the step-count gather) would leave this rank a
+    round behind its cluster, and its next frame would break the round for its host.
+    A delta run's params are read and written through f32 copies: any float dtype."""
+    from ..client.tensors import check_sendable
+
+    if client.delta_codec is None:
+        check_sendable(params, in_place=in_place)
+    check_sendable(buffers, in_place=in_place)
+
+
 def _work_to_count(client: _ReduceClientLike, steps: int, fragment: int) -> int:
     """``steps``, or 0 for the first window of a fragment this rank is catching up on."""
     if fragment not in client.catching_up:
@@ -143,6 +157,7 @@ async def average_window(
     the others and contributes from the next. With ``client.delta_codec`` set
     the params go as a coded delta (:func:`delta_reduce`).
     """
+    check_window_tensors(client, params, buffers, in_place=in_place)
     steps = _work_to_count(client, steps, 0 if fragment is None else fragment.index)
     counts = [0.0] * world_size
     counts[rank] = float(steps)

@@ -50,7 +50,7 @@ from ..transport.tasks import one_error
 from ..wire.fragment import FragmentTag
 from ..wire.quant import DeltaCodec
 from .mirror import OuterMirror
-from .realized_work import _ReduceClientLike, average_window
+from .realized_work import _ReduceClientLike, average_window, check_window_tensors
 from .schedule import WindowSchedule, merge_late_consensus
 
 if TYPE_CHECKING:
@@ -164,6 +164,7 @@ class WindowTrainer:
         if start_window < 0:
             raise ConfigError(f"start_window must be >= 0 (what join() returned), got {start_window}")
         _check_start_window(client, schedule, start_window)
+        check_window_tensors(client, params, buffers, in_place=True)  # every window writes into them
         self._client = client
         self.rank, self.world_size = rank, world_size
         self.schedule = schedule
