@@ -49,6 +49,7 @@ from ..wire.handshake import (
     encode_local_handshake,
 )
 from ..wire.round_frame import (
+    EncodedFrame,
     RoundFrame,
     RoundKind,
     TensorPayload,
@@ -207,9 +208,12 @@ class ReduceClient:
         """One round; with ``reuse_reply_buffer`` the consensus lands in the client's
         reply buffer, valid until the next round (for callers that copy it out)."""
         self._check_ready()
+        # The frame's own checks run before a byte goes out: a frame they refuse costs
+        # nothing, and the client stays usable (only a round cut short spoils it).
+        encoded, bound = frame_body_chunks(frame), max_reply_len(frame)
         self._busy = True
         try:
-            reply = await self._round_trip(frame, self._reply_buffer if reuse_reply_buffer else None)
+            reply = await self._round_trip(frame, encoded, bound, self._reply_buffer if reuse_reply_buffer else None)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._broken = f"the connection to the relay broke: {exc}"
             raise RankDeadError(
@@ -225,9 +229,11 @@ class ReduceClient:
         self.rounds += 1
         return reply
 
-    async def _round_trip(self, frame: RoundFrame, into: ReceiveBuffer | None) -> RoundFrame:
-        bound = max_reply_len(frame)  # before sending: an impossible frame costs no round
-        await self._conn.send_frame(frame_body_chunks(frame), self._salt)
+    async def _round_trip(
+        self, frame: RoundFrame, encoded: EncodedFrame, bound: int, into: ReceiveBuffer | None
+    ) -> RoundFrame:
+        """Send ``frame`` (``encoded``), then read its consensus of at most ``bound`` bytes."""
+        await self._conn.send_frame(encoded, self._salt)
         with trio.move_on_after(math.inf if self.reply_timeout is None else self.reply_timeout) as waiting:
             try:
                 length = await self._conn.receive_length_prefix(ceiling=bound)

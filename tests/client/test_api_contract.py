@@ -10,16 +10,21 @@ import torch
 import trio
 
 from flodl_trio import (
+    DTYPE_F32,
     ConfigError,
     DeadRanks,
     FramingError,
     JoinRefused,
+    RoundFrame,
+    RoundKind,
     SchemaError,
     SessionSalt,
+    TensorPayload,
     average_window,
     connect_reduce_client,
     open_window_trainer,
 )
+from flodl_trio.client import ReduceClient
 from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire.quant import DeltaCodec
 
@@ -128,3 +133,28 @@ async def test_fetch_state_is_the_join_request():
                         await late.join(*model())
                 stop.set()
     assert log["fresh"] == (0, -1, ())
+
+
+@pytest.mark.parametrize(
+    "bad_round",
+    [
+        lambda c: c.all_reduce_weighted([torch.ones(2)], RoundKind.MODEL, -1.0),
+        lambda c: c.all_reduce_scaled([torch.ones(2)], 1.0, RoundKind.MODEL, float("nan")),
+        lambda c: c.all_reduce(RoundFrame([TensorPayload(DTYPE_F32, (2**33,))], RoundKind.MODEL, 1.0)),
+    ],
+    ids=["negative-weight", "nan-weight", "dim-out-of-u32"],
+)
+async def test_a_frame_refused_before_it_is_sent_leaves_the_client_usable(bad_round):
+    """Only a round that went out half-way ("a cancelled round") spoils the client: a
+    frame its own checks refuse sends nothing, so the rank's next round is its first
+    and its cluster never noticed."""
+    async with open_local_cluster(world_size=WORLD, hosts=[[0], [1]], salt=SALT) as cluster:
+
+        async def rank_main(rank: int, client: ReduceClient) -> None:
+            if rank == 0:
+                with pytest.raises(SchemaError):
+                    await bad_round(client)
+            mean = await client.all_reduce_tensors([torch.full((2,), float(rank))])
+            assert mean[0].tolist() == [0.5, 0.5] and client.rounds == 1
+
+        await cluster.run_ranks(rank_main)
