@@ -162,7 +162,9 @@ class BlockingReduceClient:
             pending.append(request)
             try:
                 request.result = await request.call(self._client)
-            except FlodlError as exc:
+            except Exception as exc:
+                # The caller's error, whatever its type (a wrong argument, say): the
+                # trio client decides for itself whether it is still usable after it.
                 request.error = exc
             pending.remove(request)
             request.done.set()

@@ -120,3 +120,21 @@ async def test_facade_a_rank_closed_mid_run_rejoins_with_join_and_finish_ends_th
     assert back["window"] < start
     assert back["loaded"] == held[0, back["window"]]  # it started from the consensus
     assert held[0, windows - 1] == held[1, windows - 1]
+
+
+async def test_a_call_that_fails_on_its_arguments_leaves_the_facade_usable(salt):
+    """The trio client refuses a bad argument and stays usable; so does its blocking
+    facade: the error goes back to the caller, whatever its type (before, anything
+    but a FlodlError ended the helper thread, and every later call raised it again)."""
+    got: list[object] = []
+    async with open_local_cluster(world_size=1, hosts=[[0]], salt=salt) as cluster:
+        def rank_thread() -> None:
+            with BlockingReduceClient(cluster.relay_address(0), 0, 1, salt) as client:
+                with pytest.raises(AttributeError):
+                    client.all_reduce_tensors([1.0])  # type: ignore[list-item]  # not a tensor
+                with pytest.raises(TypeError):
+                    client.all_reduce_per_rank_f64(None)  # type: ignore[arg-type]
+                got.append(client.all_reduce_tensors([torch.full((2,), 3.0)])[0].tolist())
+
+        await trio.to_thread.run_sync(rank_thread)
+    assert got == [[3.0, 3.0]]
