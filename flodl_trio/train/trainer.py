@@ -121,6 +121,7 @@ def _make_fragments(
     count = schedule.fragments
     pieces = [list(params)] if count == 1 else fragment_pieces(params, count)
     shapes = tuple(tuple(t.shape) for t in params)
+    OuterMirror.of(outer)  # a wrong ``outer`` is refused with any overlap (only overlap 1 uses it)
     fragments = []
     for index, run in enumerate(pieces):
         last = index == count - 1

@@ -322,3 +322,17 @@ async def test_merge_after_is_checked(salt):
                 async with open_window_trainer(client, [torch.zeros(1)], rank=0, world_size=1, sync_every=4,
                                                overlap=1, merge_after=5):
                     pass
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+async def test_an_outer_that_is_not_an_outer_optimizer_is_refused_whatever_the_overlap(salt, overlap):
+    """``outer`` names the controller's optimizer; a string (say) is a ConfigError when the
+    trainer opens, with overlap 0 too (it was accepted there, and ignored)."""
+    async with open_local_cluster(world_size=1, hosts=[[0]], salt=salt) as cluster:
+        async with connect_reduce_client(cluster.relay_address(0), 0, 1, salt) as client:
+            with pytest.raises(ConfigError, match="outer must be None, PlainAverage, SlowMo or DiLoCoNesterov"):
+                async with open_window_trainer(
+                    client, [torch.zeros(2)], rank=0, world_size=1, sync_every=2, overlap=overlap, outer="diloco",
+                ):
+                    pass
+            assert client.rounds == 0
