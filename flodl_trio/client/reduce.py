@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -528,8 +529,18 @@ async def open_handshaken(
     return conn, ack
 
 
+_U32_MAX = 0xFFFFFFFF  # the handshakes carry rank and world size as u32
+
+
 def check_rank(rank: int, world_size: int) -> None:
-    """Argument errors, raised before any traffic."""
+    """Argument errors, raised before any traffic (the handshake could not carry them)."""
+    for name, value in (("world_size", world_size), ("rank_id", rank)):
+        try:
+            operator.index(value)  # an int, or an integer type such as numpy's
+        except TypeError:
+            raise ConfigError(f"{name} must be an int, got {value!r}") from None
+    if world_size > _U32_MAX:
+        raise ConfigError(f"world_size must be at most {_U32_MAX} (a u32 on the wire), got {world_size}")
     if world_size <= 0:
         raise ConfigError(f"world_size must be > 0, got {world_size}")
     if not 0 <= rank < world_size:

@@ -158,3 +158,30 @@ async def test_a_frame_refused_before_it_is_sent_leaves_the_client_usable(bad_ro
             assert mean[0].tolist() == [0.5, 0.5] and client.rounds == 1
 
         await cluster.run_ranks(rank_main)
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size", "match"),
+    [(0, 2**32, "world_size must be at most 4294967295"), (0, 2.0, "world_size must be an int"),
+     (1.0, 2, "rank_id must be an int")],
+)
+async def test_a_rank_or_world_size_the_handshake_cannot_carry_is_a_config_error_before_any_traffic(
+    rank, world_size, match,
+):
+    """The handshake carries both as u32: anything else is an argument error, raised
+    when ``connect_reduce_client`` / ``connect_control_client`` is called (it was a
+    struct.error, after dialing)."""
+    from flodl_trio import connect_control_client
+
+    dialed: list[object] = []
+
+    async def connect(host: str, port: int) -> trio.abc.Stream:
+        dialed.append((host, port))
+        raise OSError("no dialing in this test")
+
+    with pytest.raises(ConfigError, match=match):
+        connect_reduce_client(("127.0.0.1", 9), rank, world_size, SALT, connect=connect)
+    with pytest.raises(ConfigError, match=match):
+        async with connect_control_client(("127.0.0.1", 9), rank, world_size, SALT, b"\0" * 32, connect=connect):
+            pass
+    assert dialed == []
