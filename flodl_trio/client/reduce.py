@@ -289,6 +289,8 @@ class ReduceClient:
         """The state this rank starts from (see :meth:`join`, which loads it): window -1
         and no frames on a cluster that has not completed a window yet; for a rank
         coming back, the consensus of the window before the one it enters."""
+        if self._broken is not None:  # (a closed client would dial the relay for nothing)
+            raise FlodlError(f"rank {self.rank}: client unusable ({self._broken})")
         host, port = self.relay
         self.joined = True  # it takes part in elastic membership from now on
         return await fetch_cluster_state(

@@ -13,6 +13,7 @@ from flodl_trio import (
     DTYPE_F32,
     ConfigError,
     DeadRanks,
+    FlodlError,
     FramingError,
     JoinRefused,
     RoundFrame,
@@ -185,3 +186,18 @@ async def test_a_rank_or_world_size_the_handshake_cannot_carry_is_a_config_error
         async with connect_control_client(("127.0.0.1", 9), rank, world_size, SALT, b"\0" * 32, connect=connect):
             pass
     assert dialed == []
+
+
+@pytest.mark.parametrize("call", ["join", "fetch_state"])
+async def test_join_on_a_closed_client_is_refused_at_once(call):
+    """After ``aclose()`` every call of the client is refused as unusable, ``join`` and
+    ``fetch_state`` too (they dialed the relay for a state request as if it were open)."""
+    async with open_local_cluster(world_size=WORLD, hosts=[[0, 1]], salt=SALT, rejoin_timeout=30.0) as cluster:
+        client = await connect_reduce_client(cluster.relay_address(0), 0, WORLD, SALT)
+        await client.aclose()
+        with pytest.raises(FlodlError, match="rank 0: client unusable \\(client closed\\)"):
+            if call == "join":
+                await client.join(*model())
+            else:
+                await client.fetch_state()
+        assert not client.joined
