@@ -350,7 +350,7 @@ class _MomentumOuter:
         for key, value in state.items():
             counted = _WINDOWS_KEY.match(key)
             if counted is not None:
-                count = int(np.asarray(value).reshape(-1)[0])
+                count = _window_count(name, key, value)
                 if counted.group(1) is None:
                     total = count
                 else:
@@ -384,6 +384,18 @@ class _MomentumOuter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.lr}, momentum={self.momentum})"
+
+
+def _window_count(name: str, key: str, value: np.ndarray) -> int:
+    """A state's window count: one integer >= 0 (``int64[1]`` in a checkpoint)."""
+    flat = np.asarray(value).reshape(-1)
+    count = flat[0] if flat.size == 1 and np.isreal(flat[0]) else None
+    if count is None or not float(count).is_integer() or count < 0:
+        raise ConfigError(
+            f"{name}.load_state_dict: {key!r} must hold one window count (an integer >= 0), "
+            f"got {flat.size} values {flat[:4].tolist()}"
+        )
+    return int(count)
 
 
 def _fragment_in_key(name: str, key: str, index: str, count: str) -> FragmentTag:

@@ -386,3 +386,21 @@ def test_a_lane_state_frame_that_is_not_what_the_layout_says_is_refused_naming_t
     doubled = RoundFrame([*lane.tensors[:pieces], *bf16, *lane.tensors[pieces:]], lane.kind, lane.weight)
     with pytest.raises(SchemaError, match=f"tensor {pieces} is dtype {DTYPE_BF16}"):
         read_lane_state(doubled, layout, 1)
+
+
+@pytest.mark.parametrize(
+    "windows", [np.array([], dtype=np.int64), np.array([1, 2]), np.array([-1]), np.array([1.5]), np.array([[3]])[:0]],
+    ids=["empty", "two", "negative", "fractional", "empty-2d"],
+)
+@pytest.mark.parametrize("key", ["windows", "fragment.0.2.windows"])
+def test_load_state_dict_refuses_a_window_count_that_is_not_one_count(windows, key):
+    """A window count must be one integer >= 0 (a checkpoint's ``outer.windows`` is
+    int64[1]): anything else is a ConfigError naming the key (an empty one was an
+    IndexError), and the optimizer keeps its state."""
+    opt = SlowMo()
+    opt(make_frame([np.ones(2, dtype=np.float32)]))
+    before = opt.state_dict()
+    state = {"windows": np.array([1]), key: windows}
+    with pytest.raises(ConfigError, match=f"'{key}' must hold one window count"):
+        opt.load_state_dict(state)
+    assert opt.state_dict().keys() == before.keys() and opt.windows == 1
