@@ -82,27 +82,31 @@ def _wire_array(
     _check_sendable(t, index)
     if wire_dtype not in (DTYPE_F32, DTYPE_BF16):
         raise SchemaError(f"unknown wire dtype tag {wire_dtype} (0 = f32, 1 = bf16)")
-    flat = t.detach().reshape(-1)
+    source = t.detach()
     wire_torch = torch.bfloat16 if wire_dtype == DTYPE_BF16 else torch.float32
 
-    def converted(dtype: torch.dtype, source: torch.Tensor) -> torch.Tensor:
-        """``source`` as a CPU tensor of ``dtype`` (rounded as ``.to`` rounds), in staging when given."""
-        out = torch.empty(flat.numel(), dtype=dtype) if staging is None else staging.get(index, flat.numel(), dtype)
-        return out.copy_(source)
+    def converted(dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (the tensor's, any layout or device, or a flat copy of them) as a flat
+        CPU tensor of ``dtype`` (rounded as ``.to`` rounds), in staging when given."""
+        numel = values.numel()
+        out = torch.empty(numel, dtype=dtype) if staging is None else staging.get(index, numel, dtype)
+        out.view(values.shape).copy_(values)  # in the tensor's logical order, whatever its strides
+        return out
 
     if scale is not None and scale != 1.0:
-        if flat.dtype == torch.bfloat16 and wire_dtype == DTYPE_BF16:
+        if source.dtype == torch.bfloat16 and wire_dtype == DTYPE_BF16:
             # bf16 staging on a bf16 wire: scale the bits exactly as torch's bf16 mul would.
-            owned = converted(torch.bfloat16, flat).view(torch.int16).numpy()
+            owned = converted(torch.bfloat16, source).view(torch.int16).numpy()
             scale_payload(owned.view(np.uint8), DTYPE_BF16, scale)
             return owned
         # f32 math with the scalar rounded to f32 (torch's rule), then one rounding to the wire.
-        scaled = converted(torch.float32, flat).mul_(float(np.float32(scale)))
+        scaled = converted(torch.float32, source).mul_(float(np.float32(scale)))
         return _as_wire(scaled if wire_dtype == DTYPE_F32 else converted(torch.bfloat16, scaled))
-    if flat.dtype == wire_torch and flat.device.type == "cpu":
-        return _as_wire(flat.contiguous())  # sent straight from the tensor's storage
-    # torch's own f32 -> bf16 is the reference rounding; a bf16 tensor goes verbatim.
-    return _as_wire(converted(wire_torch, flat))
+    if source.dtype == wire_torch and source.device.type == "cpu" and source.is_contiguous():
+        return _as_wire(source.reshape(-1))  # sent straight from the tensor's storage
+    # torch's own f32 -> bf16 is the reference rounding; a bf16 tensor goes verbatim. A
+    # non-contiguous tensor is copied too: it has no run of memory to send from.
+    return _as_wire(converted(wire_torch, source))
 
 
 def _as_wire(t: torch.Tensor) -> np.ndarray:

@@ -185,6 +185,25 @@ def test_send_staging_gives_the_same_bytes_and_is_reused(wire, dtype, scale):
         assert len(addresses) == 1  # the same staging memory every round
 
 
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_a_non_contiguous_f32_tensor_is_copied_into_the_staging(scale):
+    """A non-contiguous tensor cannot go out from its own storage: its copy is made into
+    the SendStaging too, the same memory every round (an unscaled f32 one got a fresh
+    copy each round), in the tensor's logical order."""
+    from flodl_trio.client.tensors import SendStaging
+
+    staging = SendStaging()
+    addresses = set()
+    for k in range(3):
+        t = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + k).t()
+        frame = tensors_to_round_frame([t], scale=scale, staging=staging)
+        want = t.contiguous().reshape(-1) * (1.0 if scale is None else scale)
+        assert np.frombuffer(frame.tensors[0].data, "<f4").tolist() == want.tolist()
+        assert frame.tensors[0].shape == (4, 3)
+        addresses.add(np.frombuffer(frame.tensors[0].data, np.uint8).ctypes.data)
+    assert len(addresses) == 1
+
+
 # -- copies, layout, staging ---------------------------------------------------------------------
 
 
