@@ -11,6 +11,7 @@ The blocking facade for non-trio trainers is :mod:`flodl_trio.train.blocking`.
 from .control import ControlClient, CoordinatorLost, connect_control_client
 from .reduce import (
     Address,
+    ClientBusy,
     ReduceClient,
     connect_reduce_client,
     max_reply_len,
@@ -20,6 +21,7 @@ from .state import ClusterState, fetch_cluster_state
 
 __all__ = [
     "Address",
+    "ClientBusy",
     "ClusterState",
     "ControlClient",
     "CoordinatorLost",

@@ -91,6 +91,13 @@ def max_reply_len(frame: RoundFrame) -> int:
     return schema_frame_len((t.dtype, t.shape) for t in frame.tensors)
 
 
+
+class ClientBusy(FlodlError, trio.BusyResourceError):
+    """A round was started on a client while another is in flight: the ping-pong allows
+    one at a time (the caller's bug; the round in flight goes on). Also a
+    ``trio.BusyResourceError``, as trio's own streams say it."""
+
+
 class ReduceClient:
     """One rank's connection to its relay. Not safe for concurrent rounds."""
 
@@ -201,7 +208,8 @@ class ReduceClient:
         """Refuse a round while another is in flight (its frame may sit in our staging)
         or after the client broke."""
         if self._busy:
-            raise trio.BusyResourceError(f"rank {self.rank}: another round is already in flight on this client")
+            raise ClientBusy(f"rank {self.rank}: another round is already in flight on this client "
+                             "(one round at a time per client: await each before starting the next)")
         if self._broken is not None:
             raise FlodlError(f"rank {self.rank}: client unusable ({self._broken})")
 

@@ -27,6 +27,7 @@ No torch here: the controller runs without it.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 
@@ -69,6 +70,8 @@ def consensus_as_f32(frame: RoundFrame, *, copy: bool) -> list[F32Array]:
 
 
 def _check_hyper(name: str, value: float, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +29,7 @@ class WindowSchedule:
     merge_by: int | None = None
 
     def __attrs_post_init__(self) -> None:
+        self._check_types()
         if self.sync_every < 1:
             raise ConfigError(f"sync_every must be >= 1 inner step, got {self.sync_every}")
         if self.overlap not in (0, 1):
@@ -46,6 +50,23 @@ class WindowSchedule:
                 f"give merge_after (merge after exactly that many steps) or merge_by (when it lands, at the latest "
                 f"after that many), not both: got merge_after={self.merge_after}, merge_by={self.merge_by}"
             )
+
+    def _check_types(self) -> None:
+        """Step counts are whole numbers and gamma a finite number: a ConfigError naming the
+        field, before any arithmetic trips over a float or a string."""
+        for name in ("sync_every", "overlap", "fragments", "merge_after", "merge_by"):
+            value = getattr(self, name)
+            if value is None and name in ("merge_after", "merge_by"):
+                continue
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                operator.index(value)
+            except TypeError:
+                raise ConfigError(f"{name} must be a whole number of inner steps, got {value!r}") from None
+        gamma = self.gamma
+        if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not math.isfinite(gamma):
+            raise ConfigError(f"gamma must be a finite number (the mass exponent), got {gamma!r}")
 
     @property
     def merge_deadline(self) -> int | None:

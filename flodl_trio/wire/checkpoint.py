@@ -21,9 +21,9 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -31,6 +31,8 @@ import safetensors
 import safetensors.numpy
 
 from ..errors import FlodlError
+
+T = TypeVar("T")
 
 FORMAT = "flodl_trio.checkpoint.v1"
 FILE_RE = re.compile(r"^window-(\d+)\.safetensors$")
@@ -162,25 +164,37 @@ class Checkpoint:
 
     @property
     def window(self) -> int:
-        return int(self.metadata["window"])
+        return self._metadata("window", int)
 
     @property
     def round_index(self) -> int:
         """The controller's round counter at this window's params round."""
-        return int(self.metadata["round"])
+        return self._metadata("round", int)
 
     @property
     def mass(self) -> float:
         """Accepted mass of the params round."""
-        return float(self.metadata["mass"])
+        return self._metadata("mass", float)
 
     @property
     def buffers_mass(self) -> float:
-        return float(self.metadata.get("buffers_mass", "0"))
+        return self._metadata("buffers_mass", float, "0")
 
     @property
     def wire_dtype(self) -> str:
-        return self.metadata["wire_dtype"]
+        return self._metadata("wire_dtype", str)
+
+    def _metadata(self, key: str, parse: Callable[[str], T], default: str | None = None) -> T:
+        """A metadata value, parsed; a key the file lacks or cannot parse is a CheckpointError
+        naming the file and the key (a damaged or hand-made file, not a KeyError)."""
+        raw = self.metadata.get(key, default)
+        if raw is None:
+            raise CheckpointError(f"{self.path or 'checkpoint'}: metadata has no {key!r}")
+        try:
+            return parse(raw)
+        except ValueError:
+            raise CheckpointError(f"{self.path or 'checkpoint'}: metadata {key} is {raw!r}, "
+                                  f"not {'an integer' if parse is int else 'a number'}") from None
 
     @property
     def version(self) -> str:
@@ -236,6 +250,8 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    except OSError as exc:  # a file, or a directory this user may not read
+        raise CheckpointError(f"{directory}: cannot list checkpoints there: {exc.strerror or exc}") from exc
     found = [(int(m.group(1)), directory / name) for name in names if (m := FILE_RE.match(name))]
     return sorted(found)
 

@@ -201,3 +201,26 @@ async def test_join_on_a_closed_client_is_refused_at_once(call):
             else:
                 await client.fetch_state()
         assert not client.joined
+
+
+async def test_a_second_round_while_one_is_in_flight_is_client_busy_and_the_first_goes_on():
+    """One round at a time per client: a second is a FlodlError (ClientBusy, also trio's
+    BusyResourceError) naming the rank, and the round in flight completes unharmed."""
+    from flodl_trio.client import ClientBusy
+
+    async with open_local_cluster(world_size=2, hosts=[[0], [1]], salt=SALT) as cluster:
+        async with connect_reduce_client(cluster.relay_address(0), 0, 2, SALT) as c0, \
+                connect_reduce_client(cluster.relay_address(1), 1, 2, SALT) as c1:
+            results: dict[str, object] = {}
+
+            async def first_round() -> None:
+                results["first"] = await c0.all_reduce_tensors([torch.ones(3)])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first_round)
+                await trio.testing.wait_all_tasks_blocked()  # rank 0's round is out, waiting for rank 1
+                with pytest.raises(ClientBusy, match="rank 0: another round is already in flight") as raised:
+                    await c0.all_reduce_tensors([torch.ones(3)])
+                assert isinstance(raised.value, FlodlError) and isinstance(raised.value, trio.BusyResourceError)
+                await c1.all_reduce_tensors([torch.full((3,), 3.0)])
+            assert results["first"][0].tolist() == [2.0, 2.0, 2.0]  # type: ignore[index]
