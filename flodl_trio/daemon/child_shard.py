@@ -24,7 +24,14 @@ import attrs
 import trio
 
 from ..errors import ConfigError
-from ..transport.settings import SALT_FILE_ENV, SALT_HEX_ENV, TIMEOUT_SCALE_ENV, NetBounds, timeout_scale
+from ..transport.settings import (
+    OUTAGE_ENV,
+    SALT_FILE_ENV,
+    SALT_HEX_ENV,
+    TIMEOUT_SCALE_ENV,
+    NetBounds,
+    timeout_scale,
+)
 from ..wire.salt import SessionSalt
 
 log = logging.getLogger("flodl_trio.relay")
@@ -82,11 +89,25 @@ async def _follow_its_word(shard: ChildShard, stream: trio.abc.ReceiveStream) ->
     shard.started.set()  # its stdout closed, it exited: whoever waits for its port stops waiting (port stays 0)
 
 
+# Variables the shard's parser would read that this relay daemon has already settled: its
+# flags won over them (operations.md: a flag given wins, even over a bad variable), or
+# they mean nothing to a shard, and what the shard needs goes on its command line. Left
+# in its environment, a bad one the relay's own flag overrode would stop the child (exit
+# 2) and with it the relay.
+SETTLED_BY_THE_RELAY = (
+    "FLODL_SHARD_HOST", "FLODL_SHARD_PORT", "FLODL_FRAME_CEILING", "FLODL_LOG_LEVEL", "FLODL_LOG_FORMAT",
+    "FLODL_DETERMINISTIC", "FLODL_LANES", OUTAGE_ENV,
+)
+
+
 def child_env(salt: SessionSalt) -> dict[str, str]:
-    """The child's environment: the salt as hex (never on its command line), and the
-    timeout scale this process already read, so a bad one is warned about once, here."""
+    """The child's environment: the salt as hex (never on its command line), the timeout
+    scale this process already read, so a bad one is warned about once, here, and none of
+    the settings this daemon already decided (``SETTLED_BY_THE_RELAY``)."""
     env = {**os.environ, SALT_HEX_ENV: salt.raw.hex()}
     env.pop(SALT_FILE_ENV, None)
+    for name in SETTLED_BY_THE_RELAY:
+        env.pop(name, None)
     if env.get(TIMEOUT_SCALE_ENV, "").strip():
         env[TIMEOUT_SCALE_ENV] = repr(timeout_scale(env))
     return env

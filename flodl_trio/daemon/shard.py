@@ -13,7 +13,7 @@ from contextlib import AsyncExitStack
 import trio
 
 from ..shard import ShardHandle, open_shard
-from ..transport.settings import load_salt
+from ..transport.settings import NetBounds, load_salt, timeout_scale
 from ..wire.salt import SessionSalt
 from .common import DaemonParser, add_common_flags, env_default, parse_or_exit, port_number, run_daemon, startup_step
 
@@ -60,11 +60,20 @@ async def _tell_parent_when_set_up(shard: ShardHandle) -> None:
     _tell_parent(f"set up {shard.index}")
 
 
-async def serve_shard_daemon(args: argparse.Namespace, salt: SessionSalt) -> None:
+def shard_bounds() -> NetBounds:
+    """The shard's bounds: FLODL_NET_TIMEOUT_SCALE only. How long it holds for a lost
+    controller is what that controller tells it (``Outage``), so FLODL_CONTROLLER_OUTAGE
+    is none of its settings: a value meant for the relays and ranks sharing its
+    environment (or a bad one) must not stop it."""
+    return NetBounds.scaled(timeout_scale(os.environ))
+
+
+async def serve_shard_daemon(args: argparse.Namespace, salt: SessionSalt, bounds: NetBounds | None = None) -> None:
     async with AsyncExitStack() as stack:
         with startup_step(f"starting on {args.host}:{args.port}"):
             shard = await stack.enter_async_context(
-                open_shard(args.host, args.port, salt=salt, ceiling=args.frame_ceiling)
+                open_shard(args.host, args.port, salt=salt, ceiling=args.frame_ceiling,
+                           bounds=bounds or shard_bounds())
             )
         log.info("shard started: listening on %s:%d", args.host, shard.port)
         async with trio.open_nursery() as nursery:
@@ -88,4 +97,5 @@ async def serve_shard_daemon(args: argparse.Namespace, salt: SessionSalt) -> Non
 def main(argv: list[str] | None = None) -> int:
     salts: list[SessionSalt] = []  # read before starting: a missing salt is a bad setting (exit 2)
     args = parse_or_exit(build_parser(), argv, lambda a: salts.append(load_salt(a.salt_file)))
-    return run_daemon("shard", lambda: serve_shard_daemon(args, salts[0]))
+    bounds = shard_bounds()
+    return run_daemon("shard", lambda: serve_shard_daemon(args, salts[0], bounds))

@@ -363,3 +363,34 @@ def test_the_clients_read_flodl_no_unix_as_the_relay_does(monkeypatch):
     assert local_leg_enabled({"FLODL_NO_UNIX": "false"}) and not local_leg_enabled({"FLODL_NO_UNIX": "1"})
     with pytest.raises(ConfigError, match="FLODL_NO_UNIX: 'perhaps' is not a switch value"):
         local_leg_enabled({"FLODL_NO_UNIX": "perhaps"})
+
+
+# --- 8. a relay daemon's flags win for its shard child too -------------------------------
+
+
+@pytest.mark.parametrize(("env", "args"), [
+    ({"FLODL_DETERMINISTIC": "ture"}, ("--deterministic",)),
+    ({"FLODL_CONTROLLER_OUTAGE": "x"}, ("--controller-outage", "5")),
+    ({"FLODL_LANES": "many"}, ("--lanes", "4")),
+])
+def test_a_relay_flag_that_wins_over_its_bad_variable_wins_for_its_shard_too(env, args):
+    """The shard child is started with the relay's environment: a bad variable the relay's
+    own flag overrode must not stop the child, and the relay with it. The relay starts and
+    then fails only as any relay towards nobody does: its upstream connect gives up."""
+    relay_args = [*STARTS[RELAY]]
+    relay_args[relay_args.index("--shard") + 1] = f"{LOOP}:0"
+    result = run_cli(RELAY, *relay_args, *args, env={**env, "FLODL_NET_TIMEOUT_SCALE": "0.1"})
+    line = failure_line(result, "relay")
+    assert f"upstream: connect to {LOOP}:1 failed" in line, result.stderr
+    assert "shard failed" not in result.stderr and "error: " not in result.stderr, result.stderr
+
+
+def test_the_shard_daemon_reads_no_controller_outage_variable():
+    """A shard holds for a lost controller as long as that controller tells it, so
+    FLODL_CONTROLLER_OUTAGE (for the relays and ranks beside it) is none of its settings:
+    even a bad value lets it start. ``--with-parent`` with standard input closed: it
+    listens, says so, and leaves at once (exit 0)."""
+    result = run_cli(SHARD, *STARTS[SHARD], "--with-parent", env={"FLODL_CONTROLLER_OUTAGE": "x"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("listening "), result.stdout
+    assert "FLODL_CONTROLLER_OUTAGE" not in result.stderr, result.stderr
