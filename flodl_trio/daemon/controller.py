@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from ..controller.checkpointer import ConsensusCheckpointer
-from ..controller.config import check_lanes, lanes_or_default, membership_policy
+from ..controller.config import check_lanes, check_shards, lanes_or_default, membership_policy
 from ..controller.core import open_controller
 from ..errors import ConfigError
 from ..fold.outer import DiLoCoNesterov, PlainAverage, SlowMo
@@ -173,10 +173,13 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
     outer = make_outer(args.outer, args.outer_lr, args.outer_momentum)
     check_lanes(lanes_or_default(lanes, outer_optimizer=outer), outer_optimizer=outer)
+    shards = parse_shards(args.shards)
+    if shards and shards != "auto":  # shards named that cannot work with these settings: a bad setting, not a failure
+        check_shards(lanes=lanes_or_default(lanes, outer_optimizer=outer), outer_optimizer=outer)
     return ControllerDaemonSettings(
         args.host, args.port, world, load_salt(args.salt_file), timeout, outer,
         args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep, rejoin, min_ranks, formation,
-        bool(args.deterministic), lanes, bounds=net_bounds(args.controller_outage), shards=parse_shards(args.shards),
+        bool(args.deterministic), lanes, bounds=net_bounds(args.controller_outage), shards=shards,
     )
 
 

@@ -215,6 +215,17 @@ def test_a_bad_flag_is_one_line_on_stderr_exit_2(extra, needle):
     assert needle in line, line
 
 
+@pytest.mark.parametrize(("args", "env"), [
+    (("--shards", f"{LOOP}:5000", "--lanes", "1"), {}),
+    (("--lanes", "1"), {"FLODL_SHARDS": f"{LOOP}:5000,{LOOP}:5001"}),
+])
+def test_shards_named_with_one_lane_cannot_work_together_exit_2(args, env):
+    """Shards reduce lanes 1.. of a round: named shards with ``--lanes 1`` is a bad setting
+    (one line, exit 2), found before anything starts, not a failure of the started daemon."""
+    line = one_error_line(run_cli(CONTROLLER, *STARTS[CONTROLLER], *args, env=env), CONTROLLER)
+    assert "need lanes >= 2, got 1" in line, line
+
+
 @pytest.mark.parametrize("module", [CONTROLLER, RELAY, SHARD])
 def test_help_still_prints_the_whole_help(module):
     result = run_cli(module, "--help")
