@@ -9,6 +9,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -67,11 +68,27 @@ class DaemonParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
+        self.from_env: list[tuple[argparse.Action, EnvValue]] = []
         for action in self._actions:
             value = getattr(parsed, action.dest, None)
             if isinstance(value, EnvValue):  # the flag was not given: its variable stands for it
                 setattr(parsed, action.dest, self._from_env(action, value))
+                self.from_env.append((action, value))
         return parsed, extras
+
+    def variables_named_in(self, message: str) -> str:
+        """The variables that stood for the flags a settings check's ``message`` names
+        (``--min-ranks``, or a setting's own name as the library says it, ``min_ranks``),
+        with their values: checks that run after parsing (a range, settings that cannot
+        work together) speak of flags, and an operator who set only the variable must
+        still be told which one it is. A one-word name (``host``, ``lanes``) is too
+        common a word to count: those checks name the flag."""
+        named = []
+        for action, found in getattr(self, "from_env", []):
+            words = [*action.option_strings, *([action.dest] if "_" in action.dest else [])]
+            if any(re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", message) for word in words):
+                named.append(f"{found.name}={found.raw!r}")
+        return f" (from {', '.join(named)})" if named else ""
 
     def _from_env(self, action: argparse.Action, found: EnvValue) -> Any:
         """Convert and check a variable exactly as the flag's own value would be."""
@@ -299,7 +316,8 @@ def parse_or_exit(parser: argparse.ArgumentParser, argv: list[str] | None, check
     try:
         check(args)
     except ConfigError as exc:
-        parser.exit(EXIT_USAGE, f"{parser.prog}: error: {exc}\n")
+        named = parser.variables_named_in(str(exc)) if isinstance(parser, DaemonParser) else ""
+        parser.exit(EXIT_USAGE, f"{parser.prog}: error: {exc}{named}\n")
     return args
 
 

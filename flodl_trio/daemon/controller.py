@@ -148,11 +148,15 @@ def make_outer(name: str, lr: float | None, momentum: float | None) -> BuiltInOu
         return None
     if name == "average":
         return PlainAverage()
-    if name == "slowmo":
-        return SlowMo(**options)
-    if name == "diloco":
-        return DiLoCoNesterov(**options)
-    raise ConfigError(f"--outer must be one of {', '.join(OUTER_CHOICES)}; got {name!r}")
+    kinds: dict[str, type[SlowMo] | type[DiLoCoNesterov]] = {"slowmo": SlowMo, "diloco": DiLoCoNesterov}
+    if name not in kinds:
+        raise ConfigError(f"--outer must be one of {', '.join(OUTER_CHOICES)}; got {name!r}")
+    for key, value in options.items():  # each checked alone, so the error names its own flag
+        try:
+            kinds[name](**{key: value})
+        except ConfigError as exc:
+            raise ConfigError(f"--outer-{key}: {exc}") from None
+    return kinds[name](**options)
 
 
 def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
@@ -172,7 +176,10 @@ def settings_from_args(args: argparse.Namespace) -> ControllerDaemonSettings:
     formation = None if args.formation_timeout is None else float(args.formation_timeout)
     membership_policy(world, rejoin, min_ranks, formation)  # refuses a policy that cannot work, before starting
     outer = make_outer(args.outer, args.outer_lr, args.outer_momentum)
-    check_lanes(lanes_or_default(lanes, outer_optimizer=outer), outer_optimizer=outer)
+    try:
+        check_lanes(lanes_or_default(lanes, outer_optimizer=outer), outer_optimizer=outer)
+    except ConfigError as exc:
+        raise ConfigError(f"--lanes: {exc}") from None
     shards = parse_shards(args.shards)
     if shards and shards != "auto":  # shards named that cannot work with these settings: a bad setting, not a failure
         check_shards(lanes=lanes_or_default(lanes, outer_optimizer=outer), outer_optimizer=outer)

@@ -18,6 +18,7 @@ from ..relay.core import open_relay
 from ..relay.host_ranks import HostRanks
 from ..transport.local_leg import NO_UNIX_ENV, UNIX_DIR_ENV, ensure_private_dir, local_leg_dir
 from ..transport.settings import OUTAGE_ENV, NetBounds, load_salt
+from ..wire.lanes import MAX_LANES
 from ..wire.salt import SessionSalt
 from .child_shard import ShardKeeper
 from .common import (
@@ -174,7 +175,10 @@ def check_unix_dir(unix_dir: str | None) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     controller = args.controller if args.controller else controller_address()
-    ranks = parse_rank_list(args.ranks) if args.ranks else host_ranks_from_env()
+    try:
+        ranks = parse_rank_list(args.ranks) if args.ranks else host_ranks_from_env()
+    except ConfigError as exc:
+        raise ConfigError(f"--ranks: {exc}") from None
     if ranks is None:
         raise ConfigError("which ranks live on this host? pass --ranks (or set FLODL_RANKS)")
     if args.world_size is None:
@@ -184,6 +188,8 @@ def settings_from_args(args: argparse.Namespace) -> RelayDaemonSettings:
     if unknown or not wanted:
         raise ConfigError(f"--channels takes data, control or both; got {args.channels!r}")
     channels = {kind: channel_port(args, kind, controller[1]) for kind in ChannelKind if kind.value in wanted}
+    if args.lanes is not None and not 1 <= int(args.lanes) <= MAX_LANES:
+        raise ConfigError(f"--lanes must be 1..{MAX_LANES}, got {args.lanes}")
     if not args.no_unix:
         check_unix_dir(args.unix_dir)
     settings = RelayDaemonSettings(

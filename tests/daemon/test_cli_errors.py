@@ -147,6 +147,36 @@ def test_a_flag_given_wins_over_its_bad_variable(env, args):
     assert "--world-size must be > 0" in line, line
 
 
+@pytest.mark.parametrize(("module", "var", "value"), [
+    (CONTROLLER, "FLODL_WORLD_SIZE", "0"),
+    (CONTROLLER, "FLODL_HEARTBEAT_TIMEOUT", "nan"),
+    (CONTROLLER, "FLODL_HEARTBEAT_TIMEOUT", "0"),
+    (CONTROLLER, "FLODL_REJOIN_TIMEOUT", "inf"),
+    (CONTROLLER, "FLODL_FORMATION_TIMEOUT", "-1"),
+    (CONTROLLER, "FLODL_CHECKPOINT_KEEP", "0"),
+    (CONTROLLER, "FLODL_LANES", "65"),
+    (CONTROLLER, "FLODL_OUTER_LR", "nan"),
+    (CONTROLLER, "FLODL_OUTER_MOMENTUM", "-0.5"),
+    (RELAY, "FLODL_LANES", "0"),
+    (RELAY, "FLODL_RELAY_MEMORY_BUDGET", "inf"),
+    (RELAY, "FLODL_RANKS", "0,x"),
+])
+def test_a_variable_out_of_its_flags_range_exits_2_naming_the_variable_and_value(module, var, value):
+    """A variable that parses (a number) but is out of its flag's range is as bad as one
+    that does not parse: one line that names the variable and its value, so an operator
+    who never typed the flag sees which of their variables to fix."""
+    env = {var: value}
+    if var.startswith("FLODL_OUTER_"):
+        env["FLODL_OUTER"] = "diloco"
+    args = [a for a in STARTS[module]]
+    if var == "FLODL_WORLD_SIZE":  # the variable, not the flag, must say it
+        args = args[:args.index("--world-size")] + args[args.index("--world-size") + 2:]
+    if var == "FLODL_RANKS":
+        args = args[:args.index("--ranks")] + args[args.index("--ranks") + 2:]
+    line = one_error_line(run_cli(module, *args, env=env), module)
+    assert f"{var}={value!r}" in line, line
+
+
 # --- 3. OS-level start-up failures -------------------------------------------------------
 
 
