@@ -112,11 +112,16 @@ def rank_lives(cluster: ProcessCluster, rank: int) -> list[RankProcess]:
 
 
 async def stop_daemons(cluster: ProcessCluster) -> None:
-    """SIGTERM to the controller (its clean shutdown); the relays follow it out."""
+    """SIGTERM to each daemon still running, the relays first, then the controller, as an
+    operator stops a cluster. A relay does not always leave by itself: one whose rank
+    was killed and not started again (``--rejoin-at 0``) stays up for it, and a relay
+    that outlives its controller holds for it (the demo keeps checkpoints, so the
+    controller says it may come back) for minutes."""
     assert cluster.controller is not None
-    cluster.controller.signal(signal.SIGTERM)
     with trio.fail_after(DAEMON_EXIT_TIMEOUT_S):
-        for daemon in [cluster.controller, *(relay for host in cluster.relays for relay in host)]:
+        for daemon in [*(relay for host in cluster.relays for relay in host), cluster.controller]:
+            if daemon.returncode is None:
+                daemon.signal(signal.SIGTERM)
             await daemon.wait()
 
 

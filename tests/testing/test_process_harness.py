@@ -186,3 +186,28 @@ def test_pause_before_argument():
     for bad in ("2", "x:1", "-1:1", "1:-2", "1:nan"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_pause(bad)
+
+
+@pytest.mark.deadline(90)
+async def test_the_demo_stops_its_daemons_when_a_killed_rank_never_comes_back(salt, tmp_path):
+    """The demo with ``--rejoin-at 0`` (its victim is never started again): the victim's
+    relay stays up for the rank that may come back, and would hold for its controller
+    once that is stopped (the demo keeps checkpoints). Stopping the demo's daemons must
+    still end every one of them within its bound, not fail with a traceback."""
+    from flodl_trio.demo.cluster import DAEMON_EXIT_TIMEOUT_S, controller_args, stop_daemons
+
+    demo = argparse.Namespace(outer="none")
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, daemons=True, control=False, external_ranks={1},
+        controller_args=controller_args(demo, tmp_path), worker_args={0: ["--windows", "3", "--pause", "0.3"]},
+    ) as cluster:
+        victim = await cluster.launch_rank(1, worker_command(cluster, 1, rounds=1, pause=0.0, heartbeat_timeout=None,
+                                                             extra=["--windows", "1000"]))
+        await victim.wait_event(lambda event: event["event"] == "window")  # in the run, elastic (it joined)
+        cluster.kill(1)
+        assert (await cluster.wait_outcome(0))["event"] == "done"
+        relay = cluster.relays[1][0]
+        await relay.wait_log("staying up for ranks")
+        with trio.fail_after(DAEMON_EXIT_TIMEOUT_S + 5):
+            await stop_daemons(cluster)
+        assert relay.returncode == 0 and cluster.controller is not None and cluster.controller.returncode == 0
