@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    from .worker import WORLD
+
+    if not 1 <= args.victim < WORLD:  # rank 0 paces the run (the kill, the restart) and is the summary's trainer
+        p.error(f"--victim must be a rank 1..{WORLD - 1} (rank 0 paces the demo), got {args.victim}")
     if args.codec is not None:
         from ..errors import SchemaError
         from ..wire.quant import DeltaCodec

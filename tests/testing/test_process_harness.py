@@ -211,3 +211,16 @@ async def test_the_demo_stops_its_daemons_when_a_killed_rank_never_comes_back(sa
         with trio.fail_after(DAEMON_EXIT_TIMEOUT_S + 5):
             await stop_daemons(cluster)
         assert relay.returncode == 0 and cluster.controller is not None and cluster.controller.returncode == 0
+
+
+@pytest.mark.parametrize("victim", ["0", "4", "-1"])
+def test_the_demo_refuses_a_victim_that_is_not_one_of_ranks_1_to_3(victim):
+    """Rank 0's windows pace the demo (the kill, the restart): with rank 0 as the victim
+    the restart never came and the run ended in a traceback minutes later; a rank outside
+    the cluster was never killed at all. Refused at once, as any bad option."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "flodl_trio.demo", "--victim", victim], capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "--victim must be a rank 1..3" in result.stderr, result.stderr
