@@ -27,8 +27,9 @@ worker; a test that plays them with processes of its own starts those with
 :meth:`ProcessCluster.launch_rank` (the demo's ranks run that way) and reads
 their JSON lines with :meth:`RankProcess.follow`.
 
-Leaving the block reaps every process it started: frozen ones are thawed
-first, anything still running gets SIGKILL, and every exit is waited for.
+Leaving the block reaps every process it started, with its process group (what
+it started itself goes too): frozen ones are thawed first, anything still
+running gets SIGKILL, and every exit is waited for.
 """
 
 from __future__ import annotations
@@ -555,8 +556,9 @@ def worker_command(
 
 
 async def _spawn(cmd: list[str], env: Mapping[str, str]) -> trio.Process:
+    # A process group of its own: what it starts (torchrun's workers) goes with it in reap.
     return await trio.lowlevel.open_process(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env),
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env), process_group=0,
     )
 
 
@@ -577,7 +579,7 @@ async def _start_daemon(
 ) -> DaemonProcess:
     process = await trio.lowlevel.open_process(
         [*wrap, sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, env=dict(env),
+        stderr=subprocess.PIPE, env=dict(env), process_group=0,  # its children (a relay's shard) share its group
     )
     daemon = DaemonProcess(name, process, log_path=log_path)
     started.append(daemon)
@@ -601,16 +603,81 @@ async def _start_shards(
     return addresses
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp, ...); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from /proc (empty elsewhere)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    members = []
+    for entry in entries:
+        if entry.isdigit():
+            fields = _proc_stat(int(entry))
+            if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry))
+    return members
+
+
+def _own_group(proc: ChildProcess) -> bool:
+    """Whether ``proc``'s process group (its id: the leader's pid) is still the one it led.
+
+    Once the leader has been reaped its pid may be a new process's - but only when its
+    old group is empty (the kernel keeps a pid that is a group's id from being reused),
+    and then there is nothing of ours left in it.
+    """
+    return proc.process.returncode is None or _proc_stat(proc.pid) is None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def _wait_gone(pid: int) -> None:
+    """Until ``pid`` (not our child: it cannot be waited for) has exited; on its pidfd where there is one."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfds here: look again now and then
+        while (fields := _proc_stat(pid)) is not None and fields[0] != "Z":
+            await trio.sleep(0.01)
+        return
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
 async def reap(procs: Iterable[ChildProcess], timeout: float = REAP_TIMEOUT_S) -> None:
-    """Thaw and SIGKILL whatever is still running, then wait for every exit."""
+    """Thaw and SIGKILL whatever is still running - each process with whatever it started
+    (its process group: a relay daemon's shard, torchrun's workers) - then wait for every
+    exit, theirs included."""
     procs = list(procs)
+    groups = [proc.pid for proc in procs if _own_group(proc)]
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGCONT)
+        _signal_group(pgid, signal.SIGKILL)
     for proc in procs:
-        if proc.process.returncode is None:
-            proc.thaw()
-            proc.kill()
+        proc.thaw()
+        proc.kill()
     with trio.move_on_after(timeout):
         for proc in procs:
             await proc.process.wait()
+        for pgid in groups:
+            for pid in _group_members(pgid):
+                await _wait_gone(pid)
 
 
 def _flag_list(ranks: Sequence[int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -224,3 +225,62 @@ def test_the_demo_refuses_a_victim_that_is_not_one_of_ranks_1_to_3(victim):
     result = subprocess.run([sys.executable, "-m", "flodl_trio.demo", "--victim", victim], capture_output=True,
                             text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert result.returncode == 2 and "--victim must be a rank 1..3" in result.stderr, result.stderr
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {p for p in found if _running(p)}
+
+
+# A rank of the test's own that starts a child process, as torchrun starts its workers.
+LAUNCHER = (
+    "import json, subprocess, sys\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print(json.dumps({'event': 'ready', 'time': 0.0, 'child': child.pid}), flush=True)\n"
+    "child.wait()\n"
+)
+
+
+@pytest.mark.deadline(40)
+async def test_leaving_the_block_reaps_the_processes_children_too_even_when_the_test_fails(salt):
+    """A relay daemon runs its reduction shard as a child process, and a launched rank
+    (torchrun, say) may start workers of its own: a test that fails must leave none of
+    them running - not a moment later, when the block has been left."""
+    descendants: set[int] = set()
+    with pytest.raises(KeyError, match="the test failed"):
+        async with open_process_cluster(
+            world_size=3, hosts=[[0], [1, 2]], salt=salt, rounds=2, daemons=True, backend="numpy",
+            control=False, external_ranks={2},
+        ) as cluster:
+            launcher = await cluster.launch_rank(2, [sys.executable, "-c", LAUNCHER])
+            ready = await cluster.wait_event(2, "ready")
+            for rank in (0, 1):
+                await cluster.wait_event(rank, "ready")  # their rounds wait for rank 2, which never comes
+            cluster.freeze_relay(1)
+            descendants = {g for child in cluster.processes() for g in _descendants(child.pid)}
+            assert ready["child"] in descendants and len(descendants) >= 3  # two shards and the launcher's child
+            raise KeyError("the test failed")
+    assert launcher.returncode is not None
+    assert not [pid for pid in descendants if _running(pid)]
