@@ -755,6 +755,18 @@ async def _start_daemons(
                 cluster.control_ports[index] = int(ctl.group(1))
 
 
+def _refuse_daemon_options(**options: object) -> None:
+    """Daemon flags, environment and placement given to an in-process cluster: there is no
+    daemon to give them to, and ignoring them would leave the test running another cluster
+    than it asked for (a controller that lets no dead rank back, say)."""
+    given = sorted(name for name, value in options.items() if value is not None and value not in ((), [], {}))
+    if given:
+        raise TypeError(
+            f"{', '.join(given)}: options of the daemons, which only run with daemons=True "
+            "(the in-process controller takes keyword arguments of open_controller instead, e.g. rejoin_timeout=60)"
+        )
+
+
 @asynccontextmanager
 async def open_process_cluster(
     *,
@@ -814,6 +826,12 @@ async def open_process_cluster(
     started: list[ChildProcess] = []
     if shards and not daemons:
         raise TypeError("shards=N starts shard daemons: it needs daemons=True")
+    if not daemons:
+        _refuse_daemon_options(
+            controller_args=controller_args, controller_env=controller_env, relay_args=relay_args,
+            relay_env=relay_env, controller_wrap=controller_wrap, beside_controller=beside_controller,
+            controller_host=None if controller_host == LOOPBACK else controller_host,
+        )
     if daemons and cluster_options:
         raise TypeError(f"daemons=True takes controller_args/relay_args, not {sorted(cluster_options)}")
     async with AsyncExitStack() as stack:

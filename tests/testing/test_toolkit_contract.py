@@ -245,3 +245,31 @@ async def test_wait_returns_primed_raises_when_the_restarted_rank_is_refused(sal
             await cluster.wait_returns_joining([1])
         await cluster.resume(0)
         assert (await cluster.wait_outcome(0))["event"] == "done"
+
+
+# ---------------------------------------------------------------------------
+# Daemon-only options on an in-process cluster are an error, not ignored
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"controller_args": ["--rejoin-timeout", "60"]},
+        {"controller_env": {"FLODL_NET_TIMEOUT_SCALE": "0.1"}},
+        {"relay_args": {0: ["--deterministic"]}},
+        {"relay_env": {0: {"FLODL_NET_TIMEOUT_SCALE": "0.1"}}},
+        {"controller_wrap": ["env"]},
+        {"controller_host": "127.0.0.2"},
+        {"beside_controller": 0},
+    ],
+    ids=lambda option: next(iter(option)),
+)
+async def test_daemon_options_without_daemons_are_refused_not_ignored(salt, option):
+    """fault-injection.md lists them as the daemons' flags and environment: without
+    ``daemons=True`` there is no daemon to give them to, and a test that relies on one
+    (``controller_args=["--rejoin-timeout", "60"]`` for a restart, say) must hear so."""
+    [name] = option
+    with pytest.raises(TypeError, match=f"{name}.*daemons=True"):
+        async with open_process_cluster(world_size=1, hosts=[[0]], salt=salt, backend="numpy", **option):
+            pytest.fail("the cluster started")
