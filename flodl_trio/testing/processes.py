@@ -40,6 +40,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from pathlib import Path
@@ -232,12 +233,22 @@ class RankProcess(ChildProcess):
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
                     if line.strip():
-                        try:
-                            self._record(json.loads(line))
-                        except ValueError:
-                            self._record({"event": "text", "line": line.decode(errors="replace")})
+                        self._record(_parse_event(line))
         self._stdout_done = True
         self._notify()
+
+
+def _parse_event(line: bytes) -> Event:
+    """One stdout line as an event: a JSON object naming its ``event``, or else a ``text``
+    event holding the line (a launched process may print anything: a metrics dict, a
+    warning), so every reader of ``event["event"]`` can rely on it."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if isinstance(event, dict) and isinstance(event.get("event"), str):
+        return event
+    return {"event": "text", "time": time.monotonic(), "line": line.decode(errors="replace").rstrip("\r")}
 
 
 # ---------------------------------------------------------------------------

@@ -284,3 +284,34 @@ async def test_leaving_the_block_reaps_the_processes_children_too_even_when_the_
             raise KeyError("the test failed")
     assert launcher.returncode is not None
     assert not [pid for pid in descendants if _running(pid)]
+
+
+# A rank of the test's own that prints more than events on stdout (a metrics line, say).
+CHATTY = (
+    "import json\n"
+    "print(json.dumps({'loss': 0.5}))\n"
+    "print('[1, 2]')\n"
+    "print('42')\n"
+    "print('not json')\n"
+    "print(json.dumps({'event': 'ready', 'time': 1.0, 'rank': 1}))\n"
+    "print(json.dumps({'event': 'done', 'time': 2.0, 'rank': 1}), flush=True)\n"
+)
+
+
+@pytest.mark.deadline(30)
+async def test_a_launched_rank_may_print_lines_that_are_not_events(salt):
+    """launch_rank's process reports JSON events on stdout; any other line - plain text,
+    or JSON that is not an event object - is kept as a ``text`` event and never breaks
+    the waits and views that read ``event["event"]``."""
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=1, backend="numpy", control=False, external_ranks={1},
+    ) as cluster:
+        proc = await cluster.launch_rank(1, [sys.executable, "-c", CHATTY])
+        assert (await cluster.wait_event(1, "ready"))["time"] == 1.0
+        assert (await cluster.wait_outcome(1))["event"] == "done"
+        await cluster.wait_exit(1)
+        followed = [event async for event in proc.follow()]
+        assert [e["event"] for e in followed] == ["text"] * 4 + ["ready", "done"]
+        assert [e["line"] for e in followed[:4]] == ['{"loss": 0.5}', "[1, 2]", "42", "not json"]
+        assert all(isinstance(e["time"], float) for e in followed)
+        assert proc.rounds == [] and proc.error is None
