@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -77,6 +78,24 @@ DEFAULT_SKIP: dict[tuple[Framing, FlowName], int] = {
 # ---------------------------------------------------------------------------
 
 
+def _integer(value: Any) -> int:
+    """A byte offset, record index, bit or connection number as a plain int.
+
+    Any integer type passes (numpy's too); a float or a bool is refused here, where the
+    fault is written: no byte sits at offset 2.5, and a fault aimed there never fires.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"want an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"want an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def _optional_integer(value: Any) -> int | None:
+    return None if value is None else _integer(value)
+
+
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
@@ -93,7 +112,7 @@ class BaseFault:
 
     direction: Direction = attrs.field(default="up", kw_only=True, validator=attrs.validators.in_(("up", "down", "both")))
     connection: int | None = attrs.field(
-        default=None, kw_only=True, validator=attrs.validators.optional(attrs.validators.ge(0))
+        default=None, kw_only=True, converter=_optional_integer, validator=attrs.validators.optional(attrs.validators.ge(0))
     )
 
     def applies_to(self, connection: int, flow: FlowName) -> bool:
@@ -118,7 +137,7 @@ class BandwidthCap(BaseFault):
 class Stall(BaseFault):
     """Forward nothing for ``seconds`` once ``at_byte`` bytes have passed (a frozen peer or path)."""
 
-    at_byte: int = attrs.field(validator=_non_negative)
+    at_byte: int = attrs.field(converter=_integer, validator=_non_negative)
     seconds: float = attrs.field(validator=_non_negative)
 
 
@@ -126,22 +145,22 @@ class Stall(BaseFault):
 class CutAt(BaseFault):
     """Forward exactly ``at_byte`` bytes, then reset both sides (a crash or a pulled cable)."""
 
-    at_byte: int = attrs.field(validator=_non_negative)
+    at_byte: int = attrs.field(converter=_integer, validator=_non_negative)
 
 
 @attrs.frozen
 class FlipBit(BaseFault):
     """Flip bit ``bit`` of the byte at offset ``at_byte`` (corruption the MACs must catch)."""
 
-    at_byte: int = attrs.field(validator=_non_negative)
-    bit: int = attrs.field(default=0, validator=[attrs.validators.ge(0), attrs.validators.le(7)])
+    at_byte: int = attrs.field(converter=_integer, validator=_non_negative)
+    bit: int = attrs.field(default=0, converter=_integer, validator=[attrs.validators.ge(0), attrs.validators.le(7)])
 
 
 @attrs.frozen
 class HalfClose(BaseFault):
     """After ``at_byte`` bytes, send EOF this way (later bytes are discarded); the other way stays open."""
 
-    at_byte: int = attrs.field(validator=_non_negative)
+    at_byte: int = attrs.field(converter=_integer, validator=_non_negative)
 
 
 @attrs.frozen
@@ -157,9 +176,11 @@ class RecordFault(BaseFault):
     16 down). ``index`` counts records, 0-based.
     """
 
-    index: int = attrs.field(validator=_non_negative)
+    index: int = attrs.field(converter=_integer, validator=_non_negative)
     framing: Framing = attrs.field(default="len", validator=attrs.validators.in_(("len", "mux")))
-    skip_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative))
+    skip_bytes: int | None = attrs.field(
+        default=None, converter=_optional_integer, validator=attrs.validators.optional(_non_negative)
+    )
 
     def layout(self, flow: FlowName) -> _Layout:
         skip = DEFAULT_SKIP[self.framing, flow] if self.skip_bytes is None else self.skip_bytes
@@ -625,6 +646,8 @@ class FaultProxy:
         port: int = 0,
         drain_timeout: float = DRAIN_TIMEOUT_S,
     ) -> None:
+        if isinstance(faults, BaseFault):
+            raise TypeError(f"faults is a list of faults: pass [{faults!r}], not the fault alone")
         for fault in faults:
             if not isinstance(fault, BaseFault):
                 raise TypeError(f"not a fault: {fault!r}")

@@ -310,6 +310,33 @@ def test_fault_arguments_are_validated():
     FaultProxy((LOOP, 1), [DropRecord(0), DuplicateRecord(0, direction="down")])
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CutAt(2.5),
+        lambda: FlipBit(3.0),
+        lambda: FlipBit(3, bit=1.5),
+        lambda: Stall(1.5, 0.1),
+        lambda: HalfClose(True),
+        lambda: DropRecord(1.5),
+        lambda: DuplicateRecord(0, skip_bytes=2.5),
+        lambda: CutAt(3, connection=0.5),
+        lambda: FaultProxy((LOOP, 1), CutAt(3)),  # one fault, not a list of them
+    ],
+    ids=["cut", "flip", "flip-bit", "stall", "half-close-bool", "drop", "skip", "connection", "not-a-list"],
+)
+def test_offsets_and_indices_must_be_integers(make):
+    """A byte offset that no byte sits at (2.5) never fires - worse, the pump spun on it
+    for ever instead of forwarding: refused where the fault is written."""
+    with pytest.raises(TypeError, match="integer|list of faults"):
+        make()
+
+
+def test_offsets_accept_any_integer_type():
+    fault = CutAt(np.int64(7), connection=np.int32(1))
+    assert fault == CutAt(7, connection=1) and type(fault.at_byte) is int
+
+
 # ---------------------------------------------------------------------------
 # Timing faults
 # ---------------------------------------------------------------------------
