@@ -338,18 +338,31 @@ class ProcessCluster:
 
     # -- rank processes ------------------------------------------------------
 
+    def _life(self, rank: int) -> RankProcess:
+        """Rank ``rank``'s current process; a KeyError that says why when it has none."""
+        try:
+            return self.ranks[rank]
+        except KeyError:
+            pass
+        if not (isinstance(rank, int) and 0 <= rank < self.world_size):
+            raise KeyError(f"rank {rank!r} is not a rank of this cluster (world_size {self.world_size})") from None
+        raise KeyError(
+            f"rank {rank} has no process: it is one of external_ranks or on no host "
+            "(start one with launch_rank)"
+        ) from None
+
     def kill(self, rank: int) -> None:
-        self.ranks[rank].kill()
+        self._life(rank).kill()
 
     def freeze(self, rank: int) -> None:
-        self.ranks[rank].freeze()
+        self._life(rank).freeze()
 
     def thaw(self, rank: int) -> None:
-        self.ranks[rank].thaw()
+        self._life(rank).thaw()
 
     async def resume(self, rank: int) -> None:
         """End rank ``rank``'s current (or next) ``--pause-before`` hold."""
-        stdin = self.ranks[rank].process.stdin
+        stdin = self._life(rank).process.stdin
         assert stdin is not None
         try:
             await stdin.send_all(b"go\n")
@@ -369,7 +382,7 @@ class ProcessCluster:
         """Start rank ``rank`` again with the command line and environment it first
         had (as a launcher restarts a failed worker). Its last process must have
         exited (kill it first); it stays in :attr:`past_lives`."""
-        old = self.ranks[rank]
+        old = self._life(rank)
         if old.process.returncode is None:
             raise RuntimeError(f"rank {rank} (pid {old.pid}) is still running: kill it before restarting it")
         self.past_lives.setdefault(rank, []).append(old)
@@ -384,7 +397,7 @@ class ProcessCluster:
 
     async def wait_event(self, rank: int, event: str, **fields: object) -> Event:
         """The first event named ``event`` whose fields match ``fields``."""
-        return await self.ranks[rank].wait_event(
+        return await self._life(rank).wait_event(
             lambda e: e["event"] == event and all(e.get(k) == v for k, v in fields.items())
         )
 
@@ -393,10 +406,10 @@ class ProcessCluster:
 
     async def wait_outcome(self, rank: int) -> Event:
         """The rank's final event: ``done``, ``error`` or ``crash``."""
-        return await self.ranks[rank].wait_event(lambda e: e["event"] in ("done", "error", "crash"))
+        return await self._life(rank).wait_event(lambda e: e["event"] in ("done", "error", "crash"))
 
     async def wait_exit(self, rank: int) -> int:
-        return await self.ranks[rank].process.wait()
+        return await self._life(rank).process.wait()
 
     async def wait_returns_primed(self, ranks: Iterable[int], poll: float = 0.05) -> None:
         """Until every rank of ``ranks`` has its state for coming back (its relay asked,
@@ -418,9 +431,9 @@ class ProcessCluster:
     async def _wait_returns(self, ranks: Iterable[int], listed_as: str, poll: float) -> None:
         pending = set(ranks)
         while True:
-            pending -= {rank for rank in pending if any(e["event"] == "joined" for e in self.ranks[rank].events)}
+            pending -= {rank for rank in pending if any(e["event"] == "joined" for e in self._life(rank).events)}
             for rank in sorted(pending):
-                life = self.ranks[rank]
+                life = self._life(rank)
                 if life._stdout_done:  # it exited without coming back: it never will
                     raise RuntimeError(
                         f"rank {rank} ended before it came back ({life.error or 'no error event'}); "

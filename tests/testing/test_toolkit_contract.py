@@ -273,3 +273,22 @@ async def test_daemon_options_without_daemons_are_refused_not_ignored(salt, opti
     with pytest.raises(TypeError, match=f"{name}.*daemons=True"):
         async with open_process_cluster(world_size=1, hosts=[[0]], salt=salt, backend="numpy", **option):
             pytest.fail("the cluster started")
+
+
+@pytest.mark.deadline(30)
+async def test_a_rank_without_a_process_is_named_in_the_error(salt):
+    """kill/freeze/thaw/resume/wait_* on a rank that has no process (one of
+    external_ranks, not launched) or is not in the world say which and why, not a
+    bare ``KeyError: 1``."""
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=1, backend="numpy", control=False, external_ranks={1},
+    ) as cluster:
+        for call in (cluster.kill, cluster.freeze, cluster.thaw):
+            with pytest.raises(KeyError, match="rank 1 has no process: it is one of external_ranks"):
+                call(1)
+        with pytest.raises(KeyError, match="rank 7 is not a rank of this cluster \\(world_size 2\\)"):
+            cluster.kill(7)
+        for wait in (cluster.wait_outcome(1), cluster.wait_exit(1), cluster.resume(1), cluster.wait_round(1, 0),
+                     cluster.restart(1), cluster.wait_returns_primed([1])):
+            with pytest.raises(KeyError, match="rank 1 has no process"):
+                await wait
