@@ -60,6 +60,8 @@ Event = dict[str, Any]
 
 # How long leaving the block waits for killed processes to be reaped.
 REAP_TIMEOUT_S = 10.0
+# How long a wait for returns gives the controller's status page to answer, each time it asks.
+STATUS_TIMEOUT_S = 1.0
 
 
 # ---------------------------------------------------------------------------
@@ -440,10 +442,21 @@ class ProcessCluster:
                         f"stderr: {life.text[-2000:]}"
                     )
             if pending:
-                pending -= set((await self.status())[listed_as])
+                pending -= await self._listed(listed_as)
             if not pending:
                 return
             await trio.sleep(poll)
+
+    async def _listed(self, listed_as: str) -> set[int]:
+        """The ranks the status page lists as ``listed_as``; none while the controller does
+        not answer within :data:`STATUS_TIMEOUT_S` (down, restarting, frozen): a wait for
+        returns goes on through that, and still sees a rank's process end meanwhile."""
+        with trio.move_on_after(STATUS_TIMEOUT_S):
+            try:
+                return set((await self.status())[listed_as])
+            except (OSError, ValueError, KeyError):  # no controller, or cut off mid-answer
+                pass
+        return set()
 
     # -- daemons -------------------------------------------------------------
 

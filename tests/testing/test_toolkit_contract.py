@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from flodl_trio import SessionSalt
 from flodl_trio.testing import (
@@ -292,3 +293,35 @@ async def test_a_rank_without_a_process_is_named_in_the_error(salt):
                      cluster.restart(1), cluster.wait_returns_primed([1])):
             with pytest.raises(KeyError, match="rank 1 has no process"):
                 await wait
+
+
+@pytest.mark.deadline(40)
+async def test_wait_returns_outlasts_a_controller_that_is_down_or_frozen(salt):
+    """wait_returns_* return once the ranks are listed, or raise RuntimeError once a rank's
+    process ends first. A controller that is down for a while (restarting, say) is not
+    an answer (the wait goes on), and a frozen one does not keep the wait from seeing
+    the rank's process end."""
+    import sys
+
+    async with open_process_cluster(
+        world_size=2, hosts=[[0], [1]], salt=salt, rounds=1, daemons=True, backend="numpy", control=False,
+        external_ranks={1},
+    ) as cluster:
+        await cluster.launch_rank(1, [sys.executable, "-c", "import time; time.sleep(600)"])
+        cluster.kill_controller()
+        assert cluster.controller is not None
+        await cluster.controller.wait()
+        with trio.move_on_after(1) as waited:  # nothing to list it: the wait goes on
+            await cluster.wait_returns_joining([1])
+        assert waited.cancelled_caught
+        await cluster.restart_controller()
+        cluster.freeze_controller()
+        async with trio.open_nursery() as nursery:
+
+            async def wait_for_return() -> None:
+                with pytest.raises(RuntimeError, match="rank 1 ended before it came back"):
+                    await cluster.wait_returns_primed([1])
+
+            nursery.start_soon(wait_for_return)
+            await trio.testing.wait_all_tasks_blocked(0.2)  # it is waiting on the frozen controller's page
+            cluster.kill(1)
