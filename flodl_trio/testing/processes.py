@@ -220,11 +220,11 @@ class RankProcess(ChildProcess):
 
     @property
     def rounds(self) -> list[Event]:
-        return [e for e in self.events if e["event"] == "round"]
+        return [e for e in self.events if e.get("event") == "round"]
 
     @property
     def error(self) -> Event | None:
-        return next((e for e in self.events if e["event"] in ("error", "crash")), None)
+        return next((e for e in self.events if e.get("event") in ("error", "crash")), None)
 
     async def _pump_events(self) -> None:
         assert self.process.stdout is not None
@@ -241,14 +241,15 @@ class RankProcess(ChildProcess):
 
 
 def _parse_event(line: bytes) -> Event:
-    """One stdout line as an event: a JSON object naming its ``event``, or else a ``text``
-    event holding the line (a launched process may print anything: a metrics dict, a
-    warning), so every reader of ``event["event"]`` can rely on it."""
+    """One stdout line as an event: a JSON object as it is (a launched process may name its
+    events otherwise, as the demo's workers do; the waits read ``event.get("event")``), and
+    anything else - plain text, a bare JSON number or list - as a ``text`` event holding
+    the line, so every event is a dict."""
     try:
         event = json.loads(line)
     except ValueError:
         event = None
-    if isinstance(event, dict) and isinstance(event.get("event"), str):
+    if isinstance(event, dict):
         return event
     return {"event": "text", "time": time.monotonic(), "line": line.decode(errors="replace").rstrip("\r")}
 
@@ -400,7 +401,7 @@ class ProcessCluster:
     async def wait_event(self, rank: int, event: str, **fields: object) -> Event:
         """The first event named ``event`` whose fields match ``fields``."""
         return await self._life(rank).wait_event(
-            lambda e: e["event"] == event and all(e.get(k) == v for k, v in fields.items())
+            lambda e: e.get("event") == event and all(e.get(k) == v for k, v in fields.items())
         )
 
     async def wait_round(self, rank: int, round_index: int) -> Event:
@@ -408,7 +409,7 @@ class ProcessCluster:
 
     async def wait_outcome(self, rank: int) -> Event:
         """The rank's final event: ``done``, ``error`` or ``crash``."""
-        return await self._life(rank).wait_event(lambda e: e["event"] in ("done", "error", "crash"))
+        return await self._life(rank).wait_event(lambda e: e.get("event") in ("done", "error", "crash"))
 
     async def wait_exit(self, rank: int) -> int:
         return await self._life(rank).process.wait()
@@ -433,7 +434,7 @@ class ProcessCluster:
     async def _wait_returns(self, ranks: Iterable[int], listed_as: str, poll: float) -> None:
         pending = set(ranks)
         while True:
-            pending -= {rank for rank in pending if any(e["event"] == "joined" for e in self._life(rank).events)}
+            pending -= {rank for rank in pending if any(e.get("event") == "joined" for e in self._life(rank).events)}
             for rank in sorted(pending):
                 life = self._life(rank)
                 if life._stdout_done:  # it exited without coming back: it never will

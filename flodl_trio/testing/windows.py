@@ -33,7 +33,7 @@ def catching_up(cluster: ProcessCluster, rank: int) -> set[int]:
     out = set()
     for proc in [*cluster.past_lives.get(rank, []), cluster.ranks[rank]]:
         for event in proc.events:
-            if event["event"] == "joined" and event["start"] > 0 and event.get("state_window", event["start"] - 1) < event["start"] - 1:
+            if event.get("event") == "joined" and event["start"] > 0 and event.get("state_window", event["start"] - 1) < event["start"] - 1:
                 out.add(event["start"])
     return out
 
@@ -50,14 +50,14 @@ def windows_of(cluster: ProcessCluster, rank: int) -> dict[int, Event]:
     out: dict[int, Event] = {}
     for proc in [*cluster.past_lives.get(rank, []), cluster.ranks[rank]]:
         for event in proc.events:
-            if event["event"] == "window":
+            if event.get("event") == "window":
                 out[event["window"]] = event
     return out
 
 
 def joined_event(cluster: ProcessCluster, rank: int) -> Event:
     """The ``joined`` event of the rank's current life."""
-    return next(e for e in cluster.ranks[rank].events if e["event"] == "joined")
+    return next(e for e in cluster.ranks[rank].events if e.get("event") == "joined")
 
 
 def check_windows(

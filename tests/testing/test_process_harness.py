@@ -300,9 +300,9 @@ CHATTY = (
 
 @pytest.mark.deadline(30)
 async def test_a_launched_rank_may_print_lines_that_are_not_events(salt):
-    """launch_rank's process reports JSON events on stdout; any other line - plain text,
-    or JSON that is not an event object - is kept as a ``text`` event and never breaks
-    the waits and views that read ``event["event"]``."""
+    """launch_rank's process reports JSON objects on stdout; any other line - plain text,
+    or JSON that is not an object - is kept as a ``text`` event, and an object that names
+    no ``event`` (a metrics line) is kept as it is: neither breaks the waits and views."""
     async with open_process_cluster(
         world_size=2, hosts=[[0], [1]], salt=salt, rounds=1, backend="numpy", control=False, external_ranks={1},
     ) as cluster:
@@ -311,7 +311,8 @@ async def test_a_launched_rank_may_print_lines_that_are_not_events(salt):
         assert (await cluster.wait_outcome(1))["event"] == "done"
         await cluster.wait_exit(1)
         followed = [event async for event in proc.follow()]
-        assert [e["event"] for e in followed] == ["text"] * 4 + ["ready", "done"]
-        assert [e["line"] for e in followed[:4]] == ['{"loss": 0.5}', "[1, 2]", "42", "not json"]
-        assert all(isinstance(e["time"], float) for e in followed)
+        assert followed[0] == {"loss": 0.5}
+        assert [e["event"] for e in followed[1:]] == ["text"] * 3 + ["ready", "done"]
+        assert [e["line"] for e in followed[1:4]] == ["[1, 2]", "42", "not json"]
+        assert all(isinstance(e["time"], float) for e in followed[1:])
         assert proc.rounds == [] and proc.error is None
