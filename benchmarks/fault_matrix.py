@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         status = "ok  " if ok else "FAIL"
         print(f"{status} {case.name:36s} {wall:5.1f} s  {record.outcome}", flush=True)
     total = time.monotonic() - started
-    command = "python benchmarks/fault_matrix.py" + (f" {shlex.join(sys.argv[1:])}" if sys.argv[1:] else "")
+    given = sys.argv[1:] if argv is None else list(argv)  # the arguments this run was given
+    command = "python benchmarks/fault_matrix.py" + (f" {shlex.join(given)}" if given else "")
     Path(args.out).write_text(render(rows, command=command, total=total))
     failed = sum(not ok for _, ok, _ in rows)
     print(f"{len(rows)} cases, {failed} failed, {total:.0f} s; wrote {args.out}")

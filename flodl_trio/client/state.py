@@ -106,6 +106,9 @@ class ClusterState:
         anything is copied; a SchemaError names the first tensor that does not fit and
         both shapes (or the counts, when not even those agree)."""
         frames = self.frames
+        # Any sequence of ints is a shape (a list, a torch.Size): compared as tuples.
+        params = [tuple(int(d) for d in shape) for shape in params]
+        buffers = [tuple(int(d) for d in shape) for shape in buffers]
         numels = [math.prod(shape) for shape in params]
         for count in (1, len(frames), len(frames) - 1):  # the whole model; fragments, with or without buffers
             head, rest = frames[:count], frames[count:]

@@ -144,6 +144,10 @@ BuiltInOuter = PlainAverage | SlowMo | DiLoCoNesterov
 def make_outer(name: str, lr: float | None, momentum: float | None) -> BuiltInOuter | None:
     """The optimizer ``--outer`` names; any other name is refused (never a silent default)."""
     options = {k: v for k, v in (("lr", lr), ("momentum", momentum)) if v is not None}
+    if options and name in ("none", "average"):  # a hyperparameter nothing would use: --outer forgotten, surely
+        flags = " and ".join(f"--outer-{key}" for key in options)
+        raise ConfigError(f"{flags} given with --outer {name}, which has no such setting: "
+                          "give --outer slowmo or --outer diloco, or leave them out")
     if name == "none":
         return None
     if name == "average":

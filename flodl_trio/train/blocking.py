@@ -28,11 +28,12 @@ import trio
 from ..client import (
     Address,
     ClusterState,
+    CoordinatorLost,
     ReduceClient,
     connect_control_client,
     connect_reduce_client,
 )
-from ..errors import ConfigError, FlodlError
+from ..errors import ConfigError, FlodlError, RankDeadError
 from ..wire.fragment import FragmentTag
 from ..wire.quant import DeltaCodec
 from ..wire.round_frame import RoundFrame, RoundKind
@@ -105,6 +106,7 @@ class BlockingReduceClient:
         self._token: trio.lowlevel.TrioToken | None = None
         self._client: ReduceClient | None = None
         self._finished = False
+        self._cluster_error_seen = False  # a call raised the cluster's verdict on this rank
         self._args = (address, rank, world_size, salt, control_address, model_signature, heartbeat_timeout, connect_options)
         self._thread = threading.Thread(target=self._thread_main, name=f"flodl-rank{rank}", daemon=True)
         self._thread.start()
@@ -174,6 +176,8 @@ class BlockingReduceClient:
         await self._request_send.send(request)
         await request.done.wait()
         if request.error is not None:
+            if isinstance(request.error, (RankDeadError, CoordinatorLost)):
+                self._cluster_error_seen = True
             raise request.error
         return cast("T", request.result)  # the result of the call submitted with that type
 
@@ -263,9 +267,13 @@ class BlockingReduceClient:
         return BlockingWindowTrainer(self, trainer)
 
     def finish(self) -> None:
-        """Leave for good, saying so (see :meth:`ReduceClient.finish`), and stop the thread."""
+        """Leave for good, saying so (see :meth:`ReduceClient.finish`), and stop the thread.
+        An error of the leaving itself (a delta run's last digest check) is raised here."""
+        seen = self._failure is not None or self._cluster_error_seen
         self._finished = True
         self.close()
+        if self._failure is not None and not seen:  # (one the caller was told of already is not news)
+            raise self._failure
 
     def close(self) -> None:
         """Leave the cluster and stop the helper thread. After :meth:`join` this reads

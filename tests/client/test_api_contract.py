@@ -124,6 +124,8 @@ async def test_fetch_state_is_the_join_request():
                     params_frames, buffers_frame = state.split(PARAM_SHAPES, BUFFER_SHAPES)
                     assert len(params_frames) == 1 and buffers_frame is not None
                     assert [tuple(t.shape) for t in params_frames[0].tensors] == PARAM_SHAPES
+                    as_lists = state.split([list(s) for s in PARAM_SHAPES], [torch.Size(s) for s in BUFFER_SHAPES])
+                    assert as_lists[0][0].tensors == params_frames[0].tensors  # any sequence of ints is a shape
                     with pytest.raises(SchemaError, match="parameter 0 of shape \\[2, 3\\]"):
                         state.split([(3, 2), (4,)], BUFFER_SHAPES)
                     with pytest.raises(JoinRefused, match="rank 1 is live"):

@@ -256,6 +256,18 @@ def test_shards_named_with_one_lane_cannot_work_together_exit_2(args, env):
     assert "need lanes >= 2, got 1" in line, line
 
 
+@pytest.mark.parametrize(("args", "env", "needle"), [
+    (("--outer-lr", "0.5"), {}, "--outer-lr given with --outer none"),
+    (("--outer", "average", "--outer-momentum", "0.5"), {}, "--outer-momentum given with --outer average"),
+    ((), {"FLODL_OUTER_LR": "0.5"}, "(from FLODL_OUTER_LR='0.5')"),
+])
+def test_an_outer_hyperparameter_without_an_outer_optimizer_exits_2(args, env, needle):
+    """An outer learning rate or momentum with no optimizer to use it means --outer was
+    forgotten: the run would average plainly where DiLoCo was meant. Refused, not ignored."""
+    line = one_error_line(run_cli(CONTROLLER, *STARTS[CONTROLLER], *args, env=env), CONTROLLER)
+    assert needle in line, line
+
+
 @pytest.mark.parametrize("module", [CONTROLLER, RELAY, SHARD])
 def test_help_still_prints_the_whole_help(module):
     result = run_cli(module, "--help")

@@ -138,3 +138,29 @@ async def test_a_call_that_fails_on_its_arguments_leaves_the_facade_usable(salt)
 
         await trio.to_thread.run_sync(rank_thread)
     assert got == [[3.0, 3.0]]
+
+
+async def test_an_error_of_finishing_itself_reaches_the_caller(salt, monkeypatch):
+    """``ReduceClient.finish`` may fail after the last round (a delta run's last digest
+    check: this rank's base differs): through the facade that error is raised by
+    ``finish()`` (and a normal ``with`` exit), not lost in the helper thread."""
+    from flodl_trio.client import ReduceClient
+
+    original = ReduceClient.finish
+
+    async def finish_then_fail(self: ReduceClient) -> None:
+        await original(self)
+        raise FlodlError(f"rank {self.rank}: the last consensus's base digest differs from this rank's base")
+
+    monkeypatch.setattr(ReduceClient, "finish", finish_then_fail)
+    raised: list[BaseException] = []
+    async with open_local_cluster(world_size=1, hosts=[[0]], salt=salt) as cluster:
+        def rank_thread() -> None:
+            try:
+                with BlockingReduceClient(cluster.relay_address(0), 0, 1, salt) as client:
+                    client.all_reduce_tensors([torch.ones(2)])
+            except FlodlError as exc:
+                raised.append(exc)
+
+        await trio.to_thread.run_sync(rank_thread)
+    assert [str(e) for e in raised] == ["rank 0: the last consensus's base digest differs from this rank's base"]
