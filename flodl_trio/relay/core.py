@@ -35,6 +35,7 @@ from ..transport.connect import (
     local_host,
     peer_host,
     tune_socket,
+    warn_if_public_peer,
 )
 from ..transport.local_leg import (
     local_leg_enabled,
@@ -319,7 +320,9 @@ class _Relay:
         peer = peer_credentials(stream)
         if peer is None:
             tune_socket(stream)
-            return MessageStream(stream, f"rank connection from {peer_host(stream)}", self.config.bounds)
+            host = peer_host(stream)
+            warn_if_public_peer(f"relay {self.config.host_name}", host)  # ranks off this machine, in cleartext
+            return MessageStream(stream, f"rank connection from {host}", self.config.bounds)
         if not trusted_uid(peer.uid):
             self._refuse(
                 f"relay {self.config.host_name}: refused a local-leg connection from uid {peer.uid} (pid {peer.pid}): "

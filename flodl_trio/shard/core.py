@@ -42,7 +42,7 @@ from ..errors import ConfigError, FlodlError, ProtocolError, SchemaError
 from ..fold.accumulator import FoldAccumulator, finish_consensus
 from ..fold.outer import SHARD_OUTER_KINDS, F32Array, LaneKey, ShardLanesOuter, lane_key, lane_state_frame
 from ..transport.buffers import SMALL_MESSAGE, ReceiveBuffer
-from ..transport.connect import Connector, Listeners, listener_port, peer_host, tune_socket
+from ..transport.connect import Connector, Listeners, listener_port, peer_host, tune_socket, warn_if_public_peer
 from ..transport.hashing import encode_enveloped_frame
 from ..transport.hello import check_ranks_listed, receive_hello
 from ..transport.settings import NetBounds
@@ -289,13 +289,15 @@ class _Shard:
 
     async def route(self, stream: trio.abc.Stream) -> None:
         tune_socket(stream)
-        conn = MessageStream(stream, f"connection from {peer_host(stream)}", self.bounds)
+        host = peer_host(stream)
+        conn = MessageStream(stream, f"connection from {host}", self.bounds)
         try:
             with trio.fail_after(self.bounds.channel_magic):
                 magic = int.from_bytes(await conn.receive_exactly(4, "the channel-select magic"), "little")
         except (trio.TooSlowError, *CONNECTION_LOST):
             await conn.aclose()
             return
+        warn_if_public_peer("shard", host)  # (the lanes reach it in cleartext too)
         if magic == CHANNEL_MAGIC_SHARD:
             await self._serve_controller(conn)
         elif magic == CHANNEL_MAGIC_DATA:
