@@ -75,7 +75,7 @@ def ensure_private_dir(directory: Path) -> None:
     """Create ``directory`` (mode 0700) or check an existing one is this user's and
     closed to everyone else: nobody else may plant or reach a socket there."""
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _make_private_dirs(directory)
         info = directory.lstat()
     except OSError as exc:
         raise ConfigError(f"local leg: cannot create directory {directory}: {exc}") from exc
@@ -91,6 +91,18 @@ def ensure_private_dir(directory: Path) -> None:
             f"local leg: {directory} {problem} (set {UNIX_DIR_ENV} to another directory, "
             f"or run without the local leg: --no-unix / {NO_UNIX_ENV}=1)"
         )
+
+
+def _make_private_dirs(directory: Path) -> None:
+    """``directory`` and the parents it lacks, each created 0700 (``mkdir(parents=True)``
+    would make the parents by the umask: a world-writable one would let another user move
+    our private directory aside and plant theirs)."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for each in reversed(missing):
+        each.mkdir(mode=0o700, exist_ok=True)
 
 
 def trusted_uid(uid: int) -> bool:

@@ -359,3 +359,21 @@ def test_relay_daemon_flags(monkeypatch):
     assert (off.local_leg, off.unix_dir) == (False, "/run/x")
     monkeypatch.setenv(NO_UNIX_ENV, "1")
     assert not settings_from_args(build_parser().parse_args(base)).local_leg
+
+
+def test_the_parents_a_private_directory_lacks_are_created_private_too(tmp_path, monkeypatch):
+    """``--unix-dir a/b/c`` where ``a`` does not exist: under a permissive umask,
+    mkdir(parents=True) made ``a`` and ``b`` world-writable, letting another user move
+    the private ``c`` aside. Every directory created is 0700."""
+    import os
+    import stat
+
+    from flodl_trio.transport.local_leg import ensure_private_dir
+
+    old = os.umask(0)
+    try:
+        ensure_private_dir(tmp_path / "a" / "b" / "c")
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
