@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeAlias
 import attrs
 import trio
 
-from ..transport.tasks import ChangeSignal, service_nursery
+from ..transport.tasks import ChangeSignal, one_error, service_nursery
 from ..wire.constants import MUX_HEADER_LEN
 from ..wire.handshake import DATA_ACK_LEN, DATA_HANDSHAKE_LEN
 
@@ -56,6 +56,7 @@ FLOWS: tuple[FlowName, FlowName] = ("up", "down")
 
 # Bytes asked of the kernel per receive.
 CHUNK = 256 << 10
+DELAY_LINE_CHUNKS = 64  # chunks a Delay holds in flight at once
 # A cut waits at most this long for the bytes before it to reach the peer.
 DRAIN_TIMEOUT_S = 2.0
 # A bandwidth cap writes about this much time's worth of bytes at once.
@@ -121,7 +122,8 @@ class BaseFault:
 
 @attrs.frozen
 class Delay(BaseFault):
-    """Hold each received chunk ``seconds`` before forwarding it (a slow link)."""
+    """Forward each received chunk ``seconds`` after it arrived (a long link: latency, not
+    a cap on throughput; the chunks behind it keep arriving meanwhile)."""
 
     seconds: float = attrs.field(validator=_non_negative)
 
@@ -479,16 +481,43 @@ class _Pump:
     async def run(self) -> None:
         """Forward until the sender's EOF (passed on as a half-close); raises on reset or cut."""
         await self._fire_boundaries()
+        if self.delays:
+            with one_error():
+                return await self._run_delayed()
         while True:
             data = await self.src.receive_some(CHUNK)
             if not data:
                 await self._end_of_stream()
                 return
             self.stats.bytes_in += len(data)
-            for delay in [] if self.shut else self.delays:
-                self._fire(delay, self.pos, f"{len(data)} bytes held {delay.seconds} s")
-                await trio.sleep(delay.seconds)
             await self._forward(memoryview(data))
+
+    async def _run_delayed(self) -> None:
+        """A delay line: each chunk (and the EOF) goes on its delay after it arrived while
+        later ones keep arriving, as on a long link - latency, not a cap on throughput (up
+        to ``DELAY_LINE_CHUNKS`` chunks in flight: a bandwidth-delay product of 16 MiB)."""
+        held = sum(delay.seconds for delay in self.delays)
+        send, line = trio.open_memory_channel[tuple[float, bytes]](DELAY_LINE_CHUNKS)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_into_line, send, held)
+            async with line:
+                async for due, data in line:
+                    await trio.sleep_until(due)
+                    if not data:
+                        return await self._end_of_stream()
+                    await self._forward(memoryview(data))
+
+    async def _read_into_line(self, line: trio.MemorySendChannel[tuple[float, bytes]], held: float) -> None:
+        async with line:
+            while True:
+                data = await self.src.receive_some(CHUNK)
+                if data:
+                    self.stats.bytes_in += len(data)
+                    for delay in [] if self.shut else self.delays:
+                        self._fire(delay, self.stats.bytes_in - len(data), f"{len(data)} bytes held {delay.seconds} s")
+                await line.send((trio.current_time() + held, bytes(data)))
+                if not data:
+                    return
 
     async def _forward(self, view: memoryview) -> None:
         """Split ``view`` only at fault offsets; everything between goes out as one slice."""

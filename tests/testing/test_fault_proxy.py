@@ -361,6 +361,23 @@ async def test_delay_holds_each_chunk(direction, hops):
     )
 
 
+async def test_delay_is_latency_not_a_cap_on_throughput():
+    """A Delay is a long link: 8 MiB (32 of the proxy's chunks) arrive about one delay
+    after they were sent, intact and in order - not one delay per chunk (16 s here),
+    which made a delayed link a thin one too."""
+    payload = random_bytes(8 << 20)
+    async with open_server(source(payload, then_read=True)) as server, \
+            open_fault_proxy(server.address, [Delay(0.5, direction="down")]) as proxy:
+        stream = await trio.open_tcp_stream(*proxy.address)
+        start = trio.current_time()
+        data, outcome = await client_read_to_end(stream)
+        elapsed = trio.current_time() - start
+        await stream.aclose()
+    assert data == payload and outcome == "eof"
+    assert 0.5 <= elapsed < 8.0, elapsed  # the EOF is held a delay too; 32 delays would be 16 s
+    assert len(proxy.fired(Delay)) >= 2  # every chunk held (the source's writes arrive in several)
+
+
 async def test_bandwidth_cap_paces_one_direction():
     payload = random_bytes(200_000)
     cap = BandwidthCap(400_000, direction="down")
