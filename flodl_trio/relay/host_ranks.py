@@ -25,6 +25,7 @@ class HostRanks:
         self.elastic: set[int] = set()  # ranks that called join(): they may come back after a crash
         self.finished: set[int] = set()  # elastic ranks that said they finished: they will not
         self.left_data: set[int] = set()  # ranks whose data connection ended (exit, crash, drop)
+        self.lives: dict[int, int] = {}  # times the controller let each rank back in (its life, counted from 0)
         self.changed = ChangeSignal()  # a rank declared dead, or a rank's handshake done
 
     def declare_dead(self, rank: int) -> None:
@@ -48,9 +49,14 @@ class HostRanks:
             self.changed.notify()
 
     def revive(self, rank: int) -> None:
-        """The controller let ``rank`` back in."""
+        """The controller let ``rank`` back in: a new life of it begins."""
         self.dead.discard(rank)
+        self.lives[rank] = self.lives.get(rank, 0) + 1
         self.changed.notify()
+
+    def life(self, rank: int) -> int:
+        """Which life of ``rank`` the controller has let in: 0, then one more per return."""
+        return self.lives.get(rank, 0)
 
     def may_return(self, ranks: Iterable[int]) -> list[int]:
         """Those of ``ranks`` that may still come back: they called join() and did not

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from flodl_trio import ConfigError, FlodlError, SessionSalt, average_window, connect_reduce_client, open_controller
+from flodl_trio import ConfigError, FlodlError, RankDeadError, SessionSalt, average_window, connect_reduce_client, open_controller
 from flodl_trio.client import connect_control_client
 from flodl_trio.testing import MemoryNetwork, open_local_cluster
 from flodl_trio.transport.settings import NetBounds
@@ -70,8 +70,7 @@ async def test_a_returning_rank_waiting_for_its_boundary_is_beaconed(autojump_cl
                 await client.join(params, [])
                 await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
                 await client.aclose()  # a crash: gone without saying it finished
-            # Restarted once its death has been dealt with (a new process takes a while to
-            # start: its predecessor's death notice must not reach it; see the audit report).
+            # Restarted after two of the survivor's windows (a restart at once is the test below).
             await two_windows.wait()
             try:
                 async with control(1) as returned, data(1) as client:
@@ -222,3 +221,64 @@ async def test_a_rank_waiting_for_its_host_to_form_is_beaconed_by_its_relay(
             for r in range(3):
                 nursery.start_soon(rank, r)
     assert means == {r: [1.0] * 3 for r in range(3)}
+
+
+@pytest.mark.deadline(5000)
+async def test_a_rank_restarted_at_once_is_not_told_of_its_predecessors_death(autojump_clock, salt):
+    """Rank 1 crashes and its restart connects again at once, before the coordinator's
+    death notice of the crashed process has come back through the relay. That notice
+    (and its DeclareDead) is about the connection that ended: the new process must not
+    raise RankDeadError for it, and comes back in at the next window boundary."""
+    bounds = NetBounds(heartbeat_timeout=SHORT_HEARTBEAT_S)
+    outcome: dict[str, object] = {}
+    async with open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=bounds, control=True, world_size=2,
+                                  hosts=[[0, 1]], rejoin_timeout=100_000) as cluster:
+        back_in = trio.Event()
+
+        def control(rank: int):
+            return connect_control_client(cluster.control_address(rank), rank, 2, salt, SIG, connect=cluster.connect,
+                                          bounds=bounds)
+
+        def data(rank: int):
+            return connect_reduce_client(cluster.relay_address(rank), rank, 2, salt, connect=cluster.connect,
+                                         bounds=bounds)
+
+        async def survivor() -> None:
+            params = [torch.zeros(3)]
+            async with control(0), data(0) as client:
+                await client.join(params, [])
+                window = 0
+                while not back_in.is_set() or window < 4:
+                    await trio.sleep(SHORT_WINDOW_S)
+                    await average_window(client, params, [], 1, rank=0, world_size=2, in_place=True)
+                    window += 1
+                await client.finish()
+
+        async def restarted_at_once() -> None:
+            params = [torch.ones(3)]
+            async with control(1), data(1) as client:
+                await client.join(params, [])
+                await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
+                await client.aclose()  # a crash: gone without saying it finished
+            try:  # and at once again, in no time at all
+                async with control(1), data(1) as client:
+                    outcome["start"] = await client.join(params, [])
+                    back_in.set()
+                    await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
+                    outcome["back"] = True
+                    # A death of this new life is news for it: the cluster evicts it now.
+                    cluster.controller.dead_ranks.declare_dead(1)
+                    await trio.sleep_forever()
+            except RankDeadError as exc:
+                outcome["evicted"] = exc
+            except FlodlError as exc:
+                outcome["error"] = exc
+                back_in.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivor)
+            nursery.start_soon(restarted_at_once)
+        assert "error" not in outcome, outcome["error"]
+    assert outcome["start"] >= 1 and outcome["back"]
+    assert "rank 1 was declared dead" in str(outcome["evicted"])
+    assert cluster.controller.stats.rejoins == 1
