@@ -15,7 +15,7 @@ import trio
 
 from flodl_trio import ConfigError, FlodlError, RankDeadError, SessionSalt, average_window, connect_reduce_client, open_controller
 from flodl_trio.client import connect_control_client
-from flodl_trio.testing import MemoryNetwork, open_local_cluster
+from flodl_trio.testing import LocalCluster, MemoryNetwork, open_local_cluster
 from flodl_trio.transport.settings import NetBounds
 
 SIG = b"\x11" * 32
@@ -23,10 +23,55 @@ DEFAULTS = NetBounds()
 WINDOW_S = 4 * DEFAULTS.heartbeat_timeout  # a window's inner steps: longer than any beacon timeout
 SHORT_HEARTBEAT_S = 10.0
 SHORT_WINDOW_S = 4 * SHORT_HEARTBEAT_S
+SHORT = NetBounds(heartbeat_timeout=SHORT_HEARTBEAT_S)
 
 
 def memory_cluster(salt: SessionSalt, **kwargs: object):
     return open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=DEFAULTS, control=True, **kwargs)  # type: ignore[arg-type]
+
+
+class HostOfTwo:
+    """Ranks 0 and 1 of a one-host cluster with a short heartbeat timeout: rank 0 survives,
+    training in windows longer than a beacon timeout, while rank 1 crashes and comes back."""
+
+    def __init__(self, cluster: LocalCluster, salt: SessionSalt) -> None:
+        self.cluster, self.salt = cluster, salt
+        self.back_in = trio.Event()  # rank 1 is back (or gave up)
+        self.two_windows = trio.Event()  # the survivor finished window 1: rank 1's death is old news
+
+    def control(self, rank: int):
+        return connect_control_client(self.cluster.control_address(rank), rank, 2, self.salt, SIG,
+                                      connect=self.cluster.connect, bounds=SHORT)
+
+    def data(self, rank: int):
+        return connect_reduce_client(self.cluster.relay_address(rank), rank, 2, self.salt,
+                                     connect=self.cluster.connect, bounds=SHORT)
+
+    async def survivor(self) -> None:
+        """Rank 0's windows, until rank 1 is back in and four windows have passed."""
+        params = [torch.zeros(3)]
+        async with self.control(0), self.data(0) as client:
+            await client.join(params, [])
+            window = 0
+            while not self.back_in.is_set() or window < 4:
+                await trio.sleep(SHORT_WINDOW_S)
+                await average_window(client, params, [], 1, rank=0, world_size=2, in_place=True)
+                window += 1
+                if window == 2:
+                    self.two_windows.set()
+            await client.finish()
+
+    async def first_life(self, params: list[torch.Tensor]) -> None:
+        """Rank 1 joins, averages one window, and crashes (gone without saying it finished)."""
+        async with self.control(1), self.data(1) as client:
+            await client.join(params, [])
+            await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
+            await client.aclose()
+
+
+def host_of_two(salt: SessionSalt):
+    return open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=SHORT, control=True, world_size=2,
+                              hosts=[[0, 1]], rejoin_timeout=100_000)
 
 
 @pytest.mark.deadline(5000)
@@ -34,60 +79,31 @@ async def test_a_returning_rank_waiting_for_its_boundary_is_beaconed(autojump_cl
     """Rank 1 crashes and comes back right after a boundary while rank 0's windows take
     four heartbeat timeouts each: its join waits a whole window for the next boundary,
     far longer than its beacon timeout, and its control block must not raise
-    CoordinatorLost meanwhile. (The window stays under the 60 s mid-frame bound, which
-    the state connection's wait for the entry currently takes: see the audit report.)"""
+    CoordinatorLost meanwhile."""
     outcome: dict[str, object] = {}
-    bounds = NetBounds(heartbeat_timeout=SHORT_HEARTBEAT_S)
-    async with open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=bounds, control=True, world_size=2,
-                                  hosts=[[0, 1]], rejoin_timeout=100_000) as cluster:
-        two_windows = trio.Event()  # the survivor finished window 1: rank 1's death is old news
-        back_in = trio.Event()
-
-        def control(rank: int):
-            return connect_control_client(cluster.control_address(rank), rank, 2, salt, SIG, connect=cluster.connect,
-                                          bounds=bounds)
-
-        def data(rank: int):
-            return connect_reduce_client(cluster.relay_address(rank), rank, 2, salt, connect=cluster.connect,
-                                         bounds=bounds)
-
-        async def survivor() -> None:
-            params = [torch.zeros(3)]
-            async with control(0), data(0) as client:
-                await client.join(params, [])
-                window = 0
-                while not back_in.is_set() or window < 4:
-                    await trio.sleep(SHORT_WINDOW_S)
-                    await average_window(client, params, [], 1, rank=0, world_size=2, in_place=True)
-                    window += 1
-                    if window == 2:
-                        two_windows.set()
-                await client.finish()
+    async with host_of_two(salt) as cluster:
+        host = HostOfTwo(cluster, salt)
 
         async def returner() -> None:
             params = [torch.ones(3)]
-            async with control(1), data(1) as client:
-                await client.join(params, [])
-                await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
-                await client.aclose()  # a crash: gone without saying it finished
-            # Restarted after two of the survivor's windows (a restart at once is the test below).
-            await two_windows.wait()
+            await host.first_life(params)
+            await host.two_windows.wait()  # restarted after two of the survivor's windows (at once: below)
             try:
-                async with control(1) as returned, data(1) as client:
+                async with host.control(1) as returned, host.data(1) as client:
                     asked = trio.current_time()
                     start = await client.join(params, [])
                     outcome["waited"] = trio.current_time() - asked
-                    back_in.set()
+                    host.back_in.set()
                     await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
                     await client.finish()
                     outcome["beacons"] = returned.last_beacon is not None
                 outcome["start"] = start
             except FlodlError as exc:
                 outcome["error"] = exc
-                back_in.set()
+                host.back_in.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivor)
+            nursery.start_soon(host.survivor)
             nursery.start_soon(returner)
         assert "error" not in outcome, outcome["error"]
         await cluster.controller.wait_finished()
@@ -228,55 +244,31 @@ async def test_a_rank_restarted_at_once_is_not_told_of_its_predecessors_death(au
     """Rank 1 crashes and its restart connects again at once, before the coordinator's
     death notice of the crashed process has come back through the relay. That notice
     (and its DeclareDead) is about the connection that ended: the new process must not
-    raise RankDeadError for it, and comes back in at the next window boundary."""
-    bounds = NetBounds(heartbeat_timeout=SHORT_HEARTBEAT_S)
+    raise RankDeadError for it, and comes back in at the next window boundary; a death
+    of its new life then reaches it."""
     outcome: dict[str, object] = {}
-    async with open_local_cluster(salt=salt, network=MemoryNetwork(), bounds=bounds, control=True, world_size=2,
-                                  hosts=[[0, 1]], rejoin_timeout=100_000) as cluster:
-        back_in = trio.Event()
-
-        def control(rank: int):
-            return connect_control_client(cluster.control_address(rank), rank, 2, salt, SIG, connect=cluster.connect,
-                                          bounds=bounds)
-
-        def data(rank: int):
-            return connect_reduce_client(cluster.relay_address(rank), rank, 2, salt, connect=cluster.connect,
-                                         bounds=bounds)
-
-        async def survivor() -> None:
-            params = [torch.zeros(3)]
-            async with control(0), data(0) as client:
-                await client.join(params, [])
-                window = 0
-                while not back_in.is_set() or window < 4:
-                    await trio.sleep(SHORT_WINDOW_S)
-                    await average_window(client, params, [], 1, rank=0, world_size=2, in_place=True)
-                    window += 1
-                await client.finish()
+    async with host_of_two(salt) as cluster:
+        host = HostOfTwo(cluster, salt)
 
         async def restarted_at_once() -> None:
             params = [torch.ones(3)]
-            async with control(1), data(1) as client:
-                await client.join(params, [])
-                await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
-                await client.aclose()  # a crash: gone without saying it finished
+            await host.first_life(params)
             try:  # and at once again, in no time at all
-                async with control(1), data(1) as client:
+                async with host.control(1), host.data(1) as client:
                     outcome["start"] = await client.join(params, [])
-                    back_in.set()
+                    host.back_in.set()
                     await average_window(client, params, [], 1, rank=1, world_size=2, in_place=True)
                     outcome["back"] = True
-                    # A death of this new life is news for it: the cluster evicts it now.
-                    cluster.controller.dead_ranks.declare_dead(1)
+                    cluster.controller.dead_ranks.declare_dead(1)  # news for this life: it is evicted now
                     await trio.sleep_forever()
             except RankDeadError as exc:
                 outcome["evicted"] = exc
             except FlodlError as exc:
                 outcome["error"] = exc
-                back_in.set()
+                host.back_in.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivor)
+            nursery.start_soon(host.survivor)
             nursery.start_soon(restarted_at_once)
         assert "error" not in outcome, outcome["error"]
     assert outcome["start"] >= 1 and outcome["back"]
