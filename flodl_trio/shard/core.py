@@ -620,13 +620,15 @@ class _Shard:
             relay = self.relays[rank]
             try:
                 layout.check_lane(lane, relay.pieces[lane])
+                # The fold checks what the layout cannot: payload bytes against the shape,
+                # one kind, a finite mass. What it refuses it has not added (an arriving
+                # piece is the wrong one, as at the controller's fold).
+                acc.add(relay.pieces[lane], relay.name)
             except SchemaError as exc:
                 self._blocked.add(lane)
                 return self._refuse_piece(relay, f"{exc} (round of {msg.lanes} lanes)")
         for rank in msg.hosts:
-            relay = self.relays[rank]
-            relay.used_in = msg.round
-            acc.add(relay.pieces[lane], relay.name)
+            self.relays[rank].used_in = msg.round
         consensus = finish_consensus(acc)
         self.handle.lanes_summed += 1
         if is_delta_schema(msg.schema):  # the mean goes to the controller, which steps the lineage

@@ -1,0 +1,93 @@
+"""Hostile peers around the reduction shards: relays and shards that hold the salt but
+send what docs/wire.md does not allow. Each costs only itself (docs/wire.md, "Shards",
+"A lost shard", "Validation order, and the errors you see"): the honest ranks' rounds
+complete, exactly, nothing hangs, and the log names the peer and what was wrong."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import trio
+
+from flodl_trio.shard import open_shard
+from flodl_trio.testing import hold_open
+from flodl_trio.wire import DTYPE_BF16, RoundFrame, TensorPayload
+from flodl_trio.wire.lanes import lane_owner
+from flodl_trio.wire.mux import Pieces, encode_control_record
+from tests.e2e.test_shards import RawHost, host_beside_a_raw_one, survivors_round
+
+LOOP = "127.0.0.1"
+NUMEL, LANES = 40_000, 5  # 2 shards: 9 lanes, 4 a shard, 5,000 elements each
+
+
+def _short_payload(part: RoundFrame) -> RoundFrame:
+    """``part`` with its first piece's payload one element short of its shape."""
+    first = part.tensors[0]
+    return RoundFrame([TensorPayload(first.dtype, first.shape, bytes(first.data)[:-4]), *part.tensors[1:]],
+                      part.kind, part.weight)
+
+
+# -- a relay that sends a shard what it must not ---------------------------------
+
+
+async def _pieces_then(bad: RawHost, lanes: Callable[[int], list[bytes]]) -> None:
+    """``Pieces{1}`` to both shards, then each lane's records as ``lanes(lane)`` makes them."""
+    for conn in bad.to_shards:
+        await conn.send_chunks([encode_control_record(Pieces(1), bad.salt)])
+    for lane in range(1, len(bad.parts)):
+        for record in lanes(lane):
+            await bad.to_shards[lane_owner(lane, 2)].send_chunks([record])
+
+
+def _record(bad: RawHost, lane: int) -> bytes:
+    return b"".join(bytes(chunk) for chunk in bad._record(bad.parts[lane]))
+
+
+async def _short(bad: RawHost) -> None:
+    bad.parts[1] = _short_payload(bad.parts[1])
+    await bad.send_pieces()
+
+
+async def _bf16(bad: RawHost) -> None:
+    first = bad.parts[2].tensors[0]
+    bad.parts[2] = RoundFrame([TensorPayload(DTYPE_BF16, first.shape, bytes(first.data)[: first.numel * 2]),
+                               *bad.parts[2].tensors[1:]], bad.parts[2].kind, bad.parts[2].weight)
+    await bad.send_pieces()
+
+
+@pytest.mark.parametrize(("spoil", "named"), [
+    (_short, "tensor 0: 19996 payload bytes, expected 20000"),
+    (_bf16, "lane 2: tensors [bf16[5000]]"),
+], ids=["short-payload", "bf16-in-an-f32-round"])
+async def test_a_relay_sending_a_shard_bad_pieces_costs_only_that_relay(salt, spoil, named, caplog):
+    """Rank 2's relay (played raw) sends its lane 0 to the controller, then breaks the
+    rules with its pieces: the shard names it to the controller (``PieceRefused``), which
+    drops it and decides the round again; ranks 0 and 1 get the mean of their own frames,
+    no shard is lost, and the drop names the relay and what it sent."""
+    caplog.set_level(logging.WARNING)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with host_beside_a_raw_one(nursery, salt, shards, LANES) as (ctl, relay):
+
+                async def bad_host() -> None:
+                    bad = RawHost(salt, "bad", NUMEL, LANES, len(shards))
+                    await bad.join(ctl.port, shards)
+                    await bad.send_lane_0()
+                    with contextlib.suppress(trio.BrokenResourceError):  # (a shard may close on it mid-write)
+                        await spoil(bad)
+                    await trio.sleep_forever()  # connected until the controller drops it
+
+                nursery.start_soon(bad_host)
+                got = await survivors_round(relay, NUMEL, salt)
+                assert ctl.dead_ranks.is_dead(2) and ctl.stats.shards_lost == 0
+                assert not any(shard.outcome.ended for shard in shards)
+            nursery.cancel_scope.cancel()
+    for rank in (0, 1):
+        assert np.array_equal(got[rank], np.full(NUMEL, 0.5, np.float32))
+    drops = [r.getMessage() for r in caplog.records if "relay bad (ranks [2]) dropped: shard" in r.getMessage()]
+    assert drops and named in drops[0], [r.getMessage() for r in caplog.records]
