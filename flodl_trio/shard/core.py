@@ -929,6 +929,12 @@ class _Shard:
                     nursery.cancel_scope.cancel()
         except (FlodlError, *CONNECTION_LOST) as exc:
             log.warning("shard %s: %s dropped: %s", self.index, relay.name, exc)
+            if isinstance(exc, ProtocolError) and not isinstance(exc, CONNECTION_LOST):
+                # Its bytes broke the protocol (a failed MAC, a lane twice or not this shard's,
+                # a record over the ceiling): its pieces here may never come, so the controller
+                # drops it and decides again without it. It costs that relay, not the round.
+                self._say(PieceRefused(relay.lowest_rank, f"its connection to shard {self.index} broke the "
+                                                          f"protocol: {exc}"))
         finally:
             # Its pieces stay until the round is decided: a relay lost after its lane 0
             # reached the controller is in the round (realized work).

@@ -17,7 +17,7 @@ from flodl_trio.shard import open_shard
 from flodl_trio.testing import hold_open
 from flodl_trio.wire import DTYPE_BF16, RoundFrame, TensorPayload
 from flodl_trio.wire.lanes import lane_owner
-from flodl_trio.wire.mux import Pieces, encode_control_record
+from flodl_trio.wire.mux import MuxKind, Pieces, encode_control_record, mux_signed_header
 from tests.e2e.test_shards import RawHost, host_beside_a_raw_one, survivors_round
 
 LOOP = "127.0.0.1"
@@ -59,10 +59,39 @@ async def _bf16(bad: RawHost) -> None:
     await bad.send_pieces()
 
 
+async def _bad_mac(bad: RawHost) -> None:
+    def lanes(lane: int) -> list[bytes]:
+        raw = bytearray(_record(bad, lane))
+        if lane == 1:
+            raw[len(raw) // 2] ^= 0x10
+        return [bytes(raw)]
+
+    await _pieces_then(bad, lanes)
+
+
+async def _twice(bad: RawHost) -> None:
+    await _pieces_then(bad, lambda lane: [_record(bad, lane)] * (2 if lane == 1 else 1))
+
+
+async def _another_shards_lane(bad: RawHost) -> None:
+    await _pieces_then(bad, lambda lane: [_record(bad, lane)])
+    await bad.to_shards[0].send_chunks([_record(bad, 2)])  # shard 1's lane, to shard 0
+
+
+async def _over_the_ceiling(bad: RawHost) -> None:
+    await _pieces_then(bad, lambda lane: [_record(bad, lane)] if lane != 1 else
+                       [mux_signed_header(MuxKind.HOST_FRAME, 0xFFFF_FFFF) + bytes(8)])  # (its tag: never read)
+
+
 @pytest.mark.parametrize(("spoil", "named"), [
     (_short, "tensor 0: 19996 payload bytes, expected 20000"),
     (_bf16, "lane 2: tensors [bf16[5000]]"),
-], ids=["short-payload", "bf16-in-an-f32-round"])
+    (_bad_mac, "MAC mismatch"),
+    (_twice, "sent lane 1 of its round 1 twice"),
+    (_another_shards_lane, "sent lane LaneTag(index=2"),
+    (_over_the_ceiling, "payload length 4294967295 exceeds the frame ceiling"),
+], ids=["short-payload", "bf16-in-an-f32-round", "bad-mac", "a-lane-twice", "another-shards-lane",
+        "length-over-the-ceiling"])
 async def test_a_relay_sending_a_shard_bad_pieces_costs_only_that_relay(salt, spoil, named, caplog):
     """Rank 2's relay (played raw) sends its lane 0 to the controller, then breaks the
     rules with its pieces: the shard names it to the controller (``PieceRefused``), which
