@@ -40,7 +40,7 @@ from ..errors import ConfigError, SchemaError
 from .bf16 import DTYPE_NAMES, itemsize
 from .constants import DTYPE_F32, MAC_LEN, MAX_TENSORS, ROUND_FRAME_MAGIC
 from .quant import DTYPE_BASE_DIGEST, DeltaCodec, block_count, code_bytes
-from .round_frame import RoundFrame, RoundKind, TensorPayload, payload_nbytes, schema_frame_len
+from .round_frame import RoundFrame, RoundKind, TensorPayload, check_payload, payload_nbytes, schema_frame_len
 from .salt import SessionSalt
 
 _FRAME_HEADER = struct.Struct("<IIBd")  # magic, count, kind, weight (PROTOCOL.md's RoundFrame)
@@ -333,7 +333,9 @@ class LaneLayout:
 
     def check_lane(self, index: int, frame: RoundFrame) -> None:
         """SchemaError unless ``frame`` is lane ``index`` of this layout: its pieces
-        (dtype and length), its schema (lane 0) and its tag."""
+        (dtype, length, and payload bytes that length's or elided), its schema (lane 0)
+        and its tag. Every receiver of a lane checks it so before it places or sums
+        a byte of it."""
         pieces = self.lanes[index]
         tag = read_lane_tag(frame)
         want_tag = LaneTag(index, self.count, len(self.schema) if index == 0 else 0)
@@ -344,6 +346,8 @@ class LaneLayout:
         got = [(t.dtype, tuple(t.shape)) for t in frame.tensors[:-1]]
         if got != want:
             raise SchemaError(f"lane {index}: tensors {_brief(got)} before the tag, the layout says {_brief(want)}")
+        for i, t in enumerate(frame.tensors):  # (the shapes are right; their bytes must be too, or elided)
+            check_payload(t, i, f"lane {index}")
 
     def split(self, frame: RoundFrame) -> list[RoundFrame]:
         """``frame`` as its lanes' frames, each ending with its lane tag; the pieces are

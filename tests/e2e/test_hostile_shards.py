@@ -16,9 +16,16 @@ import trio
 from flodl_trio.shard import open_shard
 from flodl_trio.testing import hold_open
 from flodl_trio.wire import DTYPE_BF16, RoundFrame, TensorPayload
-from flodl_trio.wire.lanes import lane_owner
+from flodl_trio.wire.lanes import lane_owner, read_lane_tag
 from flodl_trio.wire.mux import MuxKind, Pieces, encode_control_record, mux_signed_header
-from tests.e2e.test_shards import RawHost, host_beside_a_raw_one, survivors_round
+from tests.e2e.test_shards import (
+    RawHost,
+    assert_means,
+    host_beside_a_raw_one,
+    survivors_round,
+    two_hosts_on,
+    two_ranks_rounds,
+)
 
 LOOP = "127.0.0.1"
 NUMEL, LANES = 40_000, 5  # 2 shards: 9 lanes, 4 a shard, 5,000 elements each
@@ -120,3 +127,44 @@ async def test_a_relay_sending_a_shard_bad_pieces_costs_only_that_relay(salt, sp
         assert np.array_equal(got[rank], np.full(NUMEL, 0.5, np.float32))
     drops = [r.getMessage() for r in caplog.records if "relay bad (ranks [2]) dropped: shard" in r.getMessage()]
     assert drops and named in drops[0], [r.getMessage() for r in caplog.records]
+
+
+# -- a shard that sends the relays what it must not ------------------------------
+
+
+def _shard_1_spoils_round_1(monkeypatch, spoil) -> None:
+    """Shard 1 sends its consensus lanes of round 1 spoiled by ``spoil(frame, tag)``
+    (signed as any lane: only what they say is wrong)."""
+    from flodl_trio.shard import core as shard_core
+
+    original = shard_core._Shard._signed_lane
+
+    async def spoiled(self, frame):
+        tag = read_lane_tag(frame)
+        if self.index == 1 and self._summing is not None and self._summing.round == 1 and tag is not None:
+            frame = spoil(frame, tag)
+        return await original(self, frame)
+
+    monkeypatch.setattr(shard_core._Shard, "_signed_lane", spoiled)
+
+
+async def _a_bad_shard_costs_only_itself(salt) -> None:
+    """Three rounds of two hosts through two shards, shard 1 spoiling round 1: it is lost,
+    its lanes move to shard 0, and no rank, relay or other shard pays."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
+                got = await two_ranks_rounds(relays, 50_000, 3, salt)
+                assert ctl.stats.shards_lost == 1 and not ctl.dead_ranks.snapshot()
+                assert not shards[0].outcome.ended and not any(relay.outcome.ended for relay in relays)
+            nursery.cancel_scope.cancel()
+    assert_means(got, 50_000)
+
+
+async def test_a_shard_sending_a_lane_whose_bytes_are_not_its_shape_costs_only_that_shard(salt, monkeypatch):
+    """A consensus lane whose piece says 5,000 elements and carries 4,999: the relays
+    refuse it at once (it would not fit its place in the joined frame) and tell the
+    controller, rather than fail themselves."""
+    _shard_1_spoils_round_1(monkeypatch, lambda frame, tag: _short_payload(frame))
+    await _a_bad_shard_costs_only_itself(salt)

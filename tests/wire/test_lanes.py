@@ -206,6 +206,29 @@ def test_a_lane_that_does_not_match_its_layout_is_refused_naming_it():
         layout.check_lane(1, RoundFrame([*lane1.tensors[:-1], lane_tag(1, 3)]))
 
 
+def test_a_lane_whose_payload_bytes_are_not_its_shapes_is_refused_before_a_byte_is_placed():
+    """The shapes right and the bytes not (a piece of 8 f32 carrying 7): refused with a
+    SchemaError naming the tensor and the byte counts, by the layout's check and by the
+    assembler, which never writes a byte of it (before, numpy's ValueError escaped)."""
+    from flodl_trio.wire.lanes import LaneAssembler
+
+    frame = frame_of([(16,)])
+    layout = LaneLayout.of(frame, 2)
+    _lane0, lane1 = layout.split(frame)
+    piece = lane1.tensors[0]
+    short = RoundFrame([TensorPayload(piece.dtype, piece.shape, bytes(piece.data)[:-4]), *lane1.tensors[1:]],
+                       lane1.kind, lane1.weight)
+    with pytest.raises(SchemaError, match="lane 1 tensor 0: 28 payload bytes, expected 32"):
+        layout.check_lane(1, short)
+    assembler = LaneAssembler(layout)
+    assembler.begin()
+    with pytest.raises(SchemaError, match="28 payload bytes"):
+        assembler.add(short, 1)
+    assert not assembler.has(1)
+    elided = RoundFrame([TensorPayload(piece.dtype, piece.shape), *lane1.tensors[1:]], lane1.kind, lane1.weight)
+    layout.check_lane(1, elided)  # (an elided piece is no error)
+
+
 def test_tags_that_cannot_be_are_not_tags():
     from flodl_trio.wire.lanes import lane_tag, read_lane_tag
 
