@@ -474,6 +474,10 @@ class ShardLinks:
             raise ProtocolError(f"{conn.peer} sent a consensus lane before saying which decision it is (Decided)")
         if decision < self.want:
             return  # a decision a newer one replaced
+        owner = self.owner(tag.index)
+        if owner != index:  # (every decided host heard of a loss before the new owner could sum its lanes)
+            raise ProtocolError(f"{conn.peer} sent consensus lane {tag.index}, which shard {owner} reduces "
+                                f"(lost: {sorted(self.lost)})")
         await self._lanes.join(lane, tag.index)
         if decision < self.want:  # replaced while it was being joined (another shard's mark)
             self._lanes.drop(tag.index)

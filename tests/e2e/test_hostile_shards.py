@@ -16,7 +16,7 @@ import trio
 from flodl_trio.shard import open_shard
 from flodl_trio.testing import hold_open
 from flodl_trio.wire import DTYPE_BF16, RoundFrame, TensorPayload
-from flodl_trio.wire.lanes import lane_owner, read_lane_tag
+from flodl_trio.wire.lanes import lane_owner, lane_tag, read_lane_tag
 from flodl_trio.wire.mux import MuxKind, Pieces, encode_control_record, mux_signed_header
 from tests.e2e.test_shards import (
     RawHost,
@@ -148,9 +148,11 @@ def _shard_1_spoils_round_1(monkeypatch, spoil) -> None:
     monkeypatch.setattr(shard_core._Shard, "_signed_lane", spoiled)
 
 
-async def _a_bad_shard_costs_only_itself(salt) -> None:
+async def _a_bad_shard_costs_only_itself(salt, caplog, named: str) -> None:
     """Three rounds of two hosts through two shards, shard 1 spoiling round 1: it is lost,
-    its lanes move to shard 0, and no rank, relay or other shard pays."""
+    its lanes move to shard 0, and no rank, relay or other shard pays; each relay's word
+    names shard 1 and ``named``."""
+    caplog.set_level(logging.WARNING)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
@@ -160,11 +162,52 @@ async def _a_bad_shard_costs_only_itself(salt) -> None:
                 assert not shards[0].outcome.ended and not any(relay.outcome.ended for relay in relays)
             nursery.cancel_scope.cancel()
     assert_means(got, 50_000)
+    said = [r.getMessage() for r in caplog.records if "shard 1 failed (" in r.getMessage()]
+    assert len(said) == 2 and all(named in line for line in said), [r.getMessage() for r in caplog.records]
 
 
-async def test_a_shard_sending_a_lane_whose_bytes_are_not_its_shape_costs_only_that_shard(salt, monkeypatch):
+async def test_a_shard_sending_a_lane_whose_bytes_are_not_its_shape_costs_only_that_shard(salt, monkeypatch, caplog):
     """A consensus lane whose piece says 5,000 elements and carries 4,999: the relays
     refuse it at once (it would not fit its place in the joined frame) and tell the
     controller, rather than fail themselves."""
     _shard_1_spoils_round_1(monkeypatch, lambda frame, tag: _short_payload(frame))
-    await _a_bad_shard_costs_only_itself(salt)
+    await _a_bad_shard_costs_only_itself(salt, caplog, "tensor 0: 24996 payload bytes, expected 25000")
+
+
+async def test_a_shard_sending_a_lane_it_does_not_own_costs_only_that_shard(salt, monkeypatch, caplog):
+    """Shard 1 tags its lanes as shard 0's, and they reach the relays before shard 0's
+    own: each relay sees at once which shard broke the rules (docs/wire.md: "a lane it
+    does not own"), rather than blame shard 0 when its genuine lane comes "twice"."""
+    def retagged(frame, tag):  # shard 1's lane 2k as shard 0's lane 2k - 1 (the same shapes here)
+        assert lane_owner(tag.index - 1, 2) == 0
+        return RoundFrame([*frame.tensors[:-1], lane_tag(tag.index - 1, tag.count)], frame.kind, frame.weight)
+
+    _shard_1_spoils_round_1(monkeypatch, retagged)
+    _shard_0_sums_round_1_once_both_relays_took_a_lane_of_shard_1(monkeypatch)
+    await _a_bad_shard_costs_only_itself(salt, caplog, "which shard 0 reduces")
+
+
+def _shard_0_sums_round_1_once_both_relays_took_a_lane_of_shard_1(monkeypatch) -> None:
+    from flodl_trio.relay import shards as relay_shards
+    from flodl_trio.shard import core as shard_core
+
+    took: set[str] = set()
+    both = trio.Event()
+    on_lane, sum_lane = relay_shards.ShardLinks._on_lane, shard_core._Shard._sum_lane
+
+    async def noting(self, index, conn, payload):
+        try:
+            await on_lane(self, index, conn, payload)
+        finally:
+            if index == 1:
+                took.add(self._config.host_name)
+                if len(took) == 2:
+                    both.set()
+
+    async def waiting(self, msg, lane):
+        if self.index == 0 and msg.round == 1:
+            await both.wait()
+        await sum_lane(self, msg, lane)
+
+    monkeypatch.setattr(relay_shards.ShardLinks, "_on_lane", noting)
+    monkeypatch.setattr(shard_core._Shard, "_sum_lane", waiting)
