@@ -253,6 +253,7 @@ class _Shard:
         self._sessions = 0  # controller sessions so far
         self._controller_changed = ChangeSignal()  # a controller set this shard up
         self._latest_decision = 0  # the newest decision number any controller gave
+        self._decided_any = False  # ... once one gave any
         # The outer state through a lost shard (mirror.py):
         self.addresses: list[tuple[str, int]] = []  # every shard's, as the controller said (Shards)
         self.mirrors: MirrorBook | None = None  # the mirror of the lanes this shard backs up
@@ -410,6 +411,9 @@ class _Shard:
                     log.info("shard %s: the controller closed its connection mid-seed", self.index)
                     return
                 self._seed = (msg, frames)
+            elif isinstance(msg, Decide) and self._decided_any and msg.decision <= self._latest_decision:
+                self._seed = None  # (a Seed right before it was the copy's too)
+                self._stale_decision(msg)
             elif isinstance(msg, Decide):
                 if msg.step and self.outer is None:
                     raise ProtocolError(f"decision {msg.decision} steps its lanes, and no ShardOuter said how")
@@ -418,7 +422,7 @@ class _Shard:
                 self._seeded = self._take_seed(msg)
                 self._decision = self._down_for = msg
                 self._down = {}
-                self._latest_decision = max(self._latest_decision, msg.decision)
+                self._latest_decision, self._decided_any = max(self._latest_decision, msg.decision), True
                 self._changed.notify()
                 self._mirror_decided(msg)
             elif isinstance(msg, ShardLost):
@@ -442,6 +446,14 @@ class _Shard:
             else:
                 raise ProtocolError(f"the controller sent a shard {type(msg).__name__}"
                                     + (" unlike the one it said before" if isinstance(msg, ShardOuter) else ""))
+
+    def _stale_decision(self, msg: Decide) -> None:
+        """A ``Decide`` not newer than the newest taken: decision numbers only grow, over
+        controllers too, so it is a copy of an authentic record (something on the link
+        replayed it: docs/wire.md, "Replays"). Summing it again would send lanes the
+        relays hold already; it is ignored, and logged."""
+        log.warning("shard %s: the controller's Decide %d again (the newest it gave is %d): a replayed record? "
+                    "ignored", self.index, msg.decision, self._latest_decision)
 
     async def _seed_frames(self, conn: MessageStream, msg: Seed) -> list[RoundFrame] | None:
         """The lane states a ``Seed`` promised, read now (each a Broadcast record of at most

@@ -211,3 +211,64 @@ def _shard_0_sums_round_1_once_both_relays_took_a_lane_of_shard_1(monkeypatch) -
 
     monkeypatch.setattr(relay_shards.ShardLinks, "_on_lane", noting)
     monkeypatch.setattr(shard_core._Shard, "_sum_lane", waiting)
+
+
+# -- a controller's record replayed on a shard's link ----------------------------
+
+
+async def test_a_decide_replayed_to_a_shard_is_ignored_and_costs_nobody(salt, monkeypatch, caplog):
+    """Something on the controller's link to shard 1 sends round 1's ``Decide`` record
+    a second time, byte for byte (authentic: docs/wire.md, "Replays"). Decisions only
+    grow, so the shard ignores the copy: it does not send its lanes again (which the
+    relays would take as a lane "twice" and lose the shard for), every round is exact,
+    and nobody is lost."""
+    from flodl_trio.controller import shards as controller_shards
+
+    from flodl_trio.shard import core as shard_core
+
+    send_records, decided, sum_lane = (controller_shards.ShardSet._send_records, shard_core._Shard._decided,
+                                       shard_core._Shard._sum_lane)
+    kept: list = []
+    lanes_out, replayed = trio.Event(), trio.Event()
+
+    async def keeping(self, index, records):  # round 1's Decide to shard 1, kept to be sent again
+        if index == 1 and self.rounds == 2 and not kept:
+            kept.extend(records)
+            self._nursery.start_soon(replay, self)
+        await send_records(self, index, records)
+
+    async def replay(shard_set) -> None:
+        await lanes_out.wait()  # shard 1 sent its lanes of round 1 ...
+        await send_records(shard_set, 1, kept)  # ... and gets its Decide again, byte for byte
+
+    def noting(self, msg) -> None:
+        decided(self, msg)
+        if self.index == 1 and msg.round == 1:
+            lanes_out.set()
+
+    async def holding(self, msg, lane) -> None:  # shard 0's lanes of round 1 wait: no commit before the copy
+        if self.index == 0 and msg.round == 1:
+            await replayed.wait()
+        await sum_lane(self, msg, lane)
+
+    stale = getattr(shard_core._Shard, "_stale_decision", None)
+
+    def ignored(self, msg) -> None:  # (a shard that acts on the copy never gets here: the test fails)
+        stale(self, msg)
+        replayed.set()
+
+    monkeypatch.setattr(shard_core._Shard, "_stale_decision", ignored, raising=False)
+    monkeypatch.setattr(shard_core._Shard, "_decided", noting)
+    monkeypatch.setattr(shard_core._Shard, "_sum_lane", holding)
+    monkeypatch.setattr(controller_shards.ShardSet, "_send_records", keeping)
+    caplog.set_level(logging.WARNING)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
+                got = await two_ranks_rounds(relays, 50_000, 3, salt)
+                assert replayed.is_set()
+                assert ctl.stats.shards_lost == 0 and not ctl.dead_ranks.snapshot()
+            nursery.cancel_scope.cancel()
+    assert_means(got, 50_000)
+    assert any("shard 1: the controller's Decide 1 again" in r.getMessage() for r in caplog.records)
