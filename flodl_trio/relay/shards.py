@@ -351,13 +351,15 @@ class ShardLinks:
     # -- the shards' connections ----------------------------------------------
 
     async def _connect(self) -> None:
-        """Dial every shard once, with this relay's Hello, and start each one's reader."""
+        """Dial every shard once, with this relay's Hello, and start each one's reader. A
+        shard this relay cannot reach is told to the controller, as one whose connection
+        fails later is: a shard out of this relay's reach costs that shard, not the relay."""
         if self._connected:
             return
         self._connected = True
         for index in range(self.count):
             if index not in self.lost:
-                await self._dial(index)
+                await self._dial_or_report(index)
 
     async def _dial(self, index: int) -> None:
         """Dial shard ``index`` with this relay's Hello, and start its reader."""

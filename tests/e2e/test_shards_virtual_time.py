@@ -122,3 +122,38 @@ async def test_a_shard_silent_to_the_controller_is_lost_after_exactly_the_heartb
             assert bool((got[rank, r] == 1.0 + 10 * r).all())
     took = max(ended[rank, 1] for rank in range(world)) - start
     assert took == pytest.approx(DEFAULTS.heartbeat_timeout, abs=1.0)
+
+
+class _Partitioned(MemoryNetwork):
+    """A memory network on which the ports in ``refused`` take no new connection (a
+    firewall between the relays and one shard; connections already up stay up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: set[int] = set()
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        if int(port) in self.refused:
+            await trio.lowlevel.checkpoint()
+            raise ConnectionRefusedError(f"memory port {port} is firewalled")
+        return await super().connect(host, port)
+
+
+@pytest.mark.deadline(600)  # virtual seconds
+async def test_a_shard_the_relays_cannot_reach_at_their_first_round_costs_only_that_shard(autojump_clock, salt):
+    """The controller set shard 1 up, but no relay can reach it when it dials the
+    shards before its first round: each says so (``ShardLost``), the controller loses
+    shard 1 for everyone, its lanes go to shard 0 and every round is exact. (The
+    relays stopped instead, each after its 30 s of connect retries, and took every
+    rank with them: the first dial was the one dial that did not report.)"""
+    network = _Partitioned()
+    world, rounds = 3, 2
+    rng = np.random.default_rng(7)
+    values = {r: rng.standard_normal(2_000).astype(np.float32) for r in range(world)}
+    weights = {r: float(r + 1) for r in range(world)}
+    async with open_local_cluster(salt=salt, network=network, bounds=DEFAULTS, shards=2, lanes=5, lane_min_bytes=0,
+                                  world_size=world, hosts=[[0], [1], [2]]) as cluster:
+        network.refused.add(cluster.shards[1].port)
+        got = await weighted_rounds(cluster, values, weights, rounds)
+        assert cluster.controller.stats.shards_lost == 1
+    check_weighted(got, values, weights, rounds)
