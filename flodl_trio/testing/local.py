@@ -78,10 +78,19 @@ class LocalCluster:
     network: MemoryNetwork | None = None
     shards: list[ShardHandle] = attrs.field(factory=list)  # reduction shards (``shards=N``)
     shard_scopes: list[trio.CancelScope] = attrs.field(factory=list)
+    relay_scopes: list[list[trio.CancelScope]] = attrs.field(factory=list)  # per host: its data and control relays
 
     def close_shard(self, index: int) -> None:
         """Stop shard ``index`` serving (its connections close): a lost shard host, in-process."""
         self.shard_scopes[index].cancel()
+
+    def close_relay(self, index: int) -> None:
+        """Stop host ``index``'s relays (data, and control with ``control=True``): every
+        connection they hold closes, as a killed relay daemon's do. Its ranks' clients
+        raise ``RankDeadError``; its shard (``shards="auto"``) serves on, as a shard
+        process outlives its relay's."""
+        for scope in self.relay_scopes[index]:
+            scope.cancel()
 
     @property
     def host(self) -> str:
@@ -247,6 +256,7 @@ async def open_local_cluster(
         hosts_nursery = await stack.enter_async_context(service_nursery())
         relays: dict[ChannelKind, list[RelayHandle]] = {kind: [] for kind in kinds}
         shared = [HostRanks(ranks) for ranks in hosts]  # what each host's two channels share
+        relay_scopes: list[list[trio.CancelScope]] = [[] for _ in hosts]
         for kind in kinds:
             for index, ranks in enumerate(hosts):
                 proxy = proxies.get(index) if kind is ChannelKind.DATA else None
@@ -267,8 +277,9 @@ async def open_local_cluster(
                     shard_offer=(here, shard_handles[index].port) if offered and kind is ChannelKind.DATA else None,
                     **listeners(),
                 )
-                relays[kind].append(await hosts_nursery.start(hold_open, relay))
+                relay_scopes[index].append(scope := trio.CancelScope())
+                relays[kind].append(await hosts_nursery.start(_held_in, scope, relay))
         yield LocalCluster(
             controller, relays[ChannelKind.DATA], [list(r) for r in hosts], world_size, session,
-            relays.get(ChannelKind.CONTROL, []), proxies, network, shard_handles, shard_scopes,
+            relays.get(ChannelKind.CONTROL, []), proxies, network, shard_handles, shard_scopes, relay_scopes,
         )

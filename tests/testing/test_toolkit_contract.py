@@ -325,3 +325,39 @@ async def test_wait_returns_outlasts_a_controller_that_is_down_or_frozen(salt):
             nursery.start_soon(wait_for_return)
             await trio.testing.wait_all_tasks_blocked(0.2)  # it is waiting on the frozen controller's page
             cluster.kill(1)
+
+
+async def test_close_relay_loses_that_host_alone(autojump_clock, salt):
+    """fault-injection.md: ``close_relay(i)`` stops host i's relays; its ranks raise
+    ``RankDeadError`` and the other hosts average on without them."""
+    import torch
+
+    from flodl_trio import RankDeadError, connect_reduce_client
+    from flodl_trio.testing import MemoryNetwork
+
+    means: dict[int, list[float]] = {}
+    errors: dict[int, BaseException] = {}
+    async with open_local_cluster(world_size=3, hosts=[[0], [1, 2]], salt=salt, network=MemoryNetwork()) as cluster:
+        first_done = {rank: trio.Event() for rank in range(3)}
+        closed = trio.Event()
+
+        async def rank_main(rank: int) -> None:
+            async with connect_reduce_client(cluster.relay_address(rank), rank, 3, salt,
+                                             connect=cluster.connect) as client:
+                await client.all_reduce_tensors([torch.full((4,), float(rank))])
+                first_done[rank].set()
+                await closed.wait()
+                try:
+                    means[rank] = (await client.all_reduce_tensors([torch.full((4,), float(rank))]))[0].tolist()
+                except RankDeadError as exc:
+                    errors[rank] = exc
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(3):
+                nursery.start_soon(rank_main, rank)
+            for event in first_done.values():
+                await event.wait()
+            cluster.close_relay(1)
+            closed.set()
+    assert means == {0: [0.0] * 4}
+    assert set(errors) == {1, 2} and all(f"rank {rank}" in str(errors[rank]) for rank in errors)
