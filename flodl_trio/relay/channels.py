@@ -160,6 +160,8 @@ class Channel:
         self._reconnected = ChangeSignal()
         self._write_lock = trio.Lock()  # the writer's per item, the reconnect's while it lasts
         self._goodbyes: dict[int, RankExit | RankFinished] = {}  # told again to a controller that comes back
+        self._goodbyes_queued: dict[int, int] = {}  # a rank's goodbyes not yet out of the writer's hands
+        self._goodbye_written = ChangeSignal()
         self.announced_outage = 0.0  # what the controller said it may be away for (Outage)
         self._shutdown_said = False
         self.role = role(self)
@@ -286,6 +288,7 @@ class Channel:
         notice = await self.role.rank_left(rank, out)
         if report:
             self._goodbyes[rank] = notice
+            self._goodbyes_queued[rank] = self._goodbyes_queued.get(rank, 0) + 1
             await out.send(notice)
         conn = self.conns.get(rank)
         if conn is not None:
@@ -343,7 +346,26 @@ class Channel:
                         continue  # a round through the shards: its commit comes on the new connection
                     if not isinstance(item, RankJoin):
                         break  # resent by the reconnect (a HostFrame, a goodbye), or stale (a heartbeat)
+                if isinstance(item, RankExit | RankFinished):
+                    self._goodbye_out(item.rank)
                 del item  # a sent HostFrame must not outlive its write while we wait for the next
+
+    def _goodbye_out(self, rank: int) -> None:
+        """A goodbye of ``rank`` left the writer's hands (written, or the reconnect's to resend)."""
+        left = self._goodbyes_queued.get(rank, 0) - 1
+        if left > 0:
+            self._goodbyes_queued[rank] = left
+        else:
+            self._goodbyes_queued.pop(rank, None)
+        self._goodbye_written.notify()
+
+    async def goodbyes_written(self, rank: int) -> None:
+        """Until every goodbye of ``rank`` queued so far is written upstream. A restarted
+        rank's state request waits for it: the controller must hear that the rank's last
+        connection ended before it hears the new one ask to come back, or it finds the
+        rank live and refuses it (a restart quicker than the relay's writer)."""
+        while self._goodbyes_queued.get(rank, 0) > 0:
+            await self._goodbye_written.wait()
 
     async def _write(self, item: Outbound) -> None:
         if isinstance(item, RankNotice):

@@ -482,7 +482,9 @@ class _Relay:
         try:
             with trio.fail_at(deadline):
                 request = magic + await conn.receive_exactly(STATE_REQUEST_LEN - 4, "the state request")
-            self._note_joiner(request)
+                rank = self._note_joiner(request)
+                if rank is not None and self.channel is not None:
+                    await self.channel.goodbyes_written(rank)  # its last connection's end goes first
             host, port = self.config.upstream
             stream = await connect_with_retry(host, port, f"relay {self.config.host_name} state pipe", bounds, self.connect)
             upstream = MessageStream(stream, f"controller {host}:{port} (state)", bounds)
@@ -496,16 +498,19 @@ class _Relay:
         except (FlodlError, *CONNECTION_LOST, trio.TooSlowError) as exc:
             log.info("relay %s: state request from %s ended early: %s", self.config.host_name, conn.peer, exc or "timed out")
 
-    def _note_joiner(self, request: bytes) -> None:
+    def _note_joiner(self, request: bytes) -> int | None:
         """A rank of this host that asks for its state called join(): it may come back
-        after a crash, so the relay stays up for it. (A request that does not verify
-        is still piped: the controller refuses it and says so in its log.)"""
+        after a crash, so the relay stays up for it; its rank (None: not one of ours, or
+        a request that does not verify, which is still piped: the controller refuses it
+        and says so in its log)."""
         try:
             rank = decode_state_request(request, self.config.world_size, self.config.salt).rank
         except ProtocolError:
-            return
-        if rank in self.config.ranks:
-            self.host.elastic.add(rank)
+            return None
+        if rank not in self.config.ranks:
+            return None
+        self.host.elastic.add(rank)
+        return rank
 
     def _supersedes_waiting(self, rank: int, conn: MessageStream) -> bool:
         """Whether a verified handshake for ``rank`` takes the place of its connection

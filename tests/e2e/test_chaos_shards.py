@@ -30,3 +30,21 @@ async def test_a_seeded_fault_schedule_leaves_every_window_exact(autojump_clock,
     except BaseException as exc:
         exc.add_note(plan.describe())
         raise
+
+
+@pytest.mark.deadline(5000)
+async def test_a_restart_quicker_than_its_relays_goodbye_is_not_refused_as_live(autojump_clock, monkeypatch):
+    """Seed 72 with every rank allowed to die: rank 6, the last live rank, crashes inside a
+    window while its relay's writer is busy, and its restart asks to come back at once.
+    Its state request overtook the relay's RankExit, and the controller, finding rank 6
+    live, refused it ("is another process running as rank 6?"). The relay now passes a
+    rank's state request on only once that rank's goodbye is written upstream. (What
+    the run then answers is another matter: every rank died through the shards, which
+    wire.md says such a controller cannot restart from.)"""
+    import tests.e2e.chaos_shards as chaos
+
+    monkeypatch.setattr(chaos, "KEEPER", False)
+    monkeypatch.setattr(chaos, "MID_P", 0.5)
+    run = await run_plan(make_plan(72))
+    refused_live = {rank: str(exc) for rank, exc in run.errors.items() if "is live on the cluster" in str(exc)}
+    assert not refused_live, refused_live
