@@ -62,6 +62,15 @@ class Daemon:
                 await self._grew.wait()
         return self.text
 
+    async def guard(self) -> None:
+        """Until the process exits; if the test ends first (it failed), kill it: no daemon
+        outlives its test."""
+        try:
+            await self.process.wait()
+        finally:
+            if self.process.returncode is None:
+                self.process.kill()
+
     async def pump(self) -> None:
         assert self.process.stderr is not None
         while chunk := await self.process.stderr.receive_some(65536):
@@ -77,6 +86,7 @@ async def start_daemon(nursery: trio.Nursery, module: str, *args: str, env: dict
     )
     daemon = Daemon(process)
     nursery.start_soon(daemon.pump)
+    nursery.start_soon(daemon.guard)
     return daemon
 
 
