@@ -148,19 +148,26 @@ def _shard_1_spoils_round_1(monkeypatch, spoil) -> None:
     monkeypatch.setattr(shard_core._Shard, "_signed_lane", spoiled)
 
 
+@contextlib.asynccontextmanager
+async def _two_hosts_through_two_shards(salt):
+    """Two hosts (a rank each) reducing through two shard servers, for at most 10 s."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
+            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
+                yield shards, ctl, relays
+            nursery.cancel_scope.cancel()
+
+
 async def _a_bad_shard_costs_only_itself(salt, caplog, named: str) -> None:
     """Three rounds of two hosts through two shards, shard 1 spoiling round 1: it is lost,
     its lanes move to shard 0, and no rank, relay or other shard pays; each relay's word
     names shard 1 and ``named``."""
     caplog.set_level(logging.WARNING)
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
-            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
-                got = await two_ranks_rounds(relays, 50_000, 3, salt)
-                assert ctl.stats.shards_lost == 1 and not ctl.dead_ranks.snapshot()
-                assert not shards[0].outcome.ended and not any(relay.outcome.ended for relay in relays)
-            nursery.cancel_scope.cancel()
+    async with _two_hosts_through_two_shards(salt) as (shards, ctl, relays):
+        got = await two_ranks_rounds(relays, 50_000, 3, salt)
+        assert ctl.stats.shards_lost == 1 and not ctl.dead_ranks.snapshot()
+        assert not shards[0].outcome.ended and not any(relay.outcome.ended for relay in relays)
     assert_means(got, 50_000)
     said = [r.getMessage() for r in caplog.records if "shard 1 failed (" in r.getMessage()]
     assert len(said) == 2 and all(named in line for line in said), [r.getMessage() for r in caplog.records]
@@ -262,13 +269,9 @@ async def test_a_decide_replayed_to_a_shard_is_ignored_and_costs_nobody(salt, mo
     monkeypatch.setattr(shard_core._Shard, "_sum_lane", holding)
     monkeypatch.setattr(controller_shards.ShardSet, "_send_records", keeping)
     caplog.set_level(logging.WARNING)
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            shards = [await nursery.start(hold_open, open_shard(LOOP, 0, salt=salt)) for _ in range(2)]
-            async with two_hosts_on(shards, nursery, salt) as (ctl, relays):
-                got = await two_ranks_rounds(relays, 50_000, 3, salt)
-                assert replayed.is_set()
-                assert ctl.stats.shards_lost == 0 and not ctl.dead_ranks.snapshot()
-            nursery.cancel_scope.cancel()
+    async with _two_hosts_through_two_shards(salt) as (_shards, ctl, relays):
+        got = await two_ranks_rounds(relays, 50_000, 3, salt)
+        assert replayed.is_set()
+        assert ctl.stats.shards_lost == 0 and not ctl.dead_ranks.snapshot()
     assert_means(got, 50_000)
     assert any("shard 1: the controller's Decide 1 again" in r.getMessage() for r in caplog.records)
