@@ -36,7 +36,7 @@ from ..transport.tasks import nothing
 from ..wire.fragment import FragmentTag, fragment_of
 from ..wire.mux import MuxKind
 from ..wire.quant import DeltaCodec
-from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind
+from ..wire.round_frame import EncodedFrame, RoundFrame, RoundKind, encoded_frame_weight
 from .seats import Seats
 from .stats import ControllerStats
 
@@ -297,16 +297,31 @@ class WindowStore:
         if params is None:
             return
         if fragment is None:
+            before = self.latest
+            if before is not None and len(before.params) == 1:
+                params = _with_work(params, before.params[0])
+            if buffers is not None and before is not None:
+                buffers = _with_work(buffers, before.buffers)
             self.latest = WindowState(self._window, (params,), buffers)
             return
         if len(self._newest) != fragment.count:  # a new fragment layout: start over
             self._newest, self._newest_buffers = [None] * fragment.count, None
-        self._newest[fragment.index] = params
+        self._newest[fragment.index] = _with_work(params, self._newest[fragment.index])
         if buffers is not None:
-            self._newest_buffers = buffers
+            self._newest_buffers = _with_work(buffers, self._newest_buffers)
         newest = [f for f in self._newest if f is not None]
         if len(newest) == fragment.count:  # every fragment has had a window
             self.latest = WindowState(self._window, tuple(newest), self._newest_buffers)
+
+
+def _with_work(frame: EncodedFrame, before: EncodedFrame | None) -> EncodedFrame:
+    """A window's consensus frame, or - when its accepted mass was 0 (no rank did any
+    work, so every rank kept what it held) - the frame before it, which is what the
+    ranks hold (docs/wire.md, "Zero accepted mass"). A joiner loads that, not the
+    weight-0 sums its join would skip."""
+    if before is not None and encoded_frame_weight(frame) <= 0:
+        return before
+    return frame
 
 
 class ControllerRound:

@@ -556,7 +556,9 @@ class DeltaLineage:
         assert self.downlink is not None
         return RoundFrame(
             [TensorPayload(0, shape, base.copy()) for shape, base in zip(self._shapes, self.downlink.base)],
-            RoundKind.MODEL, weight,
+            # Every rank takes a delta consensus, mass 0 or not (the base moves): never
+            # a weight-0 frame, which a joiner would skip.
+            RoundKind.MODEL, weight if weight > 0 else 1.0,
         )
 
 

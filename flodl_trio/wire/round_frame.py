@@ -263,6 +263,17 @@ def frame_body_chunks(frame: RoundFrame) -> EncodedFrame:
     return EncodedFrame(chunks, total)
 
 
+def encoded_frame_weight(frame: EncodedFrame) -> float:
+    """The weight field of an encoded RoundFrame (its header's last 8 bytes), read in
+    place: a frame this side encoded or verified, so its header is whole."""
+    head = bytearray()
+    for chunk in frame.chunks:
+        head += memoryview(chunk).cast("B")[: _FRAME_HEADER.size - len(head)]
+        if len(head) == _FRAME_HEADER.size:
+            return float(_FRAME_HEADER.unpack(head)[3])
+    raise FramingError(f"an encoded RoundFrame of {frame.nbytes} bytes, shorter than its {_FRAME_HEADER.size}-byte header")
+
+
 def encode_round_frame_chunks(frame: RoundFrame, salt: SessionSalt) -> EncodedFrame:
     """Serialize and sign ``frame`` without copying its large payloads."""
     body = frame_body_chunks(frame)

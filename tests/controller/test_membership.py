@@ -6,6 +6,8 @@ fold lets a returning rank in (:class:`HostFold`), and the two wire additions
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ from flodl_trio.errors import FramingError, HandshakeError, MacError
 from flodl_trio.relay import HostFold
 from flodl_trio.relay.host_fold import FoldedHostFrame
 from flodl_trio.wire import EncodedFrame, SessionSalt
+from flodl_trio.wire.constants import ROUND_FRAME_MAGIC
 from flodl_trio.wire.fragment import FragmentTag
 from flodl_trio.wire.mux import (
     DeclareDead,
@@ -152,8 +155,14 @@ def test_membership_death_time_is_the_first_one():
 # -- WindowStore ------------------------------------------------------------------------------
 
 
-def encoded(tag: bytes) -> EncodedFrame:
-    return EncodedFrame([tag], len(tag))
+def encoded(tag: bytes, weight: float = 1.0) -> EncodedFrame:
+    """A stand-in consensus frame: a RoundFrame header (the store reads its weight), then ``tag``."""
+    header = struct.pack("<IIBd", ROUND_FRAME_MAGIC, 1, 0, weight)
+    return EncodedFrame([header, tag], len(header) + len(tag))
+
+
+def kept_tags(frames: Sequence[EncodedFrame]) -> list[bytes]:
+    return [frame.chunks[-1] for frame in frames]
 
 
 def feed(store: WindowStore, window: int, model_rounds: int) -> list[bool]:
@@ -169,7 +178,7 @@ def test_window_store_learns_the_window_shape_then_names_each_windows_last_round
     assert store.latest is None
     assert feed(store, 1, 2) == [False, False, True]  # window 1's buffers round ends it
     assert store.latest is not None and store.latest.window == 1
-    assert [f.chunks for f in store.latest.params] == [[b"w1r1"]] and store.latest.buffers.chunks == [b"w1r2"]
+    assert kept_tags(store.latest.params) == [b"w1r1"] and kept_tags([store.latest.buffers]) == [b"w1r2"]
 
 
 def test_window_store_without_buffers_a_window_is_one_model_round():
@@ -210,12 +219,37 @@ def test_window_store_with_fragments_keeps_each_fragments_newest_and_the_buffers
     assert ends[5] == [False, False, True]
     state = store.latest
     assert state is not None and state.window == 5
-    assert [f.chunks for f in state.params] == [[b"w3r1"], [b"w4r1"], [b"w5r1"]]
-    assert state.buffers.chunks == [b"w5r2"]
-    assert [f.chunks for f in state.frames] == [[b"w3r1"], [b"w4r1"], [b"w5r1"], [b"w5r2"]]
+    assert kept_tags(state.params) == [b"w3r1", b"w4r1", b"w5r1"]
+    assert kept_tags([state.buffers]) == [b"w5r2"]
+    assert kept_tags(state.frames) == [b"w3r1", b"w4r1", b"w5r1", b"w5r2"]
     # The next fragment-0 window replaces only fragment 0's frame; the buffers stay the newest.
     assert feed_fragment(store, 6, tags[0], 1) == [False, True]
-    assert [f.chunks for f in store.latest.frames] == [[b"w6r1"], [b"w4r1"], [b"w5r1"], [b"w5r2"]]
+    assert kept_tags(store.latest.frames) == [b"w6r1", b"w4r1", b"w5r1", b"w5r2"]
+
+
+def test_window_store_keeps_the_frames_before_a_window_with_no_work_under_its_index():
+    """A window whose accepted mass is 0 left every rank with what it had: the store keeps
+    the window before's params and buffers (what a joiner must load) as its state."""
+    store = WindowStore()
+    feed(store, 0, 2)
+    feed(store, 1, 2)
+    store.keep(WindowPart(2, 0), encoded(b"c2"))
+    store.keep(WindowPart(2, 1), encoded(b"w2r1", weight=0.0))
+    assert store.keep(WindowPart(2, 2), encoded(b"w2r2", weight=0.0))
+    assert store.latest.window == 2
+    assert kept_tags(store.latest.frames) == [b"w1r1", b"w1r2"]
+    feed(store, 3, 2)
+    assert kept_tags(store.latest.frames) == [b"w3r1", b"w3r2"]
+
+
+def test_window_store_with_fragments_keeps_a_fragments_frame_before_a_window_with_no_work():
+    store = WindowStore()
+    fragment = [FragmentTag(i, 2) for i in range(2)]
+    for window in range(4):
+        feed_fragment(store, window, fragment[window % 2], 1)
+    store.keep(WindowPart(4, 0, fragment[0]), encoded(b"c4"))
+    assert store.keep(WindowPart(4, 1, fragment[0]), encoded(b"w4r1", weight=0.0))
+    assert store.latest.window == 4 and kept_tags(store.latest.frames) == [b"w2r1", b"w3r1"]
 
 
 # -- HostFold: a rank coming back -------------------------------------------------------------

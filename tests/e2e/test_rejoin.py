@@ -658,3 +658,53 @@ async def test_a_rank_coming_back_with_another_model_is_refused_and_the_cluster_
                 nursery.start_soon(comes_back_with_another_model)
     assert "model signature mismatch: rank 3" in caplog.text
     check_every_window(record, {0, 1, 2})
+
+
+
+@pytest.mark.parametrize("codec", [None, "fp4"], ids=["f32", "delta-fp4"])
+@pytest.mark.trio
+async def test_a_window_with_no_work_keeps_the_state_ranks_returning_after_every_death_load(codec):
+    """A window in which no rank did any work (accepted mass 0) leaves every rank with
+    the params it had (a delta run's ranks take its consensus, which moves the base).
+    Ranks that return after the whole cluster died load what the ranks held after
+    it, not their fresh initialisation (join skips a weight-0 frame), and train on
+    together in step (in a delta run, from the base every rank holds)."""
+    from flodl_trio.wire.quant import DeltaCodec
+
+    held: dict[int, list[bytes]] = {}
+    given: dict[int, list[bytes]] = {}  # the state the controller gave each returning rank
+    loaded: dict[int, list[bytes]] = {}
+    finals: dict[int, list[bytes]] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60) as cluster:
+
+            async def life(rank: int, first: bool) -> None:
+                params, buffers = fresh_model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    client.delta_codec = None if codec is None else DeltaCodec.parse(codec)
+                    start = await client.join(params, buffers)
+                    if not first:
+                        state = client.last_state
+                        assert state.window == 2
+                        given[rank] = [bytes(t.data) for frame in state.frames for t in frame.tensors]
+                        if not state.catch_up:  # (one that enters later takes the windows since, too)
+                            loaded[rank] = [t.numpy().tobytes() for t in params + buffers]
+                    for window in range(start, 2 if first else 5):
+                        trained(params, rank, window)
+                        await average_window(client, params, buffers, 1 + rank, rank=rank, world_size=2, in_place=True)
+                    if not first:
+                        finals[rank] = [t.numpy().tobytes() for t in params + buffers]
+                        return
+                    # Window 2: no work anywhere.
+                    await average_window(client, params, buffers, 0, rank=rank, world_size=2, in_place=True)
+                    held[rank] = [t.numpy().tobytes() for t in params + buffers]
+                    await client.aclose()  # every rank crashes after window 2
+
+            for first in (True, False):
+                async with trio.open_nursery() as nursery:
+                    for rank in (0, 1):
+                        nursery.start_soon(life, rank, first)
+    assert held[0] == held[1]
+    assert given[0] == given[1] == held[0]
+    assert loaded and all(tensors == held[0] for tensors in loaded.values())
+    assert finals[0] == finals[1]
