@@ -32,6 +32,22 @@ async def test_a_seeded_fault_schedule_leaves_every_window_exact(autojump_clock,
         raise
 
 
+# Seeds in which every rank may die (returning ranks then start again from the state
+# the controller kept): in 31 every rank dies inside a window the controller finished.
+ALL_DIE_SEEDS = [15, 31, 40]
+
+
+@pytest.mark.deadline(5000)
+@pytest.mark.parametrize("seed", ALL_DIE_SEEDS)
+async def test_a_fault_schedule_that_may_kill_every_rank_leaves_every_window_exact(autojump_clock, seed):
+    plan = make_plan(seed, keeper=False)
+    try:
+        check_run(await run_plan(plan))
+    except BaseException as exc:
+        exc.add_note(plan.describe())
+        raise
+
+
 @pytest.mark.deadline(5000)
 async def test_a_restart_quicker_than_its_relays_goodbye_is_not_refused_as_live(autojump_clock, monkeypatch):
     """Seed 72 with every rank allowed to die: rank 6, the last live rank, crashes inside a
