@@ -77,16 +77,21 @@ class RankDelta:
         staged = [uplink.stage(i, p, b, w) for i, (p, b) in enumerate(zip(params, self.base))]
         return delta_frame(staged, shapes, self.codec, self.digest, weight, uplink.encode_staged)
 
-    def take(self, reply: RoundFrame, rank: int) -> list[F32Array]:
+    def take(self, reply: RoundFrame, rank: int) -> list[F32Array] | None:
         """The consensus in: the base advanced (or set, after a lineage's first round);
         the new params. The base is checked against the digest the controller computed
         in a thread meanwhile; :meth:`verify` (which :meth:`frame` and the next take
-        call first) waits for the check and raises if the two differ."""
+        call first) waits for the check and raises if the two differ. None: a first
+        round with zero accepted mass, which started no lineage (its sums are no one's
+        params): the rank keeps its own params and has no base yet."""
         self.verify()
         digest = digest_of(reply)
         if digest is None:
             raise SchemaError(f"rank {rank}: a delta round's consensus carries no base digest")
         codec = codec_of(reply)
+        if codec is None and digest == NO_BASE:
+            self.base, self.digest = None, NO_BASE
+            return None
         if codec is None:
             self.base = [np.array(np.frombuffer(t.data, dtype=F32), copy=True) if t.nbytes else np.zeros(t.numel, F32)
                          for t in reply.tensors[:-1]]

@@ -336,7 +336,9 @@ class ReduceClient:
             round_frame_to_tensors(buffers_frame, out=list(buffers))
         if self.delta_codec is not None:  # a delta run's bases (set the codec first): the model's, or each fragment's
             fragmented = len(params_frames) > 1
-            self._joined_params = {(p if fragmented else None): f32_copies(pieces) for p, pieces in enumerate(destinations)}
+            # (A weight-0 frame: a lineage whose first round had no mass, so no base yet.)
+            self._joined_params = {(p if fragmented else None): f32_copies(pieces)
+                                   for p, (frame, pieces) in enumerate(zip(params_frames, destinations)) if frame.weight > 0}
         if state.catch_up:
             self._catch_up(destinations, state)
         self.catching_up = set(range(len(params_frames))) if state.behind else set()
@@ -357,7 +359,8 @@ class ReduceClient:
         for offset, frame in enumerate(state.catch_up):
             fragment = (state.window + 1 + offset) % fragments if fragments > 1 else None
             base = self.delta_state(fragment).take(frame, self.rank)
-            copy_arrays_into(destinations[fragment or 0], base)
+            if base is not None:  # (None: a first round with zero mass, which every rank skipped)
+                copy_arrays_into(destinations[fragment or 0], base)
 
     def delta_state(self, fragment: int | None = None) -> RankDelta:
         """This rank's delta-round state for :attr:`delta_codec` and one params set (the

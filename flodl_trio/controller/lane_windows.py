@@ -208,7 +208,8 @@ class LaneWindows:
             self.lineages.window_fragment = part.fragment.index if part is not None and part.fragment else None
         self._joins_whole = self.join_whole
         if self._delta is not None:
-            self._delta.lineage.begin_lanes([shape for _, shape in schema], DeltaCodec.of_tag(layout.schema[0][0]))
+            self._delta.lineage.begin_lanes([shape for _, shape in schema], DeltaCodec.of_tag(layout.schema[0][0]),
+                                             lane0.weight)
             # The coded consensus joined for the joiners' catch-up; the checkpoint gets x.
             joined = self._joins_whole or (self.keep_window_state and part is not None)
         else:

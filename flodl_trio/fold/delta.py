@@ -375,6 +375,7 @@ class DeltaLineage:
         self.rounds = 0  # rounds finished (each changes x and the base)
         self._shapes: list[tuple[int, ...]] = []
         self._first_in_lanes = False  # a lineage's first round, going out lane by lane
+        self._lanes_start = True  # whether that first round has mass (starts the lineage)
         self._lane_codec: DeltaCodec | None = None  # the code of the round going out lane by lane
         # The new base's digest, fed piece by piece as lanes go out (they come in order).
         self._lane_hash = hashlib.blake2b(digest_size=DIGEST_LEN)
@@ -431,6 +432,8 @@ class DeltaLineage:
         x = [np.array(flat_f32(t), dtype=F32, copy=True) for t in params.tensors]
         self._shapes = [tuple(t.shape) for t in params.tensors]
         self.x = x
+        if codec is None and not params.weight > 0:
+            return self._not_started(params)
         if codec is None or self.downlink is None:
             self.downlink = DeltaDownlink(codec.code if codec else Code.INT8, codec.block if codec else 1024, x)
             self.digest = base_digest(self.downlink.base)
@@ -441,6 +444,15 @@ class DeltaLineage:
         downlink.code, downlink.block = codec.code, codec.block
         return delta_frame(x, self._shapes, codec, self._advanced_digest, params.weight, downlink.encode_tensor)
 
+    def _not_started(self, params: RoundFrame) -> RoundFrame:
+        """A first round with zero accepted mass: every rank sent ``0 x params``, so the
+        sums are no params of anyone's and start no lineage. The ranks keep their own
+        params and no base (the digest goes back as :data:`NO_BASE`); the next round
+        with mass is the lineage's first."""
+        self.downlink, self.digest = None, NO_BASE
+        return RoundFrame([*params.tensors, TensorPayload(DTYPE_BASE_DIGEST, (DIGEST_LEN,), NO_BASE)],
+                          RoundKind.MODEL, params.weight)
+
     def _advanced_digest(self) -> bytes:
         """The digest of the base as the downlink just advanced it (kept for the next round's checks)."""
         assert self.downlink is not None
@@ -450,14 +462,16 @@ class DeltaLineage:
 
     # -- a delta round that goes out lane by lane (docs/wire.md, "In lanes") --------
 
-    def begin_lanes(self, shapes: Sequence[tuple[int, ...]], codec: DeltaCodec | None) -> None:
-        """A round in lanes starts; ``codec`` None: its params are f32 (a lineage's first)."""
+    def begin_lanes(self, shapes: Sequence[tuple[int, ...]], codec: DeltaCodec | None, weight: float = 1.0) -> None:
+        """A round in lanes starts; ``codec`` None: its params are f32 (a lineage's first,
+        unless its accepted mass ``weight`` is 0: see :meth:`_not_started`)."""
         self._lane_hash = hashlib.blake2b(digest_size=DIGEST_LEN)
         self._lane_codec = codec
         if codec is None or self.downlink is None:
             self._shapes = [tuple(shape) for shape in shapes]
             self.x = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=F32) for shape in shapes]
             self._first_in_lanes = True
+            self._lanes_start = weight > 0
             return
         if [tuple(shape) for shape in shapes] != self._shapes:
             raise SchemaError(f"a delta round of shapes {[list(s) for s in shapes]}, the lineage's are "
@@ -493,6 +507,10 @@ class DeltaLineage:
         """Every piece of the round went out: the digest of the base the ranks now hold
         (after a first round, ``x`` itself), hashed piece by piece as they went (the
         pieces cover every tensor in order: :func:`base_digest`'s bytes)."""
+        if self._first_in_lanes and not self._lanes_start:  # zero mass: no lineage (see _not_started)
+            self._first_in_lanes = False
+            self.downlink, self.digest = None, NO_BASE
+            return NO_BASE
         if self._first_in_lanes:
             assert self.x is not None
             self.downlink = DeltaDownlink(Code.INT8, 1024, self.x)
@@ -552,8 +570,13 @@ class DeltaLineage:
     def joiner_frame(self, weight: float) -> RoundFrame:
         """The base in f32, as a params consensus: where a joiner starts. A copy: the
         base advances in place with the next round, while this frame is kept (signed,
-        its payloads read as they are) until a later window replaces it."""
-        assert self.downlink is not None
+        its payloads read as they are) until a later window replaces it. Before the
+        lineage started (a first round with zero mass) it is that round's weight-0
+        params: the ranks kept their own, and so does a joiner."""
+        if self.downlink is None:
+            assert self.x is not None
+            return RoundFrame([TensorPayload(0, shape, x.copy()) for shape, x in zip(self._shapes, self.x)],
+                              RoundKind.MODEL, 0.0)
         return RoundFrame(
             [TensorPayload(0, shape, base.copy()) for shape, base in zip(self._shapes, self.downlink.base)],
             # Every rank takes a delta consensus, mass 0 or not (the base moves): never

@@ -83,7 +83,9 @@ async def delta_reduce(
     """The params round of a delta run (docs/wire.md, "Delta rounds"): this window's
     change since the base goes out coded, the new consensus comes back as a delta
     against that base. Unlike an f32 round the consensus is adopted even when the
-    accepted mass is 0: the base every rank holds moves with every consensus.
+    accepted mass is 0: the base every rank holds moves with every consensus - except
+    in a lineage's first round, whose zero-mass sums are nobody's params (the ranks
+    keep theirs, and the next round with mass starts the lineage).
     ``fragment``: the params are that fragment's pieces, a lineage of their own."""
     from ..client.tensors import copy_arrays_into, f32_copies, f32_views
 
@@ -93,6 +95,8 @@ async def delta_reduce(
     snapshot = f32_views(params) or f32_copies(params, out=state.snapshot_buffers([p.numel() for p in params]))
     frame = state.frame(snapshot, [tuple(p.shape) for p in params], weight)
     base = state.take(await client.all_reduce(frame), client.rank)
+    if base is None:  # a first round with zero mass: no lineage yet, every rank kept its params
+        return list(params)
     if in_place:
         copy_arrays_into(params, base)
         return list(params)

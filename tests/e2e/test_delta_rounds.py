@@ -501,3 +501,88 @@ async def test_a_rank_that_comes_back_to_a_fragmented_run_takes_each_fragments_b
     for window in range(joined[0], total):  # its windows after it came back: the same bits as rank 0's
         for got, want in zip(seen[1, window], seen[0, window]):
             assert np.array_equal(got, want), window
+
+
+async def train_after_idle_windows(
+    client, rank: int, world: int, params: list[torch.Tensor], windows: range, idle: int,
+    seen: dict[tuple[int, int], list[np.ndarray]],
+) -> None:
+    """Windows before ``idle`` carry no work (no change, step count 0); window ``idle + k``
+    is the oracle's window ``k``."""
+    for window in windows:
+        if window >= idle:
+            with torch.no_grad():
+                for p, c in zip(params, change(rank, window - idle)):
+                    p.view(-1).add_(torch.from_numpy(c))
+        steps = steps_of(rank, window - idle) if window >= idle else 0
+        await average_window(client, params, [], steps, rank=rank, world_size=world, in_place=True)
+        seen[rank, window] = [p.detach().reshape(-1).numpy().copy() for p in params]
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.trio
+async def test_a_first_window_with_no_work_leaves_every_rank_its_params_and_the_next_starts_the_lineage(lanes):
+    """A lineage's first round carries ``weight x params`` in f32: with no work anywhere
+    its sums are zeros, no one's params. The ranks keep their own (as after any
+    zero-mass round), hold no base, and the first window with work starts the
+    lineage: from there the run is a fresh run's, bit for bit."""
+    hosts, idle = [[0, 1], [2]], 2
+    codec = DeltaCodec.parse("int8")
+    seen: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    async def rank_main(rank: int) -> None:
+        async with connect_reduce_client(cluster.relay_address(rank), rank, 3, SALT) as client:
+            client.delta_codec = codec
+            await train_after_idle_windows(client, rank, 3, model(rank), range(idle + WINDOWS), idle, seen)
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=3, hosts=hosts, salt=SALT, lanes=lanes, lane_min_bytes=0) as cluster:
+            async with trio.open_nursery() as nursery:
+                for rank in range(3):
+                    nursery.start_soon(rank_main, rank)
+    for window in range(idle):
+        for rank in range(3):
+            assert all(np.array_equal(got, want) for got, want in zip(seen[rank, window], initial(rank))), (rank, window)
+    want = oracle(hosts, codec)
+    for window in range(WINDOWS):
+        for rank in range(3):
+            for index, (got, expected) in enumerate(zip(seen[rank, idle + window], want[window])):
+                assert np.array_equal(got, expected), f"window {idle + window} rank {rank} tensor {index}"
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.trio
+async def test_ranks_returning_before_any_window_had_work_keep_their_params_and_start_the_lineage(lanes):
+    """Every rank dies after two windows with no work: the state a returning rank is
+    given is no one's params (the lineage never started), so join leaves its own, it
+    holds no base, and the returned ranks start the lineage and train on in step (a
+    base taken from its own params would be refused as another lineage's)."""
+    codec = DeltaCodec.parse("int8")
+    loaded: dict[int, bool] = {}
+    finals: dict[int, list[bytes]] = {}
+    seen: dict[tuple[int, int], list[np.ndarray]] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, lanes=lanes, lane_min_bytes=0,
+                                      rejoin_timeout=60) as cluster:
+
+            async def life(rank: int, first: bool) -> None:
+                params = model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    client.delta_codec = codec
+                    start = await client.join(params, [])
+                    if first:
+                        await train_after_idle_windows(client, rank, 2, params, range(2), 2, seen)
+                        await client.aclose()  # every rank crashes before any window had work
+                        return
+                    if not client.last_state.catch_up:  # (one that entered later was sent the windows since)
+                        loaded[rank] = all(np.array_equal(p.reshape(-1).numpy(), w) for p, w in zip(params, initial(rank)))
+                    await train_after_idle_windows(client, rank, 2, params, range(start, 6), 2, seen)
+                    finals[rank] = [p.numpy().tobytes() for p in params]
+
+            for first in (True, False):
+                async with trio.open_nursery() as nursery:
+                    for rank in (0, 1):
+                        nursery.start_soon(life, rank, first)
+            assert cluster.controller.stats.rejoins == 2
+    assert loaded and all(loaded.values())
+    assert finals[0] == finals[1]
