@@ -357,6 +357,8 @@ class Returns:
         finished window, whoever has come back: there is nothing to send)."""
         if self.dead.dead_count() < self.config.world_size:
             return
+        if self.window_store.end_unnamed_window():  # the run's first window, say: it did finish
+            return self._send_states_due()  # (which comes back here, with that window's state)
         state = self.window_store.latest
         if self.kept_state_may_be_old and self.window_store.ended > (-1 if state is None else state.window):
             return self._refuse_every_return(

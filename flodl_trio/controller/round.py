@@ -278,6 +278,20 @@ class WindowStore:
         if latest is not None and fragments is not None and len(latest.params) == fragments:
             self._newest, self._newest_buffers = list(latest.params), latest.buffers
 
+    def end_unnamed_window(self) -> bool:
+        """Every rank is dead: the window in progress gets no more rounds. One whose shape
+        is not learned yet (the run's first window, or a fragment's first) could not be
+        named finished at its last round, though its Model rounds went out and the
+        ranks held them: it ends now, so a returning rank loads them. Its shape stays
+        unlearned: a first window cut short between its params and buffers rounds looks
+        the same, and its params are what the ranks held too. True if that made a new
+        state for joiners."""
+        if self._window < 0 or self.model_rounds_per_window is not None or self._model_rounds == 0:
+            return False
+        before = self.latest
+        self._complete()
+        return self.latest is not before
+
     def abandon_window(self) -> None:
         """The window in progress will not finish (every rank died): forget its frames,
         and do not learn the window shape from it."""

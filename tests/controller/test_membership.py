@@ -252,6 +252,32 @@ def test_window_store_with_fragments_keeps_a_fragments_frame_before_a_window_wit
     assert store.latest.window == 4 and kept_tags(store.latest.frames) == [b"w2r1", b"w3r1"]
 
 
+
+def test_window_store_ends_a_first_window_whose_shape_it_never_learned_once_every_rank_died():
+    """The first window's end cannot be named at its last round (its shape is learned at
+    the next Control round); with every rank dead none comes, and the window ends then."""
+    store = WindowStore()
+    assert not store.end_unnamed_window()  # no window yet
+    store.keep(WindowPart(0, 0), encoded(b"c0"))
+    assert not store.end_unnamed_window()  # no Model round went out: nothing to end
+    assert not store.keep(WindowPart(0, 1), encoded(b"w0r1"))
+    assert not store.keep(WindowPart(0, 2), encoded(b"w0r2"))
+    assert store.latest is None
+    assert store.end_unnamed_window()
+    assert store.latest.window == 0 and kept_tags(store.latest.frames) == [b"w0r1", b"w0r2"]
+    assert not store.end_unnamed_window()  # once
+    assert store.model_rounds_per_window is None  # (not learned from a window that may have been cut short)
+
+
+def test_window_store_leaves_a_window_of_known_shape_cut_short_to_be_abandoned():
+    store = WindowStore()
+    feed(store, 0, 2)
+    feed(store, 1, 2)
+    store.keep(WindowPart(2, 0), encoded(b"c2"))
+    store.keep(WindowPart(2, 1), encoded(b"w2r1"))  # every rank dies before the buffers round
+    assert not store.end_unnamed_window()
+    assert store.latest.window == 1
+
 # -- HostFold: a rank coming back -------------------------------------------------------------
 
 

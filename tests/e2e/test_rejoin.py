@@ -708,3 +708,46 @@ async def test_a_window_with_no_work_keeps_the_state_ranks_returning_after_every
     assert given[0] == given[1] == held[0]
     assert loaded and all(tensors == held[0] for tensors in loaded.values())
     assert finals[0] == finals[1]
+
+
+@pytest.mark.parametrize("with_buffers", [True, False], ids=["buffers", "no-buffers"])
+@pytest.mark.trio
+async def test_ranks_returning_after_every_rank_died_after_the_first_window_load_its_consensus(with_buffers):
+    """Every rank dies after the run's first window. The controller learns how many Model
+    rounds a window has from the window before, so it could not name the first one
+    finished at its last round; its rounds went out all the same, and the first rank
+    back loads its consensus (not its fresh initialisation) and restarts the run at
+    window 1; all train on in step."""
+    held: dict[int, list[bytes]] = {}
+    loaded: dict[int, list[bytes]] = {}
+    starts: dict[int, int] = {}
+    finals: dict[int, list[bytes]] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60) as cluster:
+
+            async def life(rank: int, first: bool) -> None:
+                params, buffers = fresh_model(rank if first else rank + 10)
+                buffers = buffers if with_buffers else []
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    start = await client.join(params, buffers)
+                    if not first:
+                        starts[rank] = start
+                        if not client.last_state.catch_up:
+                            loaded[rank] = [t.numpy().tobytes() for t in params + buffers]
+                    for window in range(start, 1 if first else 4):
+                        trained(params, rank, window)
+                        await average_window(client, params, buffers, 1 + rank, rank=rank, world_size=2, in_place=True)
+                    if first:
+                        held[rank] = [t.numpy().tobytes() for t in params + buffers]
+                        await client.aclose()  # every rank crashes after window 0
+                    else:
+                        finals[rank] = [t.numpy().tobytes() for t in params + buffers]
+
+            for first in (True, False):
+                async with trio.open_nursery() as nursery:
+                    for rank in (0, 1):
+                        nursery.start_soon(life, rank, first)
+    assert held[0] == held[1]
+    assert min(starts.values()) == 1, starts  # the first back restarts the run after window 0
+    assert loaded and all(tensors == held[0] for tensors in loaded.values())
+    assert finals[0] == finals[1]
