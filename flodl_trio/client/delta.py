@@ -58,8 +58,9 @@ class RankDelta:
         self.digest = base_digest(self.base)
 
     def frame(self, params: Sequence[F32Array], shapes: Sequence[tuple[int, ...]], weight: float) -> RoundFrame:
-        """This window's contribution: ``weight x (params - base)`` coded, or - with no base
-        yet - ``weight x params`` in f32 (the lineage's first round); the digest last.
+        """This window's contribution: ``weight x (params - base)`` coded (plus the residual,
+        when ``weight`` > 0), or - with no base yet - ``weight x params`` in f32 (the
+        lineage's first round); the digest last.
         The last consensus's digest check ends first: no delta goes out against a
         base that differs."""
         self.verify()
@@ -74,6 +75,10 @@ class RankDelta:
         if self._uplink is None or self._uplink.sizes != tuple(sizes):
             self._uplink = DeltaUplink(self.codec.code, self.codec.block, sizes, error_feedback=self.error_feedback)
         uplink = self._uplink
+        if not w > 0:  # no work: a zero delta, and the residual waits for a window with work
+            zeros = [np.zeros(size, dtype=F32) for size in sizes]
+            return delta_frame(zeros, shapes, self.codec, self.digest, weight,
+                               lambda index, delta, out: uplink.hold_piece(index, 0, delta, out))
         staged = [uplink.stage(i, p, b, w) for i, (p, b) in enumerate(zip(params, self.base))]
         return delta_frame(staged, shapes, self.codec, self.digest, weight, uplink.encode_staged)
 

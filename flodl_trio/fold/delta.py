@@ -118,6 +118,13 @@ class DeltaUplink:
         """Code what :meth:`stage` left for tensor ``index``; the residual keeps what it drops."""
         encode(staged, out, self.code, self.block, residual=self.residual[index] if self.error_feedback else None)
 
+    def hold_piece(self, index: int, start: int, delta: F32Array, out: Payload) -> None:
+        """:meth:`encode_piece` for a delta of weight 0 (no work): coded without the
+        residual, which waits for a round with mass. A round with no accepted mass is
+        not divided, so a residual sent in it would move the consensus by the
+        contributors' undivided masses' worth of what their codes dropped."""
+        encode(delta, out, self.code, self.block)
+
     def encode_piece(self, index: int, start: int, delta: F32Array, out: Payload) -> None:
         """Elements ``start:start + delta.size`` of tensor ``index`` (``start`` on a block
         boundary): the bytes, and the residual, the whole tensor's encode gives them."""
@@ -325,10 +332,15 @@ class PendingHostDelta:
         self.codec = codec
         self._uplink = uplink
         self._sums = sums
+        # A host whose ranks did no work sends its sums (zeros) without its residual.
+        self._encode_piece = uplink.encode_piece if summed.weight > 0 else uplink.hold_piece
 
     @property
     def weight(self) -> float:
         return self.summed.weight
+
+    def _encode_tensor(self, index: int, delta: F32Array, out: Payload) -> None:
+        self._encode_piece(index, 0, delta, out)
 
     def schema_frame(self) -> RoundFrame:
         """The frame's schema (empty tensors of its coded dtypes): what its lanes are cut by."""
@@ -338,7 +350,7 @@ class PendingHostDelta:
         shapes = [tuple(t.shape) for t in self.summed.tensors[:-1]]
         digest = digest_of(self.summed)
         assert digest is not None
-        return delta_frame(self._sums, shapes, self.codec, digest, self.weight, self._uplink.encode_tensor)
+        return delta_frame(self._sums, shapes, self.codec, digest, self.weight, self._encode_tensor)
 
     def lanes(self, layout: LaneLayout) -> Iterator[RoundFrame]:
         """The frame as ``layout``'s lane frames, in order (as :meth:`LaneLayout.split`
@@ -354,7 +366,7 @@ class PendingHostDelta:
                 tensors.append(self.summed.tensors[-1])
                 continue
             out = bytearray(self.codec.payload_bytes(p.numel))
-            self._uplink.encode_piece(p.tensor, p.start, self._sums[p.tensor][p.start:p.stop], out)
+            self._encode_piece(p.tensor, p.start, self._sums[p.tensor][p.start:p.stop], out)
             tensors.append(TensorPayload(self.codec.tag, (p.numel,), out))
         return RoundFrame([*tensors, *trailer], RoundKind.MODEL, self.weight)
 

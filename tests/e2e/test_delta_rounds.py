@@ -586,3 +586,48 @@ async def test_ranks_returning_before_any_window_had_work_keep_their_params_and_
             assert cluster.controller.stats.rejoins == 2
     assert loaded and all(loaded.values())
     assert finals[0] == finals[1]
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.parametrize("codec", ["int8", "fp4"])
+@pytest.mark.trio
+async def test_a_window_with_no_work_leaves_the_exact_consensus_where_it_was(codec, lanes):
+    """A round with zero accepted mass is not divided. Ranks and relays that did no work
+    send a zero delta and keep what their codes dropped for a window with work: had
+    they sent it, the controller's exact consensus ``x`` would have moved by the
+    undivided, mass-weighted residuals (with fp4 and 20 steps a window, by far more
+    than a window of training moves it). Every rank still takes the consensus."""
+    from flodl_trio.fold.outer import consensus_as_f32
+    from flodl_trio.wire import RoundKind
+
+    hosts, world, idle = [[0, 1], [2]], 3, 2
+    xs: list[tuple[float, list[np.ndarray]]] = []
+    finals: dict[int, list[bytes]] = {}
+
+    def sink(_round: int, frame) -> None:  # a delta round's params: the controller's x
+        if frame.kind == RoundKind.MODEL:
+            xs.append((frame.weight, consensus_as_f32(frame, copy=True)))
+
+    async def rank_main(rank: int) -> None:
+        params = model(rank)
+        async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
+            client.delta_codec = DeltaCodec.parse(codec)
+            for window in range(4):
+                steps = 0 if window == idle else 20
+                if steps:
+                    with torch.no_grad():
+                        for p, c in zip(params, change(rank, window)):
+                            p.view(-1).add_(torch.from_numpy(c * 10))
+                await average_window(client, params, [], steps, rank=rank, world_size=world, in_place=True)
+        finals[rank] = [p.numpy().tobytes() for p in params]
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=world, hosts=hosts, salt=SALT, lanes=lanes, lane_min_bytes=0,
+                                      checkpoint=sink) as cluster:
+            async with trio.open_nursery() as nursery:
+                for rank in range(world):
+                    nursery.start_soon(rank_main, rank)
+    assert [w for w, _ in xs] == [60.0, 60.0, 0.0, 60.0]
+    (_, before), (_, after) = xs[idle - 1], xs[idle]
+    assert all(np.array_equal(a, b) for a, b in zip(after, before))
+    assert finals[0] == finals[1] == finals[2]
