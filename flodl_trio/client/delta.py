@@ -37,8 +37,9 @@ _BASE_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flodl-base-
 class RankDelta:
     """One rank's delta-round state for one params set (see the module docstring)."""
 
-    def __init__(self, codec: DeltaCodec, *, error_feedback: bool = True) -> None:
+    def __init__(self, codec: DeltaCodec, *, error_feedback: bool = True, owner: str = "this rank") -> None:
         self.codec = codec
+        self.owner = owner  # who it is, for errors: "rank 3", "rank 3, fragment 1 of 4"
         self.error_feedback = error_feedback
         self.base: list[F32Array] | None = None
         self.digest = NO_BASE
@@ -71,7 +72,11 @@ class RankDelta:
             return RoundFrame(tensors, RoundKind.MODEL, weight)
         sizes = [b.size for b in self.base]
         if [p.size for p in params] != sizes:
-            raise SchemaError(f"delta round: params of sizes {[p.size for p in params]}, the base has {sizes}")
+            raise SchemaError(
+                f"{self.owner}: a delta round's params have sizes {[p.size for p in params]}, its base (from join() "
+                f"or the last consensus) has {sizes}: the params set differs from the cluster's (another model, or "
+                "another fragment count)"
+            )
         if self._uplink is None or self._uplink.sizes != tuple(sizes):
             self._uplink = DeltaUplink(self.codec.code, self.codec.block, sizes, error_feedback=self.error_feedback)
         uplink = self._uplink

@@ -370,7 +370,9 @@ class ReduceClient:
             raise ConfigError(f"rank {self.rank}: no delta codec is set")
         delta = self._deltas.get(fragment)
         if delta is None or delta.codec != self.delta_codec or delta.error_feedback != self.delta_error_feedback:
-            delta = self._deltas[fragment] = RankDelta(self.delta_codec, error_feedback=self.delta_error_feedback)
+            owner = f"rank {self.rank}" + ("" if fragment is None else f", fragment {fragment}")
+            delta = self._deltas[fragment] = RankDelta(self.delta_codec, error_feedback=self.delta_error_feedback,
+                                                       owner=owner)
             if fragment in self._joined_params:
                 delta.start_from(self._joined_params[fragment])
         self._joined_params.pop(fragment, None)

@@ -631,3 +631,44 @@ async def test_a_window_with_no_work_leaves_the_exact_consensus_where_it_was(cod
     (_, before), (_, after) = xs[idle - 1], xs[idle]
     assert all(np.array_equal(a, b) for a, b in zip(after, before))
     assert finals[0] == finals[1] == finals[2]
+
+
+@pytest.mark.trio
+async def test_a_rank_back_with_another_fragment_count_than_its_delta_runs_is_told_which_rank_and_why():
+    """Every rank of a delta run synced in 2 fragments dies; they come back syncing 4.
+    Each fragment's base is the old layout's, so the first delta cannot be made:
+    the SchemaError names the rank and the fragment, and says what differs."""
+    from flodl_trio.errors import SchemaError
+    from flodl_trio.train.trainer import open_window_trainer
+
+    shapes = [(12,), (8, 4)]
+    errors: dict[int, str] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60) as cluster:
+
+            async def life(rank: int, fragments: int) -> None:
+                params = [torch.full(s, 1.0 + rank) for s in shapes]
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    client.delta_codec = DeltaCodec.parse("int8")
+                    start = await client.join(params, [])
+
+                    def step() -> None:
+                        for p in params:
+                            p.add_(0.25 * (rank + 1))
+
+                    try:
+                        async with open_window_trainer(client, params, rank=rank, world_size=2, sync_every=4,
+                                                       fragments=fragments, start_window=start) as trainer:
+                            await trainer.run_steps(8, step)
+                    except SchemaError as exc:
+                        errors[rank] = str(exc)
+                    await client.aclose()
+
+            for fragments in (2, 4):
+                async with trio.open_nursery() as nursery:
+                    for rank in (0, 1):
+                        nursery.start_soon(life, rank, fragments)
+    assert sorted(errors) == [0, 1]
+    for rank, message in errors.items():
+        assert message.startswith(f"rank {rank}, fragment "), message
+        assert "another fragment count" in message and "[3, 8]" in message, message
