@@ -407,8 +407,17 @@ class DeltaLineage:
             schema = LaneLayout.declared_by(frame).schema  # what its lanes say the round's tensors are
             if is_delta_schema(schema) and DeltaCodec.of_tag(schema[0][0]) is not None:
                 self._check_shapes([shape for _, shape in schema[:-1]], source)
-        if digest is None or digest == self.digest or (digest == NO_BASE and not carries_codes(frame)):
+            elif is_delta_schema(schema):  # its last lane will carry no base: refused before any lane folds
+                self._refuse(NO_BASE, source)
+        if digest is None or digest == self.digest:
             return
+        self._refuse(digest, source)
+
+    def _refuse(self, digest: bytes, source: str) -> None:
+        """A contribution against another base than this lineage's. Once the lineage has a
+        base, a lineage's first round (f32, the zero digest) is one too: honest ranks
+        hold the base (a joiner is given it), and one folded first would otherwise have
+        its neighbours' deltas against the base dropped as the odd schema out."""
         raise SchemaError(
             f"{source}'s delta is against base {digest.hex()}, the controller's is {self.digest.hex()} "
             "(it missed a consensus, or started from other params)"
