@@ -789,6 +789,7 @@ class _Controller:
                 raise
             self.stats.bytes_in += MUX_HEADER_LEN + header.length
             if kind is MuxKind.HOST_FRAME:
+                link.spoke = True
                 # The record's MAC (same key, verified as the bytes arrived) covers every byte of the frame.
                 frame = decode_round_frame(
                     payload, self.config.salt, ceiling=self.config.ceiling, source=link.name, authenticated=True
@@ -957,16 +958,22 @@ class _Controller:
                 link.expel(why)
 
     def _on_relay_control(self, link: RelayLink, msg: RelayControlMsg) -> None:
+        if isinstance(msg, ShardOffer):
+            link.shard_offer = (msg.host, msg.port)  # used only by a controller with shards="auto"
+            return
+        spoke, link.spoke = link.spoke, True
         if isinstance(msg, Resume):
+            if spoke:
+                # Answered, it would clear the relay's place in the open round (the last
+                # Broadcast again) and let a second HostFrame of it be folded.
+                raise ProtocolError("said Resume after other records; a relay says it once, as the first record "
+                                    "on a connection that replaces a lost one")
             try:
                 again = self.resumption.answer(link.id, link.name, msg)
             except DesyncError as exc:
                 return self._refuse_resumption(link, exc)
             if again is not None:
                 link.queue(again, before_write=partial(self.rounds[0].broadcast_going_out, link.id))
-            return
-        if isinstance(msg, ShardOffer):
-            link.shard_offer = (msg.host, msg.port)  # used only by a controller with shards="auto"
             return
         if isinstance(msg, LanesIn) and self.shards is not None:
             return self.shards.lanes_in(link.id, msg.decision)

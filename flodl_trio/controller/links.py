@@ -84,6 +84,9 @@ class RelayLink:
     # The schema of its lane 0 of the round in progress (lanes): until the cluster agreed on
     # it, its later lanes wait for that lane 0 to be folded for good (``_Controller._lane_0_holds``).
     lane0_schema: Schema | None = None
+    # Whether it sent a record other than a ShardOffer: a Resume must come before any
+    # (docs/wire.md, "Resuming"); one later would be answered mid-round.
+    spoke: bool = False
     # A whole relay's own receive buffer, in deterministic mode only: its frame waits in
     # it lane by lane for its turn, leaving the shared pool to the relays before it.
     own: ReceiveBuffer | None = None

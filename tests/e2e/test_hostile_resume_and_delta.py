@@ -13,6 +13,13 @@ import trio
 from flodl_trio import average_window, connect_reduce_client
 from flodl_trio.errors import FlodlError
 from flodl_trio.testing import open_local_cluster
+from flodl_trio.wire import DTYPE_F32, Hello, MuxKind, RoundFrame, TensorPayload
+from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, MUX_HEADER_LEN
+from flodl_trio.wire.mux import (
+    NO_BROADCAST, HelloAck, Resume, decode_control_msg, decode_mux_record, encode_control_record, encode_mux_record,
+    parse_mux_header,
+)
+from flodl_trio.wire.round_frame import RoundKind, encode_round_frame
 from flodl_trio.wire.quant import F32, DeltaCodec
 from flodl_trio.wire.salt import SessionSalt
 
@@ -79,3 +86,97 @@ async def test_a_host_restarting_the_lineage_mid_run_costs_only_itself(caplog, l
             assert np.array_equal(a, b), window
     assert "is against base 00000000000000000000000000000000" in caplog.text, caplog.text[-3000:]
 
+
+# -- a relay played by hand -------------------------------------------------------------
+
+LOOP = "127.0.0.1"
+
+
+async def _receive_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = await stream.receive_some(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+async def _next_record(stream: trio.SocketStream) -> tuple[MuxKind, bytes] | None:
+    """The next verified record the controller wrote; None once it closed the connection."""
+    try:
+        header = await _receive_exactly(stream, MUX_HEADER_LEN)
+        if header is None:
+            return None
+        length = parse_mux_header(header).length
+        payload = await _receive_exactly(stream, length) if length else b""
+    except (trio.BrokenResourceError, OSError):
+        return None
+    if payload is None:
+        return None
+    record = decode_mux_record(header + payload, SALT)
+    return record.kind, bytes(record.payload)
+
+
+async def _evil_relay(port: int, ranks: list[int]) -> trio.SocketStream:
+    """A relay of ``ranks`` (it holds the salt) whose Hello was taken: HelloAck read."""
+    stream = await trio.open_tcp_stream(LOOP, port)
+    await stream.send_all(CHANNEL_MAGIC_DATA.to_bytes(4, "little") + encode_control_record(Hello("evil", ranks, []), SALT))
+    while True:
+        record = await _next_record(stream)
+        assert record is not None, "the controller refused the relay's Hello"
+        if record[0] is MuxKind.CONTROL and isinstance(decode_control_msg(record[1]), HelloAck):
+            return stream
+
+
+async def _send_host_frame(stream: trio.SocketStream, value: float, numel: int = 4) -> None:
+    frame = RoundFrame([TensorPayload(DTYPE_F32, (numel,), np.full(numel, value, "<f4"))], RoundKind.MODEL, 1.0)
+    await stream.send_all(encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(frame, SALT), SALT).tobytes())
+
+
+async def _until_closed_or_broadcast(stream: trio.SocketStream) -> MuxKind | None:
+    """Read what the controller writes: BROADCAST as soon as one comes, None once it closed."""
+    while (record := await _next_record(stream)) is not None:
+        if record[0] is MuxKind.BROADCAST:
+            return MuxKind.BROADCAST
+    return None
+
+
+async def test_a_resume_mid_session_is_refused_and_costs_only_its_relay(tmp_path):
+    """``Resume`` is said once, first, on a connection that replaces a lost one. One said
+    after the relay's HostFrame of the open round was folded must not be answered (with
+    the last Broadcast again, which let the relay send a second HostFrame into the same
+    round: its contribution counted twice): the relay is dropped, the others' rounds go on."""
+    got: list[float] = []
+    world = 3
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=world, hosts=[[0, 1]], salt=SALT, lanes=1, resume_dir=tmp_path,
+        ) as cluster:
+            evil = await _evil_relay(cluster.controller.port, [2])
+            round_one, evil_done = trio.Event(), trio.Event()
+
+            async def honest(rank: int) -> None:
+                async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
+                    for round_ in range(3):
+                        out = await client.all_reduce_tensors([torch.full((4,), float(rank))])
+                        if rank == 0:
+                            got.append(out[0][0].item())
+                        if round_ == 0:
+                            round_one.set()
+                            await evil_done.wait()
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1):
+                    nursery.start_soon(honest, rank)
+                await _send_host_frame(evil, 2.0)
+                assert await _until_closed_or_broadcast(evil) is MuxKind.BROADCAST  # round 1's consensus
+                await round_one.wait()
+                await _send_host_frame(evil, 5.0)  # round 2's, folded
+                resume = Resume(NO_BROADCAST, awaiting=True, resends=False)  # "one behind": round 1's tag was the one before
+                await evil.send_all(encode_control_record(resume, SALT))
+                answer = await _until_closed_or_broadcast(evil)
+                assert answer is None, "a Resume said mid-session was answered with a Broadcast"
+                evil_done.set()
+            assert cluster.controller.dead_ranks.snapshot() == {2}
+    assert got == [1.0, 2.0, 0.5]
