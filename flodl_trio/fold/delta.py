@@ -54,7 +54,7 @@ from ..wire.quant import (
     encode,
     payload_bytes,
 )
-from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload
+from ..wire.round_frame import RoundFrame, RoundKind, TensorPayload, describe_dtype, is_delta_dtype
 from .schemas import Schema
 
 Payload = bytearray | memoryview
@@ -401,6 +401,10 @@ class DeltaLineage:
         digest) must be against this lineage's base (SchemaError naming ``source``)."""
         digest = lane_digest_of(frame)
         tag = read_lane_tag(frame)
+        if tag is None:
+            self._check_tags(tuple((t.dtype, tuple(t.shape)) for t in frame.tensors), source)
+        elif tag.index == 0:
+            self._check_tags(LaneLayout.declared_by(frame).schema, source)
         if digest == self.digest and digest != NO_BASE and tag is None:
             self._check_shapes([tuple(t.shape) for t in frame.tensors[:-1]], source)
         elif tag is not None and tag.index == 0 and self.downlink is not None:
@@ -412,6 +416,28 @@ class DeltaLineage:
         if digest is None or digest == self.digest:
             return
         self._refuse(digest, source)
+
+    def _check_tags(self, schema: Sequence[tuple[int, tuple[int, ...]]], source: str) -> None:
+        """A frame (or the schema a lane 0 declares) with delta tags is a delta round's:
+        one or more params, all plain (a lineage's first round) or all in one code, then
+        the base digest once, last; coded only against a base. Else SchemaError naming
+        ``source``: folded, its sums would make a consensus no lane or relay takes (the
+        controller stopped on it)."""
+        if not any(is_delta_dtype(dtype) for dtype, _ in schema):
+            return
+        params = schema[:-1]
+        if not params or not is_delta_schema(schema) or any(dtype == DTYPE_BASE_DIGEST for dtype, _ in params):
+            raise SchemaError(
+                f"{source} sent tensors {[describe_dtype(d) for d, _ in schema]}: a delta round's frame is its "
+                "params, then the base digest once, last"
+            )
+        codecs = {DeltaCodec.of_tag(dtype) for dtype, _ in params}
+        if len(codecs) != 1:
+            raise SchemaError(f"{source}'s delta round tensors must share one code, got "
+                              f"{sorted(describe_dtype(d) for d in {d for d, _ in params})}")
+        if codecs != {None} and self.digest == NO_BASE:
+            raise SchemaError(f"{source} sent coded deltas, but the controller's lineage has no base yet "
+                              "(a lineage's first round is the params in f32)")
 
     def _refuse(self, digest: bytes, source: str) -> None:
         """A contribution against another base than this lineage's. Once the lineage has a

@@ -16,11 +16,11 @@ from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire import DTYPE_F32, Hello, MuxKind, RoundFrame, TensorPayload
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, MUX_HEADER_LEN
 from flodl_trio.wire.mux import (
-    NO_BROADCAST, HelloAck, Resume, decode_control_msg, decode_mux_record, encode_control_record, encode_mux_record,
+    EXTENSIONS_MARK, NO_BROADCAST, HelloAck, Resume, decode_control_msg, decode_mux_record, encode_control_record, encode_mux_record,
     parse_mux_header,
 )
 from flodl_trio.wire.round_frame import RoundKind, encode_round_frame
-from flodl_trio.wire.quant import F32, DeltaCodec
+from flodl_trio.wire.quant import DTYPE_BASE_DIGEST, F32, DeltaCodec
 from flodl_trio.wire.salt import SessionSalt
 
 SALT = SessionSalt(b"hostile-resume-s")
@@ -118,10 +118,10 @@ async def _next_record(stream: trio.SocketStream) -> tuple[MuxKind, bytes] | Non
     return record.kind, bytes(record.payload)
 
 
-async def _evil_relay(port: int, ranks: list[int]) -> trio.SocketStream:
+async def _evil_relay(port: int, ranks: list[int], mark: bool = False) -> trio.SocketStream:
     """A relay of ``ranks`` (it holds the salt) whose Hello was taken: HelloAck read."""
     stream = await trio.open_tcp_stream(LOOP, port)
-    await stream.send_all(CHANNEL_MAGIC_DATA.to_bytes(4, "little") + encode_control_record(Hello("evil", ranks, []), SALT))
+    await stream.send_all(CHANNEL_MAGIC_DATA.to_bytes(4, "little") + encode_control_record(Hello("evil", ranks, [EXTENSIONS_MARK] if mark else []), SALT))
     while True:
         record = await _next_record(stream)
         assert record is not None, "the controller refused the relay's Hello"
@@ -180,3 +180,49 @@ async def test_a_resume_mid_session_is_refused_and_costs_only_its_relay(tmp_path
                 evil_done.set()
             assert cluster.controller.dead_ranks.snapshot() == {2}
     assert got == [1.0, 2.0, 0.5]
+
+
+_CODE = DeltaCodec.parse("int8:256")
+_CODED = TensorPayload(_CODE.tag, (300,), bytes(_CODE.payload_bytes(300)))
+_NO_BASE = TensorPayload(DTYPE_BASE_DIGEST, (16,), bytes(16))
+_F32 = TensorPayload(DTYPE_F32, (4,), np.ones(4, "<f4"))
+MISSHAPEN = {  # delta tags where no delta round puts them
+    "codes-without-a-digest": [_CODED, _F32],
+    "the-digest-first": [_NO_BASE, _CODED],
+    "two-digests": [_F32, _NO_BASE, _NO_BASE],
+    "a-digest-alone": [_NO_BASE],
+    "codes-against-no-base": [_CODED, _NO_BASE],  # a lineage's first round is f32
+}
+
+
+@pytest.mark.parametrize("shape", list(MISSHAPEN))
+@pytest.mark.parametrize(
+    ("mark", "lane_min_bytes"), [(False, 0), (True, 1 << 20)], ids=["flodl-relay-cut-here", "one-lane-whole"],
+)
+@pytest.mark.trio
+async def test_a_frame_with_delta_tags_out_of_place_costs_only_its_relay(shape, mark, lane_min_bytes, caplog):
+    """A first round (no schema agreed yet: the first frame folded decides, and deterministic
+    mode folds the hostile relay's first) whose frame carries delta tags where no delta
+    round has them. Folded, its sums made a consensus the controller's own lane
+    assembler refused, and the controller stopped: every relay lost. It must be refused
+    as it is folded, costing its relay alone; the honest rank's round completes."""
+    world = 2
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(
+            world_size=world, hosts=[[1]], salt=SALT, deterministic=True, lanes=2, lane_min_bytes=lane_min_bytes,
+        ) as cluster:
+            evil = await _evil_relay(cluster.controller.port, [0], mark)
+            frame = RoundFrame(MISSHAPEN[shape], RoundKind.MODEL, 1.0)
+            await evil.send_all(encode_mux_record(MuxKind.HOST_FRAME, encode_round_frame(frame, SALT), SALT).tobytes())
+            got: list[float] = []
+
+            async def honest() -> None:
+                async with connect_reduce_client(cluster.relay_address(1), 1, world, SALT) as client:
+                    got.append((await client.all_reduce_tensors([torch.full((4,), 3.0)]))[0][0].item())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(honest)
+                assert await _until_closed_or_broadcast(evil) is None
+            assert cluster.controller.dead_ranks.snapshot() == {0}
+    assert got == [3.0]
+    assert "relay evil (ranks [0])" in caplog.text and "dropped for breaking the protocol" in caplog.text
