@@ -17,7 +17,7 @@ import attrs
 
 from ..errors import DesyncError, SchemaError
 from ..fold.accumulator import FoldAccumulator, ImageCache
-from ..fold.delta import NO_BASE, HostDeltaUplink, PendingHostDelta, digest_of, is_delta_schema
+from ..fold.delta import HostDeltaUplink, PendingHostDelta, digest_of, is_delta_schema
 from ..fold.schemas import AgreedSchemas, Schema, schema_of, why_taken_out
 from ..transport.tasks import nothing
 from ..wire.constants import MAC_LEN
@@ -203,10 +203,13 @@ class HostFold:
             )
 
     def _check_base(self, rank: int, frame: RoundFrame) -> None:
-        """A rank's delta must be against the base the last delta consensus gave the host."""
+        """A rank's delta must be against the base the last delta consensus gave the host:
+        once it gave one, a lineage's first round (the zero digest) is against another
+        (every rank holds the base; a joiner is given it), refused before it folds - folded
+        first, its neighbours' deltas would be dropped as the odd schema out."""
         digest = digest_of(frame)
         known = self.base_digests.get(self.window_fragment)
-        if digest is None or digest == NO_BASE or known is None or digest == known:
+        if digest is None or known is None or digest == known:
             return
         fragment = "" if self.window_fragment is None else f" of fragment {self.window_fragment}"
         raise SchemaError(

@@ -41,14 +41,16 @@ def _step(params: list[torch.Tensor], rank: int, window: int) -> None:
             p.view(-1).add_(torch.from_numpy((rng.standard_normal(p.numel()) * 1e-2).astype(F32)))
 
 
+@pytest.mark.parametrize("hosts", [[[0], [1], [2]], [[0, 1], [2]]], ids=["at-the-controller", "at-the-relay"])
 @pytest.mark.parametrize("lanes", [1, 3])
 @pytest.mark.trio
-async def test_a_host_restarting_the_lineage_mid_run_costs_only_itself(caplog, lanes):
-    """Host 0's rank drops its base after window 0 and sends window 1's params as a
-    lineage's first round (f32, the zero digest): a base that is not the controller's.
-    Folded first (deterministic mode: lowest rank first), it must cost host 0 alone,
-    not the honest hosts whose coded deltas are against the controller's base; in
-    lanes, refused at its lane 0 (whose schema says so) before any of its lanes folds."""
+async def test_a_rank_restarting_the_lineage_mid_run_costs_only_itself(caplog, lanes, hosts):
+    """Rank 0 drops its base after window 0 and sends window 1's params as a lineage's
+    first round (f32, the zero digest): a base that is not the cluster's. Folded first
+    (deterministic mode: lowest rank first), it must cost rank 0 alone (its host, where
+    it is alone), not the honest ranks whose coded deltas are against the base; in
+    lanes, refused at its lane 0 (whose schema says so) before any of its lanes folds.
+    Sharing a host, it is refused by its relay, as any rank against another base is."""
     codec = DeltaCodec.parse("int8")
     world, windows = 3, 4
     errors: dict[int, BaseException] = {}
@@ -72,7 +74,7 @@ async def test_a_host_restarting_the_lineage_mid_run_costs_only_itself(caplog, l
 
     with trio.fail_after(DEADLINE_S):
         async with open_local_cluster(
-            world_size=world, hosts=[[0], [1], [2]], salt=SALT, deterministic=True, local_leg=False,
+            world_size=world, hosts=hosts, salt=SALT, deterministic=True, local_leg=False,
             lanes=lanes, lane_min_bytes=0,
         ) as cluster:
             async with trio.open_nursery() as nursery:
@@ -85,6 +87,7 @@ async def test_a_host_restarting_the_lineage_mid_run_costs_only_itself(caplog, l
         for a, b in zip(seen[1, window], seen[2, window]):
             assert np.array_equal(a, b), window
     assert "is against base 00000000000000000000000000000000" in caplog.text, caplog.text[-3000:]
+    assert "rank 0" in caplog.text or "ranks [0]" in caplog.text
 
 
 # -- a relay played by hand -------------------------------------------------------------
