@@ -16,7 +16,7 @@ from flodl_trio.testing import open_local_cluster
 from flodl_trio.wire import DTYPE_F32, Hello, MuxKind, RoundFrame, TensorPayload
 from flodl_trio.wire.constants import CHANNEL_MAGIC_DATA, MUX_HEADER_LEN
 from flodl_trio.wire.mux import (
-    EXTENSIONS_MARK, NO_BROADCAST, HelloAck, Resume, decode_control_msg, decode_mux_record, encode_control_record, encode_mux_record,
+    EXTENSIONS_MARK, NO_BROADCAST, DeclareDead, HelloAck, Resume, decode_control_msg, decode_mux_record, encode_control_record, encode_mux_record,
     parse_mux_header,
 )
 from flodl_trio.wire.round_frame import RoundKind, encode_round_frame
@@ -229,3 +229,55 @@ async def test_a_frame_with_delta_tags_out_of_place_costs_only_its_relay(shape, 
             assert cluster.controller.dead_ranks.snapshot() == {0}
     assert got == [3.0]
     assert "relay evil (ranks [0])" in caplog.text and "dropped for breaking the protocol" in caplog.text
+
+
+def _resume_bytes(last: bytes, awaiting: int, resends: int, tail: bytes = b"") -> bytes:
+    """A Resume's control message as raw bytes (variant 204), whatever its fields say."""
+    return b"\xcc" + last + bytes([awaiting, resends]) + tail
+
+
+RESUMES = {  # what a relay of another run, a broken one or a liar says first
+    "a-broadcast-never-sent": (_resume_bytes(b"\x5a" * 8, 1, 1), "not one of this controller's last two"),
+    "awaiting-what-never-came": (_resume_bytes(NO_BROADCAST, 1, 0), "never sent one after the last it has"),
+    "resends-without-awaiting": (_resume_bytes(NO_BROADCAST, 0, 1), "resends a HostFrame it does not await"),
+    "awaiting-2": (_resume_bytes(NO_BROADCAST, 2, 0), "Resume awaiting"),
+    "a-byte-after-it": (_resume_bytes(NO_BROADCAST, 0, 0, b"\x00"), "Resume: 1 trailing bytes"),
+    "cut-short": (b"\xcc" + bytes(5), "Resume last_broadcast"),
+}
+
+
+async def _until_closed_or_told_dead(stream: trio.SocketStream, rank: int) -> None:
+    """Read until the controller closes or tells the relay that ``rank`` is dead; a
+    Broadcast before either is a failure (it would have been answered as resumed)."""
+    while (record := await _next_record(stream)) is not None:
+        assert record[0] is not MuxKind.BROADCAST, "a refused Resume was sent a consensus"
+        if record[0] is MuxKind.CONTROL and decode_control_msg(record[1]) == DeclareDead(rank):
+            return
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+@pytest.mark.trio
+async def test_a_resume_the_controller_cannot_take_costs_only_its_relay(tmp_path, case, caplog):
+    """A Resume that names no consensus this controller sent, or that the wire refuses,
+    as the relay's first record: its ranks are dead (each told, so a relay ends instead
+    of dialing on), the log says why, and the other relay's rounds complete exactly."""
+    raw, why = RESUMES[case]
+    world, got = 3, []
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=world, hosts=[[0, 1]], salt=SALT, lanes=1, resume_dir=tmp_path) as cluster:
+            evil = await _evil_relay(cluster.controller.port, [2], True)
+            await evil.send_all(encode_mux_record(MuxKind.CONTROL, raw, SALT).tobytes())
+
+            async def honest(rank: int) -> None:
+                async with connect_reduce_client(cluster.relay_address(rank), rank, world, SALT) as client:
+                    for _ in range(2):
+                        out = await client.all_reduce_tensors([torch.full((4,), float(rank))])
+                        got.append(out[0][0].item())
+
+            async with trio.open_nursery() as nursery:
+                for rank in (0, 1):
+                    nursery.start_soon(honest, rank)
+                await _until_closed_or_told_dead(evil, 2)
+            assert cluster.controller.dead_ranks.snapshot() == {2}
+    assert got == [0.5] * 4
+    assert why in caplog.text and "relay evil (ranks [2])" in caplog.text, caplog.text[-2000:]
