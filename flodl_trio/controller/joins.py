@@ -375,6 +375,8 @@ class Returns:
         if not self.membership.entering():
             return
         next_window = 0 if state is None else state.window + 1
+        if state is None:  # (the returns start from their own params: a delta run's lineages anew)
+            self.windows.lineages.forget()
         self.windows.restart_windows_at(next_window)
         self.window_store.abandon_window()
         log.info("controller: every rank is dead; restarting at window %d with those who came back", next_window)

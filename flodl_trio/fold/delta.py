@@ -669,6 +669,11 @@ class DeltaLineages:
                 raise SchemaError(f"{where}: {name!r} is not a key of delta lineages' state")
         self._lineages = {key: DeltaLineage.from_state(fields, where) for key, fields in grouped.items()}
 
+    def forget(self) -> None:
+        """The run starts again from no state (every rank died before any window could be
+        kept): no rank holds a base, so each lineage starts anew with its first round."""
+        self._lineages.clear()
+
     @property
     def current(self) -> DeltaLineage:
         """The lineage of the window in progress' params set."""

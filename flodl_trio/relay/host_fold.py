@@ -265,6 +265,8 @@ class HostFold:
         self.entering.discard(rank)
         self.fresh.discard(rank)
         self.held.pop(rank, None)
+        if not self.live:  # nobody here holds a base now: a return is given one, or starts a lineage anew
+            self.base_digests.clear()
         self._on_change()
         return self._take_if_complete()
 

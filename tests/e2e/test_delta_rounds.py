@@ -672,3 +672,41 @@ async def test_a_rank_back_with_another_fragment_count_than_its_delta_runs_is_to
     for rank, message in errors.items():
         assert message.startswith(f"rank {rank}, fragment "), message
         assert "another fragment count" in message and "[3, 8]" in message, message
+
+
+@pytest.mark.trio
+async def test_a_fragmented_run_whose_every_rank_died_before_each_fragment_synced_starts_anew():
+    """Two fragments: fragment 0 syncs in window 0 (its lineage gets a base), then every
+    rank dies before fragment 1 ever synced. The controller holds no whole state, so the
+    returns start the run again at window 0 from their own params: their first rounds
+    (f32, the zero digest) start the lineages anew, at the controller and at the relay,
+    rather than be refused as against the old base."""
+    codec = DeltaCodec.parse("int8")
+    seen: dict[bool, dict[tuple[int, int], list[np.ndarray]]] = {True: {}, False: {}}  # by life
+    starts: dict[int, int] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with open_local_cluster(world_size=2, hosts=[[0, 1]], salt=SALT, rejoin_timeout=60) as cluster:
+
+            async def life(rank: int, first: bool) -> None:
+                params = model(rank)
+                async with connect_reduce_client(cluster.relay_address(rank), rank, 2, SALT) as client:
+                    client.delta_codec = codec
+                    start = await client.join(params)
+                    if not first:
+                        starts[rank] = start
+                    await train_fragments(client, rank, 2, params, 2, range(start, 1 if first else 4), seen[first])
+                    if first:
+                        await client.aclose()  # every rank crashes after window 0
+
+            for first in (True, False):
+                async with trio.open_nursery() as nursery:
+                    for rank in (0, 1):
+                        nursery.start_soon(life, rank, first)
+            assert cluster.controller.stats.rejoins >= 1
+    assert min(starts.values()) == 0  # the first back starts the run again
+    for life in seen.values():
+        for window in range(4):
+            holders = [rank for rank in (0, 1) if (rank, window) in life]
+            for rank in holders:
+                for got, want in zip(life[rank, window], life[holders[0], window]):
+                    assert np.array_equal(got, want), (window, rank)
