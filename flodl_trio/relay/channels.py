@@ -159,7 +159,9 @@ class Channel:
         self._reconnecting = False
         self._reconnected = ChangeSignal()
         self._write_lock = trio.Lock()  # the writer's per item, the reconnect's while it lasts
-        self._goodbyes: dict[int, RankExit | RankFinished] = {}  # told again to a controller that comes back
+        # Each rank's last goodbye and the life it ended (HostRanks.life): told again to a
+        # controller that comes back, unless that rank was let back in since.
+        self._goodbyes: dict[int, tuple[RankExit | RankFinished, int]] = {}
         self._goodbyes_queued: dict[int, int] = {}  # a rank's goodbyes not yet out of the writer's hands
         self._goodbye_written = ChangeSignal()
         self.announced_outage = 0.0  # what the controller said it may be away for (Outage)
@@ -196,7 +198,6 @@ class Channel:
         if rank not in self.ranks or rank not in self.gone:
             return False
         self.gone.discard(rank)
-        self._goodbyes.pop(rank, None)
         self.stats.live_ranks = len(self.live)
         log.info("relay %s: rank %d reconnected", self.config.host_name, rank)
         self._start_reader(rank, conn, rejoined=True)
@@ -287,7 +288,7 @@ class Channel:
             scope.cancel()
         notice = await self.role.rank_left(rank, out)
         if report:
-            self._goodbyes[rank] = notice
+            self._goodbyes[rank] = (notice, self.host.life(rank))
             self._goodbyes_queued[rank] = self._goodbyes_queued.get(rank, 0) + 1
             await out.send(notice)
         conn = self.conns.get(rank)
@@ -472,8 +473,15 @@ class Channel:
             await conn.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(notice), salt).chunks)
         if in_flight is not None:
             await conn.send_chunks(in_flight.chunks)
-        for msg in [*self._goodbyes.values(), *self.role.asks_again()]:
+        for msg in [*self._untold_goodbyes(), *self.role.asks_again()]:
             await conn.send_chunks(encode_mux_record(MuxKind.CONTROL, encode_control_msg(msg), salt).chunks)
+
+    def _untold_goodbyes(self) -> list[RankExit | RankFinished]:
+        """The goodbyes a controller that comes back may not have heard: each rank's last,
+        unless it was let back in since. A rank that reconnected and waits to be let in is
+        still dead to the controller, so its goodbye goes before its join request: the new
+        controller's record may have it live (it died while the controller was away)."""
+        return [notice for rank, (notice, life) in self._goodbyes.items() if self.host.life(rank) == life]
 
     @asynccontextmanager
     async def record_buffer(self, header: MuxHeader) -> AsyncIterator[ReceiveBuffer]:
