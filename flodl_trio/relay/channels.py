@@ -181,6 +181,17 @@ class Channel:
         return self._redial is not None and self.outage > 0
 
     @property
+    def controller_away(self) -> bool:
+        """Whether the controller was lost and its place is not taken yet."""
+        return self._reconnecting
+
+    async def controller_back(self) -> None:
+        """Until a lost controller's place is taken (at once when none is lost); a
+        reconnect that fails ends the channel, and its waiters with it."""
+        while self._reconnecting:
+            await self._reconnected.wait()
+
+    @property
     def live(self) -> set[int]:
         """The host's ranks still in the barrier: joined, or not joined yet, and not gone."""
         return set(self.ranks) - self.gone

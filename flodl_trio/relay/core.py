@@ -482,9 +482,10 @@ class _Relay:
         try:
             with trio.fail_at(deadline):
                 request = magic + await conn.receive_exactly(STATE_REQUEST_LEN - 4, "the state request")
-                rank = self._note_joiner(request)
-                if rank is not None and self.channel is not None:
-                    await self.channel.goodbyes_written(rank)  # its last connection's end goes first
+            rank = self._note_joiner(request)
+            if rank is not None and self.channel is not None:
+                await self._controller_back(rank)
+                await self.channel.goodbyes_written(rank)  # its last connection's end goes first
             host, port = self.config.upstream
             stream = await connect_with_retry(host, port, f"relay {self.config.host_name} state pipe", bounds, self.connect)
             upstream = MessageStream(stream, f"controller {host}:{port} (state)", bounds)
@@ -497,6 +498,17 @@ class _Relay:
                 await upstream.aclose()
         except (FlodlError, *CONNECTION_LOST, trio.TooSlowError) as exc:
             log.info("relay %s: state request from %s ended early: %s", self.config.host_name, conn.peer, exc or "timed out")
+
+    async def _controller_back(self, rank: int) -> None:
+        """Until a lost controller is back (at once when it is not lost): a verified state
+        request taken while it is away holds, as the rank's other connections do, up to
+        the outage bound (then the channel ends, and this connection with it). Dialed at
+        once, it was given up after the connect budget, failing the rank's join."""
+        assert self.channel is not None
+        if self.channel.controller_away:
+            log.info("relay %s: rank %d asks for its state while the controller is away; the request waits for it",
+                     self.config.host_name, rank)
+        await self.channel.controller_back()
 
     def _note_joiner(self, request: bytes) -> int | None:
         """A rank of this host that asks for its state called join(): it may come back

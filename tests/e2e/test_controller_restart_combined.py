@@ -243,7 +243,7 @@ async def run_returning(
 
 
 @pytest.mark.parametrize("codec", [None, "int8:256"])
-@pytest.mark.parametrize("when", ["connected-while-down", "join-after-back"])
+@pytest.mark.parametrize("when", ["join-while-down", "connected-while-down", "join-after-back", "died-while-down"])
 async def test_a_rank_returning_across_a_restart_enters_as_without_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str, codec: str | None
 ) -> None:
