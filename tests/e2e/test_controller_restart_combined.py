@@ -163,7 +163,8 @@ class Cluster:
             await self.progress.wait()
 
     async def life(self, rank: int, life: int, first: int, last: int, *, gate: trio.Event | None = None,
-                   died: trio.Event | None = None, asks: trio.Event | None = None) -> None:
+                   died: trio.Event | None = None, asks: trio.Event | None = None,
+                   crash_after: trio.Event | None = None) -> None:
         """One process of rank ``rank``: connect, join (once ``asks`` is set), train windows
         up to ``last`` (holding before HOLD until ``gate``), then crash (``died`` set once closed)."""
         params, buffers = fresh_model(rank + 10 * life)
@@ -181,6 +182,8 @@ class Cluster:
                                      in_place=True)
                 self.window_done(rank, window, params)
             if died is not None:
+                if crash_after is not None:
+                    await crash_after.wait()
                 await client.aclose()  # a crash: it does not say it finished
                 died.set()
 
@@ -261,3 +264,60 @@ async def test_a_rank_returning_across_a_restart_enters_as_without_it(
     for key, arrays in reference.params.items():
         for index, (a, b) in enumerate(zip(arrays, got.params[key])):
             np.testing.assert_array_equal(b, a, err_msg=f"rank {key[0]} window {key[1]} tensor {index}")
+
+
+# -- every rank dying while the controller is down ------------------------------
+
+LAST_WINDOW_BEFORE = 2  # every rank crashes after this window
+
+
+async def run_every_rank_dies(tmp_path: Path, restart: bool, codec: str | None) -> Cluster:
+    """Every rank trains windows 0..LAST_WINDOW_BEFORE, then crashes (the relays stay up
+    for them: they called join()). With ``restart`` the controller is then stopped (no
+    round since: its record has every rank live), every rank starts again and asks back
+    in while it is down, and it is started again. Every rank trains to REJOIN_WINDOWS."""
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            controller = RejoinController(tmp_path / "ckpt")
+            await controller.start(nursery)
+            cluster = Cluster(nursery, controller, codec)
+            cluster.relays = [await cluster.open_relay(i) for i in range(len(HOSTS))]
+            async with trio.open_nursery() as ranks:
+                for rank in range(WORLD):
+                    ranks.start_soon(functools.partial(cluster.life, rank, 0, 0, LAST_WINDOW_BEFORE + 1,
+                                                       died=trio.Event()))
+            await wait_until(lambda: all(r.stats.live_ranks == 0 for r in cluster.relays))
+            if restart:
+                controller.kill()
+                await wait_until(lambda: all(r.stats.outages == 1 for r in cluster.relays))
+            async with trio.open_nursery() as ranks:
+                for rank in range(WORLD):
+                    ranks.start_soon(functools.partial(cluster.life, rank, 1, 0, REJOIN_WINDOWS))
+                if restart:
+                    await wait_until(lambda: all(r.stats.live_ranks == 2 for r in cluster.relays))
+                    await controller.start(nursery)
+            await controller.finished.wait()
+            nursery.cancel_scope.cancel()
+    return cluster
+
+
+@pytest.mark.parametrize("codec", [None, "int8:256"])
+async def test_every_rank_dead_and_returning_while_the_controller_is_down_restarts_the_run_from_the_last_window(
+    tmp_path: Path, codec: str | None
+) -> None:
+    """The new controller resumes a record that has every rank live; the relays, which
+    held through the outage with no rank, tell it every rank left, then ask them back
+    in. As when the controller never stopped: the first back restarts the run at the window after the last one from
+    its consensus, and all train on in step to the same params."""
+    reference = await run_every_rank_dies(tmp_path / "reference", False, codec)
+    got = await run_every_rank_dies(tmp_path, True, codec)
+    for run in (reference, got):
+        starts = [run.starts[rank, 1] for rank in range(WORLD)]
+        assert min(starts) == LAST_WINDOW_BEFORE + 1, starts
+        last = REJOIN_WINDOWS - 1
+        for rank in range(1, WORLD):
+            for a, b in zip(run.params[0, last], run.params[rank, last]):
+                np.testing.assert_array_equal(b, a)
+    for key in [(rank, w) for rank in range(WORLD) for w in range(LAST_WINDOW_BEFORE + 1)]:
+        for a, b in zip(reference.params[key], got.params[key]):
+            np.testing.assert_array_equal(b, a, err_msg=str(key))
