@@ -311,14 +311,17 @@ class Channel:
 
     def _after_last_rank_left(self) -> None:
         """Shut down - unless a rank that left may still come back (it called join()
-        and did not say it finished): then keep serving until the controller closes."""
-        if self._reconnecting:
-            return self._stop_after_shutdown("every local rank has left while the controller was away")
+        and did not say it finished): then keep serving until the controller closes,
+        a lost one included (held for up to the outage bound: the controller that comes
+        back hears who left from this relay alone, its record may have them live)."""
         waiting_for = self.host.may_return(self.ranks)
         if waiting_for:
-            log.info("relay %s: every local rank has left; staying up for ranks %s, which may come back",
-                     self.config.host_name, waiting_for)
+            log.info("relay %s: every local rank has left%s; staying up for ranks %s, which may come back",
+                     self.config.host_name, " while the controller was away" if self._reconnecting else "",
+                     waiting_for)
             return
+        if self._reconnecting:
+            return self._stop_after_shutdown("every local rank has left while the controller was away")
         self.log_shutdown("every local rank has left")
         # The writer then drains the RankExits and returns.
         self._upstream_reading.cancel()

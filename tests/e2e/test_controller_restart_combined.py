@@ -271,23 +271,33 @@ async def test_a_rank_returning_across_a_restart_enters_as_without_it(
 LAST_WINDOW_BEFORE = 2  # every rank crashes after this window
 
 
-async def run_every_rank_dies(tmp_path: Path, restart: bool, codec: str | None) -> Cluster:
+async def run_every_rank_dies(
+    tmp_path: Path, restart: bool, codec: str | None, *, die_while_down: bool = False,
+) -> Cluster:
     """Every rank trains windows 0..LAST_WINDOW_BEFORE, then crashes (the relays stay up
     for them: they called join()). With ``restart`` the controller is then stopped (no
     round since: its record has every rank live), every rank starts again and asks back
-    in while it is down, and it is started again. Every rank trains to REJOIN_WINDOWS."""
+    in while it is down, and it is started again; with ``die_while_down`` it is stopped
+    first, and the ranks crash once both relays hold for it. Every rank trains to
+    REJOIN_WINDOWS."""
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
             controller = RejoinController(tmp_path / "ckpt")
             await controller.start(nursery)
             cluster = Cluster(nursery, controller, codec)
             cluster.relays = [await cluster.open_relay(i) for i in range(len(HOSTS))]
+            crash = trio.Event()
             async with trio.open_nursery() as ranks:
                 for rank in range(WORLD):
                     ranks.start_soon(functools.partial(cluster.life, rank, 0, 0, LAST_WINDOW_BEFORE + 1,
-                                                       died=trio.Event()))
+                                                       died=trio.Event(), crash_after=crash))
+                if die_while_down:
+                    await cluster.wait_windows(range(WORLD), LAST_WINDOW_BEFORE)
+                    controller.kill()
+                    await wait_until(lambda: all(r.stats.outages == 1 for r in cluster.relays))
+                crash.set()
             await wait_until(lambda: all(r.stats.live_ranks == 0 for r in cluster.relays))
-            if restart:
+            if restart and not die_while_down:
                 controller.kill()
                 await wait_until(lambda: all(r.stats.outages == 1 for r in cluster.relays))
             async with trio.open_nursery() as ranks:
@@ -301,16 +311,18 @@ async def run_every_rank_dies(tmp_path: Path, restart: bool, codec: str | None) 
     return cluster
 
 
+@pytest.mark.parametrize("die_while_down", [False, True], ids=["dead-before", "died-while-down"])
 @pytest.mark.parametrize("codec", [None, "int8:256"])
 async def test_every_rank_dead_and_returning_while_the_controller_is_down_restarts_the_run_from_the_last_window(
-    tmp_path: Path, codec: str | None
+    tmp_path: Path, codec: str | None, die_while_down: bool
 ) -> None:
     """The new controller resumes a record that has every rank live; the relays, which
-    held through the outage with no rank, tell it every rank left, then ask them back
-    in. As when the controller never stopped: the first back restarts the run at the window after the last one from
+    held through the outage with no rank (every rank died before it, or while it was
+    down: a relay stays up for ranks that may come back), tell it every rank left, then
+    ask them back in. As when the controller never stopped: the first back restarts the run at the window after the last one from
     its consensus, and all train on in step to the same params."""
     reference = await run_every_rank_dies(tmp_path / "reference", False, codec)
-    got = await run_every_rank_dies(tmp_path, True, codec)
+    got = await run_every_rank_dies(tmp_path, True, codec, die_while_down=die_while_down)
     for run in (reference, got):
         starts = [run.starts[rank, 1] for rank in range(WORLD)]
         assert min(starts) == LAST_WINDOW_BEFORE + 1, starts
