@@ -78,12 +78,13 @@ async def test_restart_mid_a_window_of_zero_mass(
     assert got.controller.stats.resumed_runs == 1 and got.controller.stats.resumptions_refused == 0
 
 
-@pytest.mark.parametrize("codec", [None, "int8:256", "fp4:256"])
+@pytest.mark.parametrize(("codec", "bf16"), [(None, False), (None, True), ("int8:256", False), ("fp4:256", False)])
 @pytest.mark.parametrize("where", ["params-half-in", "after-zero-mass-params"])
 async def test_restart_in_a_zero_mass_window_of_a_fragmented_slowmo_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str | None, where: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str | None, bf16: bool, where: str
 ) -> None:
-    """Fragments (2), SlowMo (outer state per fragment) and window PAUSE_AT with no work:
+    """Fragments (2), SlowMo (outer state per fragment), f32, bf16 or coded deltas, and
+    window PAUSE_AT with no work:
     stopped with that window's params round half in (host 1's swallowed), or, the idle
     window being PAUSE_AT - 1, once every rank has its consensus (between windows)."""
     from flodl_trio.testing import DropRecord
@@ -93,7 +94,7 @@ async def test_restart_in_a_zero_mass_window_of_a_fragmented_slowmo_run(
     params_round = PAUSE_AT * per_window + 1
     idle = PAUSE_AT if where == "params-half-in" else PAUSE_AT - 1
     with variant(monkeypatch, slowmo=True, idle=idle):
-        options = {"codec": codec, "fragments": 2}
+        options = {"codec": codec, "fragments": 2, "bf16": bf16}
         reference = await run_cluster(tmp_path / "reference", None, **options)  # type: ignore[arg-type]
         if where == "params-half-in":
             dropped = DropRecord(index=RECORDS_BEFORE_ROUNDS_UP + params_round, direction="up", framing="mux",
@@ -124,7 +125,7 @@ class RejoinController(Controller):
         with scope:
             async with open_controller(
                 LOOPBACK, self.port, world_size=WORLD, salt=SALT, outer_optimizer=self._outer(), deterministic=True,
-                bounds=self.bounds, resume_dir=self.resume_dir, rejoin_timeout=60,
+                bounds=self.bounds, resume_dir=self.resume_dir, rejoin_timeout=60, lanes=self.lanes, lane_min_bytes=0,
             ) as handle:
                 task_status.started(handle)
                 await handle.wait_finished()
@@ -149,7 +150,7 @@ class Cluster:
         relay: RelayHandle = await self.nursery.start(hold_open, open_relay(
             ChannelKind.DATA, listen=(LOOPBACK, 0), upstream=(LOOPBACK, self.controller.port),
             host_name=f"host{index}", ranks=HOSTS[index], world_size=WORLD, salt=SALT, bounds=BOUNDS,
-            deterministic=True,
+            deterministic=True, lanes=self.controller.lanes,
         ))
         return relay
 
@@ -198,6 +199,7 @@ def state_request_held(caplog: pytest.LogCaptureFixture) -> Callable[[], bool]:
 
 async def run_returning(
     tmp_path: Path, when: str | None, codec: str | None, caplog: pytest.LogCaptureFixture | None = None,
+    lanes: int = 1,
 ) -> Cluster:
     """Rank 3 dies after window HOLD - 1 and comes back while the survivors hold before
     window HOLD; ``when`` places a controller restart: ``join-while-down`` (it asks back in
@@ -207,7 +209,7 @@ async def run_returning(
     controller is down), None (never)."""
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
-            controller = RejoinController(tmp_path / "ckpt")
+            controller = RejoinController(tmp_path / "ckpt", lanes)
             await controller.start(nursery)
             cluster = Cluster(nursery, controller, codec)
             cluster.relays = [await cluster.open_relay(i) for i in range(len(HOSTS))]
@@ -245,10 +247,10 @@ async def run_returning(
     return cluster
 
 
-@pytest.mark.parametrize("codec", [None, "int8:256"])
+@pytest.mark.parametrize(("codec", "lanes"), [(None, 1), ("int8:256", 1), ("fp4:256", LANES)])
 @pytest.mark.parametrize("when", ["join-while-down", "connected-while-down", "join-after-back", "died-while-down"])
 async def test_a_rank_returning_across_a_restart_enters_as_without_it(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str, codec: str | None
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str, codec: str | None, lanes: int
 ) -> None:
     """Rank 3's return - asked while the controller is down (its death told the old
     controller, or only the new one), or right after it is back - lets it in at the
@@ -257,8 +259,8 @@ async def test_a_rank_returning_across_a_restart_enters_as_without_it(
     waits for it, however long its return takes within the outage bound (it was dialed
     at once, and given up after the connect budget: the join failed)."""
     caplog.set_level(logging.INFO, logger="flodl_trio.relay")
-    reference = await run_returning(tmp_path / "reference", None, codec)
-    got = await run_returning(tmp_path, when, codec, caplog)
+    reference = await run_returning(tmp_path / "reference", None, codec, lanes=lanes)
+    got = await run_returning(tmp_path, when, codec, caplog, lanes)
     assert got.starts == reference.starts
     assert set(got.params) == set(reference.params)
     for key, arrays in reference.params.items():
