@@ -304,7 +304,12 @@ async def test_a_goodbye_the_controller_no_longer_takes_ends_the_relay_cleanly(s
             await relay.wait_finished()  # no error
         nursery.cancel_scope.cancel()
     assert len(lost) == 1
-    assert any("shutting down: the controller closed the upstream connection" in r.getMessage() for r in caplog.records)
+    # Which it says first is a race (the rank's leaving, or the write of its goodbye
+    # meeting the closed connection); either way it shuts down, with no error.
+    reasons = [r.getMessage() for r in caplog.records if "shutting down:" in r.getMessage()]
+    assert reasons and any(why in reasons[0] for why in ("the controller closed the upstream connection",
+                                                         "every local rank has left")), reasons
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 # -- a rank that never connects ----------------------------------------------------------------
